@@ -1,0 +1,192 @@
+//! The client library for mlxbcd: what `mlxbc`, editors and shell
+//! integrations embed. It speaks the wire protocol of `mlxbc-shared` over the
+//! daemon's Unix socket and starts the daemon when nothing is listening.
+//! It never links MLX.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), mlxbc_client::ClientError> {
+//! use mlxbc_client::{Client, GenerateRequest, Response};
+//! let mut client = Client::connect_or_start(&mlxbc_client::Settings::from_env()?).await?;
+//! let mut stream = client.generate(GenerateRequest::ask("What is the capital of France?")).await?;
+//! while let Some(event) = stream.next_event().await? {
+//!     if let Response::Token { text } = event { print!("{text}"); }
+//! }
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod spawn;
+
+pub use error::ClientError;
+pub use mlxbc_shared::settings::Settings;
+pub use mlxbc_shared::*;
+
+use futures::{SinkExt, StreamExt};
+use mlxbc_shared::codec::ClientCodec;
+use std::path::{Path, PathBuf};
+use tokio::net::UnixStream;
+use tokio_util::codec::Framed;
+
+/// A connection to mlxbcd, past the Hello handshake.
+pub struct Client {
+    conn: Framed<UnixStream, ClientCodec>,
+    /// The daemon's version, as it said in its Hello.
+    pub daemon_version: String,
+    /// Which BLAS the daemon's MLX uses on CPU.
+    pub daemon_blas: String,
+    socket: PathBuf,
+}
+
+impl Client {
+    /// Connects to a daemon already listening on `socket`.
+    pub async fn connect(socket: &Path) -> Result<Self, ClientError> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(|source| ClientError::Unreachable { socket: socket.to_owned(), source })?;
+        let mut conn = Framed::new(stream, ClientCodec::default());
+        conn.send(Request::Hello { protocol: PROTOCOL_VERSION, client_version: env!("CARGO_PKG_VERSION").into() }).await?;
+        match conn.next().await.transpose()? {
+            Some(Response::Hello { daemon_version, blas, .. }) => {
+                Ok(Self { conn, daemon_version, daemon_blas: blas, socket: socket.to_owned() })
+            }
+            Some(Response::Error { kind: ErrorKind::ProtocolMismatch, message }) => Err(ClientError::ProtocolMismatch(message)),
+            Some(Response::Error { kind, message }) => Err(ClientError::Daemon { kind, message }),
+            Some(other) => Err(ClientError::Unexpected(format!("{other:?}"))),
+            None => Err(ClientError::Disconnected),
+        }
+    }
+
+    /// Connects to the daemon of `settings`, starting `mlxbcd` when nothing
+    /// listens there, and waits (up to 60 s) for it to come up.
+    pub async fn connect_or_start(settings: &Settings) -> Result<Self, ClientError> {
+        match Self::connect(&settings.socket).await {
+            Err(ClientError::Unreachable { .. }) => {}
+            other => return other,
+        }
+        let mut child = spawn::start_daemon(settings)?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            match Self::connect(&settings.socket).await {
+                Err(ClientError::Unreachable { source, .. }) => {
+                    // Another client may have won the race to start it: the
+                    // loser exits at once, and we keep waiting for the winner.
+                    if let Ok(Some(status)) = child.try_wait() {
+                        if !status.success() && !settings.socket.exists() {
+                            return Err(ClientError::DaemonExited { status: status.to_string(), log: spawn::log_path(settings) });
+                        }
+                    }
+                    if std::time::Instant::now() > deadline {
+                        return Err(ClientError::Unreachable { socket: settings.socket.clone(), source });
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The socket this client is connected to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Starts a generation; read its events from the returned stream.
+    pub async fn generate(&mut self, request: GenerateRequest) -> Result<GenerationStream<'_>, ClientError> {
+        self.conn.send(Request::Generate(request)).await?;
+        Ok(GenerationStream { client: self, finished: false })
+    }
+
+    /// Every model the daemon knows.
+    pub async fn list_models(&mut self) -> Result<Vec<ModelInfo>, ClientError> {
+        match self.call(Request::ListModels).await? {
+            Response::Models { models } => Ok(models),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Loaded models, memory and queue.
+    pub async fn status(&mut self) -> Result<DaemonStatus, ClientError> {
+        match self.call(Request::Status).await? {
+            Response::Status(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Loads a model now; returns its canonical name, load time and size.
+    pub async fn load(&mut self, model: &str, keep_alive: Option<KeepAlive>) -> Result<(String, u64, u64), ClientError> {
+        match self.call(Request::Load { model: model.into(), keep_alive }).await? {
+            Response::Loaded { model, load_ms, memory_bytes } => Ok((model, load_ms, memory_bytes)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Unloads a model; returns whether it was resident.
+    pub async fn unload(&mut self, model: &str) -> Result<bool, ClientError> {
+        match self.call(Request::Unload { model: model.into() }).await? {
+            Response::Unloaded { was_loaded, .. } => Ok(was_loaded),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Asks the daemon to stop.
+    pub async fn shutdown(&mut self) -> Result<(), ClientError> {
+        match self.call(Request::Shutdown).await? {
+            Response::ShuttingDown => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn call(&mut self, request: Request) -> Result<Response, ClientError> {
+        self.conn.send(request).await?;
+        match self.conn.next().await.transpose()? {
+            Some(Response::Error { kind, message }) => Err(ClientError::Daemon { kind, message }),
+            Some(r) => Ok(r),
+            None => Err(ClientError::Disconnected),
+        }
+    }
+}
+
+fn unexpected(r: Response) -> ClientError {
+    ClientError::Unexpected(format!("{r:?}"))
+}
+
+/// The events of one generation. Dropping it (or the client) mid-stream
+/// closes nothing by itself; drop the [`Client`] to cancel the generation.
+pub struct GenerationStream<'a> {
+    client: &'a mut Client,
+    finished: bool,
+}
+
+impl GenerationStream<'_> {
+    /// The next event; `Ok(None)` after `Done`. An `Error` event becomes
+    /// `Err(ClientError::Daemon)`.
+    pub async fn next_event(&mut self) -> Result<Option<Response>, ClientError> {
+        if self.finished {
+            return Ok(None);
+        }
+        match self.client.conn.next().await.transpose()? {
+            Some(Response::Error { kind, message }) => {
+                self.finished = true;
+                Err(ClientError::Daemon { kind, message })
+            }
+            Some(event) => {
+                self.finished = matches!(event, Response::Done { .. });
+                Ok(Some(event))
+            }
+            None => Err(ClientError::Disconnected),
+        }
+    }
+
+    /// Collects the whole answer: its text and statistics.
+    pub async fn collect_text(mut self) -> Result<(String, GenerationStats), ClientError> {
+        let mut text = String::new();
+        while let Some(event) = self.next_event().await? {
+            match event {
+                Response::Token { text: t } => text.push_str(&t),
+                Response::Done { stats } => return Ok((text, stats)),
+                _ => {}
+            }
+        }
+        Err(ClientError::Disconnected)
+    }
+}

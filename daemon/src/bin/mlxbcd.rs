@@ -1,0 +1,45 @@
+//! `mlxbcd`: the daemon binary.
+
+use anyhow::Result;
+use clap::Parser;
+use mlxbc_shared::settings::Settings;
+use std::path::PathBuf;
+
+/// Keeps MLX language models resident and serves them over a Unix socket.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Socket to listen on (default: from the settings, or the per-user runtime dir).
+    #[arg(long, env = "MLXBC_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Idle time before a model is unloaded: 30m, 90s, 0, forever.
+    #[arg(long)]
+    keep_alive: Option<String>,
+    /// Directory of models (default: <data dir>/models).
+    #[arg(long)]
+    models_dir: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("MLXBC_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut settings = Settings::from_env()?;
+    if let Some(s) = args.socket {
+        settings.socket = s;
+    }
+    if let Some(k) = args.keep_alive {
+        settings.keep_alive = mlxbc_shared::KeepAlive::parse(&k).map_err(anyhow::Error::msg)?;
+    }
+    if let Some(d) = args.models_dir {
+        settings.models_dir = d;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let result = runtime.block_on(mlxbc_daemon::run(settings));
+    if let Err(e) = &result {
+        tracing::error!("{e:#}");
+    }
+    result
+}

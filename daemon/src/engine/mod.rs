@@ -1,0 +1,207 @@
+//! The engine: one OS thread that owns every MLX array and runs jobs from a
+//! queue, one at a time. Tokio tasks talk to it through channels and never
+//! touch MLX state (mlx-rs arrays are `Send`, not `Sync`).
+
+mod generate;
+pub mod registry;
+mod residency;
+pub mod sampling;
+mod stop;
+
+use crate::model::weights::WeightForm;
+use mlxbc_shared::{settings::Settings, DaemonStatus, ErrorKind, GenerateRequest, KeepAlive, LoadedModel, Response};
+use registry::ModelRegistry;
+use residency::Residency;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+/// Work for the engine thread.
+pub enum Job {
+    /// Stream a chat completion into `events`.
+    Generate {
+        request: GenerateRequest,
+        events: tmpsc::UnboundedSender<Response>,
+        /// Set when the client went away.
+        cancel: Arc<AtomicBool>,
+        /// When the daemon received the request (time to first token starts here).
+        received: Instant,
+    },
+    /// Make a model resident.
+    Load { model: String, keep_alive: Option<KeepAlive>, reply: oneshot::Sender<Response> },
+    /// Drop a resident model.
+    Unload { model: String, reply: oneshot::Sender<Response> },
+}
+
+/// What the engine last published about itself; read without queueing.
+#[derive(Debug, Clone, Default)]
+pub struct EngineSnapshot {
+    pub loaded: Vec<LoadedModel>,
+    pub mlx_active_bytes: u64,
+    pub mlx_peak_bytes: u64,
+}
+
+/// The tokio side's handle on the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    jobs: mpsc::Sender<Job>,
+    snapshot: Arc<Mutex<EngineSnapshot>>,
+    queued: Arc<AtomicU32>,
+    served: Arc<AtomicU64>,
+    /// The compute device, e.g. "cpu" or "gpu".
+    pub device: String,
+}
+
+impl EngineHandle {
+    /// Queues a job. Fails only when the engine thread is gone.
+    pub fn submit(&self, job: Job) -> Result<(), (ErrorKind, String)> {
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        self.jobs.send(job).map_err(|_| {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            (ErrorKind::ShuttingDown, "the engine has stopped".to_string())
+        })
+    }
+
+    /// Status, built from the last snapshot plus live counters.
+    pub fn status(&self, started: Instant) -> DaemonStatus {
+        let snap = self.snapshot.lock().unwrap().clone();
+        DaemonStatus {
+            daemon_version: env!("CARGO_PKG_VERSION").to_string(),
+            protocol: mlxbc_shared::PROTOCOL_VERSION,
+            pid: std::process::id(),
+            uptime_s: started.elapsed().as_secs(),
+            device: self.device.clone(),
+            blas: crate::BLAS.to_string(),
+            loaded: snap.loaded,
+            mlx_active_bytes: snap.mlx_active_bytes,
+            mlx_peak_bytes: snap.mlx_peak_bytes,
+            rss_bytes: crate::rss_bytes(),
+            queued_jobs: self.queued.load(Ordering::SeqCst),
+            requests_served: self.served.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Names of resident models.
+    pub fn loaded_names(&self) -> Vec<String> {
+        self.snapshot.lock().unwrap().loaded.iter().map(|m| m.name.clone()).collect()
+    }
+}
+
+/// Starts the engine thread. It exits when every handle is dropped, after
+/// finishing the job in hand.
+pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = mpsc::channel();
+    let device = mlx_rs::Device::default();
+    let device_name = match device.get_type() {
+        Ok(mlx_rs::DeviceType::Gpu) => "gpu",
+        _ => "cpu",
+    };
+    let handle = EngineHandle {
+        jobs: tx,
+        snapshot: Arc::default(),
+        queued: Arc::default(),
+        served: Arc::default(),
+        device: device_name.to_string(),
+    };
+    let mut engine = Engine {
+        registry: ModelRegistry::new(settings),
+        residency: Residency::new(settings.keep_alive),
+        form: WeightForm::for_device(&device),
+        prefill_chunk: settings.prefill_chunk,
+        snapshot: handle.snapshot.clone(),
+        queued: handle.queued.clone(),
+        served: handle.served.clone(),
+    };
+    let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || engine.run(rx))?;
+    Ok((handle, thread))
+}
+
+struct Engine {
+    registry: ModelRegistry,
+    residency: Residency,
+    form: WeightForm,
+    prefill_chunk: usize,
+    snapshot: Arc<Mutex<EngineSnapshot>>,
+    queued: Arc<AtomicU32>,
+    served: Arc<AtomicU64>,
+}
+
+impl Engine {
+    fn run(&mut self, rx: mpsc::Receiver<Job>) {
+        loop {
+            let wait = self.residency.next_expiry().unwrap_or(Duration::from_secs(3600));
+            match rx.recv_timeout(wait) {
+                Ok(job) => {
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    self.handle(job);
+                    self.served.fetch_add(1, Ordering::SeqCst);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            for name in self.residency.expire() {
+                tracing::info!(model = %name, "keep-alive expired: unloaded");
+            }
+            self.publish();
+        }
+        tracing::info!("engine stopped");
+    }
+
+    fn handle(&mut self, job: Job) {
+        match job {
+            Job::Generate { request, events, cancel, received } => {
+                let keep_alive = request.keep_alive;
+                let outcome = self
+                    .residency
+                    .ensure_loaded(&self.registry, request.model.as_deref(), self.form, keep_alive)
+                    .and_then(|(name, load_ms)| {
+                        self.publish();
+                        let model = self.residency.get(&name).expect("just loaded");
+                        let ctx = generate::GenerationContext { model_name: &name, load_ms, prefill_chunk: self.prefill_chunk, received };
+                        let result = generate::run(model, &ctx, &request, &events, &cancel);
+                        self.residency.touch(&name, keep_alive);
+                        result
+                    });
+                match outcome {
+                    Ok(Some(stats)) => {
+                        let _ = events.send(Response::Done { stats });
+                    }
+                    Ok(None) => tracing::info!("generation cancelled: the client went away"),
+                    Err((kind, message)) => {
+                        tracing::warn!(?kind, %message, "generation failed");
+                        let _ = events.send(Response::Error { kind, message });
+                    }
+                }
+            }
+            Job::Load { model, keep_alive, reply } => {
+                let t = Instant::now();
+                let response = match self.residency.ensure_loaded(&self.registry, Some(&model), self.form, keep_alive) {
+                    Ok((name, _)) => {
+                        if let Some(ka) = keep_alive {
+                            self.residency.touch(&name, Some(ka));
+                        }
+                        let memory_bytes = self.residency.get(&name).map_or(0, |m| m.transformer.nbytes() as u64);
+                        Response::Loaded { model: name, load_ms: t.elapsed().as_millis() as u64, memory_bytes }
+                    }
+                    Err((kind, message)) => Response::Error { kind, message },
+                };
+                let _ = reply.send(response);
+            }
+            Job::Unload { model, reply } => {
+                let response = match self.registry.resolve(Some(&model)) {
+                    Ok(resolved) => Response::Unloaded { was_loaded: self.residency.unload(&resolved.name), model: resolved.name },
+                    Err(_) => Response::Unloaded { was_loaded: self.residency.unload(&model), model },
+                };
+                let _ = reply.send(response);
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let mut snap = self.snapshot.lock().unwrap();
+        snap.loaded = self.residency.describe();
+        snap.mlx_active_bytes = mlx_rs::memory::active_memory().unwrap_or(0) as u64;
+        snap.mlx_peak_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
+    }
+}

@@ -1,0 +1,95 @@
+//! The model store: which names the daemon answers to and where their files
+//! are. A name is an alias from the settings, a file or directory name in the
+//! models directory, or a path.
+
+use mlxbc_shared::{settings::Settings, ModelInfo};
+use std::path::{Path, PathBuf};
+
+/// A model name resolved to its files.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResolvedModel {
+    /// The canonical name (file or directory name in the store, or the path given).
+    pub name: String,
+    pub path: PathBuf,
+}
+
+/// Resolves names against the settings' aliases and models directory.
+pub struct ModelRegistry {
+    models_dir: PathBuf,
+    aliases: std::collections::BTreeMap<String, String>,
+    default_model: String,
+}
+
+impl ModelRegistry {
+    /// A registry over the settings' store.
+    pub fn new(settings: &Settings) -> Self {
+        Self {
+            models_dir: settings.models_dir.clone(),
+            aliases: settings.aliases.clone(),
+            default_model: settings.default_model.clone(),
+        }
+    }
+
+    /// Resolves `name` (`None`: the default model). The error lists what is known.
+    pub fn resolve(&self, name: Option<&str>) -> Result<ResolvedModel, String> {
+        let name = name.unwrap_or(&self.default_model);
+        let target = self.aliases.get(name).map(String::as_str).unwrap_or(name);
+        let candidate = Path::new(target);
+        let path = if candidate.is_absolute() { candidate.to_path_buf() } else { self.models_dir.join(target) };
+        if is_model(&path) {
+            let name = if candidate.is_absolute() { target.to_string() } else { file_name(&path) };
+            return Ok(ResolvedModel { name, path });
+        }
+        let known: Vec<String> = self.list().into_iter().flat_map(|m| std::iter::once(m.name).chain(m.aliases)).collect();
+        let known = if known.is_empty() {
+            format!("none: the models directory {} is empty (run scripts/setup to fetch the default model)", self.models_dir.display())
+        } else {
+            known.join(", ")
+        };
+        if self.aliases.contains_key(name) {
+            Err(format!("model {name:?} is an alias for {}, which is not there; known models: {known}", path.display()))
+        } else {
+            Err(format!("unknown model {name:?}; known models: {known}"))
+        }
+    }
+
+    /// Every model in the store, with its aliases.
+    pub fn list(&self) -> Vec<ModelInfo> {
+        let mut out = Vec::new();
+        let Ok(entries) = std::fs::read_dir(&self.models_dir) else { return out };
+        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| is_model(p)).collect();
+        paths.sort();
+        for path in paths {
+            let name = file_name(&path);
+            let aliases = self.aliases.iter().filter(|(_, t)| **t == name).map(|(a, _)| a.clone()).collect();
+            let (format, size_bytes) = if path.is_dir() {
+                ("mlx", dir_size(&path))
+            } else {
+                ("gguf", path.metadata().map(|m| m.len()).unwrap_or(0))
+            };
+            out.push(ModelInfo {
+                name,
+                aliases,
+                path: path.display().to_string(),
+                format: format.into(),
+                size_bytes,
+                loaded: false,
+            });
+        }
+        out
+    }
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+fn is_model(path: &Path) -> bool {
+    (path.is_file() && path.extension().is_some_and(|e| e == "gguf")) || path.join("config.json").is_file()
+}
+
+fn dir_size(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|it| it.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
+}

@@ -1,0 +1,176 @@
+//! Hyper-parameters of the decoder-only text models we serve, read either from
+//! GGUF metadata or from an HF/MLX `config.json`.
+
+use anyhow::{bail, Context, Result};
+use mlx_rs::io::GgufFile;
+use serde::Deserialize;
+
+/// Which transformer variant a checkpoint is. They share one implementation
+/// (`transformer.rs`); the differences are small flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 2/3, SmolLM2.
+    Llama,
+    /// Qwen2 / Qwen2.5: biases on the q/k/v projections.
+    Qwen2,
+    /// Qwen3: RMS norms on q and k per head, no q/k/v biases.
+    Qwen3,
+}
+
+impl Architecture {
+    /// Parses the name GGUF (`general.architecture`) or config.json (`model_type`) uses.
+    pub fn from_name(name: &str) -> Result<Self> {
+        Ok(match name {
+            "llama" | "mistral" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
+            other => bail!("unsupported architecture {other:?} (supported: llama, qwen2, qwen3)"),
+        })
+    }
+
+    /// The canonical name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// Llama 3's frequency-dependent rope scaling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: f32,
+}
+
+/// Everything the transformer needs to know about its shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextConfig {
+    pub architecture: Architecture,
+    pub hidden_size: i32,
+    pub intermediate_size: i32,
+    pub num_layers: i32,
+    pub num_heads: i32,
+    pub num_kv_heads: i32,
+    pub head_dim: i32,
+    pub vocab_size: i32,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    pub context_length: u32,
+    pub tie_word_embeddings: bool,
+}
+
+/// The subset of HF `config.json` we read.
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    model_type: String,
+    hidden_size: i32,
+    intermediate_size: i32,
+    num_hidden_layers: i32,
+    num_attention_heads: i32,
+    num_key_value_heads: Option<i32>,
+    head_dim: Option<i32>,
+    vocab_size: i32,
+    rms_norm_eps: f32,
+    #[serde(default = "default_theta")]
+    rope_theta: f32,
+    rope_scaling: Option<serde_json::Value>,
+    max_position_embeddings: Option<u32>,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+}
+
+fn default_theta() -> f32 {
+    10000.0
+}
+
+impl TextConfig {
+    /// Reads `config.json` text.
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let c: HfConfig = serde_json::from_str(text).context("parsing config.json")?;
+        let architecture = Architecture::from_name(&c.model_type)?;
+        let rope_scaling = match &c.rope_scaling {
+            Some(v) if v.get("rope_type").or(v.get("type")).and_then(|t| t.as_str()) == Some("llama3") => {
+                let f = |k: &str, d: f32| v.get(k).and_then(|x| x.as_f64()).map(|x| x as f32).unwrap_or(d);
+                Some(Llama3RopeScaling {
+                    factor: f("factor", 1.0),
+                    low_freq_factor: f("low_freq_factor", 1.0),
+                    high_freq_factor: f("high_freq_factor", 4.0),
+                    original_max_position_embeddings: f("original_max_position_embeddings", 8192.0),
+                })
+            }
+            Some(v) if !v.is_null() => bail!("unsupported rope_scaling {v}"),
+            _ => None,
+        };
+        Ok(Self {
+            architecture,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_layers: c.num_hidden_layers,
+            num_heads: c.num_attention_heads,
+            num_kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+            head_dim: c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads),
+            vocab_size: c.vocab_size,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta,
+            rope_scaling,
+            context_length: c.max_position_embeddings.unwrap_or(4096),
+            tie_word_embeddings: c.tie_word_embeddings,
+        })
+    }
+
+    /// Reads GGUF metadata (`<arch>.block_count`, ...).
+    pub fn from_gguf(file: &GgufFile, has_output_tensor: bool, vocab_from_tensor: i32) -> Result<Self> {
+        let arch_name = gguf_string(file, "general.architecture")?;
+        let architecture = Architecture::from_name(&arch_name)?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let hidden_size = gguf_number(file, &key("embedding_length"))? as i32;
+        let num_heads = gguf_number(file, &key("attention.head_count"))? as i32;
+        let head_dim = gguf_number(file, &key("attention.key_length"))
+            .or_else(|_| gguf_number(file, &key("rope.dimension_count")))
+            .map(|v| v as i32)
+            .unwrap_or(hidden_size / num_heads);
+        let rope_scaling = match gguf_string(file, &key("rope.scaling.type")).ok().as_deref() {
+            None | Some("none") => None,
+            Some(other) => bail!("unsupported GGUF rope scaling {other:?}"),
+        };
+        Ok(Self {
+            architecture,
+            hidden_size,
+            intermediate_size: gguf_number(file, &key("feed_forward_length"))? as i32,
+            num_layers: gguf_number(file, &key("block_count"))? as i32,
+            num_heads,
+            num_kv_heads: gguf_number(file, &key("attention.head_count_kv")).map(|v| v as i32).unwrap_or(num_heads),
+            head_dim,
+            vocab_size: gguf_number(file, &key("vocab_size")).map(|v| v as i32).unwrap_or(vocab_from_tensor),
+            rms_norm_eps: gguf_number(file, &key("attention.layer_norm_rms_epsilon"))? as f32,
+            rope_theta: gguf_number(file, &key("rope.freq_base")).map(|v| v as f32).unwrap_or(10000.0),
+            rope_scaling,
+            context_length: gguf_number(file, &key("context_length")).map(|v| v as u32).unwrap_or(4096),
+            tie_word_embeddings: !has_output_tensor,
+        })
+    }
+}
+
+/// A string metadata value.
+pub fn gguf_string(file: &GgufFile, key: &str) -> Result<String> {
+    file.get_metadata_string(key)
+        .with_context(|| format!("reading GGUF metadata {key}"))?
+        .with_context(|| format!("GGUF metadata {key} is missing"))
+}
+
+/// A scalar numeric metadata value, as f64.
+pub fn gguf_number(file: &GgufFile, key: &str) -> Result<f64> {
+    let arr = file
+        .get_metadata_array(key)
+        .with_context(|| format!("reading GGUF metadata {key}"))?
+        .with_context(|| format!("GGUF metadata {key} is missing"))?;
+    // Every hyper-parameter GGUF stores is exact in f32 (integers below 2^24).
+    let arr = arr.as_dtype(mlx_rs::Dtype::Float32)?;
+    Ok(arr.item_cast::<f32>() as f64)
+}

@@ -1,0 +1,119 @@
+//! A servable model: transformer weights, tokenizer, chat template and stop
+//! tokens, loaded from a GGUF file or an HF/MLX directory.
+
+pub mod chat_template;
+pub mod config;
+pub mod layers;
+pub mod tokenizer;
+pub mod transformer;
+pub mod weights;
+
+use anyhow::{bail, Context, Result};
+use chat_template::ChatTemplate;
+use config::TextConfig;
+use mlx_rs::io::GgufFile;
+use std::collections::BTreeSet;
+use std::path::Path;
+use tokenizers::Tokenizer;
+use transformer::Transformer;
+use weights::{TensorMap, WeightForm};
+
+/// Everything needed to answer a chat request with one model.
+pub struct TextModel {
+    pub transformer: Transformer,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    /// Token ids that end a generation.
+    pub eos_ids: BTreeSet<u32>,
+}
+
+impl TextModel {
+    /// Loads a `.gguf` file or a model directory.
+    pub fn load(path: &Path, form: WeightForm) -> Result<Self> {
+        if path.is_dir() {
+            load_dir(path, form)
+        } else if path.is_file() {
+            load_gguf(path, form)
+        } else {
+            bail!("model path {} does not exist", path.display())
+        }
+    }
+
+    /// Token ids of a prompt text (special tokens in the text are honoured,
+    /// no BOS added: chat templates write it themselves).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+}
+
+fn token_text(tokenizer: &Tokenizer, id: Option<u32>) -> String {
+    id.and_then(|id| tokenizer.id_to_token(id)).unwrap_or_default()
+}
+
+fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
+    let file = GgufFile::load(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
+    let has_output = file.get_array("output.weight")?.is_some();
+    let embd_rows = file.get_array("token_embd.weight")?.map(|a| a.shape()[0]).unwrap_or(0);
+    let config = TextConfig::from_gguf(&file, has_output, embd_rows)?;
+    let tensors = TensorMap::from_gguf(&file, config.architecture, config.num_heads, config.num_kv_heads, form)?;
+    let tokenizer = tokenizer::from_gguf(&file)?;
+    let id = |key: &str| config::gguf_number(&file, key).ok().map(|v| v as u32);
+    let (bos, eos, eot) = (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.eot_token_id"));
+    let source = file
+        .get_metadata_string("tokenizer.chat_template")?
+        .unwrap_or_else(|| chat_template::CHATML.to_string());
+    let template = ChatTemplate::new(source, token_text(&tokenizer, bos), token_text(&tokenizer, eos))?;
+    let eos_ids = [eos, eot].into_iter().flatten().collect();
+    let transformer = Transformer::from_tensors(config, tensors)?;
+    Ok(TextModel { transformer, tokenizer, template, eos_ids })
+}
+
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(Some(serde_json::from_str(&t).with_context(|| format!("parsing {}", path.display()))?)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// Ids from a JSON int or list of ints.
+fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|n| n as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A token given as a string or as `{"content": ...}` in tokenizer_config.json.
+fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
+    match cfg.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        v => v.get("content").and_then(|c| c.as_str()).map(String::from),
+    }
+}
+
+fn load_dir(dir: &Path, form: WeightForm) -> Result<TextModel> {
+    let config_text = std::fs::read_to_string(dir.join("config.json")).with_context(|| format!("reading {}/config.json", dir.display()))?;
+    let config = TextConfig::from_hf_json(&config_text)?;
+    let raw: serde_json::Value = serde_json::from_str(&config_text)?;
+    let quantization = raw.get("quantization").or(raw.get("quantization_config"));
+    let tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
+    let tokenizer = tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
+    let source = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
+        Ok(s) => s,
+        Err(_) => tok_cfg.get("chat_template").and_then(|t| t.as_str()).unwrap_or(chat_template::CHATML).to_string(),
+    };
+    let bos = special_token(&tok_cfg, "bos_token").unwrap_or_default();
+    let eos = special_token(&tok_cfg, "eos_token").unwrap_or_default();
+    let mut eos_ids: BTreeSet<u32> = ids_of(raw.get("eos_token_id")).into_iter().collect();
+    if let Some(gen) = read_json(&dir.join("generation_config.json"))? {
+        eos_ids.extend(ids_of(gen.get("eos_token_id")));
+    }
+    eos_ids.extend(tokenizer.token_to_id(&eos));
+    let template = ChatTemplate::new(source, bos, eos)?;
+    let transformer = Transformer::from_tensors(config, tensors)?;
+    Ok(TextModel { transformer, tokenizer, template, eos_ids })
+}

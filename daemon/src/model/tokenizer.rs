@@ -1,0 +1,118 @@
+//! Tokenizers: rebuilt from GGUF metadata (`tokenizer.ggml.*`) into the
+//! `tokenizers` crate's JSON form, or read from an HF `tokenizer.json`.
+//! Also the streaming detokenizer that never splits a UTF-8 character.
+
+use anyhow::{bail, Context, Result};
+use mlx_rs::io::GgufFile;
+use serde_json::{json, Value};
+use tokenizers::Tokenizer;
+
+/// GGUF token types (llama.cpp `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// GPT-2's pre-tokenizer split, as `ByteLevel(use_regex=true)` applies it.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The pre-tokenizer a GGUF `tokenizer.ggml.pre` name stands for (llama.cpp's table).
+fn pre_tokenizer_for(pre: &str) -> Result<Value> {
+    let split = |pattern: &str| {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+        ]})
+    };
+    Ok(match pre {
+        "default" | "gpt2" | "gpt-2" | "smollm" | "starcoder" | "refact" | "olmo" | "jina-es" => {
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
+        }
+        "llama-bpe" | "llama3" | "smaug-bpe" | "falcon3" | "pixtral" => split(LLAMA3_SPLIT),
+        "qwen2" | "deepseek-r1-qwen" | "megrez" => split(QWEN2_SPLIT),
+        other => bail!("unsupported GGUF pre-tokenizer {other:?} (supported: gpt2/smollm, llama-bpe, qwen2)"),
+    })
+}
+
+/// Builds the tokenizer a GGUF file describes (BPE models, `tokenizer.ggml.model = gpt2`).
+pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
+    let model = super::config::gguf_string(file, "tokenizer.ggml.model")?;
+    if model != "gpt2" {
+        bail!("unsupported GGUF tokenizer model {model:?} (supported: gpt2 byte-level BPE)");
+    }
+    let tokens = file.get_metadata_strings("tokenizer.ggml.tokens")?.context("GGUF has no tokenizer.ggml.tokens")?;
+    let merges = file.get_metadata_strings("tokenizer.ggml.merges")?.context("GGUF has no tokenizer.ggml.merges")?;
+    let types: Vec<i32> = match file.get_metadata_array("tokenizer.ggml.token_type")? {
+        Some(a) => a.as_dtype(mlx_rs::Dtype::Int32)?.as_slice::<i32>().to_vec(),
+        None => vec![1; tokens.len()],
+    };
+    let pre = super::config::gguf_string(file, "tokenizer.ggml.pre").unwrap_or_else(|_| "default".into());
+    let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let added: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| matches!(types.get(*i), Some(&TOKEN_TYPE_CONTROL) | Some(&TOKEN_TYPE_USER_DEFINED)))
+        .map(|(i, t)| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": true})
+        })
+        .collect();
+    let spec = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer_for(&pre)?,
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": merges}
+    });
+    spec.to_string().parse::<Tokenizer>().map_err(|e| anyhow::anyhow!("building tokenizer from GGUF metadata: {e}"))
+}
+
+/// Reads `tokenizer.json`.
+pub fn from_file(path: &std::path::Path) -> Result<Tokenizer> {
+    Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("reading tokenizer at {}: {e}", path.display()))
+}
+
+/// Turns a growing list of token ids into text pieces, holding back bytes
+/// that do not yet form a whole UTF-8 character (the usual
+/// prefix/read-offset scheme of HF's streamers).
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl Default for StreamDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StreamDecoder {
+    /// A decoder with nothing yet.
+    pub fn new() -> Self {
+        Self { ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
+    }
+
+    /// Adds a token; returns the text that is now complete, if any.
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let decode = |ids: &[u32]| tokenizer.decode(ids, true).map_err(|e| anyhow::anyhow!("decoding tokens: {e}"));
+        let prefix = decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = decode(&self.ids[self.prefix_offset..])?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
+            let piece = match full.strip_prefix(prefix.as_str()) {
+                Some(rest) => rest.to_string(),
+                None => full.get(prefix.len()..).unwrap_or_default().to_string(),
+            };
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            return Ok(Some(piece));
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,222 @@
+//! The decoder-only transformer shared by Llama, Qwen2 and Qwen3, written
+//! op for op like mlx-lm's `llama.py`/`qwen2.py`/`qwen3.py` so that greedy
+//! token ids match the reference exactly on the same weights.
+
+use super::config::{Architecture, TextConfig};
+use super::layers::{Embedding, Linear};
+use super::weights::TensorMap;
+use anyhow::Result;
+use mlx_rs::{
+    fast::{self, ScaledDotProductAttentionMask},
+    nn, Array,
+};
+
+/// Per-layer keys and values of everything processed so far.
+pub struct KvCache {
+    layers: Vec<Option<(Array, Array)>>,
+    /// Number of positions cached.
+    pub offset: i32,
+}
+
+impl KvCache {
+    /// An empty cache for `layers` layers.
+    pub fn new(layers: usize) -> Self {
+        Self { layers: (0..layers).map(|_| None).collect(), offset: 0 }
+    }
+
+    fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
+        let (k, v) = match self.layers[layer].take() {
+            None => (k, v),
+            Some((pk, pv)) => (
+                mlx_rs::ops::concatenate(&[pk, k], 2)?,
+                mlx_rs::ops::concatenate(&[pv, v], 2)?,
+            ),
+        };
+        self.layers[layer] = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+
+    /// Arrays to evaluate so the cache is materialized.
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
+    }
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// Qwen3 only.
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+struct DecoderLayer {
+    attn: Attention,
+    mlp: Mlp,
+    input_layernorm: Array,
+    post_attention_layernorm: Array,
+}
+
+/// A loaded text model.
+pub struct Transformer {
+    pub config: TextConfig,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: Array,
+    /// `None` when tied to the embedding.
+    lm_head: Option<Linear>,
+    /// Llama 3 rope frequencies (otherwise plain `rope_theta`).
+    rope_freqs: Option<Array>,
+    scale: f32,
+}
+
+impl Transformer {
+    /// Builds the model from tensors under HF names.
+    pub fn from_tensors(config: TextConfig, mut t: TensorMap) -> Result<Self> {
+        let qk_norm = config.architecture == Architecture::Qwen3;
+        let mut layers = Vec::with_capacity(config.num_layers as usize);
+        for i in 0..config.num_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(DecoderLayer {
+                attn: Attention {
+                    q_proj: t.linear(&format!("{p}.self_attn.q_proj"))?,
+                    k_proj: t.linear(&format!("{p}.self_attn.k_proj"))?,
+                    v_proj: t.linear(&format!("{p}.self_attn.v_proj"))?,
+                    o_proj: t.linear(&format!("{p}.self_attn.o_proj"))?,
+                    q_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.q_norm.weight"))?) } else { None },
+                    k_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.k_norm.weight"))?) } else { None },
+                },
+                mlp: Mlp {
+                    gate_proj: t.linear(&format!("{p}.mlp.gate_proj"))?,
+                    up_proj: t.linear(&format!("{p}.mlp.up_proj"))?,
+                    down_proj: t.linear(&format!("{p}.mlp.down_proj"))?,
+                },
+                input_layernorm: t.float(&format!("{p}.input_layernorm.weight"))?,
+                post_attention_layernorm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,
+            });
+        }
+        let lm_head = if !config.tie_word_embeddings && t.has("lm_head.weight") { Some(t.linear("lm_head")?) } else { None };
+        let rope_freqs = config.rope_scaling.as_ref().map(|s| llama3_rope_freqs(&config, s));
+        let scale = (config.head_dim as f64).powf(-0.5) as f32;
+        Ok(Self {
+            embed_tokens: t.embedding("model.embed_tokens")?,
+            norm: t.float("model.norm.weight")?,
+            layers,
+            lm_head,
+            rope_freqs,
+            scale,
+            config,
+        })
+    }
+
+    /// Bytes of all weights.
+    pub fn nbytes(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj]
+                    .iter()
+                    .map(|x| x.nbytes())
+                    .sum::<usize>()
+                    + l.input_layernorm.nbytes()
+                    + l.post_attention_layernorm.nbytes()
+            })
+            .sum();
+        per_layer + self.embed_tokens.nbytes() + self.lm_head.as_ref().map_or(0, |h| h.nbytes()) + self.norm.nbytes()
+    }
+
+    /// Runs `tokens` through the layers, appending to `cache`; returns the
+    /// final hidden states `[1, L, hidden]` (before the last norm).
+    pub fn hidden(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Array> {
+        let ids = Array::from_slice(tokens, &[1, tokens.len() as i32]);
+        let mut h = self.embed_tokens.lookup(&ids)?;
+        let offset = cache.offset;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let r = self.attention(&layer.attn, &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?, cache, i, offset)?;
+            let h2 = h.add(&r)?;
+            let r = self.mlp(&layer.mlp, &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?)?;
+            h = h2.add(&r)?;
+        }
+        cache.offset += tokens.len() as i32;
+        Ok(h)
+    }
+
+    /// Logits `[vocab]` for the last position of `hidden`.
+    pub fn logits_last(&self, hidden: &Array) -> Result<Array> {
+        let l = hidden.shape()[1];
+        let last = if l == 1 { hidden.clone() } else { hidden.take_axis(Array::from_slice(&[l - 1], &[1]), 1)? };
+        let x = fast::rms_norm(&last, Some(&self.norm), self.config.rms_norm_eps)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&x)?,
+            None => self.embed_tokens.as_linear(&x)?,
+        };
+        Ok(logits.reshape(&[-1])?)
+    }
+
+    fn attention(&self, a: &Attention, x: &Array, cache: &mut KvCache, layer: usize, offset: i32) -> Result<Array> {
+        let c = &self.config;
+        let (b, l) = (x.shape()[0], x.shape()[1]);
+        let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
+            let y = y.reshape(&[b, l, n, -1])?;
+            let y = match norm {
+                Some(w) => fast::rms_norm(&y, Some(w), c.rms_norm_eps)?,
+                None => y,
+            };
+            Ok(y.transpose_axes(&[0, 2, 1, 3])?)
+        };
+        let q = heads(a.q_proj.forward(x)?, c.num_heads, &a.q_norm)?;
+        let k = heads(a.k_proj.forward(x)?, c.num_kv_heads, &a.k_norm)?;
+        let v = heads(a.v_proj.forward(x)?, c.num_kv_heads, &None)?;
+        let q = self.rope(&q, offset)?;
+        let k = self.rope(&k, offset)?;
+        let (k, v) = cache.update(layer, k, v)?;
+        let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+        let o = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?;
+        let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        a.o_proj.forward(&o)
+    }
+
+    fn rope(&self, x: &Array, offset: i32) -> Result<Array> {
+        let d = self.config.head_dim;
+        Ok(match &self.rope_freqs {
+            Some(freqs) => fast::rope(x, d, false, None, 1.0, offset, freqs)?,
+            None => fast::rope(x, d, false, self.config.rope_theta, 1.0, offset, None)?,
+        })
+    }
+
+    fn mlp(&self, m: &Mlp, x: &Array) -> Result<Array> {
+        let g = nn::silu(m.gate_proj.forward(x)?)?;
+        m.down_proj.forward(&g.multiply(m.up_proj.forward(x)?)?)
+    }
+}
+
+/// mlx-lm's `Llama3RoPE._freqs`, computed on the host.
+fn llama3_rope_freqs(c: &TextConfig, s: &super::config::Llama3RopeScaling) -> Array {
+    let dims = c.head_dim;
+    let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+    let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+    let freqs: Vec<f32> = (0..dims)
+        .step_by(2)
+        .map(|i| {
+            let f = c.rope_theta.powf(i as f32 / dims as f32);
+            let wavelen = 2.0 * std::f32::consts::PI * f;
+            let f = if wavelen > low_wavelen { f * s.factor } else { f };
+            if wavelen > high_wavelen && wavelen < low_wavelen {
+                let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                f / ((1.0 - smooth) / s.factor + smooth)
+            } else {
+                f
+            }
+        })
+        .collect();
+    Array::from_slice(&freqs, &[freqs.len() as i32])
+}

@@ -1,0 +1,198 @@
+//! Reads checkpoint tensors under HF names, from a GGUF file or an MLX/HF
+//! safetensors directory, and turns them into [`Linear`]/[`Embedding`] in the
+//! compute form chosen for the device ([`WeightForm`]).
+
+use super::config::Architecture;
+use super::layers::{Embedding, Linear, Quantized};
+use anyhow::{bail, Context, Result};
+use mlx_rs::{io::GgufFile, Array, Dtype};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// How weights are held in memory for compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightForm {
+    /// Dequantize everything to dense f32. On x86 CPUs MLX's quantized matmul
+    /// is scalar and single-threaded while f32 matmuls go to BLAS: with
+    /// OpenBLAS this is the fastest path by far (see README, "Compute dtype").
+    DenseF32,
+    /// Keep quantized weights packed; other floats in this dtype (GPU path).
+    Packed(Dtype),
+}
+
+impl WeightForm {
+    /// The fastest form for the default device.
+    pub fn for_device(device: &mlx_rs::Device) -> Self {
+        match device.get_type() {
+            Ok(mlx_rs::DeviceType::Gpu) => WeightForm::Packed(Dtype::Float16),
+            _ => WeightForm::DenseF32,
+        }
+    }
+
+    fn float_dtype(self) -> Dtype {
+        match self {
+            WeightForm::DenseF32 => Dtype::Float32,
+            WeightForm::Packed(d) => d,
+        }
+    }
+}
+
+/// Raw tensors under HF names plus what is needed to interpret quantized ones.
+pub struct TensorMap {
+    tensors: HashMap<String, Array>,
+    /// Group size per quantized module prefix (default for all others).
+    default_group: i32,
+    group_overrides: HashMap<String, i32>,
+    form: WeightForm,
+}
+
+impl TensorMap {
+    /// Tensors from a GGUF file, renamed to HF names. llama.cpp permutes the
+    /// rows of Llama's q/k projections for its interleaved rope; that is
+    /// undone here so one rope layout serves both formats.
+    pub fn from_gguf(file: &GgufFile, arch: Architecture, n_heads: i32, n_kv_heads: i32, form: WeightForm) -> Result<Self> {
+        let mut tensors = HashMap::new();
+        for (name, array) in file.arrays().context("reading GGUF tensors")? {
+            let (module, suffix) = name.rsplit_once('.').with_context(|| format!("odd GGUF tensor name {name}"))?;
+            let hf = gguf_to_hf_name(module).with_context(|| format!("unknown GGUF tensor {name}"))?;
+            let array = match (arch, module.rsplit('.').next()) {
+                (Architecture::Llama, Some("attn_q")) => unpermute_rows(&array, n_heads)?,
+                (Architecture::Llama, Some("attn_k")) => unpermute_rows(&array, n_kv_heads)?,
+                _ => array,
+            };
+            tensors.insert(format!("{hf}.{suffix}"), array);
+        }
+        // Every GGUF block type MLX maps to affine quantization uses groups of 32.
+        Ok(Self { tensors, default_group: 32, group_overrides: HashMap::new(), form })
+    }
+
+    /// Tensors from `*.safetensors` in `dir`; `quantization` is config.json's
+    /// section of that name (group size, bits, per-module overrides).
+    pub fn from_safetensors_dir(dir: &Path, quantization: Option<&serde_json::Value>, form: WeightForm) -> Result<Self> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .with_context(|| format!("reading model directory {}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("no *.safetensors files in {}", dir.display());
+        }
+        let mut tensors = HashMap::new();
+        for f in &files {
+            let loaded = Array::load_safetensors(f).with_context(|| format!("reading weights at {}", f.display()))?;
+            tensors.extend(loaded);
+        }
+        let default_group = quantization.and_then(|q| q.get("group_size")).and_then(|g| g.as_i64()).unwrap_or(64) as i32;
+        let mut group_overrides = HashMap::new();
+        if let Some(obj) = quantization.and_then(|q| q.as_object()) {
+            for (k, v) in obj {
+                if let Some(g) = v.get("group_size").and_then(|g| g.as_i64()) {
+                    group_overrides.insert(k.clone(), g as i32);
+                }
+            }
+        }
+        Ok(Self { tensors, default_group, group_overrides, form })
+    }
+
+    /// True when a tensor of that exact name exists.
+    pub fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// A float tensor (norm weight, bias) in the compute dtype.
+    pub fn float(&mut self, name: &str) -> Result<Array> {
+        let a = self.tensors.remove(name).with_context(|| format!("missing tensor {name}"))?;
+        Ok(a.as_dtype(self.form.float_dtype())?)
+    }
+
+    fn optional_float(&mut self, name: &str) -> Result<Option<Array>> {
+        if self.has(name) {
+            self.float(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn quantized(&mut self, prefix: &str) -> Result<Option<Quantized>> {
+        if !self.has(&format!("{prefix}.scales")) {
+            return Ok(None);
+        }
+        let weight = self.tensors.remove(&format!("{prefix}.weight")).with_context(|| format!("missing {prefix}.weight"))?;
+        let dtype = self.form.float_dtype();
+        let scales = self.tensors.remove(&format!("{prefix}.scales")).unwrap().as_dtype(dtype)?;
+        let biases = self.tensors.remove(&format!("{prefix}.biases")).with_context(|| format!("missing {prefix}.biases"))?.as_dtype(dtype)?;
+        let group_size = self.group_overrides.get(prefix).copied().unwrap_or(self.default_group);
+        let packed_cols = *weight.shape().last().unwrap();
+        let groups = *scales.shape().last().unwrap();
+        let bits = packed_cols * 32 / (groups * group_size);
+        if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+            bail!("{prefix}: cannot infer quantization bits (weight {:?}, scales {:?}, group {group_size})", weight.shape(), scales.shape());
+        }
+        Ok(Some(Quantized { weight, scales, biases, group_size, bits }))
+    }
+
+    /// A projection `prefix.weight` (+ `prefix.bias` when present).
+    pub fn linear(&mut self, prefix: &str) -> Result<Linear> {
+        let bias = self.optional_float(&format!("{prefix}.bias"))?;
+        Ok(match self.quantized(prefix)? {
+            Some(q) if self.form == WeightForm::DenseF32 => Linear::Dense { weight: q.dequantize()?, bias },
+            Some(q) => Linear::Quantized { q, bias },
+            None => Linear::Dense { weight: self.float(&format!("{prefix}.weight"))?, bias },
+        })
+    }
+
+    /// An embedding table `prefix.weight`.
+    pub fn embedding(&mut self, prefix: &str) -> Result<Embedding> {
+        Ok(match self.quantized(prefix)? {
+            Some(q) if self.form == WeightForm::DenseF32 => Embedding::Dense(q.dequantize()?),
+            Some(q) => Embedding::Quantized(q),
+            None => Embedding::Dense(self.float(&format!("{prefix}.weight"))?),
+        })
+    }
+
+    /// Rows of the embedding table (vocabulary size) without consuming it.
+    pub fn rows(&self, name: &str) -> Option<i32> {
+        self.tensors.get(name).map(|a| a.shape()[0])
+    }
+}
+
+/// `blk.3.attn_q` → `model.layers.3.self_attn.q_proj`.
+fn gguf_to_hf_name(module: &str) -> Option<String> {
+    let parts: Vec<&str> = module.split('.').collect();
+    match parts.as_slice() {
+        ["token_embd"] => Some("model.embed_tokens".into()),
+        ["output_norm"] => Some("model.norm".into()),
+        ["output"] => Some("lm_head".into()),
+        ["blk", n, kind] => {
+            let hf = match *kind {
+                "attn_q" => "self_attn.q_proj",
+                "attn_k" => "self_attn.k_proj",
+                "attn_v" => "self_attn.v_proj",
+                "attn_output" => "self_attn.o_proj",
+                "attn_q_norm" => "self_attn.q_norm",
+                "attn_k_norm" => "self_attn.k_norm",
+                "ffn_gate" => "mlp.gate_proj",
+                "ffn_up" => "mlp.up_proj",
+                "ffn_down" => "mlp.down_proj",
+                "attn_norm" => "input_layernorm",
+                "ffn_norm" => "post_attention_layernorm",
+                _ => return None,
+            };
+            Some(format!("model.layers.{n}.{hf}"))
+        }
+        _ => None,
+    }
+}
+
+/// Inverse of llama.cpp's `permute` on axis 0:
+/// gguf = hf.reshape(heads, 2, d/2, ...).swapaxes(1, 2).reshape(shape).
+/// It acts on output rows only, so it applies exactly to packed weights,
+/// scales and biases alike.
+fn unpermute_rows(a: &Array, heads: i32) -> Result<Array> {
+    let shape = a.shape().to_vec();
+    let rows = shape[0];
+    let mut split = vec![heads, rows / heads / 2, 2];
+    split.extend_from_slice(&shape[1..]);
+    Ok(a.reshape(&split)?.swap_axes(1, 2)?.reshape(&shape)?)
+}

@@ -1,0 +1,1 @@
+//! Service definitions for mlxbcd (LaunchAgent, systemd user units).

@@ -1,0 +1,145 @@
+//! Framing and encoding, in one place so that replacing bincode (formally
+//! unmaintained, RUSTSEC-2025-0141) touches one file.
+//!
+//! A frame is a 4-byte big-endian length and a bincode 2 payload (serde, the
+//! standard config). Frames above [`MAX_FRAME_BYTES`] are refused before any
+//! allocation, by tokio-util's `LengthDelimitedCodec`.
+
+use bytes::{Bytes, BytesMut};
+use serde::{de::DeserializeOwned, Serialize};
+use std::marker::PhantomData;
+use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
+
+/// Largest frame either side accepts: room for a large image later, small
+/// enough that a bad length cannot make a peer allocate gigabytes.
+pub const MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
+
+/// Why a frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("socket I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {len} bytes is over the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+}
+
+impl FrameError {
+    /// True when the peer simply went away.
+    pub fn is_disconnect(&self) -> bool {
+        match self {
+            FrameError::Io(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::UnexpectedEof
+            ),
+            _ => false,
+        }
+    }
+}
+
+fn config() -> bincode::config::Configuration {
+    bincode::config::standard()
+}
+
+/// Encodes a value to a payload (no length prefix).
+pub fn to_payload<T: Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
+    bincode::serde::encode_to_vec(value, config()).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+/// Decodes a payload; trailing bytes are an error.
+pub fn from_payload<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FrameError> {
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
+        .map_err(|e| FrameError::Malformed(e.to_string()))?;
+    if used != bytes.len() {
+        return Err(FrameError::Malformed(format!("{} trailing bytes", bytes.len() - used)));
+    }
+    Ok(value)
+}
+
+/// A tokio-util codec that reads `In` frames and writes `Out` frames.
+pub struct WireCodec<In, Out> {
+    frames: LengthDelimitedCodec,
+    _types: PhantomData<fn(Out) -> In>,
+}
+
+impl<In, Out> Default for WireCodec<In, Out> {
+    fn default() -> Self {
+        Self {
+            frames: LengthDelimitedCodec::builder().max_frame_length(MAX_FRAME_BYTES).new_codec(),
+            _types: PhantomData,
+        }
+    }
+}
+
+impl<In: DeserializeOwned, Out> Decoder for WireCodec<In, Out> {
+    type Item = In;
+    type Error = FrameError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<In>, FrameError> {
+        match self.frames.decode(src) {
+            Ok(Some(frame)) => from_payload(&frame).map(Some),
+            Ok(None) => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                Err(FrameError::TooLarge { len: peek_len(src), max: MAX_FRAME_BYTES })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+fn peek_len(src: &BytesMut) -> usize {
+    src.get(..4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize).unwrap_or(0)
+}
+
+impl<In, Out: Serialize> Encoder<Out> for WireCodec<In, Out> {
+    type Error = FrameError;
+
+    fn encode(&mut self, item: Out, dst: &mut BytesMut) -> Result<(), FrameError> {
+        let payload = to_payload(&item)?;
+        if payload.len() > MAX_FRAME_BYTES {
+            return Err(FrameError::TooLarge { len: payload.len(), max: MAX_FRAME_BYTES });
+        }
+        self.frames.encode(Bytes::from(payload), dst).map_err(FrameError::Io)
+    }
+}
+
+/// The client side: writes requests, reads responses.
+pub type ClientCodec = WireCodec<crate::Response, crate::Request>;
+/// The daemon side: reads requests, writes responses.
+pub type DaemonCodec = WireCodec<crate::Request, crate::Response>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{GenerateRequest, Request};
+
+    #[test]
+    fn round_trip() {
+        let mut codec = ClientCodec::default();
+        let mut buf = BytesMut::new();
+        let req = Request::Generate(GenerateRequest::ask("hi"));
+        codec.encode(req.clone(), &mut buf).unwrap();
+        let mut daemon = DaemonCodec::default();
+        assert_eq!(daemon.decode(&mut buf).unwrap(), Some(req));
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn oversized_length_is_refused_without_allocating() {
+        let mut daemon = DaemonCodec::default();
+        let mut buf = BytesMut::from(&u32::MAX.to_be_bytes()[..]);
+        assert!(matches!(daemon.decode(&mut buf), Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn garbage_payload_is_malformed() {
+        let mut daemon = DaemonCodec::default();
+        let mut buf = BytesMut::new();
+        buf.extend_from_slice(&3u32.to_be_bytes());
+        buf.extend_from_slice(&[0xff, 0xff, 0xff]);
+        assert!(matches!(daemon.decode(&mut buf), Err(FrameError::Malformed(_))));
+    }
+}

