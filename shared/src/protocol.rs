@@ -285,4 +285,6 @@ pub struct DaemonStatus {
     /// Jobs waiting for the engine (not counting the running one).
     pub queued_jobs: u32,
     pub requests_served: u64,
+    /// Generations abandoned because their client went away.
+    pub generations_cancelled: u64,
 }

@@ -49,6 +49,7 @@ pub struct EngineHandle {
     snapshot: Arc<Mutex<EngineSnapshot>>,
     queued: Arc<AtomicU32>,
     served: Arc<AtomicU64>,
+    cancelled: Arc<AtomicU64>,
     /// The compute device, e.g. "cpu" or "gpu".
     pub device: String,
 }
@@ -79,6 +80,7 @@ impl EngineHandle {
             rss_bytes: crate::rss_bytes(),
             queued_jobs: self.queued.load(Ordering::SeqCst),
             requests_served: self.served.load(Ordering::SeqCst),
+            generations_cancelled: self.cancelled.load(Ordering::SeqCst),
         }
     }
 
@@ -102,6 +104,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         snapshot: Arc::default(),
         queued: Arc::default(),
         served: Arc::default(),
+        cancelled: Arc::default(),
         device: device_name.to_string(),
     };
     let mut engine = Engine {
@@ -112,6 +115,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         snapshot: handle.snapshot.clone(),
         queued: handle.queued.clone(),
         served: handle.served.clone(),
+        cancelled: handle.cancelled.clone(),
     };
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || engine.run(rx))?;
     Ok((handle, thread))
@@ -125,6 +129,7 @@ struct Engine {
     snapshot: Arc<Mutex<EngineSnapshot>>,
     queued: Arc<AtomicU32>,
     served: Arc<AtomicU64>,
+    cancelled: Arc<AtomicU64>,
 }
 
 impl Engine {
@@ -167,7 +172,10 @@ impl Engine {
                     Ok(Some(stats)) => {
                         let _ = events.send(Response::Done { stats });
                     }
-                    Ok(None) => tracing::info!("generation cancelled: the client went away"),
+                    Ok(None) => {
+                        self.cancelled.fetch_add(1, Ordering::SeqCst);
+                        tracing::info!("generation cancelled: the client went away");
+                    }
                     Err((kind, message)) => {
                         tracing::warn!(?kind, %message, "generation failed");
                         let _ = events.send(Response::Error { kind, message });

@@ -77,7 +77,7 @@ mod tests {
 
     #[test]
     fn seeded_sampling_repeats_and_top_k_one_is_greedy() {
-        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32 * 0.03).collect();
         let p = SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed: Some(7) };
         let a: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..20).map(|_| s.sample_host(&logits)).collect() };
         let b: Vec<u32> = { let mut s = Sampler::new(p); (0..20).map(|_| s.sample_host(&logits)).collect() };
