@@ -1,0 +1,171 @@
+//! The fixture: a real `mlxbcd` process on a temp socket, with a model store
+//! of real weights, stopped (SIGTERM, then SIGKILL) on drop.
+
+use mlxbc_client::{Client, GenerateRequest, GenerationStats, Response};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// A built binary of this workspace (target/<profile>/NAME).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let p = dir.join(name);
+    assert!(p.is_file(), "{} is not built — run `cargo build --release --bins` (scripts/test does)", p.display());
+    p
+}
+
+/// A test fixture file or directory; missing ones fail with how to get them.
+pub fn fixture(rel: &str) -> PathBuf {
+    let root = std::env::var_os("MLXBC_TEST_FIXTURES").map(PathBuf::from).unwrap_or_else(|| workspace().join("target/test-fixtures"));
+    let p = root.join(rel);
+    assert!(p.exists(), "missing test fixture {} — run scripts/test-fixtures (or scripts/test) first", p.display());
+    p
+}
+
+pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// A running daemon in its own temp home.
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub home: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+}
+
+/// What goes into the daemon's model store and command line.
+pub struct DaemonOptions {
+    pub models: Vec<(&'static str, PathBuf)>,
+    pub args: Vec<String>,
+}
+
+impl Default for DaemonOptions {
+    fn default() -> Self {
+        Self { models: vec![(SMOLLM2, fixture(&format!("models/{SMOLLM2}")))], args: Vec::new() }
+    }
+}
+
+impl Daemon {
+    /// Starts mlxbcd with the default model in its store and waits until it answers.
+    pub fn start() -> Self {
+        Self::start_with(DaemonOptions::default())
+    }
+
+    pub fn start_with(opts: DaemonOptions) -> Self {
+        let home = tempfile::Builder::new().prefix("mlxbc-e2e").tempdir_in("/tmp").unwrap();
+        let models = home.path().join("models");
+        std::fs::create_dir_all(&models).unwrap();
+        for (name, target) in &opts.models {
+            std::os::unix::fs::symlink(target, models.join(name)).unwrap();
+        }
+        let mut d = Daemon { child: None, socket: home.path().join("mlxbcd.sock"), log: home.path().join("daemon.log"), home };
+        d.spawn(&opts.args);
+        d
+    }
+
+    /// Environment every process of this daemon's "user" gets.
+    pub fn env(&self, cmd: &mut Command) {
+        cmd.env("MLXBC_HOME", self.home.path()).env_remove("MLXBC_SOCKET").env("MLXBC_LOG", "info");
+    }
+
+    /// Starts (or restarts) the process.
+    pub fn spawn(&mut self, args: &[String]) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut cmd = Command::new(binary("mlxbcd"));
+        self.env(&mut cmd);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+        self.child = Some(cmd.spawn().unwrap());
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("mlxbcd exited ({status}) before listening:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("mlxbcd did not listen within 30 s:\n{}", self.log_text());
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.socket).await.unwrap()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("mlxbcd ignored SIGTERM for 20 s:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A `mlxbc` command bound to this daemon.
+    pub fn cli(&self) -> Command {
+        let mut cmd = Command::new(binary("mlxbc"));
+        self.env(&mut cmd);
+        cmd
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            for _ in 0..250 {
+                if child.try_wait().ok().flatten().is_some() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A greedy request for `prompt` with at most `max_tokens` tokens.
+pub fn greedy(model: Option<&str>, prompt: &str, max_tokens: u32) -> GenerateRequest {
+    let mut r = GenerateRequest::ask(prompt);
+    r.model = model.map(String::from);
+    r.max_tokens = max_tokens;
+    r
+}
+
+/// Runs a request to completion on a new connection.
+pub async fn ask(socket: impl AsRef<Path>, request: GenerateRequest) -> Result<(String, GenerationStats), mlxbc_client::ClientError> {
+    let mut c = Client::connect(socket.as_ref()).await?;
+    c.generate(request).await?.collect_text().await
+}
+
+/// Reads events until the first token arrives.
+pub async fn until_first_token(stream: &mut mlxbc_client::GenerationStream<'_>) {
+    loop {
+        match stream.next_event().await.unwrap() {
+            Some(Response::Token { .. }) => return,
+            Some(_) => continue,
+            None => panic!("stream ended before a token"),
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! End-to-end tests: the real mlxbcd binary on a temp socket with real
+//! SmolLM2 weights (and the fixture models), driven through the client
+//! library, the `mlxbc` CLI, and raw frames.
+
+mod bad_input;
+mod cli;
+mod generation;
+mod helper;
+mod lifecycle;
+mod reference;

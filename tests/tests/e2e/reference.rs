@@ -1,0 +1,75 @@
+//! Greedy token ids against mlx-lm on identical weights
+//! (tests/fixtures/reference, made by scripts/reference/mlx_lm_reference.py).
+
+use crate::helper::*;
+use mlxbc_client::{ChatMessage, Role};
+use std::path::PathBuf;
+
+fn golden(name: &str) -> serde_json::Value {
+    let path = workspace().join(format!("tests/fixtures/reference/{name}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+fn check_weights(dir: &std::path::Path, golden: &serde_json::Value) {
+    use sha2::Digest;
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let sum: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(
+        sum,
+        golden["weights_sha256"].as_str().unwrap(),
+        "fixture {} is not the one the reference ids were made from; rebuild with scripts/test-fixtures",
+        dir.display()
+    );
+}
+
+async fn assert_matches_reference(model: &'static str, path: PathBuf, golden: serde_json::Value) {
+    let d = Daemon::start_with(DaemonOptions { models: vec![(model, path)], args: vec![] });
+    for case in golden["cases"].as_array().unwrap() {
+        let messages = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| ChatMessage {
+                role: if m["role"] == "system" { Role::System } else { Role::User },
+                content: m["content"].as_str().unwrap().into(),
+            })
+            .collect();
+        let mut req = greedy(Some(model), "", case["max_tokens"].as_u64().unwrap() as u32);
+        req.messages = messages;
+        let (_, stats) = ask(&d.socket, req).await.unwrap();
+        let want: Vec<u32> = case["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(stats.prompt_tokens as usize, case["prompt_ids"].as_array().unwrap().len());
+        assert_eq!(stats.token_ids, want, "{model}: greedy ids differ from mlx-lm for {}", case["messages"]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn smollm2_gguf_matches_mlx_lm() {
+    // The GGUF file and the MLX directory made from it hold the same weights,
+    // so both paths must reproduce the same reference ids.
+    assert_matches_reference(SMOLLM2, fixture(&format!("models/{SMOLLM2}")), golden("smollm2-mlx")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn smollm2_mlx_directory_matches_mlx_lm() {
+    let dir = fixture("mlx/smollm2-mlx");
+    let g = golden("smollm2-mlx");
+    check_weights(&dir, &g);
+    assert_matches_reference("smollm2-mlx", dir, g).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tiny_qwen2_matches_mlx_lm() {
+    let dir = fixture("mlx/tiny-qwen2");
+    let g = golden("tiny-qwen2");
+    check_weights(&dir, &g);
+    assert_matches_reference("tiny-qwen2", dir, g).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tiny_qwen3_matches_mlx_lm() {
+    let dir = fixture("mlx/tiny-qwen3");
+    let g = golden("tiny-qwen3");
+    check_weights(&dir, &g);
+    assert_matches_reference("tiny-qwen3", dir, g).await;
+}
