@@ -112,6 +112,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// How long the model stays resident after this request.
     pub keep_alive: Option<KeepAlive>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -124,6 +126,7 @@ impl GenerateRequest {
             max_tokens: 512,
             stop: Vec::new(),
             keep_alive: None,
+            ignore_eos: false,
         }
     }
 }

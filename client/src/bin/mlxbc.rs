@@ -79,6 +79,9 @@ struct AskArgs {
     /// Print one JSON object per event instead of text.
     #[arg(long)]
     json: bool,
+    /// Keep generating past end-of-sequence (for benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Print statistics to stderr.
     #[arg(long, short)]
     verbose: bool,
@@ -197,6 +200,7 @@ fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
         keep_alive: keep_alive(&args.keep_alive)?,
+        ignore_eos: args.ignore_eos,
     })
 }
 

@@ -90,7 +90,7 @@ pub fn run(
     let mut stops = StopFilter::new(&request.stop);
     let mut decode_steps = 0usize;
     let stop_reason = loop {
-        if model.eos_ids.contains(&token) {
+        if !request.ignore_eos && model.eos_ids.contains(&token) {
             break StopReason::Eos;
         }
         generated.push(token);

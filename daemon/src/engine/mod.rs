@@ -34,6 +34,13 @@ pub enum Job {
     Unload { model: String, reply: oneshot::Sender<Response> },
 }
 
+/// Control messages, kept apart from jobs so a stop is never stuck behind them.
+enum Control {
+    Job(Job),
+    /// Finish the job in hand, refuse the queued ones, exit.
+    Stop,
+}
+
 /// What the engine last published about itself; read without queueing.
 #[derive(Debug, Clone, Default)]
 pub struct EngineSnapshot {
@@ -45,7 +52,8 @@ pub struct EngineSnapshot {
 /// The tokio side's handle on the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Control>,
+    stopping: Arc<AtomicBool>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
     queued: Arc<AtomicU32>,
     served: Arc<AtomicU64>,
@@ -57,8 +65,11 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Queues a job. Fails only when the engine thread is gone.
     pub fn submit(&self, job: Job) -> Result<(), (ErrorKind, String)> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err((ErrorKind::ShuttingDown, "mlxbcd is shutting down".to_string()));
+        }
         self.queued.fetch_add(1, Ordering::SeqCst);
-        self.jobs.send(job).map_err(|_| {
+        self.jobs.send(Control::Job(job)).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             (ErrorKind::ShuttingDown, "the engine has stopped".to_string())
         })
@@ -84,6 +95,14 @@ impl EngineHandle {
         }
     }
 
+    /// Asks the engine to finish the job in hand and exit; queued jobs are
+    /// answered with `ShuttingDown`. Connections may still hold handles, so
+    /// dropping them is not enough.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        let _ = self.jobs.send(Control::Stop);
+    }
+
     /// Names of resident models.
     pub fn loaded_names(&self) -> Vec<String> {
         self.snapshot.lock().unwrap().loaded.iter().map(|m| m.name.clone()).collect()
@@ -101,6 +120,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
     };
     let handle = EngineHandle {
         jobs: tx,
+        stopping: Arc::default(),
         snapshot: Arc::default(),
         queued: Arc::default(),
         served: Arc::default(),
@@ -116,9 +136,23 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         queued: handle.queued.clone(),
         served: handle.served.clone(),
         cancelled: handle.cancelled.clone(),
+        stopping: handle.stopping.clone(),
     };
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || engine.run(rx))?;
     Ok((handle, thread))
+}
+
+/// Answers a job that arrived after the stop.
+fn refuse(job: Job) {
+    let err = || Response::Error { kind: ErrorKind::ShuttingDown, message: "mlxbcd is shutting down".into() };
+    match job {
+        Job::Generate { events, .. } => {
+            let _ = events.send(err());
+        }
+        Job::Load { reply, .. } | Job::Unload { reply, .. } => {
+            let _ = reply.send(err());
+        }
+    }
 }
 
 struct Engine {
@@ -130,17 +164,28 @@ struct Engine {
     queued: Arc<AtomicU32>,
     served: Arc<AtomicU64>,
     cancelled: Arc<AtomicU64>,
+    stopping: Arc<AtomicBool>,
 }
 
 impl Engine {
-    fn run(&mut self, rx: mpsc::Receiver<Job>) {
+    fn run(&mut self, rx: mpsc::Receiver<Control>) {
         loop {
             let wait = self.residency.next_expiry().unwrap_or(Duration::from_secs(3600));
             match rx.recv_timeout(wait) {
-                Ok(job) => {
+                Ok(Control::Job(job)) => {
                     self.queued.fetch_sub(1, Ordering::SeqCst);
+                    if self.stopping.load(Ordering::SeqCst) {
+                        refuse(job);
+                        continue;
+                    }
                     self.handle(job);
                     self.served.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(Control::Stop) => {
+                    while let Ok(Control::Job(job)) = rx.try_recv() {
+                        refuse(job);
+                    }
+                    break;
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,

@@ -47,6 +47,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     // Stop taking connections, then let the engine finish the job in hand.
     drop(listener);
     drop(guard);
+    state.engine.stop();
     drop(state);
     tokio::task::spawn_blocking(move || engine_thread.join()).await.ok();
     tracing::info!("mlxbcd stopped");

@@ -38,8 +38,9 @@ fn a_stale_socket_file_is_replaced() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn shutdown_request_stops_the_daemon() {
+async fn shutdown_request_stops_the_daemon_even_with_clients_connected() {
     let mut d = Daemon::start();
+    let _idle = d.client().await; // an editor that keeps its connection open
     d.client().await.shutdown().await.unwrap();
     let mut child = d.child.take().unwrap();
     let status = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
