@@ -10,7 +10,8 @@ use super::stop::{Filtered, StopFilter};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::transformer::KvCache;
 use crate::model::TextModel;
-use mlx_rs::transforms::eval;
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::Array;
 use mlxbc_shared::{ErrorKind, GenerateRequest, GenerationStats, Response, StopReason};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -74,12 +75,19 @@ pub fn run(
         }
     }
     let mut sampler = Sampler::new(request.sampling.clone());
-    let step = |token: &[u32], cache: &mut KvCache| -> Result<mlx_rs::Array, Failure> {
-        let h = model.transformer.hidden(token, cache).map_err(inference)?;
-        model.transformer.logits_last(&h).map_err(inference)
+    // One decode step: ids (on the device) -> the next id, queued for
+    // evaluation but not waited for. Building step n+1 while step n computes
+    // keeps the host out of the way, as mlx-lm's generate_step does.
+    let mut step = |ids: &Array, cache: &mut KvCache| -> Result<Array, Failure> {
+        let h = model.transformer.hidden_of(ids, cache).map_err(inference)?;
+        let logits = model.transformer.logits_last(&h).map_err(inference)?;
+        let next = sampler.pick(&logits).map_err(inference)?;
+        async_eval([&next]).map_err(inference)?;
+        Ok(next)
     };
-    let mut logits = step(last, &mut cache)?;
-    let mut token = sampler.sample(&logits).map_err(inference)?;
+    let mut next = step(&Array::from_slice(last, &[1, 1]), &mut cache)?;
+    let read = |ids: &Array| -> Result<u32, Failure> { Ok(ids.try_item_cast::<u32>().map_err(inference)?) };
+    let mut token = read(&next)?;
     let t_first = Instant::now();
     let prefill_s = t_first.duration_since(t_prefill).as_secs_f64();
 
@@ -90,6 +98,8 @@ pub fn run(
     let mut stops = StopFilter::new(&request.stop);
     let mut decode_steps = 0usize;
     let stop_reason = loop {
+        // Queue the step after `token` before handling it.
+        let queued = if generated.len() + 1 < limit { Some(step(&next, &mut cache)?) } else { None };
         if !request.ignore_eos && model.eos_ids.contains(&token) {
             break StopReason::Eos;
         }
@@ -112,8 +122,8 @@ pub fn run(
         if gone() {
             return Ok(None);
         }
-        logits = step(&[token], &mut cache)?;
-        token = sampler.sample(&logits).map_err(inference)?;
+        next = queued.expect("queued while below the limit");
+        token = read(&next)?;
         decode_steps += 1;
     };
     let tail = stops.finish();

@@ -27,15 +27,17 @@ impl Sampler {
         self.params.temperature <= 0.0 || self.params.top_k == 1
     }
 
-    /// Picks a token from `logits` (`[vocab]`).
-    pub fn sample(&mut self, logits: &Array) -> Result<u32> {
+    /// Picks the next token from `logits` (`[vocab]`) as a `[1, 1]` id array.
+    /// Greedy picks stay lazy on the device, so the caller can queue the next
+    /// step before reading this one back; sampled picks are made on the host.
+    pub fn pick(&mut self, logits: &Array) -> Result<Array> {
         if self.is_greedy() {
-            let id = argmax_axis(logits, -1, None)?;
-            return Ok(id.item_cast::<u32>());
+            return Ok(argmax_axis(logits, -1, None)?.reshape(&[1, 1])?);
         }
         let logits = logits.as_dtype(mlx_rs::Dtype::Float32)?;
         logits.eval()?;
-        Ok(self.sample_host(logits.as_slice::<f32>()))
+        let id = self.sample_host(logits.as_slice::<f32>());
+        Ok(Array::from_slice(&[id], &[1, 1]))
     }
 
     fn sample_host(&mut self, logits: &[f32]) -> u32 {

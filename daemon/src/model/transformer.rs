@@ -137,8 +137,14 @@ impl Transformer {
     /// Runs `tokens` through the layers, appending to `cache`; returns the
     /// final hidden states `[1, L, hidden]` (before the last norm).
     pub fn hidden(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Array> {
-        let ids = Array::from_slice(tokens, &[1, tokens.len() as i32]);
-        let mut h = self.embed_tokens.lookup(&ids)?;
+        self.hidden_of(&Array::from_slice(tokens, &[1, tokens.len() as i32]), cache)
+    }
+
+    /// Like [`hidden`](Self::hidden) for ids already on the device (`[1, L]`),
+    /// e.g. a sampled token that has not been read back yet.
+    pub fn hidden_of(&self, ids: &Array, cache: &mut KvCache) -> Result<Array> {
+        let len = ids.shape()[1];
+        let mut h = self.embed_tokens.lookup(ids)?;
         let offset = cache.offset;
         for (i, layer) in self.layers.iter().enumerate() {
             let r = self.attention(&layer.attn, &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?, cache, i, offset)?;
@@ -146,7 +152,7 @@ impl Transformer {
             let r = self.mlp(&layer.mlp, &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?)?;
             h = h2.add(&r)?;
         }
-        cache.offset += tokens.len() as i32;
+        cache.offset += len;
         Ok(h)
     }
 
