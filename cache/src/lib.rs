@@ -1,2 +1,22 @@
-//! The encoder-feature store: content-addressed vision features on disk (sled).
-//! Empty until the vision work lands; the crate exists so the workspace layout is stable.
+//! The encoder-feature store: an image goes through a vision tower once,
+//! ever. Features are stored on disk (sled) under a key made of everything
+//! that changes them — schema version, modality, a fingerprint of the tower's
+//! weights, a hash of the preprocessing parameters, and the sha256 of the
+//! media bytes — with a size-bounded RAM tier in front.
+//!
+//! Corrupt, truncated or old-format entries are misses (removed and counted),
+//! never wrong features and never errors. The store is bounded on disk too:
+//! least-recently-used entries are evicted past the budget.
+//!
+//! No MLX here: features are plain bytes plus dtype and shape, so the store
+//! can be inspected (`mlxbc cache ...`) without linking MLX.
+
+mod fingerprint;
+mod key;
+mod store;
+mod value;
+
+pub use fingerprint::{TowerFingerprint, WeightFileIdentity};
+pub use key::{content_hash, FeatureKey, Modality, SCHEMA_VERSION};
+pub use store::{FeatureStore, StoreConfig, StoreError, StoreStats};
+pub use value::{FeatureDtype, Features};
