@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod model;
 pub mod server;
+pub mod vision;
 
 pub use server::run;
 

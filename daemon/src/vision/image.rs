@@ -1,0 +1,142 @@
+//! Decoding and checking media before anything is stored or encoded: PNG,
+//! JPEG, WebP and GIF (first frame), EXIF orientation applied, dimensions and
+//! pixel count limited *before* decoding so a decompression bomb costs
+//! nothing but its header.
+
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits};
+use std::io::Cursor;
+
+/// Largest width or height accepted.
+pub const MAX_SIDE: u32 = 16_384;
+/// Largest pixel count accepted (about 64 megapixels).
+pub const MAX_PIXELS: u64 = 64 * 1024 * 1024;
+/// Largest decoder allocation.
+const MAX_ALLOC: u64 = 512 * 1024 * 1024;
+
+/// Why media was refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum MediaError {
+    #[error("not an image (unrecognised file header)")]
+    NotAnImage,
+    #[error("unsupported image format {0}: use PNG, JPEG, WebP or GIF")]
+    Unsupported(String),
+    #[error("image is {width}x{height}: over the limit of {MAX_SIDE} per side and {MAX_PIXELS} pixels")]
+    TooLarge { width: u32, height: u32 },
+    #[error("corrupt or truncated image: {0}")]
+    Corrupt(String),
+}
+
+/// Decodes `bytes` to RGB8 with its EXIF orientation applied.
+pub fn decode(bytes: &[u8]) -> Result<image::RgbImage, MediaError> {
+    let format = image::guess_format(bytes).map_err(|_| MediaError::NotAnImage)?;
+    if !matches!(format, ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP | ImageFormat::Gif) {
+        return Err(MediaError::Unsupported(format!("{format:?}")));
+    }
+    let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
+    let mut limits = Limits::default();
+    limits.max_image_width = Some(MAX_SIDE);
+    limits.max_image_height = Some(MAX_SIDE);
+    limits.max_alloc = Some(MAX_ALLOC);
+    reader.limits(limits);
+    let mut decoder = reader.into_decoder().map_err(classify)?;
+    let (width, height) = decoder.dimensions();
+    if width == 0 || height == 0 || width > MAX_SIDE || height > MAX_SIDE || width as u64 * height as u64 > MAX_PIXELS {
+        return Err(MediaError::TooLarge { width, height });
+    }
+    let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
+    let mut img = DynamicImage::from_decoder(decoder).map_err(classify)?;
+    img.apply_orientation(orientation);
+    Ok(img.to_rgb8())
+}
+
+fn classify(e: image::ImageError) -> MediaError {
+    match e {
+        image::ImageError::Limits(_) => MediaError::TooLarge { width: 0, height: 0 },
+        image::ImageError::Unsupported(u) => MediaError::Unsupported(u.to_string()),
+        other => MediaError::Corrupt(other.to_string()),
+    }
+}
+
+/// A model's image preprocessing: resize to a fixed size, rescale, normalize.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preprocess {
+    pub height: u32,
+    pub width: u32,
+    pub rescale: f32,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+impl Preprocess {
+    /// A stable description, hashed into feature-store keys.
+    pub fn describe(&self) -> String {
+        format!(
+            "resize={}x{}:catmullrom;rescale={};mean={:?};std={:?}",
+            self.height, self.width, self.rescale, self.mean, self.std
+        )
+    }
+
+    /// Pixels as f32, channels last (`[height, width, 3]`, row major), as MLX
+    /// convolutions expect them.
+    pub fn apply(&self, img: &image::RgbImage) -> Vec<f32> {
+        let resized = image::imageops::resize(img, self.width, self.height, image::imageops::FilterType::CatmullRom);
+        resized
+            .pixels()
+            .flat_map(|p| (0..3).map(move |c| (p.0[c] as f32 * self.rescale - self.mean[c]) / self.std[c]))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 128]));
+        let mut out = Vec::new();
+        img.write_to(&mut Cursor::new(&mut out), ImageFormat::Png).unwrap();
+        out
+    }
+
+    #[test]
+    fn decodes_and_refuses_what_it_should() {
+        assert_eq!(decode(&png(4, 3)).unwrap().dimensions(), (4, 3));
+        assert_eq!(decode(b"hello, not an image"), Err(MediaError::NotAnImage));
+        let full = png(64, 64);
+        assert!(matches!(decode(&full[..full.len() / 2]), Err(MediaError::Corrupt(_))));
+        let mut bmp = Vec::new();
+        image::RgbImage::new(2, 2).write_to(&mut Cursor::new(&mut bmp), ImageFormat::Bmp).unwrap();
+        assert!(matches!(decode(&bmp), Err(MediaError::Unsupported(_))));
+    }
+
+    #[test]
+    fn a_decompression_bomb_is_refused_from_its_header() {
+        // A valid PNG header claiming 100000 x 100000 pixels, and no data.
+        let mut bomb = png(1, 1);
+        bomb[16..20].copy_from_slice(&100_000u32.to_be_bytes());
+        bomb[20..24].copy_from_slice(&100_000u32.to_be_bytes());
+        let crc = crc32(&bomb[12..29]);
+        bomb[29..33].copy_from_slice(&crc.to_be_bytes());
+        assert!(matches!(decode(&bomb), Err(MediaError::TooLarge { .. })), "{:?}", decode(&bomb));
+    }
+
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut c = !0u32;
+        for &b in bytes {
+            c ^= b as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
+            }
+        }
+        !c
+    }
+
+    #[test]
+    fn normalizes_channels_last() {
+        let img = image::RgbImage::from_pixel(2, 2, image::Rgb([255, 0, 127]));
+        let p = Preprocess { height: 2, width: 2, rescale: 1.0 / 255.0, mean: [0.5; 3], std: [0.5; 3] };
+        let px = p.apply(&img);
+        assert_eq!(px.len(), 12);
+        assert!((px[0] - 1.0).abs() < 1e-6 && (px[1] + 1.0).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,6 @@
+//! Vision: media decoding and preprocessing, and the vision towers whose
+//! outputs the feature store keeps.
+
+pub mod gemma3_projector;
+pub mod image;
+pub mod siglip;

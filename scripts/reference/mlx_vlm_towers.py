@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Reference features from mlx-vlm's own vision classes on tiny random towers.
+
+Builds Gemma 3's SigLIP tower + projector with mlx-vlm 0.7.10 (its model
+classes, random seeded weights), runs it on fixed pixel values, and writes one
+safetensors file holding the tower's weights (under checkpoint names), the
+input pixels and the expected features. The file is small and committed, so
+the Rust test needs no Python. mlx-vlm needs mlx >= 0.32.4 while mlxbcd pins
+0.32.2: features are compared with a tolerance (see the test).
+
+Usage: mlx_vlm_towers.py OUT_DIR   (run in a venv with mlx[cpu]==0.32.4 mlx-vlm==0.7.10)
+"""
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_vlm.models.gemma3 import gemma3 as g3
+from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
+
+VISION = dict(model_type="siglip_vision_model", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+              num_attention_heads=4, patch_size=8, image_size=64, layer_norm_eps=1e-6)
+TEXT = dict(model_type="gemma3_text", hidden_size=96, num_hidden_layers=1, intermediate_size=128,
+            mm_tokens_per_image=16, vocab_size=8)
+
+
+def gemma3_tower(out: Path):
+    mx.random.seed(3)
+    vc, tc = VisionConfig.from_dict(VISION), TextConfig.from_dict(TEXT)
+    cfg = ModelConfig(text_config=tc, vision_config=vc, model_type="gemma3")
+    tower = g3.VisionModel(vc)
+    projector = g3.Gemma3MultiModalProjector(cfg)
+    # mlx-vlm initialises these two to ones; randomise so the test can fail.
+    projector.mm_input_projection_weight = mx.random.normal(projector.mm_input_projection_weight.shape) * 0.1
+    projector.mm_soft_emb_norm.weight = mx.random.normal(projector.mm_soft_emb_norm.weight.shape) * 0.1
+    pixels = mx.random.uniform(-1, 1, (2, VISION["image_size"], VISION["image_size"], 3))
+    hidden, _, _ = tower(pixels, output_hidden_states=True)
+    features = projector(hidden)
+    tensors = {f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())}
+    tensors.update({f"multi_modal_projector.{k}": v for k, v in tree_flatten(projector.parameters())})
+    tensors["test.pixels"] = pixels
+    tensors["test.tower_output"] = hidden
+    tensors["test.features"] = features
+    mx.eval(tensors)
+    meta = {"config": json.dumps({"vision_config": VISION, "text_config": TEXT}),
+            "reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}"}
+    mx.save_safetensors(str(out / "gemma3-tower.safetensors"), tensors, metadata=meta)
+    print("gemma3 tower features", features.shape)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    gemma3_tower(out)
