@@ -95,6 +95,11 @@ impl TensorMap {
         Ok(Self { tensors, default_group, group_overrides, form })
     }
 
+    /// Tensors already in memory (dense or MLX-quantized with `group_size`).
+    pub fn from_arrays(tensors: HashMap<String, Array>, group_size: i32, form: WeightForm) -> Self {
+        Self { tensors, default_group: group_size, group_overrides: HashMap::new(), form }
+    }
+
     /// True when a tensor of that exact name exists.
     pub fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)

@@ -1,0 +1,59 @@
+//! Vision towers against mlx-vlm's own classes on the very same random
+//! weights and pixels (tests/fixtures/reference/*-tower.safetensors, made by
+//! scripts/reference/mlx_vlm_towers.py with mlx-vlm 0.7.10 on mlx 0.32.4).
+//!
+//! Tolerance: the largest absolute difference must stay below 1e-4 of the
+//! largest reference magnitude. Both sides compute in f32 on CPU; they differ
+//! only where MLX 0.32.2 and 0.32.4 round reductions differently.
+
+use mlx_rs::{ops, Array};
+use mlxbc_daemon::model::weights::{TensorMap, WeightForm};
+use mlxbc_daemon::vision::gemma3_projector::Gemma3Projector;
+use mlxbc_daemon::vision::siglip::{SiglipConfig, SiglipTower};
+use std::path::PathBuf;
+
+const TOLERANCE: f32 = 1e-4;
+
+fn reference(name: &str) -> std::collections::HashMap<String, Array> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/reference").join(name);
+    Array::load_safetensors(&p).unwrap_or_else(|e| panic!("reading {}: {e} (regenerate with scripts/reference/mlx_vlm_towers.py)", p.display()))
+}
+
+fn relative_error(ours: &Array, want: &Array) -> f32 {
+    assert_eq!(ours.shape(), want.shape());
+    let diff = ops::abs(ops::subtract(ours, want).unwrap()).unwrap().max(None).unwrap();
+    let scale = ops::abs(want).unwrap().max(None).unwrap();
+    diff.item_cast::<f32>() / scale.item_cast::<f32>()
+}
+
+#[test]
+fn gemma3_siglip_tower_and_projector_match_mlx_vlm() {
+    let mut tensors = reference("gemma3-tower.safetensors");
+    let pixels = tensors.remove("test.pixels").unwrap();
+    let want_hidden = tensors.remove("test.tower_output").unwrap();
+    let want_features = tensors.remove("test.features").unwrap();
+    let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
+    let config = SiglipConfig {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        patch_size: 8,
+        image_size: 64,
+        layer_norm_eps: 1e-6,
+    };
+    let tower = SiglipTower::load(config, &mut t, "vision_tower.vision_model").unwrap();
+    let projector = Gemma3Projector::load(&mut t, "multi_modal_projector", 64, 8, 16, 1e-6).unwrap();
+    let hidden = tower.forward(&pixels).unwrap();
+    let err = relative_error(&hidden, &want_hidden);
+    eprintln!("gemma3 tower: relative error {err:e}");
+    assert!(err < TOLERANCE, "tower output differs from mlx-vlm: relative error {err:e}");
+    let features = projector.forward(&hidden).unwrap();
+    let err = relative_error(&features, &want_features);
+    eprintln!("gemma3 projected features: relative error {err:e}");
+    assert!(err < TOLERANCE, "projected features differ from mlx-vlm: relative error {err:e}");
+    assert_eq!(features.shape(), &[2, projector.tokens(), 96]);
+    // The check can fail: a different input gives different features.
+    let other = tower.forward(&pixels.multiply(Array::from_f32(0.5)).unwrap()).unwrap();
+    assert!(relative_error(&other, &want_hidden) > 1e-2);
+}
