@@ -57,3 +57,55 @@ fn gemma3_siglip_tower_and_projector_match_mlx_vlm() {
     let other = tower.forward(&pixels.multiply(Array::from_f32(0.5)).unwrap()).unwrap();
     assert!(relative_error(&other, &want_hidden) > 1e-2);
 }
+
+#[test]
+fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
+    use mlxbc_daemon::model::gemma3_text::Gemma3TextConfig;
+    use mlxbc_daemon::model::transformer::KvCache;
+    use mlxbc_daemon::vision::gemma3_vlm::Gemma3Vlm;
+    let mut tensors = reference("gemma3-vlm-tiny.safetensors");
+    let pixels = tensors.remove("test.pixels").unwrap();
+    let prompt: Vec<u32> = tensors.remove("test.prompt").unwrap().as_slice::<u32>().to_vec();
+    let want: Vec<u32> = tensors.remove("test.generated").unwrap().as_slice::<u32>().to_vec();
+    let want_logits = tensors.remove("test.first_logits").unwrap();
+    let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
+    let text: Gemma3TextConfig = serde_json::from_value(serde_json::json!({
+        "hidden_size": 96, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 32, "vocab_size": 300,
+        "sliding_window_pattern": 2, "sliding_window": 1024, "mm_tokens_per_image": 16
+    }))
+    .unwrap();
+    let vision = SiglipConfig {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        patch_size: 8,
+        image_size: 64,
+        layer_norm_eps: 1e-6,
+    };
+    let vlm = Gemma3Vlm::load(text, vision, 250, &mut t).unwrap();
+    let features = vlm.encode_image(&pixels).unwrap();
+    let embeds = vlm.prompt_embeddings(&prompt, &[features]).unwrap();
+    let mut cache = KvCache::new(vlm.text.num_layers());
+    let n = prompt.len() as i32;
+    let body = embeds.take_axis(Array::from_slice(&(0..n - 1).collect::<Vec<i32>>(), &[n - 1]), 1).unwrap();
+    let last = embeds.take_axis(Array::from_slice(&[n - 1], &[1]), 1).unwrap();
+    vlm.text.hidden(&body, &mut cache).unwrap();
+    let mut logits = vlm.text.logits_last(&vlm.text.hidden(&last, &mut cache).unwrap()).unwrap();
+    let err = relative_error(&logits, &want_logits);
+    eprintln!("gemma3 vlm first logits: relative error {err:e}");
+    assert!(err < TOLERANCE, "prefill logits differ from mlx-vlm: {err:e}");
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let y = mlx_rs::ops::indexing::argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
+        got.push(y);
+        let e = vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
+        logits = vlm.text.logits_last(&vlm.text.hidden(&e, &mut cache).unwrap()).unwrap();
+    }
+    assert_eq!(got, want, "greedy ids differ from mlx-vlm");
+    // Too many or too few images are errors, not silent misalignment.
+    assert!(vlm.prompt_embeddings(&prompt, &[]).is_err());
+    let f = vlm.encode_image(&pixels).unwrap();
+    assert!(vlm.prompt_embeddings(&prompt, &[f.clone(), f]).is_err());
+}

@@ -49,7 +49,61 @@ def gemma3_tower(out: Path):
     print("gemma3 tower features", features.shape)
 
 
+# A whole tiny Gemma 3 VLM: 2 text layers (one sliding, one global), a small
+# vocabulary with the image token inside it, greedy ids from mlx-vlm's own
+# prefill order (all but the last position from embeddings, then step).
+VLM_TEXT = dict(model_type="gemma3_text", hidden_size=96, num_hidden_layers=2, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                vocab_size=300, sliding_window_pattern=2, sliding_window=1024, mm_tokens_per_image=16)
+IMAGE_TOKEN, BOI, EOI = 250, 251, 252
+PROMPT = [2, 17, 42, BOI] + [IMAGE_TOKEN] * 16 + [EOI, 99, 7, 123]
+STEPS = 12
+
+
+def gemma3_vlm(out: Path):
+    mx.random.seed(4)
+    vc, tc = VisionConfig.from_dict(VISION), TextConfig.from_dict(VLM_TEXT)
+    cfg = ModelConfig(text_config=tc, vision_config=vc, model_type="gemma3", image_token_index=IMAGE_TOKEN,
+                      hidden_size=VLM_TEXT["hidden_size"], vocab_size=VLM_TEXT["vocab_size"])
+    model = g3.Model(cfg)
+    mp = model.multi_modal_projector
+    mp.mm_input_projection_weight = mx.random.normal(mp.mm_input_projection_weight.shape) * 0.1
+    mp.mm_soft_emb_norm.weight = mx.random.normal(mp.mm_soft_emb_norm.weight.shape) * 0.1
+    # Gemma norms are offsets from 1; give them spread so the test can fail.
+    for name, p in tree_flatten(model.language_model.parameters()):
+        if name.endswith("norm.weight"):
+            parent = model.language_model
+            *path, leaf = name.split(".")
+            for part in path:
+                parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+            setattr(parent, leaf, mx.random.normal(p.shape) * 0.2)
+    pixels = mx.random.uniform(-1, 1, (1, VISION["image_size"], VISION["image_size"], 3))
+    ids = mx.array([PROMPT])
+    emb = model.get_input_embeddings(ids, pixels.transpose(0, 3, 1, 2), mask=mx.ones(ids.shape)).inputs_embeds
+    lm = model.language_model
+    cache = lm.make_cache()
+    lm(inputs=ids[:, :-1], inputs_embeds=emb[:, :-1], cache=cache)
+    logits = lm(inputs=ids[:, -1:], inputs_embeds=emb[:, -1:], cache=cache).logits[:, -1]
+    first_logits = logits[0]
+    generated = []
+    for _ in range(STEPS):
+        y = int(mx.argmax(logits, axis=-1).item())
+        generated.append(y)
+        logits = lm(mx.array([[y]]), cache=cache).logits[:, -1]
+    tensors = {k: v for k, v in tree_flatten(model.parameters())}
+    tensors["test.pixels"] = pixels
+    tensors["test.prompt"] = ids.astype(mx.uint32)
+    tensors["test.generated"] = mx.array(generated, mx.uint32)
+    tensors["test.first_logits"] = first_logits
+    mx.eval(tensors)
+    meta = {"config": json.dumps({"vision_config": VISION, "text_config": VLM_TEXT, "image_token_index": IMAGE_TOKEN}),
+            "reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}"}
+    mx.save_safetensors(str(out / "gemma3-vlm-tiny.safetensors"), tensors, metadata=meta)
+    print("gemma3 vlm greedy ids", generated)
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     gemma3_tower(out)
+    gemma3_vlm(out)

@@ -3,6 +3,7 @@
 
 pub mod chat_template;
 pub mod config;
+pub mod gemma3_text;
 pub mod layers;
 pub mod tokenizer;
 pub mod transformer;

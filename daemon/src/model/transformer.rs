@@ -24,7 +24,7 @@ impl KvCache {
         Self { layers: (0..layers).map(|_| None).collect(), offset: 0 }
     }
 
-    fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
+    pub(crate) fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
         let (k, v) = match self.layers[layer].take() {
             None => (k, v),
             Some((pk, pv)) => (

@@ -2,5 +2,6 @@
 //! outputs the feature store keeps.
 
 pub mod gemma3_projector;
+pub mod gemma3_vlm;
 pub mod image;
 pub mod siglip;

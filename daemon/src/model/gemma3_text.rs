@@ -1,0 +1,206 @@
+//! Gemma 3's text decoder, op for op like mlx-vlm's `gemma3/language.py`:
+//! embeddings scaled by sqrt(hidden) (rounded through bf16, as the reference
+//! does), `1 + weight` RMS norms, q/k norms, four norms per block, a
+//! tanh-GELU gated MLP, and sliding-window layers (local rope base) between
+//! every `sliding_window_pattern`-th global layer.
+
+use super::layers::{Embedding, Linear};
+use super::transformer::KvCache;
+use super::weights::TensorMap;
+use anyhow::Result;
+use mlx_rs::{
+    fast::{self, ScaledDotProductAttentionMask},
+    nn, ops, Array, Dtype,
+};
+
+/// `text_config` of a Gemma 3 checkpoint.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+pub struct Gemma3TextConfig {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    #[serde(default = "d_heads")]
+    pub num_attention_heads: i32,
+    #[serde(default = "d_head_dim")]
+    pub head_dim: i32,
+    #[serde(default = "d_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "d_vocab")]
+    pub vocab_size: i32,
+    #[serde(default = "d_kv_heads")]
+    pub num_key_value_heads: i32,
+    #[serde(default = "d_global_base")]
+    pub rope_global_base_freq: f32,
+    #[serde(default = "d_local_base")]
+    pub rope_local_base_freq: f32,
+    #[serde(default = "d_head_dim_f")]
+    pub query_pre_attn_scalar: f32,
+    #[serde(default = "d_window")]
+    pub sliding_window: i32,
+    #[serde(default = "d_pattern")]
+    pub sliding_window_pattern: i32,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default = "d_mm_tokens")]
+    pub mm_tokens_per_image: i32,
+    #[serde(default = "d_ctx")]
+    pub max_position_embeddings: u32,
+}
+
+fn d_heads() -> i32 { 8 }
+fn d_head_dim() -> i32 { 256 }
+fn d_head_dim_f() -> f32 { 256.0 }
+fn d_eps() -> f32 { 1e-6 }
+fn d_vocab() -> i32 { 262208 }
+fn d_kv_heads() -> i32 { 4 }
+fn d_global_base() -> f32 { 1_000_000.0 }
+fn d_local_base() -> f32 { 10_000.0 }
+fn d_window() -> i32 { 1024 }
+fn d_pattern() -> i32 { 6 }
+fn d_mm_tokens() -> i32 { 256 }
+fn d_ctx() -> u32 { 4096 }
+
+struct Block {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Array,
+    k_norm: Array,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    input_norm: Array,
+    post_attn_norm: Array,
+    pre_ff_norm: Array,
+    post_ff_norm: Array,
+    sliding: bool,
+}
+
+/// A loaded Gemma 3 text decoder.
+pub struct Gemma3Text {
+    pub config: Gemma3TextConfig,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: Array,
+    lm_head: Option<Linear>,
+    embed_scale: Array,
+    global_rope_scale: f32,
+}
+
+/// Gemma's RMS norm weight is stored as an offset from 1.
+fn norm(t: &mut TensorMap, name: &str) -> Result<Array> {
+    Ok(t.float(name)?.add(Array::from_f32(1.0))?)
+}
+
+impl Gemma3Text {
+    /// Loads `prefix.model.*` (and `prefix.lm_head` when untied).
+    pub fn load(config: Gemma3TextConfig, t: &mut TensorMap, prefix: &str) -> Result<Self> {
+        let mut blocks = Vec::new();
+        for i in 0..config.num_hidden_layers {
+            let p = format!("{prefix}.model.layers.{i}");
+            blocks.push(Block {
+                q: t.linear(&format!("{p}.self_attn.q_proj"))?,
+                k: t.linear(&format!("{p}.self_attn.k_proj"))?,
+                v: t.linear(&format!("{p}.self_attn.v_proj"))?,
+                o: t.linear(&format!("{p}.self_attn.o_proj"))?,
+                q_norm: norm(t, &format!("{p}.self_attn.q_norm.weight"))?,
+                k_norm: norm(t, &format!("{p}.self_attn.k_norm.weight"))?,
+                gate: t.linear(&format!("{p}.mlp.gate_proj"))?,
+                up: t.linear(&format!("{p}.mlp.up_proj"))?,
+                down: t.linear(&format!("{p}.mlp.down_proj"))?,
+                input_norm: norm(t, &format!("{p}.input_layernorm.weight"))?,
+                post_attn_norm: norm(t, &format!("{p}.post_attention_layernorm.weight"))?,
+                pre_ff_norm: norm(t, &format!("{p}.pre_feedforward_layernorm.weight"))?,
+                post_ff_norm: norm(t, &format!("{p}.post_feedforward_layernorm.weight"))?,
+                sliding: (i + 1) % config.sliding_window_pattern != 0,
+            });
+        }
+        let lm_head = if t.has(&format!("{prefix}.lm_head.weight")) { Some(t.linear(&format!("{prefix}.lm_head"))?) } else { None };
+        // mlx-vlm: h *= mx.array(hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
+        let embed_scale = Array::from_f32((config.hidden_size as f64).sqrt() as f32).as_dtype(Dtype::Bfloat16)?.as_dtype(Dtype::Float32)?;
+        let global_rope_scale = match config.rope_scaling.as_ref().and_then(|s| s.get("factor")).and_then(|f| f.as_f64()) {
+            Some(f) => (1.0 / f) as f32,
+            None => 1.0,
+        };
+        Ok(Self {
+            embed: t.embedding(&format!("{prefix}.model.embed_tokens"))?,
+            norm: norm(t, &format!("{prefix}.model.norm.weight"))?,
+            blocks,
+            lm_head,
+            embed_scale,
+            global_rope_scale,
+            config,
+        })
+    }
+
+    /// Unscaled token embeddings `[1, L, hidden]` (scaling happens in [`Self::hidden`]).
+    pub fn embed(&self, ids: &Array) -> Result<Array> {
+        self.embed.lookup(ids)
+    }
+
+    /// Runs embeddings `[1, L, hidden]` through the blocks, appending to `cache`;
+    /// returns the final normed hidden states.
+    pub fn hidden(&self, embeds: &Array, cache: &mut KvCache) -> Result<Array> {
+        let c = &self.config;
+        let l = embeds.shape()[1];
+        let offset = cache.offset;
+        let mut h = embeds.multiply(&self.embed_scale)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let x = fast::rms_norm(&h, Some(&b.input_norm), c.rms_norm_eps)?;
+            let split = |y: Array, n: i32, w: &Array| -> Result<Array> {
+                let y = y.reshape(&[1, l, n, -1])?.transpose_axes(&[0, 2, 1, 3])?;
+                Ok(fast::rms_norm(&y, Some(w), c.rms_norm_eps)?)
+            };
+            let q = split(b.q.forward(&x)?, c.num_attention_heads, &b.q_norm)?;
+            let k = split(b.k.forward(&x)?, c.num_key_value_heads, &b.k_norm)?;
+            let v = b.v.forward(&x)?.reshape(&[1, l, c.num_key_value_heads, -1])?.transpose_axes(&[0, 2, 1, 3])?;
+            let (base, scale) = if b.sliding { (c.rope_local_base_freq, 1.0) } else { (c.rope_global_base_freq, self.global_rope_scale) };
+            let q = fast::rope(&q, c.head_dim, false, base, scale, offset, None)?;
+            let k = fast::rope(&k, c.head_dim, false, base, scale, offset, None)?;
+            let (k, v) = cache.update(i, k, v)?;
+            let o = self.attend(&q, k, v, b.sliding, offset)?;
+            let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, l, -1])?;
+            let r = fast::rms_norm(b.o.forward(&o)?, Some(&b.post_attn_norm), c.rms_norm_eps)?;
+            let h2 = h.add(&r)?;
+            let x = fast::rms_norm(&h2, Some(&b.pre_ff_norm), c.rms_norm_eps)?;
+            let m = b.down.forward(&nn::gelu_approximate(b.gate.forward(&x)?)?.multiply(b.up.forward(&x)?)?)?;
+            h = h2.add(fast::rms_norm(&m, Some(&b.post_ff_norm), c.rms_norm_eps)?)?;
+        }
+        cache.offset += l;
+        Ok(fast::rms_norm(&h, Some(&self.norm), c.rms_norm_eps)?)
+    }
+
+    /// Causal attention; sliding layers see only the last `sliding_window` keys.
+    fn attend(&self, q: &Array, k: Array, v: Array, sliding: bool, offset: i32) -> Result<Array> {
+        let scale = (self.config.query_pre_attn_scalar as f64).powf(-0.5) as f32;
+        let (l, total) = (q.shape()[2], k.shape()[2]);
+        let window = self.config.sliding_window;
+        if !sliding || total <= window {
+            let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+            return Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, mask, None)?);
+        }
+        // Query i (absolute offset + i) sees keys j with 0 <= pos_i - j < window.
+        let qpos = ops::arange::<_, i32>(offset, offset + l, None)?.reshape(&[l, 1])?;
+        let kpos = ops::arange::<_, i32>(0, total, None)?.reshape(&[1, total])?;
+        let diff = qpos.subtract(&kpos)?;
+        let allowed = diff.ge(Array::from_int(0))?.logical_and(&diff.lt(Array::from_int(window))?)?;
+        Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, ScaledDotProductAttentionMask::Array(&allowed), None)?)
+    }
+
+    /// Logits `[vocab]` of the last position of normed hidden states.
+    pub fn logits_last(&self, hidden: &Array) -> Result<Array> {
+        let l = hidden.shape()[1];
+        let last = if l == 1 { hidden.clone() } else { hidden.take_axis(Array::from_slice(&[l - 1], &[1]), 1)? };
+        let logits = match &self.lm_head {
+            Some(h) => h.forward(&last)?,
+            None => self.embed.as_linear(&last)?,
+        };
+        Ok(logits.reshape(&[-1])?)
+    }
+
+    /// Number of blocks (cache layers).
+    pub fn num_layers(&self) -> usize {
+        self.blocks.len()
+    }
+}

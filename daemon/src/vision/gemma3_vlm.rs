@@ -1,0 +1,82 @@
+//! Gemma 3 as a vision-language model: the text decoder, the SigLIP tower
+//! and the projector composed as mlx-vlm's `gemma3.Model` composes them.
+//! Image features replace the `<image_soft_token>` positions of the prompt,
+//! divided by sqrt(hidden) (the decoder scales every embedding back up).
+
+use super::gemma3_projector::Gemma3Projector;
+use super::siglip::{SiglipConfig, SiglipTower};
+use crate::model::gemma3_text::{Gemma3Text, Gemma3TextConfig};
+use crate::model::weights::TensorMap;
+use anyhow::{bail, Result};
+use mlx_rs::{ops, Array};
+
+/// A loaded Gemma 3 VLM.
+pub struct Gemma3Vlm {
+    pub text: Gemma3Text,
+    pub tower: SiglipTower,
+    pub projector: Gemma3Projector,
+    pub image_token_id: u32,
+    pub pad_token_id: u32,
+}
+
+impl Gemma3Vlm {
+    /// Loads from checkpoint tensors (`language_model.*`, `vision_tower.*`,
+    /// `multi_modal_projector.*`).
+    pub fn load(text: Gemma3TextConfig, vision: SiglipConfig, image_token_id: u32, t: &mut TensorMap) -> Result<Self> {
+        let projector = Gemma3Projector::load(
+            t,
+            "multi_modal_projector",
+            vision.image_size,
+            vision.patch_size,
+            text.mm_tokens_per_image,
+            vision.layer_norm_eps,
+        )?;
+        Ok(Self {
+            tower: SiglipTower::load(vision, t, "vision_tower.vision_model")?,
+            text: Gemma3Text::load(text, t, "language_model")?,
+            projector,
+            image_token_id,
+            pad_token_id: 0,
+        })
+    }
+
+    /// Image features `[tokens, hidden]` for pixels `[1, H, W, 3]`.
+    pub fn encode_image(&self, pixels: &Array) -> Result<Array> {
+        let f = self.projector.forward(&self.tower.forward(pixels)?)?;
+        let (t, d) = (f.shape()[1], f.shape()[2]);
+        Ok(f.reshape(&[t, d])?)
+    }
+
+    /// Prompt embeddings `[1, L, hidden]` with `images` (one `[tokens, hidden]`
+    /// array per image, in order) spliced over the image-token runs.
+    pub fn prompt_embeddings(&self, ids: &[u32], images: &[Array]) -> Result<Array> {
+        let hidden = self.text.config.hidden_size;
+        let scale = Array::from_f32((hidden as f64).sqrt() as f32);
+        let mut parts = Vec::new();
+        let mut images = images.iter();
+        let mut i = 0;
+        while i < ids.len() {
+            let is_image = ids[i] == self.image_token_id;
+            let run = ids[i..].iter().take_while(|&&t| (t == self.image_token_id) == is_image).count();
+            let seg = &ids[i..i + run];
+            if is_image {
+                let Some(f) = images.next() else { bail!("the prompt has more image placeholders than images") };
+                if f.shape()[0] as usize != run {
+                    bail!("an image has {} feature rows but the prompt holds {run} placeholders", f.shape()[0]);
+                }
+                parts.push(f.divide(&scale)?.reshape(&[1, run as i32, hidden])?);
+            } else {
+                let e = self.text.embed(&Array::from_slice(seg, &[1, run as i32]))?;
+                // Padding positions carry no embedding in the reference.
+                let keep: Vec<f32> = seg.iter().map(|&t| if t == self.pad_token_id { 0.0 } else { 1.0 }).collect();
+                let e = if keep.contains(&0.0) { e.multiply(Array::from_slice(&keep, &[1, run as i32, 1]))? } else { e };
+                parts.push(e);
+            }
+            i += run;
+        }
+        if images.next().is_some() {
+            bail!("more images than image placeholders in the prompt");
+        }
+        Ok(ops::concatenate(&parts, 1)?)
+    }
+}
