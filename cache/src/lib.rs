@@ -17,6 +17,6 @@ mod store;
 mod value;
 
 pub use fingerprint::{TowerFingerprint, WeightFileIdentity};
-pub use key::{content_hash, FeatureKey, Modality, SCHEMA_VERSION};
-pub use store::{FeatureStore, StoreConfig, StoreError, StoreStats};
+pub use key::{content_hash, hex, FeatureKey, Modality, SCHEMA_VERSION};
+pub use store::{FeatureStore, StoreConfig, StoreError, StoreStats, Tier};
 pub use value::{FeatureDtype, Features};

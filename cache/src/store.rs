@@ -288,6 +288,16 @@ impl FeatureStore {
         Ok(())
     }
 
+    /// Another tree in the same database (e.g. tower fingerprint memos).
+    pub fn tree(&self, name: &str) -> Result<sled::Tree, StoreError> {
+        Ok(self.db.open_tree(name)?)
+    }
+
+    /// The configured sizes.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
     /// Direct access for tests that damage entries on purpose.
     #[doc(hidden)]
     pub fn raw_tree(&self) -> &sled::Tree {

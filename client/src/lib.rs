@@ -91,9 +91,51 @@ impl Client {
     }
 
     /// Starts a generation; read its events from the returned stream.
+    ///
+    /// Images go by content hash first; their bytes are sent only when the
+    /// daemon answers that it has no features for them.
     pub async fn generate(&mut self, request: GenerateRequest) -> Result<GenerationStream<'_>, ClientError> {
-        self.conn.send(Request::Generate(request)).await?;
-        Ok(GenerationStream { client: self, finished: false })
+        let mut first_try = request.clone();
+        first_try.messages.iter_mut().flat_map(|m| m.images.iter_mut()).for_each(|m| m.bytes = None);
+        self.conn.send(Request::Generate(first_try)).await?;
+        let first = self.conn.next().await.transpose()?;
+        let pending = match first {
+            Some(Response::NeedMedia { missing }) => {
+                let mut with_bytes = request;
+                with_bytes
+                    .messages
+                    .iter_mut()
+                    .flat_map(|m| m.images.iter_mut())
+                    .filter(|m| !missing.contains(&m.sha256))
+                    .for_each(|m| m.bytes = None);
+                self.conn.send(Request::Generate(with_bytes)).await?;
+                self.conn.next().await.transpose()?
+            }
+            other => other,
+        };
+        Ok(GenerationStream { client: self, finished: false, pending })
+    }
+
+    /// Encodes images ahead of time; returns (encoded now, already stored).
+    pub async fn prefetch(&mut self, model: Option<&str>, media: Vec<MediaRef>) -> Result<(u32, u32), ClientError> {
+        let hashes_only: Vec<MediaRef> = media.iter().map(|m| MediaRef { sha256: m.sha256, bytes: None }).collect();
+        let mut answer = self.call(Request::Prefetch { model: model.map(String::from), media: hashes_only }).await?;
+        if let Response::NeedMedia { missing } = &answer {
+            let needed = media.into_iter().map(|m| if missing.contains(&m.sha256) { m } else { MediaRef { bytes: None, ..m } }).collect();
+            answer = self.call(Request::Prefetch { model: model.map(String::from), media: needed }).await?;
+        }
+        match answer {
+            Response::Prefetched { encoded, cached } => Ok((encoded, cached)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Runs a feature-store command.
+    pub async fn cache(&mut self, command: CacheCommand) -> Result<CacheReport, ClientError> {
+        match self.call(Request::Cache(command)).await? {
+            Response::Cache(r) => Ok(r),
+            other => Err(unexpected(other)),
+        }
     }
 
     /// Every model the daemon knows.
@@ -155,6 +197,8 @@ fn unexpected(r: Response) -> ClientError {
 pub struct GenerationStream<'a> {
     client: &'a mut Client,
     finished: bool,
+    /// The first event, read while settling which media to send.
+    pending: Option<Response>,
 }
 
 impl GenerationStream<'_> {
@@ -164,7 +208,11 @@ impl GenerationStream<'_> {
         if self.finished {
             return Ok(None);
         }
-        match self.client.conn.next().await.transpose()? {
+        let event = match self.pending.take() {
+            Some(e) => Some(e),
+            None => self.client.conn.next().await.transpose()?,
+        };
+        match event {
             Some(Response::Error { kind, message }) => {
                 self.finished = true;
                 Err(ClientError::Daemon { kind, message })

@@ -78,6 +78,7 @@ fn messages(case: &serde_json::Value) -> Vec<ChatMessage> {
                 _ => Role::User,
             },
             content: m["content"].as_str().unwrap().to_string(),
+            images: vec![],
         })
         .collect()
 }

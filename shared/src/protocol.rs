@@ -31,6 +31,77 @@ pub enum Request {
     Unload { model: String },
     /// Stop the daemon after the current job.
     Shutdown,
+    /// Encode media ahead of time so a later question is already a hit.
+    /// May be answered with [`Response::NeedMedia`] first, like Generate.
+    Prefetch { model: Option<String>, media: Vec<MediaRef> },
+    /// Inspect or maintain the encoder-feature store.
+    Cache(CacheCommand),
+}
+
+/// What to do with the encoder-feature store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CacheCommand {
+    /// Counters and sizes.
+    Stats,
+    /// Every entry.
+    List,
+    /// Remove everything.
+    Clear,
+    /// Read every entry and drop damaged ones.
+    Verify,
+}
+
+/// An image (or other media) by content hash; the bytes travel only when the
+/// daemon asks for them with [`Response::NeedMedia`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MediaRef {
+    /// sha256 of the file's bytes.
+    pub sha256: [u8; 32],
+    /// The bytes, when the daemon asked for them.
+    pub bytes: Option<Vec<u8>>,
+}
+
+impl MediaRef {
+    /// A reference carrying its bytes (the client strips them for the first try).
+    pub fn from_bytes(bytes: Vec<u8>) -> Self {
+        use sha2::Digest;
+        Self { sha256: sha2::Sha256::digest(&bytes).into(), bytes: Some(bytes) }
+    }
+
+    /// Lower-case hex of the hash.
+    pub fn hex(&self) -> String {
+        self.sha256.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// One entry of the feature store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheEntry {
+    /// sha256 of the media (hex).
+    pub content: String,
+    /// Tower fingerprint (hex, shortened).
+    pub tower: String,
+    pub bytes: u64,
+}
+
+/// Answer to [`Request::Cache`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheReport {
+    pub path: String,
+    pub entries: u64,
+    pub disk_bytes: u64,
+    pub disk_budget_bytes: u64,
+    pub ram_entries: u64,
+    pub ram_bytes: u64,
+    pub ram_hits: u64,
+    pub disk_hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub corrupt: u64,
+    /// Entries removed by Clear or Verify.
+    pub removed: u64,
+    /// Filled by List.
+    pub listing: Vec<CacheEntry>,
 }
 
 /// A message from the daemon to a client.
@@ -56,6 +127,13 @@ pub enum Response {
     Unloaded { model: String, was_loaded: bool },
     /// Answer to [`Request::Shutdown`].
     ShuttingDown,
+    /// The daemon has no features for these media: send the request again
+    /// with their bytes. Ends the stream.
+    NeedMedia { missing: Vec<[u8; 32]> },
+    /// Answer to [`Request::Prefetch`]: how many were encoded now and how many were already stored.
+    Prefetched { encoded: u32, cached: u32 },
+    /// Answer to [`Request::Cache`].
+    Cache(CacheReport),
 }
 
 /// One chat message.
@@ -63,20 +141,22 @@ pub enum Response {
 pub struct ChatMessage {
     pub role: Role,
     pub content: String,
+    /// Images that come with this message, in order, before its text.
+    pub images: Vec<MediaRef>,
 }
 
 impl ChatMessage {
     /// A message from the user.
     pub fn user(content: impl Into<String>) -> Self {
-        Self { role: Role::User, content: content.into() }
+        Self { role: Role::User, content: content.into(), images: Vec::new() }
     }
     /// A system prompt.
     pub fn system(content: impl Into<String>) -> Self {
-        Self { role: Role::System, content: content.into() }
+        Self { role: Role::System, content: content.into(), images: Vec::new() }
     }
     /// An earlier answer of the model.
     pub fn assistant(content: impl Into<String>) -> Self {
-        Self { role: Role::Assistant, content: content.into() }
+        Self { role: Role::Assistant, content: content.into(), images: Vec::new() }
     }
 }
 
@@ -216,6 +296,17 @@ pub struct GenerationStats {
     pub stop_reason: StopReason,
     /// Greedy/sampled token ids, for checking against reference implementations.
     pub token_ids: Vec<u32>,
+    /// Media answered from the feature store (RAM or disk) / encoded now.
+    pub encoder_hits: u32,
+    pub encoder_misses: u32,
+    /// Time in the vision tower (0 when every image was a hit).
+    pub encode_ms: f64,
+    /// Time looking features up in the store.
+    pub lookup_ms: f64,
+    /// Prompt tokens whose KV state was reused from an earlier request.
+    pub prefix_tokens_reused: u32,
+    /// Time spent in prefill proper (time to first token = queue + load + lookup + encode + prefill).
+    pub prefill_ms: f64,
 }
 
 /// What went wrong, for callers that branch on it.
@@ -239,6 +330,9 @@ pub enum ErrorKind {
     ShuttingDown,
     /// Anything else.
     Internal,
+    /// Media could not be used: not an image, corrupt, too large, a count
+    /// that does not match the prompt, or a text-only model.
+    BadMedia,
 }
 
 /// A model the daemon can serve.

@@ -26,6 +26,14 @@ pub struct SettingsFile {
     pub keep_alive: Option<String>,
     /// Largest prompt chunk fed to the model at once.
     pub prefill_chunk: Option<usize>,
+    /// Where encoder features are stored (default: <data dir>/cache/features).
+    pub feature_cache_dir: Option<PathBuf>,
+    /// Disk budget of the feature store, in MiB (default 4096).
+    pub feature_cache_mib: Option<u64>,
+    /// RAM tier of the feature store, in MiB (default 256).
+    pub feature_ram_mib: Option<u64>,
+    /// Prompt prefixes (with images) whose KV state is kept in RAM (default 8).
+    pub prefix_cache_entries: Option<usize>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
 }
@@ -40,6 +48,10 @@ pub struct Settings {
     pub keep_alive: KeepAlive,
     pub prefill_chunk: usize,
     pub aliases: BTreeMap<String, String>,
+    pub feature_cache_dir: PathBuf,
+    pub feature_cache_bytes: u64,
+    pub feature_ram_bytes: u64,
+    pub prefix_cache_entries: usize,
 }
 
 /// Why settings could not be loaded.
@@ -85,6 +97,10 @@ impl Settings {
             keep_alive,
             prefill_chunk: file.prefill_chunk.unwrap_or(512).max(1),
             aliases,
+            feature_cache_dir: file.feature_cache_dir.unwrap_or_else(|| paths.home.join("cache/features")),
+            feature_cache_bytes: file.feature_cache_mib.unwrap_or(4096) << 20,
+            feature_ram_bytes: file.feature_ram_mib.unwrap_or(256) << 20,
+            prefix_cache_entries: file.prefix_cache_entries.unwrap_or(8),
             paths,
         })
     }

@@ -7,7 +7,7 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use mlxbc_client::{ChatMessage, Client, ClientError, GenerateRequest, KeepAlive, Response, SamplingParams, Settings};
+use mlxbc_client::{CacheCommand, ChatMessage, Client, ClientError, GenerateRequest, KeepAlive, MediaRef, Response, SamplingParams, Settings};
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
 
@@ -43,12 +43,41 @@ enum Command {
     Unload { model: String },
     /// Stop the daemon.
     Stop,
+    /// Inspect or maintain the encoder-feature store.
+    Cache {
+        #[command(subcommand)]
+        command: CacheCmd,
+    },
+    /// Encode images ahead of time, so the first question about them is already a hit.
+    Prefetch {
+        /// Vision-language model whose tower encodes them.
+        #[arg(long, short)]
+        model: Option<String>,
+        /// Image files.
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+    },
+}
+
+#[derive(Subcommand, Debug, Clone, Copy)]
+enum CacheCmd {
+    /// Entries, sizes, hits and misses.
+    Stats,
+    /// Every stored feature entry.
+    Ls,
+    /// Remove every entry.
+    Clear,
+    /// Read every entry and drop damaged ones.
+    Verify,
 }
 
 #[derive(clap::Args, Debug)]
 struct AskArgs {
     /// The question.
     prompt: String,
+    /// An image to ask about (repeatable, in order; `-` reads stdin).
+    #[arg(long, short = 'i')]
+    image: Vec<std::path::PathBuf>,
     /// Model name, alias or path (default: the configured default model).
     #[arg(long, short)]
     model: Option<String>,
@@ -171,11 +200,30 @@ async fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Reads image files with the user's own permissions (the daemon never opens
+/// a path a client names); `-` is stdin.
+fn read_media(paths: &[std::path::PathBuf]) -> Result<Vec<MediaRef>> {
+    paths
+        .iter()
+        .map(|p| {
+            let bytes = if p.as_os_str() == "-" {
+                let mut b = Vec::new();
+                std::io::stdin().lock().read_to_end(&mut b)?;
+                b
+            } else {
+                std::fs::read(p).map_err(|e| anyhow::anyhow!("reading image {}: {e}", p.display()))?
+            };
+            Ok(MediaRef::from_bytes(bytes))
+        })
+        .collect()
+}
+
 /// The prompt, with piped stdin appended (e.g. `git diff | mlxbc ask "..."`).
 fn args_prompt(args: &AskArgs) -> Result<String> {
     let mut prompt = args.prompt.clone();
     let stdin = std::io::stdin();
-    if !stdin.is_terminal() {
+    let stdin_is_an_image = args.image.iter().any(|p| p.as_os_str() == "-");
+    if !stdin.is_terminal() && !stdin_is_an_image {
         let mut piped = String::new();
         stdin.lock().read_to_string(&mut piped)?;
         if !piped.trim().is_empty() {
@@ -192,7 +240,9 @@ fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
     if let Some(s) = &args.system {
         messages.push(ChatMessage::system(s.clone()));
     }
-    messages.push(ChatMessage::user(prompt));
+    let mut user = ChatMessage::user(prompt);
+    user.images = read_media(&args.image)?;
+    messages.push(user);
     Ok(GenerateRequest {
         model: args.model.clone(),
         messages,
@@ -229,6 +279,12 @@ async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) -> R
             }
             Response::Done { stats } => {
                 writeln!(out)?;
+                if args.verbose && stats.encoder_hits + stats.encoder_misses > 0 {
+                    eprintln!(
+                        "images: {} hit, {} encoded | lookup {:.1} ms, encode {:.0} ms | prefix tokens reused {} | prefill {:.0} ms",
+                        stats.encoder_hits, stats.encoder_misses, stats.lookup_ms, stats.encode_ms, stats.prefix_tokens_reused, stats.prefill_ms
+                    );
+                }
                 if args.verbose {
                     eprintln!(
                         "model {} | prompt {} tok | generated {} tok | ttft {:.0} ms (load {:.0} ms) | prefill {:.1} tok/s | decode {:.1} tok/s | stop {:?}",
@@ -252,7 +308,9 @@ fn event_json(event: &Response) -> serde_json::Value {
             "model": stats.model, "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
             "time_to_first_token_ms": stats.time_to_first_token_ms, "load_ms": stats.load_ms,
             "prefill_tokens_per_s": stats.prefill_tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
-            "stop_reason": format!("{:?}", stats.stop_reason), "token_ids": stats.token_ids}}),
+            "stop_reason": format!("{:?}", stats.stop_reason), "token_ids": stats.token_ids,
+            "encoder_hits": stats.encoder_hits, "encoder_misses": stats.encoder_misses, "encode_ms": stats.encode_ms,
+            "lookup_ms": stats.lookup_ms, "prefix_tokens_reused": stats.prefix_tokens_reused, "prefill_ms": stats.prefill_ms}}),
         other => json!({"event": "other", "debug": format!("{other:?}")}),
     }
 }
@@ -294,6 +352,32 @@ async fn manage(client: &mut Client, command: Command) -> Result<()> {
         Command::Unload { model } => {
             let was = client.unload(&model).await?;
             writeln!(out, "{}", if was { format!("unloaded {model}") } else { format!("{model} was not loaded") })?;
+        }
+        Command::Cache { command } => {
+            let cmd = match command {
+                CacheCmd::Stats => CacheCommand::Stats,
+                CacheCmd::Ls => CacheCommand::List,
+                CacheCmd::Clear => CacheCommand::Clear,
+                CacheCmd::Verify => CacheCommand::Verify,
+            };
+            let r = client.cache(cmd).await?;
+            for e in &r.listing {
+                writeln!(out, "{}  tower {}  {}", e.content, e.tower, gib(e.bytes))?;
+            }
+            match command {
+                CacheCmd::Clear => writeln!(out, "removed {} entries", r.removed)?,
+                CacheCmd::Verify => writeln!(out, "{} entries ok, {} damaged entries removed", r.entries, r.removed)?,
+                CacheCmd::Ls => {}
+                CacheCmd::Stats => {
+                    writeln!(out, "store:     {}", r.path)?;
+                    writeln!(out, "entries:   {} ({} of {} on disk; {} in RAM, {})", r.entries, gib(r.disk_bytes), gib(r.disk_budget_bytes), r.ram_entries, gib(r.ram_bytes))?;
+                    writeln!(out, "hits:      {} RAM, {} disk; misses {}; evictions {}; corrupt {}", r.ram_hits, r.disk_hits, r.misses, r.evictions, r.corrupt)?;
+                }
+            }
+        }
+        Command::Prefetch { model, files } => {
+            let (encoded, cached) = client.prefetch(model.as_deref(), read_media(&files)?).await?;
+            writeln!(out, "{encoded} encoded, {cached} already stored")?;
         }
         Command::Ask(_) | Command::Stop => unreachable!("handled in run"),
     }

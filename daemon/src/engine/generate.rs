@@ -9,7 +9,11 @@ use super::sampling::Sampler;
 use super::stop::{Filtered, StopFilter};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::transformer::KvCache;
-use crate::model::TextModel;
+use super::media::{self, MediaStats, Resolved};
+use super::prefix::PrefixCache;
+use crate::model::{Backbone, TextModel};
+use mlxbc_cache::FeatureStore;
+use mlxbc_shared::MediaRef;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::Array;
 use mlxbc_shared::{ErrorKind, GenerateRequest, GenerationStats, Response, StopReason};
@@ -17,12 +21,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-/// Facts about the request that the engine knows and the model does not.
+/// Facts about the request that the engine knows and the model does not,
+/// and the engine's caches the generation may use.
 pub struct GenerationContext<'a> {
     pub model_name: &'a str,
     pub load_ms: f64,
     pub prefill_chunk: usize,
     pub received: Instant,
+    pub store: Option<&'a mut FeatureStore>,
+    pub prefixes: &'a mut PrefixCache,
+}
+
+/// Positions `from..to` of `[1, L, hidden]` embeddings.
+fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, Failure> {
+    let idx: Vec<i32> = (from as i32..to as i32).collect();
+    embeds.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 1).map_err(inference)
 }
 
 type Failure = (ErrorKind, String);
@@ -33,19 +46,52 @@ fn inference<E: std::fmt::Display>(e: E) -> Failure {
 
 /// Runs the generation. `Ok(None)` means the client went away and the work
 /// was abandoned; nothing more should be sent.
+/// How a generation ended, when it did not fail.
+pub enum Finished {
+    /// Answered; `Done` is to be sent with these statistics.
+    Done(GenerationStats),
+    /// The client went away; nothing more is sent.
+    Abandoned,
+    /// `NeedMedia` was sent: the client will resend with the bytes.
+    AskedForMedia,
+}
+
+/// Runs the generation, streaming events into `events`.
 pub fn run(
     model: &TextModel,
-    ctx: &GenerationContext,
+    ctx: &mut GenerationContext,
     request: &GenerateRequest,
     events: &UnboundedSender<Response>,
     cancel: &AtomicBool,
-) -> Result<Option<GenerationStats>, Failure> {
+) -> Result<Finished, Failure> {
     if request.messages.is_empty() {
         return Err((ErrorKind::BadRequest, "the request has no messages".into()));
     }
-    let prompt = model.template.render(&request.messages).map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
+    let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
+    let (features, media_stats) = if media.is_empty() {
+        (Vec::new(), MediaStats::default())
+    } else {
+        match media::resolve(model, ctx.model_name, &media, ctx.store.as_deref_mut())? {
+            Resolved::Ready(f, s) => (f, s),
+            Resolved::Missing(missing) => {
+                let _ = events.send(Response::NeedMedia { missing });
+                return Ok(Finished::AskedForMedia);
+            }
+        }
+    };
+    let mut prompt = model.template.render(&request.messages).map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
+    if let Some(v) = &model.vision {
+        let placeholders = prompt.matches(v.placeholder.as_str()).count();
+        if placeholders != media.len() {
+            return Err((
+                ErrorKind::BadMedia,
+                format!("the prompt has {placeholders} image placeholders but {} images were sent", media.len()),
+            ));
+        }
+        prompt = prompt.replace(v.placeholder.as_str(), &v.expansion);
+    }
     let ids = model.encode(&prompt).map_err(inference)?;
-    let context = model.transformer.config.context_length as usize;
+    let context = model.backbone.context_length() as usize;
     if ids.is_empty() {
         return Err((ErrorKind::BadRequest, "the prompt is empty".into()));
     }
@@ -61,31 +107,66 @@ pub fn run(
     }
     let gone = || cancel.load(Ordering::Relaxed) || events.is_closed();
     if events.send(Response::Started { model: ctx.model_name.to_string(), prompt_tokens: ids.len() as u32 }).is_err() {
-        return Ok(None);
+        return Ok(Finished::Abandoned);
     }
 
     let t_prefill = Instant::now();
-    let mut cache = KvCache::new(model.transformer.config.num_layers as usize);
-    let (body, last) = ids.split_at(ids.len() - 1);
-    for chunk in body.chunks(ctx.prefill_chunk) {
-        model.transformer.hidden(chunk, &mut cache).map_err(inference)?;
-        eval(cache.arrays()).map_err(inference)?;
-        if gone() {
-            return Ok(None);
-        }
+    let embeds = match (&model.backbone, features.is_empty()) {
+        (_, true) => model.backbone.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
+        (Backbone::Gemma3(v), false) => v.prompt_embeddings(&ids, &features),
+        (Backbone::Decoder(_), false) => unreachable!("media::resolve refuses text-only models"),
     }
+    .map_err(|e| (ErrorKind::BadMedia, format!("{e:#}")))?;
+    let n = ids.len();
+    // The prefix that ends after the last image has an identity; its KV state
+    // is kept so the next question about the same images skips it.
+    let prefix = model.vision.as_ref().and_then(|v| ids.iter().rposition(|&t| t == v.image_token_id)).map(|p| p + 1).filter(|&p| p < n);
+    let identity = prefix.map(|p| PrefixCache::identity(ctx.model_name, &ids[..p], &media));
+    let mut reused = 0;
+    let mut cache = match identity.as_ref().and_then(|id| ctx.prefixes.get(id)) {
+        Some(c) => {
+            reused = prefix.unwrap();
+            c
+        }
+        None => KvCache::new(model.backbone.num_layers()),
+    };
+    let prefill = |from: usize, to: usize, cache: &mut KvCache| -> Result<bool, Failure> {
+        let mut at = from;
+        while at < to {
+            let end = (at + ctx.prefill_chunk).min(to);
+            model.backbone.hidden(&positions(&embeds, at, end)?, cache).map_err(inference)?;
+            eval(cache.arrays()).map_err(inference)?;
+            if gone() {
+                return Ok(false);
+            }
+            at = end;
+        }
+        Ok(true)
+    };
+    if let (Some(p), Some(id), 0) = (prefix, identity, reused) {
+        if !prefill(0, p, &mut cache)? {
+            return Ok(Finished::Abandoned);
+        }
+        ctx.prefixes.put(id, &cache);
+    }
+    if !prefill(prefix.unwrap_or(0).max(reused), n - 1, &mut cache)? {
+        return Ok(Finished::Abandoned);
+    }
+    let last_embed = positions(&embeds, n - 1, n)?;
     let mut sampler = Sampler::new(request.sampling.clone());
+    let h = model.backbone.hidden(&last_embed, &mut cache).map_err(inference)?;
+    let mut next = sampler.pick(&model.backbone.logits_last(&h).map_err(inference)?).map_err(inference)?;
+    async_eval([&next]).map_err(inference)?;
     // One decode step: ids (on the device) -> the next id, queued for
     // evaluation but not waited for. Building step n+1 while step n computes
     // keeps the host out of the way, as mlx-lm's generate_step does.
     let mut step = |ids: &Array, cache: &mut KvCache| -> Result<Array, Failure> {
-        let h = model.transformer.hidden_of(ids, cache).map_err(inference)?;
-        let logits = model.transformer.logits_last(&h).map_err(inference)?;
+        let h = model.backbone.hidden(&model.backbone.embed(ids).map_err(inference)?, cache).map_err(inference)?;
+        let logits = model.backbone.logits_last(&h).map_err(inference)?;
         let next = sampler.pick(&logits).map_err(inference)?;
         async_eval([&next]).map_err(inference)?;
         Ok(next)
     };
-    let mut next = step(&Array::from_slice(last, &[1, 1]), &mut cache)?;
     let read = |ids: &Array| -> Result<u32, Failure> { Ok(ids.try_item_cast::<u32>().map_err(inference)?) };
     let mut token = read(&next)?;
     let t_first = Instant::now();
@@ -110,7 +191,7 @@ pub fn run(
                 Filtered::Stop(t) => (t, true),
             };
             if !text.is_empty() && events.send(Response::Token { text }).is_err() {
-                return Ok(None);
+                return Ok(Finished::Abandoned);
             }
             if stop {
                 break StopReason::StopString;
@@ -120,7 +201,7 @@ pub fn run(
             break if limit < request.max_tokens as usize { StopReason::ContextFull } else { StopReason::MaxTokens };
         }
         if gone() {
-            return Ok(None);
+            return Ok(Finished::Abandoned);
         }
         next = queued.expect("queued while below the limit");
         token = read(&next)?;
@@ -128,18 +209,24 @@ pub fn run(
     };
     let tail = stops.finish();
     if stop_reason != StopReason::StopString && !tail.is_empty() && events.send(Response::Token { text: tail }).is_err() {
-        return Ok(None);
+        return Ok(Finished::Abandoned);
     }
     let decode_s = t_first.elapsed().as_secs_f64();
-    Ok(Some(GenerationStats {
+    Ok(Finished::Done(GenerationStats {
         model: ctx.model_name.to_string(),
         prompt_tokens: ids.len() as u32,
         generated_tokens: generated.len() as u32,
         time_to_first_token_ms: t_first.duration_since(ctx.received).as_secs_f64() * 1000.0,
         load_ms: ctx.load_ms,
-        prefill_tokens_per_s: ids.len() as f64 / prefill_s.max(1e-9),
+        prefill_tokens_per_s: (ids.len() - reused) as f64 / prefill_s.max(1e-9),
         decode_tokens_per_s: if decode_steps > 0 { decode_steps as f64 / decode_s.max(1e-9) } else { 0.0 },
         stop_reason,
         token_ids: generated,
+        encoder_hits: media_stats.hits,
+        encoder_misses: media_stats.misses,
+        encode_ms: media_stats.encode_ms,
+        lookup_ms: media_stats.lookup_ms,
+        prefix_tokens_reused: reused as u32,
+        prefill_ms: t_first.duration_since(t_prefill).as_secs_f64() * 1000.0,
     }))
 }

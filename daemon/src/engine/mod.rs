@@ -2,7 +2,10 @@
 //! queue, one at a time. Tokio tasks talk to it through channels and never
 //! touch MLX state (mlx-rs arrays are `Send`, not `Sync`).
 
+mod cache_report;
 mod generate;
+mod media;
+mod prefix;
 pub mod registry;
 mod residency;
 pub mod sampling;
@@ -32,6 +35,10 @@ pub enum Job {
     Load { model: String, keep_alive: Option<KeepAlive>, reply: oneshot::Sender<Response> },
     /// Drop a resident model.
     Unload { model: String, reply: oneshot::Sender<Response> },
+    /// Encode media ahead of time.
+    Prefetch { model: Option<String>, media: Vec<mlxbc_shared::MediaRef>, reply: oneshot::Sender<Response> },
+    /// Feature-store maintenance.
+    Cache { command: mlxbc_shared::CacheCommand, reply: oneshot::Sender<Response> },
 }
 
 /// Control messages, kept apart from jobs so a stop is never stuck behind them.
@@ -127,7 +134,21 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         cancelled: Arc::default(),
         device: device_name.to_string(),
     };
+    let store = match mlxbc_cache::FeatureStore::open(
+        &settings.feature_cache_dir,
+        mlxbc_cache::StoreConfig { ram_bytes: settings.feature_ram_bytes as usize, disk_bytes: settings.feature_cache_bytes },
+    ) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            // Serving without the store only costs re-encoding.
+            tracing::warn!("{e}; images will be encoded every time");
+            None
+        }
+    };
     let mut engine = Engine {
+        store,
+        store_path: settings.feature_cache_dir.clone(),
+        prefixes: prefix::PrefixCache::new(settings.prefix_cache_entries),
         registry: ModelRegistry::new(settings),
         residency: Residency::new(settings.keep_alive),
         form: WeightForm::for_device(&device),
@@ -149,13 +170,16 @@ fn refuse(job: Job) {
         Job::Generate { events, .. } => {
             let _ = events.send(err());
         }
-        Job::Load { reply, .. } | Job::Unload { reply, .. } => {
+        Job::Load { reply, .. } | Job::Unload { reply, .. } | Job::Prefetch { reply, .. } | Job::Cache { reply, .. } => {
             let _ = reply.send(err());
         }
     }
 }
 
 struct Engine {
+    store: Option<mlxbc_cache::FeatureStore>,
+    store_path: std::path::PathBuf,
+    prefixes: prefix::PrefixCache,
     registry: ModelRegistry,
     residency: Residency,
     form: WeightForm,
@@ -191,6 +215,7 @@ impl Engine {
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
             for name in self.residency.expire() {
+                self.prefixes.clear();
                 tracing::info!(model = %name, "keep-alive expired: unloaded");
             }
             self.publish();
@@ -202,22 +227,30 @@ impl Engine {
         match job {
             Job::Generate { request, events, cancel, received } => {
                 let keep_alive = request.keep_alive;
-                let outcome = self
-                    .residency
-                    .ensure_loaded(&self.registry, request.model.as_deref(), self.form, keep_alive)
-                    .and_then(|(name, load_ms)| {
+                let outcome = match self.load(request.model.as_deref(), keep_alive) {
+                    Err(e) => Err(e),
+                    Ok((name, load_ms)) => {
                         self.publish();
                         let model = self.residency.get(&name).expect("just loaded");
-                        let ctx = generate::GenerationContext { model_name: &name, load_ms, prefill_chunk: self.prefill_chunk, received };
-                        let result = generate::run(model, &ctx, &request, &events, &cancel);
+                        let mut ctx = generate::GenerationContext {
+                            model_name: &name,
+                            load_ms,
+                            prefill_chunk: self.prefill_chunk,
+                            received,
+                            store: self.store.as_mut(),
+                            prefixes: &mut self.prefixes,
+                        };
+                        let result = generate::run(model, &mut ctx, &request, &events, &cancel);
                         self.residency.touch(&name, keep_alive);
                         result
-                    });
+                    }
+                };
                 match outcome {
-                    Ok(Some(stats)) => {
+                    Ok(generate::Finished::Done(stats)) => {
                         let _ = events.send(Response::Done { stats });
                     }
-                    Ok(None) => {
+                    Ok(generate::Finished::AskedForMedia) => {}
+                    Ok(generate::Finished::Abandoned) => {
                         self.cancelled.fetch_add(1, Ordering::SeqCst);
                         tracing::info!("generation cancelled: the client went away");
                     }
@@ -227,14 +260,33 @@ impl Engine {
                     }
                 }
             }
+            Job::Prefetch { model, media, reply } => {
+                let response = match self.load(model.as_deref(), None) {
+                    Err((kind, message)) => Response::Error { kind, message },
+                    Ok((name, _)) => {
+                        let m = self.residency.get(&name).expect("just loaded");
+                        let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
+                        match media::resolve(m, &name, &refs, self.store.as_mut()) {
+                            Ok(media::Resolved::Missing(missing)) => Response::NeedMedia { missing },
+                            Ok(media::Resolved::Ready(_, s)) => Response::Prefetched { encoded: s.misses, cached: s.hits },
+                            Err((kind, message)) => Response::Error { kind, message },
+                        }
+                    }
+                };
+                let _ = reply.send(response);
+            }
+            Job::Cache { command, reply } => {
+                let response = cache_report::run(self.store.as_mut(), &self.store_path, command);
+                let _ = reply.send(response);
+            }
             Job::Load { model, keep_alive, reply } => {
                 let t = Instant::now();
-                let response = match self.residency.ensure_loaded(&self.registry, Some(&model), self.form, keep_alive) {
+                let response = match self.load(Some(&model), keep_alive) {
                     Ok((name, _)) => {
                         if let Some(ka) = keep_alive {
                             self.residency.touch(&name, Some(ka));
                         }
-                        let memory_bytes = self.residency.get(&name).map_or(0, |m| m.transformer.nbytes() as u64);
+                        let memory_bytes = self.residency.memory_of(&name);
                         Response::Loaded { model: name, load_ms: t.elapsed().as_millis() as u64, memory_bytes }
                     }
                     Err((kind, message)) => Response::Error { kind, message },
@@ -242,6 +294,7 @@ impl Engine {
                 let _ = reply.send(response);
             }
             Job::Unload { model, reply } => {
+                self.prefixes.clear();
                 let response = match self.registry.resolve(Some(&model)) {
                     Ok(resolved) => Response::Unloaded { was_loaded: self.residency.unload(&resolved.name), model: resolved.name },
                     Err(_) => Response::Unloaded { was_loaded: self.residency.unload(&model), model },
@@ -249,6 +302,12 @@ impl Engine {
                 let _ = reply.send(response);
             }
         }
+    }
+
+    /// Makes a model resident (fingerprinting its tower through the store's memo).
+    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<(String, f64), (ErrorKind, String)> {
+        let memo = self.store.as_ref().and_then(|s| s.tree("tower-fingerprints").ok());
+        self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())
     }
 
     fn publish(&self) {

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 struct Resident {
     model: TextModel,
+    /// MLX memory the load took.
+    memory_bytes: u64,
     keep_alive: KeepAlive,
     last_used: Instant,
 }
@@ -41,6 +43,7 @@ impl Residency {
         name: Option<&str>,
         form: WeightForm,
         keep_alive: Option<KeepAlive>,
+        fingerprints: Option<&sled::Tree>,
     ) -> Result<(String, f64), (ErrorKind, String)> {
         let resolved = registry.resolve(name).map_err(|m| (ErrorKind::UnknownModel, m))?;
         if self.models.contains_key(&resolved.name) {
@@ -48,13 +51,15 @@ impl Residency {
         }
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
-        let model = TextModel::load(&resolved.path, form)
+        let before = mlx_rs::memory::active_memory().unwrap_or(0);
+        let model = TextModel::load(&resolved.path, form, fingerprints)
             .map_err(|e| (ErrorKind::ModelLoad, format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display())))?;
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
-        tracing::info!(model = %resolved.name, load_ms, bytes = model.transformer.nbytes(), "model loaded");
+        let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
+        tracing::info!(model = %resolved.name, load_ms, memory_bytes, "model loaded");
         self.models.insert(
             resolved.name.clone(),
-            Resident { model, keep_alive: keep_alive.unwrap_or(self.default_keep_alive), last_used: Instant::now() },
+            Resident { model, memory_bytes, keep_alive: keep_alive.unwrap_or(self.default_keep_alive), last_used: Instant::now() },
         );
         Ok((resolved.name, load_ms))
     }
@@ -72,6 +77,11 @@ impl Residency {
                 r.keep_alive = ka;
             }
         }
+    }
+
+    /// MLX memory a resident model took at load.
+    pub fn memory_of(&self, name: &str) -> u64 {
+        self.models.get(name).map_or(0, |r| r.memory_bytes)
     }
 
     /// Drops a model; false when it was not resident.
@@ -112,12 +122,12 @@ impl Residency {
             .iter()
             .map(|(name, r)| LoadedModel {
                 name: name.clone(),
-                architecture: r.model.transformer.config.architecture.name().to_string(),
-                memory_bytes: r.model.transformer.nbytes() as u64,
+                architecture: r.model.backbone.architecture().to_string(),
+                memory_bytes: r.memory_bytes,
                 keep_alive: r.keep_alive,
                 expires_in_s: r.expires_at().map(|t| t.saturating_duration_since(now).as_secs()),
                 idle_s: now.duration_since(r.last_used).as_secs(),
-                context_length: r.model.transformer.config.context_length,
+                context_length: r.model.backbone.context_length(),
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

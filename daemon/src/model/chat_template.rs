@@ -32,7 +32,19 @@ impl ChatTemplate {
 
     /// The prompt text for `messages`, ending where the assistant's answer starts.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String> {
-        let messages: Vec<_> = messages.iter().map(|m| context! { role => m.role.as_str(), content => m.content.clone() }).collect();
+        // Messages with images use HF's content-list form, which multimodal
+        // templates expect: [{"type": "image"}, ..., {"type": "text", "text": ...}].
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|m| {
+                if m.images.is_empty() {
+                    return context! { role => m.role.as_str(), content => m.content.clone() };
+                }
+                let mut parts: Vec<minijinja::Value> = m.images.iter().map(|_| context! { type => "image" }).collect();
+                parts.push(context! { type => "text", text => m.content.clone() });
+                context! { role => m.role.as_str(), content => parts }
+            })
+            .collect();
         let tmpl = self.env.get_template("chat")?;
         tmpl.render(context! {
             messages => messages,

@@ -19,19 +19,99 @@ use tokenizers::Tokenizer;
 use transformer::Transformer;
 use weights::{TensorMap, WeightForm};
 
+/// The network that turns prompt embeddings into next-token logits.
+pub enum Backbone {
+    /// Llama / Qwen2 / Qwen3 text decoders.
+    Decoder(Transformer),
+    /// Gemma 3 with its vision tower.
+    Gemma3(Box<crate::vision::gemma3_vlm::Gemma3Vlm>),
+}
+
+impl Backbone {
+    /// Token embeddings `[1, L, hidden]` of ids `[1, L]`.
+    pub fn embed(&self, ids: &mlx_rs::Array) -> Result<mlx_rs::Array> {
+        match self {
+            Backbone::Decoder(t) => t.embed(ids),
+            Backbone::Gemma3(v) => v.text.embed(ids),
+        }
+    }
+
+    /// Embeddings through the layers (appending to `cache`).
+    pub fn hidden(&self, embeds: &mlx_rs::Array, cache: &mut transformer::KvCache) -> Result<mlx_rs::Array> {
+        match self {
+            Backbone::Decoder(t) => t.hidden(embeds, cache),
+            Backbone::Gemma3(v) => v.text.hidden(embeds, cache),
+        }
+    }
+
+    /// Logits `[vocab]` of the last position.
+    pub fn logits_last(&self, hidden: &mlx_rs::Array) -> Result<mlx_rs::Array> {
+        match self {
+            Backbone::Decoder(t) => t.logits_last(hidden),
+            Backbone::Gemma3(v) => v.text.logits_last(hidden),
+        }
+    }
+
+    /// Layers, i.e. KV cache slots.
+    pub fn num_layers(&self) -> usize {
+        match self {
+            Backbone::Decoder(t) => t.config.num_layers as usize,
+            Backbone::Gemma3(v) => v.text.num_layers(),
+        }
+    }
+
+    /// Longest prompt plus answer, in tokens.
+    pub fn context_length(&self) -> u32 {
+        match self {
+            Backbone::Decoder(t) => t.config.context_length,
+            Backbone::Gemma3(v) => v.text.config.max_position_embeddings,
+        }
+    }
+
+    /// Architecture name for listings.
+    pub fn architecture(&self) -> &'static str {
+        match self {
+            Backbone::Decoder(t) => t.config.architecture.name(),
+            Backbone::Gemma3(_) => "gemma3",
+        }
+    }
+}
+
+/// What a vision-language model needs besides its weights.
+pub struct VisionSpec {
+    pub preprocess: crate::vision::image::Preprocess,
+    /// Hash over the tower's config and weights (feature-store key part).
+    pub fingerprint: mlxbc_cache::TowerFingerprint,
+    /// Text the chat template writes where an image goes.
+    pub placeholder: String,
+    /// What each placeholder becomes before tokenization.
+    pub expansion: String,
+    /// Token id of the positions that receive image features.
+    pub image_token_id: u32,
+}
+
 /// Everything needed to answer a chat request with one model.
 pub struct TextModel {
-    pub transformer: Transformer,
+    pub backbone: Backbone,
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
     /// Token ids that end a generation.
     pub eos_ids: BTreeSet<u32>,
+    /// Present for vision-language models.
+    pub vision: Option<VisionSpec>,
 }
 
 impl TextModel {
-    /// Loads a `.gguf` file or a model directory.
-    pub fn load(path: &Path, form: WeightForm) -> Result<Self> {
+    /// Loads a `.gguf` file or a model directory. `fingerprints` remembers
+    /// tower fingerprints per weight-file identity.
+    pub fn load(path: &Path, form: WeightForm, fingerprints: Option<&sled::Tree>) -> Result<Self> {
         if path.is_dir() {
+            let config_text = std::fs::read_to_string(path.join("config.json"))
+                .with_context(|| format!("reading {}/config.json", path.display()))?;
+            let raw: serde_json::Value = serde_json::from_str(&config_text).context("parsing config.json")?;
+            if raw.get("model_type").and_then(|t| t.as_str()) == Some("gemma3") {
+                return crate::vision::loader::load_gemma3_dir(path, &raw, form, fingerprints);
+            }
             load_dir(path, form)
         } else if path.is_file() {
             load_gguf(path, form)
@@ -66,11 +146,12 @@ fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
         .unwrap_or_else(|| chat_template::CHATML.to_string());
     let template = ChatTemplate::new(source, token_text(&tokenizer, bos), token_text(&tokenizer, eos))?;
     let eos_ids = [eos, eot].into_iter().flatten().collect();
-    let transformer = Transformer::from_tensors(config, tensors)?;
-    Ok(TextModel { transformer, tokenizer, template, eos_ids })
+    let backbone = Backbone::Decoder(Transformer::from_tensors(config, tensors)?);
+    Ok(TextModel { backbone, tokenizer, template, eos_ids, vision: None })
 }
 
-fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+/// Reads a JSON file; `None` when it does not exist.
+pub fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
     match std::fs::read_to_string(path) {
         Ok(t) => Ok(Some(serde_json::from_str(&t).with_context(|| format!("parsing {}", path.display()))?)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -79,7 +160,7 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
 }
 
 /// Ids from a JSON int or list of ints.
-fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
+pub fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
     match v {
         Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
         Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|n| n as u32).collect(),
@@ -88,7 +169,7 @@ fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
 }
 
 /// A token given as a string or as `{"content": ...}` in tokenizer_config.json.
-fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
+pub fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
     match cfg.get(key)? {
         serde_json::Value::String(s) => Some(s.clone()),
         v => v.get("content").and_then(|c| c.as_str()).map(String::from),
@@ -101,6 +182,13 @@ fn load_dir(dir: &Path, form: WeightForm) -> Result<TextModel> {
     let raw: serde_json::Value = serde_json::from_str(&config_text)?;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
     let tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
+    let (tokenizer, template, eos_ids) = chat_parts(dir, &raw)?;
+    let backbone = Backbone::Decoder(Transformer::from_tensors(config, tensors)?);
+    Ok(TextModel { backbone, tokenizer, template, eos_ids, vision: None })
+}
+
+/// Tokenizer, chat template and stop ids of an HF/MLX model directory.
+pub fn chat_parts(dir: &Path, config: &serde_json::Value) -> Result<(Tokenizer, ChatTemplate, BTreeSet<u32>)> {
     let tokenizer = tokenizer::from_file(&dir.join("tokenizer.json"))?;
     let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
     let source = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
@@ -109,12 +197,11 @@ fn load_dir(dir: &Path, form: WeightForm) -> Result<TextModel> {
     };
     let bos = special_token(&tok_cfg, "bos_token").unwrap_or_default();
     let eos = special_token(&tok_cfg, "eos_token").unwrap_or_default();
-    let mut eos_ids: BTreeSet<u32> = ids_of(raw.get("eos_token_id")).into_iter().collect();
+    let mut eos_ids: BTreeSet<u32> = ids_of(config.get("eos_token_id")).into_iter().collect();
     if let Some(gen) = read_json(&dir.join("generation_config.json"))? {
         eos_ids.extend(ids_of(gen.get("eos_token_id")));
     }
     eos_ids.extend(tokenizer.token_to_id(&eos));
     let template = ChatTemplate::new(source, bos, eos)?;
-    let transformer = Transformer::from_tensors(config, tensors)?;
-    Ok(TextModel { transformer, tokenizer, template, eos_ids })
+    Ok((tokenizer, template, eos_ids))
 }

@@ -12,6 +12,7 @@ use mlx_rs::{
 };
 
 /// Per-layer keys and values of everything processed so far.
+#[derive(Clone)]
 pub struct KvCache {
     layers: Vec<Option<(Array, Array)>>,
     /// Number of positions cached.
@@ -134,17 +135,16 @@ impl Transformer {
         per_layer + self.embed_tokens.nbytes() + self.lm_head.as_ref().map_or(0, |h| h.nbytes()) + self.norm.nbytes()
     }
 
-    /// Runs `tokens` through the layers, appending to `cache`; returns the
-    /// final hidden states `[1, L, hidden]` (before the last norm).
-    pub fn hidden(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Array> {
-        self.hidden_of(&Array::from_slice(tokens, &[1, tokens.len() as i32]), cache)
+    /// Token embeddings `[1, L, hidden]` of ids `[1, L]`.
+    pub fn embed(&self, ids: &Array) -> Result<Array> {
+        self.embed_tokens.lookup(ids)
     }
 
-    /// Like [`hidden`](Self::hidden) for ids already on the device (`[1, L]`),
-    /// e.g. a sampled token that has not been read back yet.
-    pub fn hidden_of(&self, ids: &Array, cache: &mut KvCache) -> Result<Array> {
-        let len = ids.shape()[1];
-        let mut h = self.embed_tokens.lookup(ids)?;
+    /// Runs embeddings `[1, L, hidden]` through the layers, appending to
+    /// `cache`; returns the final hidden states (before the last norm).
+    pub fn hidden(&self, embeds: &Array, cache: &mut KvCache) -> Result<Array> {
+        let len = embeds.shape()[1];
+        let mut h = embeds.clone();
         let offset = cache.offset;
         for (i, layer) in self.layers.iter().enumerate() {
             let r = self.attention(&layer.attn, &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?, cache, i, offset)?;

@@ -120,7 +120,7 @@ async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_
                 let Some(event) = event else {
                     return conn.send(error(ErrorKind::Internal, "the engine dropped the request")).await.is_ok();
                 };
-                let last = matches!(event, Response::Done { .. } | Response::Error { .. });
+                let last = matches!(event, Response::Done { .. } | Response::Error { .. } | Response::NeedMedia { .. });
                 if conn.send(event).await.is_err() {
                     cancel.store(true, Ordering::Relaxed);
                     return false;
@@ -164,6 +164,8 @@ async fn answer(state: &ServerState, request: Request) -> Response {
             round_trip(state, |reply| Job::Load { model, keep_alive, reply }).await
         }
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
+        Request::Prefetch { model, media } => round_trip(state, |reply| Job::Prefetch { model, media, reply }).await,
+        Request::Cache(command) => round_trip(state, |reply| Job::Cache { command, reply }).await,
         Request::Shutdown => {
             tracing::info!("shutdown requested by a client");
             let _ = state.shutdown.send(true);

@@ -4,4 +4,5 @@
 pub mod gemma3_projector;
 pub mod gemma3_vlm;
 pub mod image;
+pub mod loader;
 pub mod siglip;

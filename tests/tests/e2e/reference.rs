@@ -32,6 +32,7 @@ async fn assert_matches_reference(model: &'static str, path: PathBuf, golden: se
             .map(|m| ChatMessage {
                 role: if m["role"] == "system" { Role::System } else { Role::User },
                 content: m["content"].as_str().unwrap().into(),
+                images: vec![],
             })
             .collect();
         let mut req = greedy(Some(model), "", case["max_tokens"].as_u64().unwrap() as u32);

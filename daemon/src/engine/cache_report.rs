@@ -1,0 +1,46 @@
+//! `mlxbc cache stats|ls|clear|verify`: the daemon owns the sled database
+//! (sled allows one process), so maintenance goes through it.
+
+use mlxbc_cache::{hex, FeatureStore};
+use mlxbc_shared::{CacheCommand, CacheEntry, CacheReport, ErrorKind, Response};
+use std::path::Path;
+
+/// Runs a cache command and reports the store's state afterwards.
+pub fn run(store: Option<&mut FeatureStore>, path: &Path, command: CacheCommand) -> Response {
+    let Some(store) = store else {
+        return Response::Error { kind: ErrorKind::Internal, message: format!("the feature store at {} could not be opened; see the daemon log", path.display()) };
+    };
+    let mut removed = 0;
+    let mut listing = Vec::new();
+    match command {
+        CacheCommand::Stats => {}
+        CacheCommand::List => {
+            listing = store
+                .list()
+                .into_iter()
+                .map(|(k, bytes)| CacheEntry { content: hex(&k.content), tower: hex(&k.tower[..6]), bytes })
+                .collect();
+        }
+        CacheCommand::Clear => match store.clear() {
+            Ok(n) => removed = n,
+            Err(e) => return Response::Error { kind: ErrorKind::Internal, message: e.to_string() },
+        },
+        CacheCommand::Verify => removed = store.verify().1,
+    }
+    let s = store.stats();
+    Response::Cache(CacheReport {
+        path: path.display().to_string(),
+        entries: s.entries,
+        disk_bytes: s.disk_bytes,
+        disk_budget_bytes: store.config().disk_bytes,
+        ram_entries: s.ram_entries,
+        ram_bytes: s.ram_bytes,
+        ram_hits: s.ram_hits,
+        disk_hits: s.disk_hits,
+        misses: s.misses,
+        evictions: s.evictions,
+        corrupt: s.corrupt,
+        removed,
+        listing,
+    })
+}

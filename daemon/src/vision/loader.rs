@@ -1,0 +1,64 @@
+//! Loading vision-language model directories as mlx-community ships them:
+//! `config.json` (text_config, vision_config, image token ids),
+//! `preprocessor_config.json`, `*.safetensors`, tokenizer and chat template.
+
+use super::gemma3_vlm::Gemma3Vlm;
+use super::image::Preprocess;
+use super::siglip::SiglipConfig;
+use crate::model::gemma3_text::Gemma3TextConfig;
+use crate::model::weights::{TensorMap, WeightForm};
+use crate::model::{chat_parts, read_json, Backbone, TextModel, VisionSpec};
+use anyhow::{Context, Result};
+use mlxbc_cache::TowerFingerprint;
+use std::path::Path;
+
+/// Tensor name prefixes that make up Gemma 3's tower (and so its fingerprint).
+const GEMMA3_TOWER: &[&str] = &["vision_tower.", "multi_modal_projector."];
+
+fn f32s(v: Option<&serde_json::Value>, default: [f32; 3]) -> [f32; 3] {
+    match v.and_then(|a| a.as_array()) {
+        Some(a) if a.len() == 3 => [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(default[i] as f64) as f32),
+        _ => default,
+    }
+}
+
+/// Gemma 3 from a directory.
+pub fn load_gemma3_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, memo: Option<&sled::Tree>) -> Result<TextModel> {
+    let text: Gemma3TextConfig = serde_json::from_value(raw["text_config"].clone()).context("config.json text_config")?;
+    let vision: SiglipConfig = serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
+    let image_token_id = raw.get("image_token_index").and_then(|v| v.as_u64()).unwrap_or(262144) as u32;
+    let quantization = raw.get("quantization").or(raw.get("quantization_config"));
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
+    let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
+    let side = pre.get("size").and_then(|s| s.get("height")).and_then(|h| h.as_u64()).unwrap_or(vision.image_size as u64) as u32;
+    let preprocess = Preprocess {
+        height: side,
+        width: side,
+        rescale: pre.get("rescale_factor").and_then(|r| r.as_f64()).unwrap_or(1.0 / 255.0) as f32,
+        mean: f32s(pre.get("image_mean"), [0.5; 3]),
+        std: f32s(pre.get("image_std"), [0.5; 3]),
+    };
+    let mut files: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let file_refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
+    let fingerprint = TowerFingerprint::compute(&file_refs, GEMMA3_TOWER, &raw["vision_config"].to_string(), memo)
+        .with_context(|| format!("fingerprinting the vision tower in {}", dir.display()))?;
+    let (tokenizer, template, mut eos_ids) = chat_parts(dir, raw)?;
+    eos_ids.extend(tokenizer.token_to_id("<end_of_turn>"));
+    let tokens = text.mm_tokens_per_image;
+    let vlm = Gemma3Vlm::load(text, vision, image_token_id, &mut tensors)?;
+    let soft = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<image_soft_token>".into());
+    // mlx-vlm's Gemma 3 processor: each <start_of_image> becomes
+    // "\n\n<start_of_image>" + N soft tokens + "<end_of_image>\n\n".
+    let expansion = format!("\n\n<start_of_image>{}<end_of_image>\n\n", soft.repeat(tokens as usize));
+    Ok(TextModel {
+        backbone: Backbone::Gemma3(Box::new(vlm)),
+        tokenizer,
+        template,
+        eos_ids,
+        vision: Some(VisionSpec { preprocess, fingerprint, placeholder: "<start_of_image>".into(), expansion, image_token_id }),
+    })
+}
