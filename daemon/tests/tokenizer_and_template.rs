@@ -88,7 +88,7 @@ fn chat_prompts_tokenize_exactly_like_mlx_lm() {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(workspace().join("tests/fixtures/reference/smollm2-mlx.json")).unwrap()).unwrap();
     for path in [smollm2_gguf(), fixture("mlx/smollm2-mlx")] {
-        let model = TextModel::load(&path, WeightForm::DenseF32).unwrap();
+        let model = TextModel::load(&path, WeightForm::DenseF32, None).unwrap();
         for case in golden["cases"].as_array().unwrap() {
             let prompt = model.template.render(&messages(case)).unwrap();
             let ids = model.encode(&prompt).unwrap();

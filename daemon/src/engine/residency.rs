@@ -54,6 +54,9 @@ impl Residency {
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
         let model = TextModel::load(&resolved.path, form, fingerprints)
             .map_err(|e| (ErrorKind::ModelLoad, format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display())))?;
+        model
+            .warm_up()
+            .map_err(|e| (ErrorKind::ModelLoad, format!("running model {} for the first time: {e:#}", resolved.name)))?;
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
         tracing::info!(model = %resolved.name, load_ms, memory_bytes, "model loaded");

@@ -120,6 +120,17 @@ impl TextModel {
         }
     }
 
+    /// Runs one token through the model: materializes the (lazily
+    /// dequantized) weights so load time and memory are accounted at load,
+    /// and MLX's first-use costs are not paid by the first request.
+    pub fn warm_up(&self) -> Result<()> {
+        let ids = mlx_rs::Array::from_slice(&[0u32], &[1, 1]);
+        let mut cache = transformer::KvCache::new(self.backbone.num_layers());
+        let h = self.backbone.hidden(&self.backbone.embed(&ids)?, &mut cache)?;
+        self.backbone.logits_last(&h)?.eval()?;
+        Ok(())
+    }
+
     /// Token ids of a prompt text (special tokens in the text are honoured,
     /// no BOS added: chat templates write it themselves).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
