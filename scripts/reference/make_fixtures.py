@@ -59,6 +59,79 @@ def tiny_model(arch, tok_dir, out, seed):
     copy_tokenizer(tok_dir, out)
 
 
+# A tiny Gemma 3 VLM for the daemon's end-to-end image tests: random weights
+# under mlx-community checkpoint names, SigLIP 64x64/8 tower, 16 image tokens.
+# Its tokenizer is SmolLM2's plus Gemma's image and turn tokens (the real
+# Gemma 3 tokenizer is SentencePiece, which the GGUF path does not build yet).
+GEMMA_TOKENS = ["<image_soft_token>", "<start_of_image>", "<end_of_image>", "<end_of_turn>", "<start_of_turn>"]
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}<start_of_image>{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
+)
+
+
+def tiny_gemma3_vlm(tok_dir, out, seed):
+    tok = json.loads((tok_dir / "tokenizer.json").read_text())
+    base = len(tok["model"]["vocab"])
+    for i, t in enumerate(GEMMA_TOKENS):
+        tok["model"]["vocab"][t] = base + i
+        tok["added_tokens"].append({"id": base + i, "content": t, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    vocab = base + len(GEMMA_TOKENS)
+    text = dict(hidden_size=96, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, vocab_size=vocab,
+                sliding_window_pattern=2, sliding_window=1024, mm_tokens_per_image=16, max_position_embeddings=4096)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  patch_size=8, image_size=64, layer_norm_eps=1e-6)
+    mx.random.seed(seed)
+    w = {}
+    def normal(name, shape, scale=0.05):
+        w[name] = mx.random.normal(shape) * scale
+    lm = "language_model.model"
+    normal(f"{lm}.embed_tokens.weight", (vocab, 96), 0.5)
+    normal(f"{lm}.norm.weight", (96,), 0.2)
+    for i in range(2):
+        p = f"{lm}.layers.{i}"
+        for n, shape in [("self_attn.q_proj", (128, 96)), ("self_attn.k_proj", (64, 96)), ("self_attn.v_proj", (64, 96)),
+                         ("self_attn.o_proj", (96, 128)), ("mlp.gate_proj", (128, 96)), ("mlp.up_proj", (128, 96)),
+                         ("mlp.down_proj", (96, 128))]:
+            normal(f"{p}.{n}.weight", shape, 0.15)
+        for n, d in [("self_attn.q_norm", 32), ("self_attn.k_norm", 32), ("input_layernorm", 96),
+                     ("post_attention_layernorm", 96), ("pre_feedforward_layernorm", 96), ("post_feedforward_layernorm", 96)]:
+            normal(f"{p}.{n}.weight", (d,), 0.2)
+    vt = "vision_tower.vision_model"
+    normal(f"{vt}.embeddings.patch_embedding.weight", (64, 8, 8, 3), 0.1)
+    normal(f"{vt}.embeddings.patch_embedding.bias", (64,))
+    normal(f"{vt}.embeddings.position_embedding.weight", (64, 64), 0.1)
+    for i in range(2):
+        p = f"{vt}.encoder.layers.{i}"
+        for n, (o, k) in [("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (64, 64)), ("self_attn.v_proj", (64, 64)),
+                          ("self_attn.out_proj", (64, 64)), ("mlp.fc1", (128, 64)), ("mlp.fc2", (64, 128))]:
+            normal(f"{p}.{n}.weight", (o, k), 0.15)
+            normal(f"{p}.{n}.bias", (o,))
+        for n in ("layer_norm1", "layer_norm2"):
+            w[f"{p}.{n}.weight"] = 1 + mx.random.normal((64,)) * 0.1
+            normal(f"{p}.{n}.bias", (64,))
+    w[f"{vt}.post_layernorm.weight"] = 1 + mx.random.normal((64,)) * 0.1
+    normal(f"{vt}.post_layernorm.bias", (64,))
+    normal("multi_modal_projector.mm_input_projection_weight", (64, 96), 0.2)
+    normal("multi_modal_projector.mm_soft_emb_norm.weight", (64,), 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    config = {"model_type": "gemma3", "text_config": text, "vision_config": vision, "image_token_index": base,
+              "eos_token_id": [base + 3], "bos_token_id": 1}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"height": 64, "width": 64}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+         "rescale_factor": 1 / 255}, indent=2) + "\n")
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<end_of_turn>", "chat_template": GEMMA_TEMPLATE}, indent=2) + "\n")
+
+
 def main():
     gguf, tok_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +140,7 @@ def main():
                     "--tokenizer-dir", str(tok_dir), "--dtype", "float32"], check=True)
     for seed, arch in enumerate(TINY, start=1):
         tiny_model(arch, tok_dir, out / f"tiny-{arch}", seed)
+    tiny_gemma3_vlm(tok_dir, out / "tiny-gemma3-vlm", 7)
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

@@ -68,19 +68,20 @@ pub fn resolve(model: &TextModel, name: &str, media: &[&MediaRef], store: Option
         return Ok(Resolved::Missing(missing));
     }
     let mut out = Vec::new();
+    // The same image twice in one request is encoded once.
+    let mut encoded_now: Vec<([u8; 32], Array)> = Vec::new();
     for (m, hit) in media.iter().zip(found) {
         if let Some(f) = hit {
             stats.hits += 1;
             out.push(f);
             continue;
         }
-        // Another image of this request may have been identical and just stored.
-        let key = key_for(model, m).expect("vision model");
-        if let Some(f) = store.as_deref_mut().and_then(|s| s.get(&key)).and_then(|(f, _)| to_array(&f)) {
+        if let Some((_, f)) = encoded_now.iter().find(|(h, _)| *h == m.sha256) {
             stats.hits += 1;
-            out.push(f);
+            out.push(f.clone());
             continue;
         }
+        let key = key_for(model, m).expect("vision model");
         let bytes = m.bytes.as_ref().expect("bytes present for misses");
         if <[u8; 32]>::from(sha2_of(bytes)) != m.sha256 {
             return Err(bad(format!("image {} does not match its sha256", m.hex())));
@@ -106,6 +107,7 @@ pub fn resolve(model: &TextModel, name: &str, media: &[&MediaRef], store: Option
                 tracing::warn!(error = %e, "could not store image features");
             }
         }
+        encoded_now.push((m.sha256, features.clone()));
         out.push(features);
     }
     Ok(Resolved::Ready(out, stats))
