@@ -68,17 +68,12 @@ pub fn run(
         return Err((ErrorKind::BadRequest, "the request has no messages".into()));
     }
     let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
-    let (features, media_stats) = if media.is_empty() {
-        (Vec::new(), MediaStats::default())
-    } else {
-        match media::resolve(model, ctx.model_name, &media, ctx.store.as_deref_mut())? {
-            Resolved::Ready(f, s) => (f, s),
-            Resolved::Missing(missing) => {
-                let _ = events.send(Response::NeedMedia { missing });
-                return Ok(Finished::AskedForMedia);
-            }
-        }
-    };
+    if !media.is_empty() && model.vision.is_none() {
+        return Err((
+            ErrorKind::BadMedia,
+            format!("model {} is text-only and cannot take images; use a vision-language model", ctx.model_name),
+        ));
+    }
     let mut prompt = model.template.render(&request.messages).map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
     if let Some(v) = &model.vision {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
@@ -90,6 +85,18 @@ pub fn run(
         }
         prompt = prompt.replace(v.placeholder.as_str(), &v.expansion);
     }
+    // Placeholders are checked before any media is decoded or stored.
+    let (features, media_stats) = if media.is_empty() {
+        (Vec::new(), MediaStats::default())
+    } else {
+        match media::resolve(model, ctx.model_name, &media, ctx.store.as_deref_mut())? {
+            Resolved::Ready(f, s) => (f, s),
+            Resolved::Missing(missing) => {
+                let _ = events.send(Response::NeedMedia { missing });
+                return Ok(Finished::AskedForMedia);
+            }
+        }
+    };
     let ids = model.encode(&prompt).map_err(inference)?;
     let context = model.backbone.context_length() as usize;
     if ids.is_empty() {

@@ -32,6 +32,11 @@ pub fn decode(bytes: &[u8]) -> Result<image::RgbImage, MediaError> {
     if !matches!(format, ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP | ImageFormat::Gif) {
         return Err(MediaError::Unsupported(format!("{format:?}")));
     }
+    // The header alone says how big the image claims to be.
+    let (width, height) = ImageReader::with_format(Cursor::new(bytes), format).into_dimensions().map_err(classify)?;
+    if width == 0 || height == 0 || width > MAX_SIDE || height > MAX_SIDE || width as u64 * height as u64 > MAX_PIXELS {
+        return Err(MediaError::TooLarge { width, height });
+    }
     let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
     let mut limits = Limits::default();
     limits.max_image_width = Some(MAX_SIDE);
@@ -39,10 +44,6 @@ pub fn decode(bytes: &[u8]) -> Result<image::RgbImage, MediaError> {
     limits.max_alloc = Some(MAX_ALLOC);
     reader.limits(limits);
     let mut decoder = reader.into_decoder().map_err(classify)?;
-    let (width, height) = decoder.dimensions();
-    if width == 0 || height == 0 || width > MAX_SIDE || height > MAX_SIDE || width as u64 * height as u64 > MAX_PIXELS {
-        return Err(MediaError::TooLarge { width, height });
-    }
     let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
     let mut img = DynamicImage::from_decoder(decoder).map_err(classify)?;
     img.apply_orientation(orientation);

@@ -8,3 +8,4 @@ mod generation;
 mod helper;
 mod lifecycle;
 mod reference;
+mod vision;
