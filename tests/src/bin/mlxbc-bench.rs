@@ -3,6 +3,7 @@
 //! feels. Prints one JSON object (scripts/bench makes the table).
 //!
 //! Usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS
+//!        mlxbc-bench --image VLM_DIR IMAGE_FILE
 
 use anyhow::{bail, Context, Result};
 use mlxbc_client::{Client, GenerateRequest, Response};
@@ -38,9 +39,99 @@ fn peak_rss(pid: u32) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// A daemon in a temp home serving `model`.
+struct Bench {
+    daemon: std::process::Child,
+    home: tempfile::TempDir,
+    name: String,
+}
+
+impl Bench {
+    fn start(model: &std::path::Path, home: Option<tempfile::TempDir>) -> Result<Self> {
+        let home = match home {
+            Some(h) => h,
+            None => {
+                let h = tempfile::Builder::new().prefix("mlxbc-bench").tempdir_in("/tmp")?;
+                std::fs::create_dir(h.path().join("models"))?;
+                h
+            }
+        };
+        let name = model.file_name().unwrap().to_string_lossy().to_string();
+        let link = home.path().join("models").join(&name);
+        if !link.exists() {
+            std::os::unix::fs::symlink(model, &link)?;
+        }
+        let exe = std::env::current_exe()?;
+        let daemon = std::process::Command::new(exe.parent().unwrap().join("mlxbcd"))
+            .env("MLXBC_HOME", home.path())
+            .env("MLXBC_LOG", "warn")
+            .env_remove("MLXBC_SOCKET")
+            .spawn()
+            .context("starting mlxbcd")?;
+        Ok(Self { daemon, home, name })
+    }
+
+    async fn client(&self) -> Client {
+        loop {
+            match Client::connect(&self.home.path().join("mlxbcd.sock")).await {
+                Ok(c) => return c,
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    }
+
+    async fn stop(mut self) -> tempfile::TempDir {
+        self.client().await.shutdown().await.ok();
+        let _ = self.daemon.wait();
+        self.home
+    }
+}
+
+/// The image section: time to first token for a new image (miss), a RAM hit,
+/// a prefix hit, and an SSD hit after a restart, with the encoder's share.
+async fn image_bench(model: &std::path::Path, image: &std::path::Path) -> Result<()> {
+    let model = model.canonicalize()?;
+    let bytes = std::fs::read(image)?;
+    let b = Bench::start(&model, None)?;
+    let mut c = b.client().await;
+    let name = b.name.clone();
+    let ask = |system: &str| {
+        let mut r = GenerateRequest::ask("What is in this picture?");
+        let mut user = r.messages.pop().unwrap();
+        user.images = vec![mlxbc_client::MediaRef::from_bytes(bytes.clone())];
+        // A different system prompt changes the prefix, so only the encoder cache can hit.
+        r.messages = vec![mlxbc_client::ChatMessage::system(system), user];
+        r.model = Some(name.clone());
+        r.max_tokens = 1;
+        r
+    };
+    timed(&mut c, GenerateRequest { model: Some(b.name.clone()), ..GenerateRequest::ask("warm up") }).await?;
+    let row = |label: &str, (ms, s): (f64, mlxbc_client::GenerationStats)| {
+        serde_json::json!({"case": label, "ttft_ms": ms, "encode_ms": s.encode_ms, "lookup_ms": s.lookup_ms,
+                           "prefill_ms": s.prefill_ms, "hits": s.encoder_hits, "misses": s.encoder_misses,
+                           "prefix_reused": s.prefix_tokens_reused})
+    };
+    let mut rows = vec![row("miss (new image)", timed(&mut c, ask("A")).await?)];
+    rows.push(row("RAM hit", timed(&mut c, ask("B")).await?));
+    rows.push(row("prefix hit", timed(&mut c, ask("B")).await?));
+    drop(c);
+    let home = b.stop().await;
+    let b = Bench::start(&model, Some(home))?;
+    let mut c = b.client().await;
+    timed(&mut c, GenerateRequest { model: Some(b.name.clone()), ..GenerateRequest::ask("warm up") }).await?;
+    rows.push(row("SSD hit (after restart)", timed(&mut c, ask("C")).await?));
+    drop(c);
+    b.stop().await;
+    println!("{}", serde_json::Value::Array(rows));
+    Ok(())
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() == 4 && args[1] == "--image" {
+        return image_bench(std::path::Path::new(&args[2]), std::path::Path::new(&args[3])).await;
+    }
     if args.len() != 4 {
         bail!("usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS");
     }
