@@ -131,6 +131,39 @@ mod tests {
         !c
     }
 
+    fn encode(img: &image::RgbImage, format: ImageFormat) -> Vec<u8> {
+        let mut out = Vec::new();
+        DynamicImage::ImageRgb8(img.clone()).write_to(&mut Cursor::new(&mut out), format).unwrap();
+        out
+    }
+
+    #[test]
+    fn jpeg_webp_and_gif_decode() {
+        let img = image::RgbImage::from_fn(6, 4, |x, _| image::Rgb([x as u8 * 40, 0, 0]));
+        for format in [ImageFormat::Jpeg, ImageFormat::WebP, ImageFormat::Gif] {
+            assert_eq!(decode(&encode(&img, format)).unwrap().dimensions(), (6, 4), "{format:?}");
+        }
+    }
+
+    #[test]
+    fn exif_orientation_is_applied() {
+        let img = image::RgbImage::from_fn(6, 4, |x, _| image::Rgb([x as u8 * 40, 0, 0]));
+        let jpeg = encode(&img, ImageFormat::Jpeg);
+        // APP1 "Exif" with one IFD entry: Orientation (0x0112) = 6, "rotate 90 CW".
+        let mut tiff = b"II*\0\x08\0\0\0".to_vec();
+        tiff.extend_from_slice(&1u16.to_le_bytes());
+        tiff.extend_from_slice(&[0x12, 0x01, 3, 0, 1, 0, 0, 0, 6, 0, 0, 0]);
+        tiff.extend_from_slice(&0u32.to_le_bytes());
+        let mut app1 = b"Exif\0\0".to_vec();
+        app1.extend_from_slice(&tiff);
+        let mut out = jpeg[..2].to_vec();
+        out.extend_from_slice(&[0xFF, 0xE1]);
+        out.extend_from_slice(&((app1.len() + 2) as u16).to_be_bytes());
+        out.extend_from_slice(&app1);
+        out.extend_from_slice(&jpeg[2..]);
+        assert_eq!(decode(&out).unwrap().dimensions(), (4, 6), "rotated by its EXIF orientation");
+    }
+
     #[test]
     fn normalizes_channels_last() {
         let img = image::RgbImage::from_pixel(2, 2, image::Rgb([255, 0, 127]));
