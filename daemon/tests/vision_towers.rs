@@ -84,7 +84,9 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
         image_size: 64,
         layer_norm_eps: 1e-6,
     };
-    let vlm = Gemma3Vlm::load(text, vision, 250, &mut t).unwrap();
+    let mut vlm = Gemma3Vlm::load(text, vision, 250, &mut t).unwrap();
+    // mlx-vlm 0.7.10 attends causally over image tokens (see Gemma3Vlm).
+    vlm.bidirectional_images = false;
     let features = vlm.encode_image(&pixels).unwrap();
     let embeds = vlm.prompt_embeddings(&prompt, &[features]).unwrap();
     let mut cache = KvCache::new(vlm.text.num_layers());
@@ -92,6 +94,7 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
     let body = embeds.take_axis(Array::from_slice(&(0..n - 1).collect::<Vec<i32>>(), &[n - 1]), 1).unwrap();
     let last = embeds.take_axis(Array::from_slice(&[n - 1], &[1]), 1).unwrap();
     vlm.text.hidden(&body, &mut cache).unwrap();
+    let body_embeds = body.clone();
     let mut logits = vlm.text.logits_last(&vlm.text.hidden(&last, &mut cache).unwrap()).unwrap();
     let err = relative_error(&logits, &want_logits);
     eprintln!("gemma3 vlm first logits: relative error {err:e}");
@@ -104,6 +107,17 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
         logits = vlm.text.logits_last(&vlm.text.hidden(&e, &mut cache).unwrap()).unwrap();
     }
     assert_eq!(got, want, "greedy ids differ from mlx-vlm");
+    // HF's mask (bidirectional within the image) changes the prefill — this
+    // is where and why ids part from mlx-vlm when it is on.
+    let blocks = vlm.image_blocks(&prompt);
+    assert_eq!(blocks.iter().filter(|&&b| b == 0).count(), 16);
+    let mut c2 = KvCache::new(vlm.text.num_layers());
+    vlm.text.hidden_with_blocks(&body_embeds, &mut c2, Some(&blocks)).unwrap();
+    let h2 = vlm.text.hidden_with_blocks(&last, &mut c2, Some(&blocks)).unwrap();
+    let bidir = vlm.text.logits_last(&h2).unwrap();
+    let moved = relative_error(&bidir, &want_logits);
+    eprintln!("gemma3 vlm, bidirectional image attention vs mlx-vlm's causal: relative logit change {moved:e}");
+    assert!(moved > 1e-4, "bidirectional image attention must change the result");
     // Too many or too few images are errors, not silent misalignment.
     assert!(vlm.prompt_embeddings(&prompt, &[]).is_err());
     let f = vlm.encode_image(&pixels).unwrap();

@@ -140,8 +140,8 @@ pub fn run(
     let prefill = |from: usize, to: usize, cache: &mut KvCache| -> Result<bool, Failure> {
         let mut at = from;
         while at < to {
-            let end = (at + ctx.prefill_chunk).min(to);
-            model.backbone.hidden(&positions(&embeds, at, end)?, cache).map_err(inference)?;
+            let end = model.backbone.chunk_end(&ids, at, to, ctx.prefill_chunk);
+            model.backbone.prefill(&positions(&embeds, at, end)?, cache, &ids).map_err(inference)?;
             eval(cache.arrays()).map_err(inference)?;
             if gone() {
                 return Ok(false);

@@ -142,6 +142,14 @@ impl Gemma3Text {
     /// Runs embeddings `[1, L, hidden]` through the blocks, appending to `cache`;
     /// returns the final normed hidden states.
     pub fn hidden(&self, embeds: &Array, cache: &mut KvCache) -> Result<Array> {
+        self.hidden_with_blocks(embeds, cache, None)
+    }
+
+    /// Like [`Self::hidden`], with `blocks[pos]` naming the image each absolute
+    /// position belongs to (-1: text). Positions of one image then attend to
+    /// each other in both directions, as Gemma 3 was trained (HF's
+    /// `token_type_ids` mask); everything else stays causal.
+    pub fn hidden_with_blocks(&self, embeds: &Array, cache: &mut KvCache, blocks: Option<&[i32]>) -> Result<Array> {
         let c = &self.config;
         let l = embeds.shape()[1];
         let offset = cache.offset;
@@ -159,7 +167,7 @@ impl Gemma3Text {
             let q = fast::rope(&q, c.head_dim, false, base, scale, offset, None)?;
             let k = fast::rope(&k, c.head_dim, false, base, scale, offset, None)?;
             let (k, v) = cache.update(i, k, v)?;
-            let o = self.attend(&q, k, v, b.sliding, offset)?;
+            let o = self.attend(&q, k, v, b.sliding, offset, blocks)?;
             let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, l, -1])?;
             let r = fast::rms_norm(b.o.forward(&o)?, Some(&b.post_attn_norm), c.rms_norm_eps)?;
             let h2 = h.add(&r)?;
@@ -172,10 +180,24 @@ impl Gemma3Text {
     }
 
     /// Causal attention; sliding layers see only the last `sliding_window` keys.
-    fn attend(&self, q: &Array, k: Array, v: Array, sliding: bool, offset: i32) -> Result<Array> {
+    fn attend(&self, q: &Array, k: Array, v: Array, sliding: bool, offset: i32, blocks: Option<&[i32]>) -> Result<Array> {
         let scale = (self.config.query_pre_attn_scalar as f64).powf(-0.5) as f32;
         let (l, total) = (q.shape()[2], k.shape()[2]);
         let window = self.config.sliding_window;
+        let queries_in_image = blocks.is_some_and(|b| b[offset as usize..(offset + l) as usize].iter().any(|&x| x >= 0));
+        if l > 1 && queries_in_image {
+            let b = blocks.unwrap();
+            let allowed: Vec<bool> = (offset..offset + l)
+                .flat_map(|i| {
+                    (0..total).map(move |j| {
+                        let causal = j <= i && (!sliding || i - j < window);
+                        causal || (b[i as usize] >= 0 && b[i as usize] == b[j as usize])
+                    })
+                })
+                .collect();
+            let mask = Array::from_slice(&allowed, &[l, total]);
+            return Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, ScaledDotProductAttentionMask::Array(&mask), None)?);
+        }
         if !sliding || total <= window {
             let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
             return Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, mask, None)?);

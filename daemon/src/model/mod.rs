@@ -44,6 +44,31 @@ impl Backbone {
         }
     }
 
+    /// Prompt positions through the layers during prefill; `ids` is the
+    /// whole prompt, so image positions can see their whole image.
+    pub fn prefill(&self, embeds: &mlx_rs::Array, cache: &mut transformer::KvCache, ids: &[u32]) -> Result<mlx_rs::Array> {
+        match self {
+            Backbone::Gemma3(v) if v.bidirectional_images => {
+                v.text.hidden_with_blocks(embeds, cache, Some(&v.image_blocks(ids)))
+            }
+            _ => self.hidden(embeds, cache),
+        }
+    }
+
+    /// Where a prefill chunk starting at `from` may end (at most `to`, never
+    /// inside an image whose positions must see each other).
+    pub fn chunk_end(&self, ids: &[u32], from: usize, to: usize, chunk: usize) -> usize {
+        let mut end = (from + chunk).min(to);
+        if let Backbone::Gemma3(v) = self {
+            if v.bidirectional_images {
+                while end < to && end > 0 && ids[end] == v.image_token_id && ids[end - 1] == v.image_token_id {
+                    end += 1;
+                }
+            }
+        }
+        end
+    }
+
     /// Logits `[vocab]` of the last position.
     pub fn logits_last(&self, hidden: &mlx_rs::Array) -> Result<mlx_rs::Array> {
         match self {

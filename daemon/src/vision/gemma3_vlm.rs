@@ -17,6 +17,10 @@ pub struct Gemma3Vlm {
     pub projector: Gemma3Projector,
     pub image_token_id: u32,
     pub pad_token_id: u32,
+    /// Attend bidirectionally within each image during prefill (Gemma 3's
+    /// training and HF's behaviour). mlx-vlm 0.7.10 attends causally: its
+    /// 4-D mask is dropped on the way to the language model.
+    pub bidirectional_images: bool,
 }
 
 impl Gemma3Vlm {
@@ -37,7 +41,25 @@ impl Gemma3Vlm {
             projector,
             image_token_id,
             pad_token_id: 0,
+            bidirectional_images: true,
         })
+    }
+
+    /// For each position of `ids`, the index of the image it belongs to, or -1.
+    pub fn image_blocks(&self, ids: &[u32]) -> Vec<i32> {
+        let mut block = -1;
+        let mut out = Vec::with_capacity(ids.len());
+        for (i, &t) in ids.iter().enumerate() {
+            if t == self.image_token_id {
+                if i == 0 || ids[i - 1] != self.image_token_id {
+                    block += 1;
+                }
+                out.push(block);
+            } else {
+                out.push(-1);
+            }
+        }
+        out
     }
 
     /// Image features `[tokens, hidden]` for pixels `[1, H, W, 3]`.
