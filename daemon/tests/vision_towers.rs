@@ -123,3 +123,23 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
     let f = vlm.encode_image(&pixels).unwrap();
     assert!(vlm.prompt_embeddings(&prompt, &[f.clone(), f]).is_err());
 }
+
+#[test]
+fn qwen25_vl_tower_matches_mlx_vlm() {
+    use mlxbc_daemon::vision::qwen25_vl_tower::{Qwen25VisionConfig, Qwen25VisionTower};
+    let mut tensors = reference("qwen25-vl-tower.safetensors");
+    let patches = tensors.remove("test.patches").unwrap();
+    let want = tensors.remove("test.features").unwrap();
+    let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
+    let config: Qwen25VisionConfig = serde_json::from_value(serde_json::json!({
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 48, "num_heads": 2,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+        "fullatt_block_indexes": [1]
+    }))
+    .unwrap();
+    let tower = Qwen25VisionTower::load(config, &mut t, "visual").unwrap();
+    let got = tower.forward(&patches, (1, 8, 12)).unwrap();
+    let err = relative_error(&got, &want);
+    eprintln!("qwen2.5-vl tower: relative error {err:e}");
+    assert!(err < TOLERANCE, "Qwen2.5-VL tower differs from mlx-vlm: relative error {err:e}");
+}

@@ -102,8 +102,37 @@ def gemma3_vlm(out: Path):
     print("gemma3 vlm greedy ids", generated)
 
 
+QWEN_VISION = dict(model_type="qwen2_5_vl", depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=48,
+                   num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                   fullatt_block_indexes=[1])
+QWEN_GRID = (1, 8, 12)  # t, h, w in patches: 4 x 6 merged units, windows of 2 x 2 (last column partial)
+
+
+def qwen25_vl_tower(out: Path):
+    from mlx_vlm.models.qwen2_5_vl.config import VisionConfig as QVC
+    from mlx_vlm.models.qwen2_5_vl.vision import VisionModel as QVM
+    mx.random.seed(5)
+    tower = QVM(QVC.from_dict(QWEN_VISION))
+    # RMS norm weights start at one; spread them so the test can fail.
+    for i, blk in enumerate(tower.blocks):
+        blk.norm1.weight = 1 + mx.random.normal(blk.norm1.weight.shape) * 0.2
+        blk.norm2.weight = 1 + mx.random.normal(blk.norm2.weight.shape) * 0.2
+    t, h, w = QWEN_GRID
+    patches = mx.random.uniform(-1, 1, (t * h * w, 3 * 2 * 14 * 14))
+    features = tower(patches, mx.array([list(QWEN_GRID)]))
+    tensors = {f"visual.{k}": v for k, v in tree_flatten(tower.parameters())}
+    tensors["test.patches"] = patches
+    tensors["test.features"] = features
+    mx.eval(tensors)
+    meta = {"config": json.dumps({"vision_config": QWEN_VISION, "grid": QWEN_GRID}),
+            "reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}"}
+    mx.save_safetensors(str(out / "qwen25-vl-tower.safetensors"), tensors, metadata=meta)
+    print("qwen2.5-vl tower features", features.shape)
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     gemma3_tower(out)
     gemma3_vlm(out)
+    qwen25_vl_tower(out)

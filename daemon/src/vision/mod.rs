@@ -5,4 +5,5 @@ pub mod gemma3_projector;
 pub mod gemma3_vlm;
 pub mod image;
 pub mod loader;
+pub mod qwen25_vl_tower;
 pub mod siglip;
