@@ -143,3 +143,14 @@ fn qwen25_vl_tower_matches_mlx_vlm() {
     eprintln!("qwen2.5-vl tower: relative error {err:e}");
     assert!(err < TOLERANCE, "Qwen2.5-VL tower differs from mlx-vlm: relative error {err:e}");
 }
+
+#[test]
+fn qwen25_vl_patchify_matches_the_hf_processor() {
+    use mlxbc_daemon::vision::qwen25_vl_tower::patchify;
+    let mut tensors = reference("qwen25-vl-tower.safetensors");
+    let pixels = tensors.remove("test.qwen_pixels").unwrap();
+    let want = tensors.remove("test.qwen_patchified").unwrap();
+    let got = patchify(pixels.as_slice::<f32>(), 56, 84, 14, 2, 2);
+    assert_eq!(got.len(), want.size());
+    assert_eq!(got.as_slice(), want.as_slice::<f32>(), "patch layout differs from transformers' Qwen2VLImageProcessor");
+}

@@ -123,6 +123,17 @@ def qwen25_vl_tower(out: Path):
     tensors = {f"visual.{k}": v for k, v in tree_flatten(tower.parameters())}
     tensors["test.patches"] = patches
     tensors["test.features"] = features
+    # HF Qwen2VLImageProcessor's patchify, for normalized pixels [H, W, 3]
+    # (H = 56, W = 84: a 4 x 6 patch grid): duplicate the frame (temporal 2),
+    # then order patches 2 x 2 merge group by merge group.
+    import numpy as np
+    pixels = np.asarray(mx.random.uniform(-1, 1, (56, 84, 3)))
+    chw = pixels.transpose(2, 0, 1)[None]
+    frames = np.concatenate([chw, chw], axis=0)
+    gh, gw = 56 // 14, 84 // 14
+    cubes = frames.reshape(1, 2, 3, gh // 2, 2, 14, gw // 2, 2, 14).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    tensors["test.qwen_pixels"] = mx.array(pixels)
+    tensors["test.qwen_patchified"] = mx.array(cubes.reshape(gh * gw, 3 * 2 * 14 * 14))
     mx.eval(tensors)
     meta = {"config": json.dumps({"vision_config": QWEN_VISION, "grid": QWEN_GRID}),
             "reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}"}

@@ -214,3 +214,65 @@ fn rotary(grid: (i32, i32, i32), merge: i32, head_dim: i32) -> Array {
     let n = rows.len() as i32 / dim;
     Array::from_slice(&rows, &[n, dim])
 }
+
+/// HF `smart_resize` for Qwen2-VL/2.5-VL: both sides multiples of `factor`
+/// (28), the pixel count kept within [min_pixels, max_pixels], aspect ratio
+/// preserved as far as possible. Python's `round` is half-to-even.
+pub fn smart_resize(height: u32, width: u32, factor: u32, min_pixels: u64, max_pixels: u64) -> (u32, u32) {
+    let (h, w, f) = (height as f64, width as f64, factor as f64);
+    let mut hb = (h / f).round_ties_even() * f;
+    let mut wb = (w / f).round_ties_even() * f;
+    if hb * wb > max_pixels as f64 {
+        let beta = (h * w / max_pixels as f64).sqrt();
+        hb = f.max((h / beta / f).floor() * f);
+        wb = f.max((w / beta / f).floor() * f);
+    } else if hb * wb < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        hb = (h * beta / f).ceil() * f;
+        wb = (w * beta / f).ceil() * f;
+    }
+    (hb as u32, wb as u32)
+}
+
+/// Normalized pixels `[H, W, 3]` (H, W multiples of patch * merge) → the
+/// processor's flattened patches `[H/P * W/P, 3 * T * P * P]`: the frame is
+/// repeated `temporal` times and patches are ordered merge group by merge group.
+pub fn patchify(pixels: &[f32], height: usize, width: usize, patch: usize, merge: usize, temporal: usize) -> Vec<f32> {
+    let (gh, gw) = (height / patch, width / patch);
+    let mut out = Vec::with_capacity(pixels.len() * temporal);
+    for hb in 0..gh / merge {
+        for wb in 0..gw / merge {
+            for i in 0..merge {
+                for j in 0..merge {
+                    let (py, px) = (hb * merge + i, wb * merge + j);
+                    for c in 0..3 {
+                        for _t in 0..temporal {
+                            for y in 0..patch {
+                                for x in 0..patch {
+                                    out.push(pixels[((py * patch + y) * width + px * patch + x) * 3 + c]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smart_resize_matches_hf() {
+        // Values from transformers' qwen2_vl smart_resize (factor 28, 56*56 .. 28*28*1280).
+        let (min, max) = (56 * 56, 28 * 28 * 1280);
+        assert_eq!(smart_resize(480, 640, 28, min, max), (476, 644));
+        assert_eq!(smart_resize(42, 42, 28, min, max), (56, 56));
+        assert_eq!(smart_resize(3000, 4000, 28, min, max), (840, 1148));
+        // 70 / 28 = 2.5 rounds to even (2), as Python does.
+        assert_eq!(smart_resize(70, 70, 28, min, max).0, 56);
+    }
+}
