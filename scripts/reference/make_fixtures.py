@@ -132,6 +132,30 @@ def tiny_gemma3_vlm(tok_dir, out, seed):
         {"bos_token": "<|im_start|>", "eos_token": "<end_of_turn>", "chat_template": GEMMA_TEMPLATE}, indent=2) + "\n")
 
 
+def quantized_copy(src, out, bits=4, group=32):
+    """An mlx-community style 4-bit copy: 2-D weights whose rows split into
+    groups become (weight uint32, scales, biases); norms, biases, conv and
+    projector weights stay as they are."""
+    out.mkdir(parents=True, exist_ok=True)
+    w = mx.load(str(src / "model.safetensors"))
+    q = {}
+    for k, v in w.items():
+        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group == 0 and "position_embedding" not in k:
+            wq, scales, biases = mx.quantize(v, group_size=group, bits=bits)
+            base = k[: -len(".weight")]
+            q[k], q[base + ".scales"], q[base + ".biases"] = wq, scales, biases
+        else:
+            q[k] = v
+    mx.eval(q)
+    mx.save_safetensors(str(out / "model.safetensors"), q, metadata={"format": "mlx"})
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization"] = {"group_size": group, "bits": bits}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def main():
     gguf, tok_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
@@ -141,6 +165,7 @@ def main():
     for seed, arch in enumerate(TINY, start=1):
         tiny_model(arch, tok_dir, out / f"tiny-{arch}", seed)
     tiny_gemma3_vlm(tok_dir, out / "tiny-gemma3-vlm", 7)
+    quantized_copy(out / "tiny-gemma3-vlm", out / "tiny-gemma3-vlm-4bit")
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

@@ -287,3 +287,19 @@ fn cli_ask_image_cache_and_prefetch() {
     let stats = String::from_utf8_lossy(&d.cli().args(["cache", "stats"]).output().unwrap().stdout).to_string();
     assert!(stats.contains("entries:   0"), "{stats}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_4bit_mlx_community_style_directory_loads_and_caches() {
+    let d = Daemon::start_with(DaemonOptions {
+        models: vec![("tiny-gemma3-vlm-4bit", fixture("mlx/tiny-gemma3-vlm-4bit"))],
+        args: vec![],
+    });
+    let img = png(64, 64, 41);
+    let mut req = ask_image(&[&img], "What is this?");
+    req.model = Some("tiny-gemma3-vlm-4bit".into());
+    let (first, s1) = ask_ok(&d.socket, req.clone()).await;
+    let (second, s2) = ask_ok(&d.socket, req).await;
+    assert_eq!((s1.encoder_misses, s2.encoder_hits), (1, 1));
+    assert_eq!(first, second);
+    assert!(s1.generated_tokens > 0);
+}
