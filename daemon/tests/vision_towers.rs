@@ -19,6 +19,19 @@ fn reference(name: &str) -> std::collections::HashMap<String, Array> {
     Array::load_safetensors(&p).unwrap_or_else(|e| panic!("reading {}: {e} (regenerate with scripts/reference/mlx_vlm_towers.py)", p.display()))
 }
 
+/// The SigLIP shape scripts/reference/mlx_vlm_towers.py builds (VISION there).
+fn tiny_siglip() -> SiglipConfig {
+    SiglipConfig {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        patch_size: 8,
+        image_size: 64,
+        layer_norm_eps: 1e-6,
+    }
+}
+
 fn relative_error(ours: &Array, want: &Array) -> f32 {
     assert_eq!(ours.shape(), want.shape());
     let diff = ops::abs(ops::subtract(ours, want).unwrap()).unwrap().max(None).unwrap();
@@ -33,15 +46,7 @@ fn gemma3_siglip_tower_and_projector_match_mlx_vlm() {
     let want_hidden = tensors.remove("test.tower_output").unwrap();
     let want_features = tensors.remove("test.features").unwrap();
     let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
-    let config = SiglipConfig {
-        hidden_size: 64,
-        intermediate_size: 128,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        patch_size: 8,
-        image_size: 64,
-        layer_norm_eps: 1e-6,
-    };
+    let config = tiny_siglip();
     let tower = SiglipTower::load(config, &mut t, "vision_tower.vision_model").unwrap();
     let projector = Gemma3Projector::load(&mut t, "multi_modal_projector", 64, 8, 16, 1e-6).unwrap();
     let hidden = tower.forward(&pixels).unwrap();
@@ -75,15 +80,7 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
         "sliding_window_pattern": 2, "sliding_window": 1024, "mm_tokens_per_image": 16
     }))
     .unwrap();
-    let vision = SiglipConfig {
-        hidden_size: 64,
-        intermediate_size: 128,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        patch_size: 8,
-        image_size: 64,
-        layer_norm_eps: 1e-6,
-    };
+    let vision = tiny_siglip();
     let mut vlm = Gemma3Vlm::load(text, vision, 250, &mut t).unwrap();
     // mlx-vlm 0.7.10 attends causally over image tokens (see Gemma3Vlm).
     vlm.bidirectional_images = false;

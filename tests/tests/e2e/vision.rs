@@ -24,7 +24,7 @@ pub fn png(w: u32, h: u32, seed: u32) -> Vec<u8> {
         let mut td = t.to_vec();
         td.extend_from_slice(d);
         out.write_all(&td).unwrap();
-        out.write_all(&crc32(&td).to_be_bytes()).unwrap();
+        out.write_all(&crc32fast::hash(&td).to_be_bytes()).unwrap();
     };
     let mut ihdr = w.to_be_bytes().to_vec();
     ihdr.extend_from_slice(&h.to_be_bytes());
@@ -35,16 +35,6 @@ pub fn png(w: u32, h: u32, seed: u32) -> Vec<u8> {
     out
 }
 
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut c = !0u32;
-    for &b in bytes {
-        c ^= b as u32;
-        for _ in 0..8 {
-            c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
-        }
-    }
-    !c
-}
 
 /// zlib with stored (uncompressed) deflate blocks: enough for test images.
 mod flate2_like {
@@ -247,7 +237,7 @@ async fn bad_media_gets_clear_errors_and_nothing_is_stored() {
     let mut bomb = png(1, 1, 1);
     bomb[16..20].copy_from_slice(&100_000u32.to_be_bytes());
     bomb[20..24].copy_from_slice(&100_000u32.to_be_bytes());
-    let crc = crc32(&bomb[12..29]);
+    let crc = crc32fast::hash(&bomb[12..29]);
     bomb[29..33].copy_from_slice(&crc.to_be_bytes());
     let other = tokio::spawn(ask(d.socket.clone(), greedy(Some(SMOLLM2), "What is the capital of France?", 16)));
     expect_bad_media(&d.socket, ask_image(&[b"just some text, not an image"], "?"), "not an image").await;
