@@ -20,12 +20,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_function("strftime_now", |fmt: String| -> String {
-            // Only date formats appear in real templates; a fixed date keeps
-            // prompts (and therefore prefix caches) stable within a day.
-            let _ = fmt;
-            String::from("29 Nov 2026")
-        });
+        env.add_function("strftime_now", |fmt: String| -> String { strftime_today(&fmt) });
         env.add_template_owned("chat", source).context("compiling the chat template")?;
         Ok(Self { env, bos_token, eos_token })
     }
@@ -56,5 +51,41 @@ impl ChatTemplate {
     }
 }
 
+/// Today's date (UTC) for the date formats chat templates use (`%d`, `%b`,
+/// `%B`, `%Y`, `%m`); other directives are left as written. Only the date,
+/// so prompts (and prefix caches) stay stable within a day.
+fn strftime_today(fmt: &str) -> String {
+    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    const MONTHS: [&str; 12] =
+        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    let name = MONTHS[(month - 1) as usize];
+    fmt.replace("%d", &format!("{day:02}"))
+        .replace("%m", &format!("{month:02}"))
+        .replace("%Y", &year.to_string())
+        .replace("%B", name)
+        .replace("%b", &name[..3])
+}
+
 /// ChatML, for models that ship no template.
 pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn strftime_today_formats_a_plausible_date() {
+        let d = super::strftime_today("%d %b %Y");
+        let parts: Vec<&str> = d.split(' ').collect();
+        assert_eq!(parts.len(), 3, "{d}");
+        assert!(parts[0].len() == 2 && parts[1].len() == 3 && parts[2].parse::<i32>().unwrap() >= 2024, "{d}");
+    }
+}
