@@ -83,7 +83,7 @@ pub fn resolve(model: &TextModel, name: &str, media: &[&MediaRef], store: Option
         }
         let key = key_for(model, m).expect("vision model");
         let bytes = m.bytes.as_ref().expect("bytes present for misses");
-        if <[u8; 32]>::from(sha2_of(bytes)) != m.sha256 {
+        if mlxbc_cache::content_hash(bytes) != m.sha256 {
             return Err(bad(format!("image {} does not match its sha256", m.hex())));
         }
         let t = Instant::now();
@@ -111,10 +111,6 @@ pub fn resolve(model: &TextModel, name: &str, media: &[&MediaRef], store: Option
         out.push(features);
     }
     Ok(Resolved::Ready(out, stats))
-}
-
-fn sha2_of(bytes: &[u8]) -> [u8; 32] {
-    mlxbc_cache::content_hash(bytes)
 }
 
 fn to_array(f: &Features) -> Option<Array> {
