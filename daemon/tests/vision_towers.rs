@@ -151,3 +151,42 @@ fn qwen25_vl_patchify_matches_the_hf_processor() {
     assert_eq!(got.len(), want.size());
     assert_eq!(got.as_slice(), want.as_slice::<f32>(), "patch layout differs from transformers' Qwen2VLImageProcessor");
 }
+
+#[test]
+fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
+    use mlxbc_daemon::model::config::TextConfig;
+    use mlxbc_daemon::model::transformer::{KvCache, Transformer};
+    use mlxbc_daemon::vision::mrope;
+    let mut tensors = reference("qwen25-vl-language.safetensors");
+    let prompt: Vec<u32> = tensors.remove("test.prompt").unwrap().as_slice::<u32>().to_vec();
+    let want: Vec<u32> = tensors.remove("test.generated").unwrap().as_slice::<u32>().to_vec();
+    let want_logits = tensors.remove("test.first_logits").unwrap();
+    let tensors = tensors.into_iter().map(|(k, v)| (k.trim_start_matches("language_model.").to_string(), v)).collect();
+    let config = TextConfig::from_hf_json(
+        &serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
+            "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "tie_word_embeddings": false, "max_position_embeddings": 2048
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let model = Transformer::from_tensors(config, TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
+    let mut cache = KvCache::new(2);
+    cache.mrope = Some(mrope::positions(&prompt, 250, &[(1, 4, 6)], 2));
+    let n = prompt.len();
+    let embed = |ids: &[u32]| model.embed(&Array::from_slice(ids, &[1, ids.len() as i32])).unwrap();
+    model.hidden(&embed(&prompt[..n - 1]), &mut cache).unwrap();
+    let mut logits = model.logits_last(&model.hidden(&embed(&prompt[n - 1..]), &mut cache).unwrap()).unwrap();
+    let err = relative_error(&logits, &want_logits);
+    eprintln!("qwen2.5-vl language (mrope) first logits: relative error {err:e}");
+    assert!(err < TOLERANCE, "{err:e}");
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let y = mlx_rs::ops::indexing::argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
+        got.push(y);
+        logits = model.logits_last(&model.hidden(&embed(&[y]), &mut cache).unwrap()).unwrap();
+    }
+    assert_eq!(got, want, "greedy ids differ from mlx-vlm");
+}

@@ -141,9 +141,53 @@ def qwen25_vl_tower(out: Path):
     print("qwen2.5-vl tower features", features.shape)
 
 
+QWEN_TEXT = dict(model_type="qwen2_5_vl", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=300,
+                 rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                 tie_word_embeddings=False, max_position_embeddings=2048)
+# 3 text tokens, vision start, 6 image tokens (a 4 x 6 patch grid, 2 x 3 merged), vision end, 3 text tokens.
+QWEN_PROMPT = [11, 12, 13, 251, 250, 250, 250, 250, 250, 250, 252, 14, 15, 16]
+QWEN_STEPS = 8
+
+
+def qwen25_vl_language(out: Path):
+    from mlx_vlm.models.qwen2_5_vl.config import ModelConfig as QMC, TextConfig as QTC, VisionConfig as QVC
+    from mlx_vlm.models.qwen2_5_vl.language import LanguageModel as QLM
+    from mlx_vlm.models.cache import KVCache
+    mx.random.seed(6)
+    tc = QTC.from_dict(QWEN_TEXT)
+    mc = QMC(text_config=tc, vision_config=QVC.from_dict(QWEN_VISION), model_type="qwen2_5_vl",
+             image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
+    lm = QLM(tc, mc)
+    ids = mx.array([QWEN_PROMPT])
+    pos, delta = lm.get_rope_index(ids, mx.array([[1, 4, 6]]))
+    cache = [KVCache() for _ in lm.model.layers]
+    n = len(QWEN_PROMPT)
+    lm.model(ids[:, : n - 1], cache=cache, position_ids=pos[:, :, : n - 1])
+    h = lm.model(ids[:, n - 1 :], cache=cache, position_ids=pos[:, :, n - 1 :])
+    logits = lm.lm_head(h)[:, -1]
+    first = logits[0]
+    generated = []
+    for step in range(QWEN_STEPS):
+        y = int(mx.argmax(logits, axis=-1).item())
+        generated.append(y)
+        p = n + step + int(delta.item())
+        h = lm.model(mx.array([[y]]), cache=cache, position_ids=mx.full((3, 1, 1), p, mx.int32))
+        logits = lm.lm_head(h)[:, -1]
+    tensors = {f"language_model.{k}": v for k, v in tree_flatten(lm.parameters())}
+    tensors["test.prompt"] = ids.astype(mx.uint32)
+    tensors["test.first_logits"] = first
+    tensors["test.generated"] = mx.array(generated, mx.uint32)
+    mx.eval(tensors)
+    meta = {"config": json.dumps(QWEN_TEXT), "reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}"}
+    mx.save_safetensors(str(out / "qwen25-vl-language.safetensors"), tensors, metadata=meta)
+    print("qwen2.5-vl language greedy ids", generated, "delta", int(delta.item()))
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     gemma3_tower(out)
     gemma3_vlm(out)
     qwen25_vl_tower(out)
+    qwen25_vl_language(out)

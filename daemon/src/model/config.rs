@@ -61,6 +61,9 @@ pub struct TextConfig {
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Qwen2-VL's multimodal rope: how many frequencies follow the time,
+    /// height and width positions (sums to head_dim / 2).
+    pub mrope_section: Option<Vec<i32>>,
     pub context_length: u32,
     pub tie_word_embeddings: bool,
 }
@@ -94,7 +97,13 @@ impl TextConfig {
     pub fn from_hf_json(text: &str) -> Result<Self> {
         let c: HfConfig = serde_json::from_str(text).context("parsing config.json")?;
         let architecture = Architecture::from_name(&c.model_type)?;
+        let mrope_section: Option<Vec<i32>> = c
+            .rope_scaling
+            .as_ref()
+            .and_then(|v| v.get("mrope_section"))
+            .and_then(|m| serde_json::from_value(m.clone()).ok());
         let rope_scaling = match &c.rope_scaling {
+            _ if mrope_section.is_some() => None,
             Some(v) if v.get("rope_type").or(v.get("type")).and_then(|t| t.as_str()) == Some("llama3") => {
                 let f = |k: &str, d: f32| v.get(k).and_then(|x| x.as_f64()).map(|x| x as f32).unwrap_or(d);
                 Some(Llama3RopeScaling {
@@ -119,6 +128,7 @@ impl TextConfig {
             rms_norm_eps: c.rms_norm_eps,
             rope_theta: c.rope_theta,
             rope_scaling,
+            mrope_section,
             context_length: c.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: c.tie_word_embeddings,
         })
@@ -151,6 +161,7 @@ impl TextConfig {
             rms_norm_eps: gguf_number(file, &key("attention.layer_norm_rms_epsilon"))? as f32,
             rope_theta: gguf_number(file, &key("rope.freq_base")).map(|v| v as f32).unwrap_or(10000.0),
             rope_scaling,
+            mrope_section: None,
             context_length: gguf_number(file, &key("context_length")).map(|v| v as u32).unwrap_or(4096),
             tie_word_embeddings: !has_output_tensor,
         })

@@ -17,12 +17,15 @@ pub struct KvCache {
     layers: Vec<Option<(Array, Array)>>,
     /// Number of positions cached.
     pub offset: i32,
+    /// Multimodal rope positions of the prompt, and the delta later
+    /// (decoded) positions add to their offset (Qwen2-VL family).
+    pub mrope: Option<(Vec<[i64; 3]>, i64)>,
 }
 
 impl KvCache {
     /// An empty cache for `layers` layers.
     pub fn new(layers: usize) -> Self {
-        Self { layers: (0..layers).map(|_| None).collect(), offset: 0 }
+        Self { layers: (0..layers).map(|_| None).collect(), offset: 0, mrope: None }
     }
 
     pub(crate) fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
@@ -182,8 +185,13 @@ impl Transformer {
         let q = heads(a.q_proj.forward(x)?, c.num_heads, &a.q_norm)?;
         let k = heads(a.k_proj.forward(x)?, c.num_kv_heads, &a.k_norm)?;
         let v = heads(a.v_proj.forward(x)?, c.num_kv_heads, &None)?;
-        let q = self.rope(&q, offset)?;
-        let k = self.rope(&k, offset)?;
+        let (q, k) = match &c.mrope_section {
+            Some(section) => {
+                let (cos, sin) = mrope_cos_sin(c, section, cache.mrope.as_ref(), offset, l)?;
+                (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?)
+            }
+            None => (self.rope(&q, offset)?, self.rope(&k, offset)?),
+        };
         let (k, v) = cache.update(layer, k, v)?;
         let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
         let o = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?;
@@ -203,6 +211,38 @@ impl Transformer {
         let g = nn::silu(m.gate_proj.forward(x)?)?;
         m.down_proj.forward(&g.multiply(m.up_proj.forward(x)?)?)
     }
+}
+
+/// cos/sin `[1, 1, L, head_dim]` of Qwen2-VL's "chunked" multimodal rope, as
+/// mlx-vlm computes them: frequency f follows the time, height or width
+/// position by `section`; positions past the prompt are `offset + delta`.
+fn mrope_cos_sin(c: &TextConfig, section: &[i32], mrope: Option<&(Vec<[i64; 3]>, i64)>, offset: i32, l: i32) -> Result<(Array, Array)> {
+    let half = c.head_dim / 2;
+    let steps = mlx_rs::ops::arange::<_, f32>(0.0, c.head_dim as f32, 2.0)?.divide(Array::from_f32(c.head_dim as f32))?;
+    let inv_freq = Array::from_f32(1.0).divide(mlx_rs::ops::power(Array::from_f32(c.rope_theta), &steps)?)?;
+    let axis_of: Vec<usize> = section.iter().enumerate().flat_map(|(a, &n)| std::iter::repeat(a).take(n as usize)).collect();
+    let positions: Vec<f32> = (offset..offset + l)
+        .flat_map(|p| {
+            let pos = match mrope {
+                Some((prompt, _)) if (p as usize) < prompt.len() => prompt[p as usize],
+                Some((_, delta)) => [p as i64 + delta; 3],
+                None => [p as i64; 3],
+            };
+            axis_of.iter().map(move |&a| pos[a] as f32).collect::<Vec<_>>()
+        })
+        .collect();
+    let freqs = Array::from_slice(&positions, &[l, half]).multiply(&inv_freq)?;
+    let emb = mlx_rs::ops::concatenate(&[&freqs, &freqs], -1)?.reshape(&[1, 1, l, c.head_dim])?;
+    Ok((mlx_rs::ops::cos(&emb)?, mlx_rs::ops::sin(&emb)?))
+}
+
+/// `x * cos + rotate_half(x) * sin` over the last axis.
+fn rotate(x: &Array, cos: &Array, sin: &Array) -> Result<Array> {
+    let d = x.shape()[3];
+    let lo = x.take_axis(Array::from_slice(&(0..d / 2).collect::<Vec<i32>>(), &[d / 2]), 3)?;
+    let hi = x.take_axis(Array::from_slice(&(d / 2..d).collect::<Vec<i32>>(), &[d / 2]), 3)?;
+    let rotated = mlx_rs::ops::concatenate(&[&mlx_rs::ops::negative(&hi)?, &lo], -1)?;
+    Ok(x.multiply(cos)?.add(rotated.multiply(sin)?)?)
 }
 
 /// mlx-lm's `Llama3RoPE._freqs`, computed on the host.
