@@ -132,6 +132,78 @@ def tiny_gemma3_vlm(tok_dir, out, seed):
         {"bos_token": "<|im_start|>", "eos_token": "<end_of_turn>", "chat_template": GEMMA_TEMPLATE}, indent=2) + "\n")
 
 
+QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def tiny_qwen25_vl(tok_dir, out, seed):
+    """A tiny Qwen2.5-VL for the daemon's image tests (same spirit as the Gemma 3 one)."""
+    tok = json.loads((tok_dir / "tokenizer.json").read_text())
+    base = len(tok["model"]["vocab"])
+    for i, t in enumerate(QWEN_TOKENS):
+        tok["model"]["vocab"][t] = base + i
+        tok["added_tokens"].append({"id": base + i, "content": t, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    vocab = base + len(QWEN_TOKENS)
+    mx.random.seed(seed)
+    w = {}
+    def normal(name, shape, scale=0.1):
+        w[name] = mx.random.normal(shape) * scale
+    lm = "language_model.model"
+    normal(f"{lm}.embed_tokens.weight", (vocab, 64), 0.5)
+    w[f"{lm}.norm.weight"] = 1 + mx.random.normal((64,)) * 0.1
+    normal("language_model.lm_head.weight", (vocab, 64), 0.2)
+    for i in range(2):
+        p = f"{lm}.layers.{i}"
+        for n, (o, k), bias in [("self_attn.q_proj", (64, 64), True), ("self_attn.k_proj", (32, 64), True),
+                                ("self_attn.v_proj", (32, 64), True), ("self_attn.o_proj", (64, 64), False),
+                                ("mlp.gate_proj", (128, 64), False), ("mlp.up_proj", (128, 64), False),
+                                ("mlp.down_proj", (64, 128), False)]:
+            normal(f"{p}.{n}.weight", (o, k), 0.15)
+            if bias:
+                normal(f"{p}.{n}.bias", (o,), 0.05)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            w[f"{p}.{n}.weight"] = 1 + mx.random.normal((64,)) * 0.1
+    vt = "vision_tower"
+    normal(f"{vt}.patch_embed.proj.weight", (32, 2, 14, 14, 3), 0.02)
+    for i in range(2):
+        p = f"{vt}.blocks.{i}"
+        for n in ("norm1", "norm2"):
+            w[f"{p}.{n}.weight"] = 1 + mx.random.normal((32,)) * 0.1
+        for n, (o, k) in [("attn.qkv", (96, 32)), ("attn.proj", (32, 32)), ("mlp.gate_proj", (64, 32)),
+                          ("mlp.up_proj", (64, 32)), ("mlp.down_proj", (32, 64))]:
+            normal(f"{p}.{n}.weight", (o, k), 0.15)
+            normal(f"{p}.{n}.bias", (o,), 0.05)
+    w[f"{vt}.merger.ln_q.weight"] = 1 + mx.random.normal((32,)) * 0.1
+    normal(f"{vt}.merger.mlp.0.weight", (128, 128), 0.1)
+    normal(f"{vt}.merger.mlp.0.bias", (128,), 0.05)
+    normal(f"{vt}.merger.mlp.2.weight", (64, 128), 0.1)
+    normal(f"{vt}.merger.mlp.2.bias", (64,), 0.05)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    config = {"model_type": "qwen2_5_vl", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+              "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+              "tie_word_embeddings": False, "max_position_embeddings": 4096,
+              "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
+                                "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                                "window_size": 56, "fullatt_block_indexes": [1]},
+              "image_token_id": base + 1, "vision_start_token_id": base, "eos_token_id": 2}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        {"min_pixels": 56 * 56, "max_pixels": 112 * 112, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+         "image_std": [0.26862954, 0.26130258, 0.27577711]}, indent=2) + "\n")
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": QWEN_TEMPLATE}, indent=2) + "\n")
+
+
 def quantized_copy(src, out, bits=4, group=32):
     """An mlx-community style 4-bit copy: 2-D weights whose rows split into
     groups become (weight uint32, scales, biases); norms, biases, conv and
@@ -166,6 +238,7 @@ def main():
         tiny_model(arch, tok_dir, out / f"tiny-{arch}", seed)
     tiny_gemma3_vlm(tok_dir, out / "tiny-gemma3-vlm", 7)
     quantized_copy(out / "tiny-gemma3-vlm", out / "tiny-gemma3-vlm-4bit")
+    tiny_qwen25_vl(tok_dir, out / "tiny-qwen25-vl", 8)
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

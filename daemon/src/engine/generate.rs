@@ -83,7 +83,6 @@ pub fn run(
                 format!("the prompt has {placeholders} image placeholders but {} images were sent", media.len()),
             ));
         }
-        prompt = prompt.replace(v.placeholder.as_str(), &v.expansion);
     }
     // Placeholders are checked before any media is decoded or stored.
     let (features, media_stats) = if media.is_empty() {
@@ -97,6 +96,22 @@ pub fn run(
             }
         }
     };
+    if let Some(v) = &model.vision {
+        // Each placeholder becomes as many image tokens as its image has feature rows.
+        let mut expanded = String::with_capacity(prompt.len());
+        let mut rest = prompt.as_str();
+        for f in &features {
+            let at = rest.find(v.placeholder.as_str()).expect("placeholders counted above");
+            let rows: i32 = f.shape()[..f.shape().len() - 1].iter().product();
+            expanded.push_str(&rest[..at]);
+            expanded.push_str(&v.expansion_prefix);
+            expanded.push_str(&v.image_token.repeat(rows as usize));
+            expanded.push_str(&v.expansion_suffix);
+            rest = &rest[at + v.placeholder.len()..];
+        }
+        expanded.push_str(rest);
+        prompt = expanded;
+    }
     let ids = model.encode(&prompt).map_err(inference)?;
     let context = model.backbone.context_length() as usize;
     if ids.is_empty() {
@@ -121,6 +136,7 @@ pub fn run(
     let embeds = match (&model.backbone, features.is_empty()) {
         (_, true) => model.backbone.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
         (Backbone::Gemma3(v), false) => v.prompt_embeddings(&ids, &features),
+        (Backbone::Qwen25Vl(v), false) => v.prompt_embeddings(&ids, &features),
         (Backbone::Decoder(_), false) => unreachable!("media::resolve refuses text-only models"),
     }
     .map_err(|e| (ErrorKind::BadMedia, format!("{e:#}")))?;
@@ -137,6 +153,10 @@ pub fn run(
         }
         None => KvCache::new(model.backbone.num_layers()),
     };
+    if let Backbone::Qwen25Vl(v) = &model.backbone {
+        let grids: Vec<_> = features.iter().map(|f| v.grid_of(f)).collect();
+        cache.mrope = Some(crate::vision::mrope::positions(&ids, v.image_token_id, &grids, v.tower.config.spatial_merge_size as u32));
+    }
     let prefill = |from: usize, to: usize, cache: &mut KvCache| -> Result<bool, Failure> {
         let mut at = from;
         while at < to {

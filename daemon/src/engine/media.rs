@@ -40,7 +40,7 @@ pub fn key_for(model: &TextModel, media: &MediaRef) -> Option<FeatureKey> {
     Some(FeatureKey {
         modality: Modality::Image,
         tower: v.fingerprint.0,
-        preprocess: FeatureKey::preprocess_hash(&v.preprocess.describe()),
+        preprocess: FeatureKey::preprocess_hash(&v.preprocess_key),
         content: media.sha256,
     })
 }
@@ -88,11 +88,13 @@ pub fn resolve(model: &TextModel, name: &str, media: &[&MediaRef], store: Option
         }
         let t = Instant::now();
         let img = image::decode(bytes).map_err(|e| bad(format!("image {}: {e}", &m.hex()[..12])))?;
-        let pixels = vision.preprocess.apply(&img);
-        let (h, w) = (vision.preprocess.height as i32, vision.preprocess.width as i32);
-        let pixels = Array::from_slice(&pixels, &[1, h, w, 3]);
         let features = match &model.backbone {
-            Backbone::Gemma3(v) => v.encode_image(&pixels),
+            Backbone::Gemma3(v) => {
+                let pre = vision.preprocess.as_ref().expect("Gemma 3 has a fixed-size preprocess");
+                let pixels = Array::from_slice(&pre.apply(&img), &[1, pre.height as i32, pre.width as i32, 3]);
+                v.encode_image(&pixels)
+            }
+            Backbone::Qwen25Vl(v) => v.encode_image(&img),
             Backbone::Decoder(_) => unreachable!("vision spec without a tower"),
         }
         .map_err(|e| (ErrorKind::Inference, format!("encoding image: {e:#}")))?;

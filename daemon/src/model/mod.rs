@@ -25,6 +25,8 @@ pub enum Backbone {
     Decoder(Transformer),
     /// Gemma 3 with its vision tower.
     Gemma3(Box<crate::vision::gemma3_vlm::Gemma3Vlm>),
+    /// Qwen2.5-VL: a Qwen2 decoder with multimodal rope, and its tower.
+    Qwen25Vl(Box<crate::vision::qwen25_vl::Qwen25Vlm>),
 }
 
 impl Backbone {
@@ -33,6 +35,7 @@ impl Backbone {
         match self {
             Backbone::Decoder(t) => t.embed(ids),
             Backbone::Gemma3(v) => v.text.embed(ids),
+            Backbone::Qwen25Vl(v) => v.text.embed(ids),
         }
     }
 
@@ -41,6 +44,7 @@ impl Backbone {
         match self {
             Backbone::Decoder(t) => t.hidden(embeds, cache),
             Backbone::Gemma3(v) => v.text.hidden(embeds, cache),
+            Backbone::Qwen25Vl(v) => v.text.hidden(embeds, cache),
         }
     }
 
@@ -74,6 +78,7 @@ impl Backbone {
         match self {
             Backbone::Decoder(t) => t.logits_last(hidden),
             Backbone::Gemma3(v) => v.text.logits_last(hidden),
+            Backbone::Qwen25Vl(v) => v.text.logits_last(hidden),
         }
     }
 
@@ -82,6 +87,7 @@ impl Backbone {
         match self {
             Backbone::Decoder(t) => t.config.num_layers as usize,
             Backbone::Gemma3(v) => v.text.num_layers(),
+            Backbone::Qwen25Vl(v) => v.text.config.num_layers as usize,
         }
     }
 
@@ -90,6 +96,7 @@ impl Backbone {
         match self {
             Backbone::Decoder(t) => t.config.context_length,
             Backbone::Gemma3(v) => v.text.config.max_position_embeddings,
+            Backbone::Qwen25Vl(v) => v.text.config.context_length,
         }
     }
 
@@ -98,19 +105,26 @@ impl Backbone {
         match self {
             Backbone::Decoder(t) => t.config.architecture.name(),
             Backbone::Gemma3(_) => "gemma3",
+            Backbone::Qwen25Vl(_) => "qwen2_5_vl",
         }
     }
 }
 
 /// What a vision-language model needs besides its weights.
 pub struct VisionSpec {
-    pub preprocess: crate::vision::image::Preprocess,
+    /// Stable text of the preprocessing parameters (feature-store key part).
+    pub preprocess_key: String,
+    /// Fixed-size resize + normalize (Gemma 3); Qwen2.5-VL resizes per image.
+    pub preprocess: Option<crate::vision::image::Preprocess>,
     /// Hash over the tower's config and weights (feature-store key part).
     pub fingerprint: mlxbc_cache::TowerFingerprint,
     /// Text the chat template writes where an image goes.
     pub placeholder: String,
-    /// What each placeholder becomes before tokenization.
-    pub expansion: String,
+    /// What each placeholder becomes before tokenization: `prefix`, the
+    /// image token once per feature row, `suffix`.
+    pub expansion_prefix: String,
+    pub image_token: String,
+    pub expansion_suffix: String,
     /// Token id of the positions that receive image features.
     pub image_token_id: u32,
 }
@@ -134,8 +148,10 @@ impl TextModel {
             let config_text = std::fs::read_to_string(path.join("config.json"))
                 .with_context(|| format!("reading {}/config.json", path.display()))?;
             let raw: serde_json::Value = serde_json::from_str(&config_text).context("parsing config.json")?;
-            if raw.get("model_type").and_then(|t| t.as_str()) == Some("gemma3") {
-                return crate::vision::loader::load_gemma3_dir(path, &raw, form, fingerprints);
+            match raw.get("model_type").and_then(|t| t.as_str()) {
+                Some("gemma3") => return crate::vision::loader::load_gemma3_dir(path, &raw, form, fingerprints),
+                Some("qwen2_5_vl") => return crate::vision::loader::load_qwen25_vl_dir(path, &raw, form, fingerprints),
+                _ => {}
             }
             load_dir(path, form)
         } else if path.is_file() {

@@ -100,6 +100,13 @@ impl TensorMap {
         Self { tensors, default_group: group_size, group_overrides: HashMap::new(), form }
     }
 
+    /// The remaining tensors under `prefix`, renamed without it (e.g. a VLM's
+    /// `language_model.` part for the text decoder).
+    pub fn strip_prefix(self, prefix: &str) -> Self {
+        let tensors = self.tensors.into_iter().filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v))).collect();
+        Self { tensors, ..self }
+    }
+
     /// True when a tensor of that exact name exists.
     pub fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)

@@ -53,12 +53,76 @@ pub fn load_gemma3_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, me
     let soft = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<image_soft_token>".into());
     // mlx-vlm's Gemma 3 processor: each <start_of_image> becomes
     // "\n\n<start_of_image>" + N soft tokens + "<end_of_image>\n\n".
-    let expansion = format!("\n\n<start_of_image>{}<end_of_image>\n\n", soft.repeat(tokens as usize));
+    let _ = tokens;
     Ok(TextModel {
         backbone: Backbone::Gemma3(Box::new(vlm)),
         tokenizer,
         template,
         eos_ids,
-        vision: Some(VisionSpec { preprocess, fingerprint, placeholder: "<start_of_image>".into(), expansion, image_token_id }),
+        vision: Some(VisionSpec {
+            preprocess_key: preprocess.describe(),
+            preprocess: Some(preprocess),
+            fingerprint,
+            placeholder: "<start_of_image>".into(),
+            expansion_prefix: "\n\n<start_of_image>".into(),
+            image_token: soft,
+            expansion_suffix: "<end_of_image>\n\n".into(),
+            image_token_id,
+        }),
+    })
+}
+
+/// Tensor name prefixes of Qwen2.5-VL's tower.
+const QWEN25_TOWER: &[&str] = &["vision_tower."];
+
+/// Qwen2.5-VL from an mlx-community style directory (`language_model.*`,
+/// `vision_tower.*`; text hyper-parameters at the top of config.json).
+pub fn load_qwen25_vl_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, memo: Option<&sled::Tree>) -> Result<TextModel> {
+    use super::qwen25_vl::{Qwen25Preprocess, Qwen25Vlm};
+    use super::qwen25_vl_tower::{Qwen25VisionConfig, Qwen25VisionTower};
+    use crate::model::config::TextConfig;
+    use crate::model::transformer::Transformer;
+    let mut text_json = raw.clone();
+    text_json["model_type"] = "qwen2".into();
+    let text = TextConfig::from_hf_json(&text_json.to_string())?;
+    let vision: Qwen25VisionConfig = serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
+    let image_token_id = raw.get("image_token_id").and_then(|v| v.as_u64()).unwrap_or(151655) as u32;
+    let quantization = raw.get("quantization").or(raw.get("quantization_config"));
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
+    let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
+    let preprocess = Qwen25Preprocess {
+        min_pixels: pre.get("min_pixels").and_then(|v| v.as_u64()).unwrap_or(56 * 56),
+        max_pixels: pre.get("max_pixels").and_then(|v| v.as_u64()).unwrap_or(28 * 28 * 1280),
+        mean: f32s(pre.get("image_mean"), [0.481_454_66, 0.457_827_5, 0.408_210_73]),
+        std: f32s(pre.get("image_std"), [0.268_629_54, 0.261_302_58, 0.275_777_1]),
+    };
+    let mut files: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let file_refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
+    let fingerprint = TowerFingerprint::compute(&file_refs, QWEN25_TOWER, &raw["vision_config"].to_string(), memo)
+        .with_context(|| format!("fingerprinting the vision tower in {}", dir.display()))?;
+    let (tokenizer, template, eos_ids) = chat_parts(dir, raw)?;
+    let tower = Qwen25VisionTower::load(vision, &mut tensors, "vision_tower")?;
+    let text = Transformer::from_tensors(text, tensors.strip_prefix("language_model."))?;
+    let image_token = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<|image_pad|>".into());
+    let key = preprocess.describe();
+    Ok(TextModel {
+        backbone: Backbone::Qwen25Vl(Box::new(Qwen25Vlm { text, tower, image_token_id, preprocess })),
+        tokenizer,
+        template,
+        eos_ids,
+        vision: Some(VisionSpec {
+            preprocess_key: key,
+            preprocess: None,
+            fingerprint,
+            placeholder: image_token.clone(),
+            expansion_prefix: String::new(),
+            image_token,
+            expansion_suffix: String::new(),
+            image_token_id,
+        }),
     })
 }

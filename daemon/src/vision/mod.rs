@@ -6,5 +6,6 @@ pub mod gemma3_vlm;
 pub mod image;
 pub mod loader;
 pub mod mrope;
+pub mod qwen25_vl;
 pub mod qwen25_vl_tower;
 pub mod siglip;

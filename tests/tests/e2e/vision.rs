@@ -293,3 +293,29 @@ async fn a_4bit_mlx_community_style_directory_loads_and_caches() {
     assert_eq!(first, second);
     assert!(s1.generated_tokens > 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn qwen25_vl_images_are_encoded_once_with_their_own_token_counts() {
+    const QWEN: &str = "tiny-qwen25-vl";
+    let mut d = Daemon::start_with(DaemonOptions { models: vec![(QWEN, fixture("mlx/tiny-qwen25-vl"))], args: vec![] });
+    let ask_q = |img: &[u8]| {
+        let mut r = ask_image(&[img], "What is in this picture?");
+        r.model = Some(QWEN.into());
+        r
+    };
+    let (small, wide) = (png(60, 60, 3), png(112, 56, 4));
+    let (a, sa) = ask_ok(&d.socket, ask_q(&small)).await;
+    let (_, sw) = ask_ok(&d.socket, ask_q(&wide)).await;
+    assert_eq!((sa.encoder_misses, sw.encoder_misses), (1, 1));
+    assert_ne!(sa.prompt_tokens, sw.prompt_tokens, "dynamic resolution: each image has its own token count");
+    let (again, s2) = ask_ok(&d.socket, ask_q(&small)).await;
+    assert_eq!((s2.encoder_hits, s2.encoder_misses), (1, 0));
+    assert!(s2.prefix_tokens_reused > 0);
+    assert_eq!(again, a);
+    d.terminate();
+    d.spawn(&[]);
+    let (after, s3) = ask_ok(&d.socket, ask_q(&small)).await;
+    assert_eq!(s3.encoder_hits, 1, "an SSD hit after restart, grid recovered from the stored shape");
+    assert_eq!(s3.prompt_tokens, sa.prompt_tokens);
+    assert_eq!(after, a);
+}
