@@ -190,3 +190,58 @@ fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
     }
     assert_eq!(got, want, "greedy ids differ from mlx-vlm");
 }
+
+#[test]
+fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
+    use mlxbc_daemon::model::config::TextConfig;
+    use mlxbc_daemon::model::transformer::{KvCache, Transformer};
+    use mlxbc_daemon::vision::mrope;
+    use mlxbc_daemon::vision::qwen25_vl::{Qwen25Preprocess, Qwen25Vlm};
+    use mlxbc_daemon::vision::qwen25_vl_tower::{Qwen25VisionConfig, Qwen25VisionTower};
+    let mut tensors = reference("qwen25-vl-tiny.safetensors");
+    let patches = tensors.remove("test.patches").unwrap();
+    let prompt: Vec<u32> = tensors.remove("test.prompt").unwrap().as_slice::<u32>().to_vec();
+    let want: Vec<u32> = tensors.remove("test.generated").unwrap().as_slice::<u32>().to_vec();
+    let want_logits = tensors.remove("test.first_logits").unwrap();
+    let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
+    let vision: Qwen25VisionConfig = serde_json::from_value(serde_json::json!({
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+        "fullatt_block_indexes": [1]
+    }))
+    .unwrap();
+    let tower = Qwen25VisionTower::load(vision, &mut t, "vision_tower").unwrap();
+    let text = TextConfig::from_hf_json(
+        &serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
+            "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "tie_word_embeddings": false, "max_position_embeddings": 2048
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let text = Transformer::from_tensors(text, t.strip_prefix("language_model.")).unwrap();
+    let preprocess = Qwen25Preprocess { min_pixels: 0, max_pixels: 0, mean: [0.0; 3], std: [1.0; 3] };
+    let vlm = Qwen25Vlm { text, tower, image_token_id: 250, preprocess };
+    let features = vlm.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
+    let embeds = vlm.prompt_embeddings(&prompt, &[features.clone()]).unwrap();
+    let mut cache = KvCache::new(2);
+    cache.mrope = Some(mrope::positions(&prompt, 250, &[vlm.grid_of(&features)], 2));
+    let n = prompt.len() as i32;
+    let body = embeds.take_axis(Array::from_slice(&(0..n - 1).collect::<Vec<i32>>(), &[n - 1]), 1).unwrap();
+    let last = embeds.take_axis(Array::from_slice(&[n - 1], &[1]), 1).unwrap();
+    vlm.text.hidden(&body, &mut cache).unwrap();
+    let mut logits = vlm.text.logits_last(&vlm.text.hidden(&last, &mut cache).unwrap()).unwrap();
+    let err = relative_error(&logits, &want_logits);
+    eprintln!("qwen2.5-vl whole model first logits: relative error {err:e}");
+    assert!(err < TOLERANCE, "{err:e}");
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let y = mlx_rs::ops::indexing::argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
+        got.push(y);
+        let e = vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
+        logits = vlm.text.logits_last(&vlm.text.hidden(&e, &mut cache).unwrap()).unwrap();
+    }
+    assert_eq!(got, want, "greedy ids differ from mlx-vlm");
+}

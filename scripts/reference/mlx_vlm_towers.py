@@ -184,6 +184,52 @@ def qwen25_vl_language(out: Path):
     print("qwen2.5-vl language greedy ids", generated, "delta", int(delta.item()))
 
 
+def qwen25_vl_whole(out: Path):
+    """A whole tiny Qwen2.5-VL: mlx-vlm's get_input_embeddings (tower + splice)
+    and its get_rope_index positions, then greedy decoding."""
+    from mlx_vlm.models.cache import KVCache
+    from mlx_vlm.models.qwen2_5_vl import qwen2_5_vl as q
+    from mlx_vlm.models.qwen2_5_vl.config import ModelConfig as QMC, TextConfig as QTC, VisionConfig as QVC
+    mx.random.seed(9)
+    vision = dict(QWEN_VISION, out_hidden_size=QWEN_TEXT["hidden_size"])
+    mc = QMC(text_config=QTC.from_dict(QWEN_TEXT), vision_config=QVC.from_dict(vision), model_type="qwen2_5_vl",
+             image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
+    model = q.Model(mc)
+    for blk in model.vision_tower.blocks:
+        blk.norm1.weight = 1 + mx.random.normal(blk.norm1.weight.shape) * 0.2
+    t, h, w = QWEN_GRID
+    patches = mx.random.uniform(-1, 1, (t * h * w, 3 * 2 * 14 * 14))
+    tokens = (h // 2) * (w // 2)
+    ids = mx.array([[11, 12, 251] + [250] * tokens + [252, 14, 15, 16]])
+    grid = mx.array([list(QWEN_GRID)])
+    emb = model.get_input_embeddings(ids, patches, image_grid_thw=grid).inputs_embeds
+    lm = model.language_model
+    pos, delta = lm.get_rope_index(ids, grid)
+    cache = [KVCache() for _ in lm.model.layers]
+    n = ids.shape[1]
+    lm.model(ids[:, : n - 1], inputs_embeds=emb[:, : n - 1], cache=cache, position_ids=pos[:, :, : n - 1])
+    hs = lm.model(ids[:, n - 1 :], inputs_embeds=emb[:, n - 1 :], cache=cache, position_ids=pos[:, :, n - 1 :])
+    logits = lm.lm_head(hs)[:, -1]
+    first = logits[0]
+    generated = []
+    for step in range(QWEN_STEPS):
+        y = int(mx.argmax(logits, axis=-1).item())
+        generated.append(y)
+        p = n + step + int(delta.item())
+        hs = lm.model(mx.array([[y]]), cache=cache, position_ids=mx.full((3, 1, 1), p, mx.int32))
+        logits = lm.lm_head(hs)[:, -1]
+    tensors = {k: v for k, v in tree_flatten(model.parameters())}
+    tensors["test.patches"] = patches
+    tensors["test.prompt"] = ids.astype(mx.uint32)
+    tensors["test.first_logits"] = first
+    tensors["test.generated"] = mx.array(generated, mx.uint32)
+    mx.eval(tensors)
+    meta = {"config": json.dumps({"text": QWEN_TEXT, "vision": vision, "grid": QWEN_GRID}),
+            "reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}"}
+    mx.save_safetensors(str(out / "qwen25-vl-tiny.safetensors"), tensors, metadata=meta)
+    print("qwen2.5-vl whole-model greedy ids", generated)
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -191,3 +237,4 @@ if __name__ == "__main__":
     gemma3_vlm(out)
     qwen25_vl_tower(out)
     qwen25_vl_language(out)
+    qwen25_vl_whole(out)
