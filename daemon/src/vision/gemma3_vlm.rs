@@ -8,7 +8,7 @@ use super::siglip::{SiglipConfig, SiglipTower};
 use crate::model::gemma3_text::{Gemma3Text, Gemma3TextConfig};
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
-use mlx_rs::{ops, Array};
+use mlx_rs::Array;
 
 /// A loaded Gemma 3 VLM.
 pub struct Gemma3Vlm {
@@ -74,31 +74,18 @@ impl Gemma3Vlm {
     pub fn prompt_embeddings(&self, ids: &[u32], images: &[Array]) -> Result<Array> {
         let hidden = self.text.config.hidden_size;
         let scale = Array::from_f32((hidden as f64).sqrt() as f32);
-        let mut parts = Vec::new();
-        let mut images = images.iter();
-        let mut i = 0;
-        while i < ids.len() {
-            let is_image = ids[i] == self.image_token_id;
-            let run = ids[i..].iter().take_while(|&&t| (t == self.image_token_id) == is_image).count();
-            let seg = &ids[i..i + run];
-            if is_image {
-                let Some(f) = images.next() else { bail!("the prompt has more image placeholders than images") };
-                if f.shape()[0] as usize != run {
-                    bail!("an image has {} feature rows but the prompt holds {run} placeholders", f.shape()[0]);
-                }
-                parts.push(f.divide(&scale)?.reshape(&[1, run as i32, hidden])?);
-            } else {
-                let e = self.text.embed(&Array::from_slice(seg, &[1, run as i32]))?;
-                // Padding positions carry no embedding in the reference.
-                let keep: Vec<f32> = seg.iter().map(|&t| if t == self.pad_token_id { 0.0 } else { 1.0 }).collect();
-                let e = if keep.contains(&0.0) { e.multiply(Array::from_slice(&keep, &[1, run as i32, 1]))? } else { e };
-                parts.push(e);
+        let text = |seg: &[u32]| -> Result<Array> {
+            let e = self.text.embed(&Array::from_slice(seg, &[1, seg.len() as i32]))?;
+            // Padding positions carry no embedding in the reference.
+            let keep: Vec<f32> = seg.iter().map(|&t| if t == self.pad_token_id { 0.0 } else { 1.0 }).collect();
+            Ok(if keep.contains(&0.0) { e.multiply(Array::from_slice(&keep, &[1, seg.len() as i32, 1]))? } else { e })
+        };
+        let image = |f: &Array, run: usize| -> Result<Array> {
+            if f.shape()[0] as usize != run {
+                bail!("an image has {} feature rows but the prompt holds {run} placeholders", f.shape()[0]);
             }
-            i += run;
-        }
-        if images.next().is_some() {
-            bail!("more images than image placeholders in the prompt");
-        }
-        Ok(ops::concatenate(&parts, 1)?)
+            Ok(f.divide(&scale)?.reshape(&[1, run as i32, hidden])?)
+        };
+        super::splice(ids, self.image_token_id, images, text, image)
     }
 }

@@ -22,6 +22,18 @@ fn f32s(v: Option<&serde_json::Value>, default: [f32; 3]) -> [f32; 3] {
     }
 }
 
+/// The fingerprint of the tower tensors (`prefixes`) in a directory's safetensors files.
+fn tower_fingerprint(dir: &Path, prefixes: &[&str], raw: &serde_json::Value, memo: Option<&sled::Tree>) -> Result<TowerFingerprint> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let file_refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
+    TowerFingerprint::compute(&file_refs, prefixes, &raw["vision_config"].to_string(), memo)
+        .with_context(|| format!("fingerprinting the vision tower in {}", dir.display()))
+}
+
 /// Gemma 3 from a directory.
 pub fn load_gemma3_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, memo: Option<&sled::Tree>) -> Result<TextModel> {
     let text: Gemma3TextConfig = serde_json::from_value(raw["text_config"].clone()).context("config.json text_config")?;
@@ -38,14 +50,7 @@ pub fn load_gemma3_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, me
         mean: f32s(pre.get("image_mean"), [0.5; 3]),
         std: f32s(pre.get("image_std"), [0.5; 3]),
     };
-    let mut files: Vec<_> = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    let file_refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
-    let fingerprint = TowerFingerprint::compute(&file_refs, GEMMA3_TOWER, &raw["vision_config"].to_string(), memo)
-        .with_context(|| format!("fingerprinting the vision tower in {}", dir.display()))?;
+    let fingerprint = tower_fingerprint(dir, GEMMA3_TOWER, raw, memo)?;
     let (tokenizer, template, mut eos_ids) = chat_parts(dir, raw)?;
     eos_ids.extend(tokenizer.token_to_id("<end_of_turn>"));
     let tokens = text.mm_tokens_per_image;
@@ -96,14 +101,7 @@ pub fn load_qwen25_vl_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm,
         mean: f32s(pre.get("image_mean"), [0.481_454_66, 0.457_827_5, 0.408_210_73]),
         std: f32s(pre.get("image_std"), [0.268_629_54, 0.261_302_58, 0.275_777_1]),
     };
-    let mut files: Vec<_> = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    let file_refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
-    let fingerprint = TowerFingerprint::compute(&file_refs, QWEN25_TOWER, &raw["vision_config"].to_string(), memo)
-        .with_context(|| format!("fingerprinting the vision tower in {}", dir.display()))?;
+    let fingerprint = tower_fingerprint(dir, QWEN25_TOWER, raw, memo)?;
     let (tokenizer, template, eos_ids) = chat_parts(dir, raw)?;
     let tower = Qwen25VisionTower::load(vision, &mut tensors, "vision_tower")?;
     let text = Transformer::from_tensors(text, tensors.strip_prefix("language_model."))?;

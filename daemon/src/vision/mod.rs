@@ -9,3 +9,37 @@ pub mod mrope;
 pub mod qwen25_vl;
 pub mod qwen25_vl_tower;
 pub mod siglip;
+
+use anyhow::{bail, Result};
+use mlx_rs::Array;
+
+/// Prompt embeddings `[1, L, hidden]`: runs of `image_token` in `ids` take
+/// the next image (in order) through `image(features, run_length)`, other
+/// runs go through `text(ids)`. More or fewer images than runs is an error,
+/// never a silent misalignment.
+pub fn splice(
+    ids: &[u32],
+    image_token: u32,
+    images: &[Array],
+    text: impl Fn(&[u32]) -> Result<Array>,
+    image: impl Fn(&Array, usize) -> Result<Array>,
+) -> Result<Array> {
+    let mut parts = Vec::new();
+    let mut images = images.iter();
+    let mut i = 0;
+    while i < ids.len() {
+        let is_image = ids[i] == image_token;
+        let run = ids[i..].iter().take_while(|&&t| (t == image_token) == is_image).count();
+        if is_image {
+            let Some(f) = images.next() else { bail!("the prompt has more image placeholders than images") };
+            parts.push(image(f, run)?);
+        } else {
+            parts.push(text(&ids[i..i + run])?);
+        }
+        i += run;
+    }
+    if images.next().is_some() {
+        bail!("more images than image placeholders in the prompt");
+    }
+    Ok(mlx_rs::ops::concatenate(&parts, 1)?)
+}

@@ -6,7 +6,7 @@
 use super::qwen25_vl_tower::{patchify, smart_resize, Qwen25VisionTower};
 use crate::model::transformer::Transformer;
 use anyhow::{bail, Result};
-use mlx_rs::{ops, Array};
+use mlx_rs::Array;
 
 /// Qwen2-VL image processor parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,28 +58,15 @@ impl Qwen25Vlm {
 
     /// Prompt embeddings with image features over the image-token runs.
     pub fn prompt_embeddings(&self, ids: &[u32], images: &[Array]) -> Result<Array> {
-        let mut parts = Vec::new();
-        let mut images = images.iter();
-        let mut i = 0;
-        while i < ids.len() {
-            let is_image = ids[i] == self.image_token_id;
-            let run = ids[i..].iter().take_while(|&&t| (t == self.image_token_id) == is_image).count();
-            if is_image {
-                let Some(f) = images.next() else { bail!("the prompt has more image placeholders than images") };
-                let d = *f.shape().last().unwrap();
-                let rows = f.reshape(&[-1, d])?;
-                if rows.shape()[0] as usize != run {
-                    bail!("an image has {} feature rows but the prompt holds {run} placeholders", rows.shape()[0]);
-                }
-                parts.push(rows.reshape(&[1, run as i32, d])?);
-            } else {
-                parts.push(self.text.embed(&Array::from_slice(&ids[i..i + run], &[1, run as i32]))?);
+        let text = |seg: &[u32]| self.text.embed(&Array::from_slice(seg, &[1, seg.len() as i32]));
+        let image = |f: &Array, run: usize| -> Result<Array> {
+            let d = *f.shape().last().unwrap();
+            let rows = f.reshape(&[-1, d])?;
+            if rows.shape()[0] as usize != run {
+                bail!("an image has {} feature rows but the prompt holds {run} placeholders", rows.shape()[0]);
             }
-            i += run;
-        }
-        if images.next().is_some() {
-            bail!("more images than image placeholders in the prompt");
-        }
-        Ok(ops::concatenate(&parts, 1)?)
+            Ok(rows.reshape(&[1, run as i32, d])?)
+        };
+        super::splice(ids, self.image_token_id, images, text, image)
     }
 }
