@@ -39,6 +39,49 @@ fn relative_error(ours: &Array, want: &Array) -> f32 {
     diff.item_cast::<f32>() / scale.item_cast::<f32>()
 }
 
+/// What mlx-vlm recorded for a tiny model: the prompt, its greedy ids and
+/// the logits of the first step.
+struct Recorded {
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+    first_logits: Array,
+}
+
+fn take_recorded(t: &mut std::collections::HashMap<String, Array>) -> Recorded {
+    let ids = |a: Array| a.as_slice::<u32>().to_vec();
+    Recorded {
+        prompt: ids(t.remove("test.prompt").unwrap()),
+        generated: ids(t.remove("test.generated").unwrap()),
+        first_logits: t.remove("test.first_logits").unwrap(),
+    }
+}
+
+/// Positions `[0, n-1)` and `[n-1, n)` of prompt embeddings: mlx-vlm's prefill order.
+fn split_last(embeds: &Array) -> (Array, Array) {
+    let n = embeds.shape()[1];
+    let body = embeds.take_axis(Array::from_slice(&(0..n - 1).collect::<Vec<i32>>(), &[n - 1]), 1).unwrap();
+    (body, embeds.take_axis(Array::from_slice(&[n - 1], &[1]), 1).unwrap())
+}
+
+/// Prefills the reference's way, decodes greedily, and checks the first
+/// logits (within TOLERANCE) and every id against the recording. `forward`
+/// maps embeddings to last-position logits, advancing its own cache.
+fn assert_greedy_matches(label: &str, rec: &Recorded, embeds: &Array, mut forward: impl FnMut(&Array) -> Array, embed: impl Fn(u32) -> Array) {
+    let (body, last) = split_last(embeds);
+    forward(&body);
+    let mut logits = forward(&last);
+    let err = relative_error(&logits, &rec.first_logits);
+    eprintln!("{label} first logits: relative error {err:e}");
+    assert!(err < TOLERANCE, "{label}: prefill logits differ from mlx-vlm: {err:e}");
+    let mut got = Vec::new();
+    for _ in 0..rec.generated.len() {
+        let y = mlx_rs::ops::indexing::argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
+        got.push(y);
+        logits = forward(&embed(y));
+    }
+    assert_eq!(got, rec.generated, "{label}: greedy ids differ from mlx-vlm");
+}
+
 #[test]
 fn gemma3_siglip_tower_and_projector_match_mlx_vlm() {
     let mut tensors = reference("gemma3-tower.safetensors");
@@ -70,9 +113,8 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
     use mlxbc_daemon::vision::gemma3_vlm::Gemma3Vlm;
     let mut tensors = reference("gemma3-vlm-tiny.safetensors");
     let pixels = tensors.remove("test.pixels").unwrap();
-    let prompt: Vec<u32> = tensors.remove("test.prompt").unwrap().as_slice::<u32>().to_vec();
-    let want: Vec<u32> = tensors.remove("test.generated").unwrap().as_slice::<u32>().to_vec();
-    let want_logits = tensors.remove("test.first_logits").unwrap();
+    let rec = take_recorded(&mut tensors);
+    let prompt = rec.prompt.clone();
     let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
     let text: Gemma3TextConfig = serde_json::from_value(serde_json::json!({
         "hidden_size": 96, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
@@ -87,32 +129,19 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
     let features = vlm.encode_image(&pixels).unwrap();
     let embeds = vlm.prompt_embeddings(&prompt, &[features]).unwrap();
     let mut cache = KvCache::new(vlm.text.num_layers());
-    let n = prompt.len() as i32;
-    let body = embeds.take_axis(Array::from_slice(&(0..n - 1).collect::<Vec<i32>>(), &[n - 1]), 1).unwrap();
-    let last = embeds.take_axis(Array::from_slice(&[n - 1], &[1]), 1).unwrap();
-    vlm.text.hidden(&body, &mut cache).unwrap();
-    let body_embeds = body.clone();
-    let mut logits = vlm.text.logits_last(&vlm.text.hidden(&last, &mut cache).unwrap()).unwrap();
-    let err = relative_error(&logits, &want_logits);
-    eprintln!("gemma3 vlm first logits: relative error {err:e}");
-    assert!(err < TOLERANCE, "prefill logits differ from mlx-vlm: {err:e}");
-    let mut got = Vec::new();
-    for _ in 0..want.len() {
-        let y = mlx_rs::ops::indexing::argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
-        got.push(y);
-        let e = vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
-        logits = vlm.text.logits_last(&vlm.text.hidden(&e, &mut cache).unwrap()).unwrap();
-    }
-    assert_eq!(got, want, "greedy ids differ from mlx-vlm");
+    let forward = |e: &Array| vlm.text.logits_last(&vlm.text.hidden(e, &mut cache).unwrap()).unwrap();
+    let embed = |y: u32| vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
+    assert_greedy_matches("gemma3 vlm", &rec, &embeds, forward, embed);
     // HF's mask (bidirectional within the image) changes the prefill — this
     // is where and why ids part from mlx-vlm when it is on.
     let blocks = vlm.image_blocks(&prompt);
     assert_eq!(blocks.iter().filter(|&&b| b == 0).count(), 16);
+    let (body, last) = split_last(&embeds);
     let mut c2 = KvCache::new(vlm.text.num_layers());
-    vlm.text.hidden_with_blocks(&body_embeds, &mut c2, Some(&blocks)).unwrap();
+    vlm.text.hidden_with_blocks(&body, &mut c2, Some(&blocks)).unwrap();
     let h2 = vlm.text.hidden_with_blocks(&last, &mut c2, Some(&blocks)).unwrap();
     let bidir = vlm.text.logits_last(&h2).unwrap();
-    let moved = relative_error(&bidir, &want_logits);
+    let moved = relative_error(&bidir, &rec.first_logits);
     eprintln!("gemma3 vlm, bidirectional image attention vs mlx-vlm's causal: relative logit change {moved:e}");
     assert!(moved > 1e-4, "bidirectional image attention must change the result");
     // Too many or too few images are errors, not silent misalignment.
@@ -154,55 +183,29 @@ fn qwen25_vl_patchify_matches_the_hf_processor() {
 
 #[test]
 fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
-    use mlxbc_daemon::model::config::TextConfig;
     use mlxbc_daemon::model::transformer::{KvCache, Transformer};
     use mlxbc_daemon::vision::mrope;
     let mut tensors = reference("qwen25-vl-language.safetensors");
-    let prompt: Vec<u32> = tensors.remove("test.prompt").unwrap().as_slice::<u32>().to_vec();
-    let want: Vec<u32> = tensors.remove("test.generated").unwrap().as_slice::<u32>().to_vec();
-    let want_logits = tensors.remove("test.first_logits").unwrap();
+    let rec = take_recorded(&mut tensors);
     let tensors = tensors.into_iter().map(|(k, v)| (k.trim_start_matches("language_model.").to_string(), v)).collect();
-    let config = TextConfig::from_hf_json(
-        &serde_json::json!({
-            "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
-            "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-            "tie_word_embeddings": false, "max_position_embeddings": 2048
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let model = Transformer::from_tensors(config, TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
+    let model = Transformer::from_tensors(tiny_qwen_text(), TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
     let mut cache = KvCache::new(2);
-    cache.mrope = Some(mrope::positions(&prompt, 250, &[(1, 4, 6)], 2));
-    let n = prompt.len();
-    let embed = |ids: &[u32]| model.embed(&Array::from_slice(ids, &[1, ids.len() as i32])).unwrap();
-    model.hidden(&embed(&prompt[..n - 1]), &mut cache).unwrap();
-    let mut logits = model.logits_last(&model.hidden(&embed(&prompt[n - 1..]), &mut cache).unwrap()).unwrap();
-    let err = relative_error(&logits, &want_logits);
-    eprintln!("qwen2.5-vl language (mrope) first logits: relative error {err:e}");
-    assert!(err < TOLERANCE, "{err:e}");
-    let mut got = Vec::new();
-    for _ in 0..want.len() {
-        let y = mlx_rs::ops::indexing::argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
-        got.push(y);
-        logits = model.logits_last(&model.hidden(&embed(&[y]), &mut cache).unwrap()).unwrap();
-    }
-    assert_eq!(got, want, "greedy ids differ from mlx-vlm");
+    cache.mrope = Some(mrope::positions(&rec.prompt, 250, &[(1, 4, 6)], 2));
+    let embeds = model.embed(&Array::from_slice(&rec.prompt, &[1, rec.prompt.len() as i32])).unwrap();
+    let forward = |e: &Array| model.logits_last(&model.hidden(e, &mut cache).unwrap()).unwrap();
+    let embed = |y: u32| model.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
+    assert_greedy_matches("qwen2.5-vl language (mrope)", &rec, &embeds, forward, embed);
 }
 
 #[test]
 fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
-    use mlxbc_daemon::model::config::TextConfig;
     use mlxbc_daemon::model::transformer::{KvCache, Transformer};
     use mlxbc_daemon::vision::mrope;
     use mlxbc_daemon::vision::qwen25_vl::{Qwen25Preprocess, Qwen25Vlm};
     use mlxbc_daemon::vision::qwen25_vl_tower::{Qwen25VisionConfig, Qwen25VisionTower};
     let mut tensors = reference("qwen25-vl-tiny.safetensors");
     let patches = tensors.remove("test.patches").unwrap();
-    let prompt: Vec<u32> = tensors.remove("test.prompt").unwrap().as_slice::<u32>().to_vec();
-    let want: Vec<u32> = tensors.remove("test.generated").unwrap().as_slice::<u32>().to_vec();
-    let want_logits = tensors.remove("test.first_logits").unwrap();
+    let rec = take_recorded(&mut tensors);
     let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
     let vision: Qwen25VisionConfig = serde_json::from_value(serde_json::json!({
         "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
@@ -211,7 +214,21 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
     }))
     .unwrap();
     let tower = Qwen25VisionTower::load(vision, &mut t, "vision_tower").unwrap();
-    let text = TextConfig::from_hf_json(
+    let text = Transformer::from_tensors(tiny_qwen_text(), t.strip_prefix("language_model.")).unwrap();
+    let preprocess = Qwen25Preprocess { min_pixels: 0, max_pixels: 0, mean: [0.0; 3], std: [1.0; 3] };
+    let vlm = Qwen25Vlm { text, tower, image_token_id: 250, preprocess };
+    let features = vlm.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
+    let embeds = vlm.prompt_embeddings(&rec.prompt, &[features.clone()]).unwrap();
+    let mut cache = KvCache::new(2);
+    cache.mrope = Some(mrope::positions(&rec.prompt, 250, &[vlm.grid_of(&features)], 2));
+    let forward = |e: &Array| vlm.text.logits_last(&vlm.text.hidden(e, &mut cache).unwrap()).unwrap();
+    let embed = |y: u32| vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
+    assert_greedy_matches("qwen2.5-vl whole model", &rec, &embeds, forward, embed);
+}
+
+/// The Qwen2.5-VL text shape scripts/reference/mlx_vlm_towers.py builds (QWEN_TEXT there).
+fn tiny_qwen_text() -> mlxbc_daemon::model::config::TextConfig {
+    mlxbc_daemon::model::config::TextConfig::from_hf_json(
         &serde_json::json!({
             "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
             "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
@@ -220,28 +237,5 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
         })
         .to_string(),
     )
-    .unwrap();
-    let text = Transformer::from_tensors(text, t.strip_prefix("language_model.")).unwrap();
-    let preprocess = Qwen25Preprocess { min_pixels: 0, max_pixels: 0, mean: [0.0; 3], std: [1.0; 3] };
-    let vlm = Qwen25Vlm { text, tower, image_token_id: 250, preprocess };
-    let features = vlm.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
-    let embeds = vlm.prompt_embeddings(&prompt, &[features.clone()]).unwrap();
-    let mut cache = KvCache::new(2);
-    cache.mrope = Some(mrope::positions(&prompt, 250, &[vlm.grid_of(&features)], 2));
-    let n = prompt.len() as i32;
-    let body = embeds.take_axis(Array::from_slice(&(0..n - 1).collect::<Vec<i32>>(), &[n - 1]), 1).unwrap();
-    let last = embeds.take_axis(Array::from_slice(&[n - 1], &[1]), 1).unwrap();
-    vlm.text.hidden(&body, &mut cache).unwrap();
-    let mut logits = vlm.text.logits_last(&vlm.text.hidden(&last, &mut cache).unwrap()).unwrap();
-    let err = relative_error(&logits, &want_logits);
-    eprintln!("qwen2.5-vl whole model first logits: relative error {err:e}");
-    assert!(err < TOLERANCE, "{err:e}");
-    let mut got = Vec::new();
-    for _ in 0..want.len() {
-        let y = mlx_rs::ops::indexing::argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
-        got.push(y);
-        let e = vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
-        logits = vlm.text.logits_last(&vlm.text.hidden(&e, &mut cache).unwrap()).unwrap();
-    }
-    assert_eq!(got, want, "greedy ids differ from mlx-vlm");
+    .unwrap()
 }
