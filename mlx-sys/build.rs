@@ -73,11 +73,7 @@ fn main() {
     for h in &headers {
         builder = builder.header(h.to_string_lossy());
     }
-    builder
-        .generate()
-        .expect("bindgen")
-        .write_to_file(out.join("bindings.rs"))
-        .expect("write bindings.rs");
+    builder.generate().expect("bindgen").write_to_file(out.join("bindings.rs")).expect("write bindings.rs");
 
     // 3. link: static mlxc, shared libmlx (from the wheel), libstdc++.
     let libdir = prefix.join("lib");
@@ -130,11 +126,7 @@ fn mlx_c_source(out: &Path) -> PathBuf {
     if !output.status.success() {
         output = metadata(false);
     }
-    assert!(
-        output.status.success(),
-        "cargo metadata failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(output.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&output.stderr));
     let meta: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     let pkg = meta["packages"]
         .as_array()

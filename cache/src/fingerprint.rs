@@ -24,7 +24,12 @@ impl WeightFileIdentity {
     /// Reads a file's identity.
     pub fn of(path: &Path) -> std::io::Result<Self> {
         let m = std::fs::metadata(path)?;
-        Ok(Self { dev: m.dev(), ino: m.ino(), size: m.size(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 })
+        Ok(Self {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+        })
     }
 
     fn as_text(&self) -> String {
@@ -40,12 +45,18 @@ impl TowerFingerprint {
     /// Hashes `config` and every tensor whose name starts with one of
     /// `prefixes` in the safetensors `files`, in name order. `memo` (a sled
     /// tree) remembers results per file identity.
-    pub fn compute(files: &[&Path], prefixes: &[&str], config: &str, memo: Option<&sled::Tree>) -> std::io::Result<Self> {
+    pub fn compute(
+        files: &[&Path],
+        prefixes: &[&str],
+        config: &str,
+        memo: Option<&sled::Tree>,
+    ) -> std::io::Result<Self> {
         let mut idents = Vec::new();
         for f in files {
             idents.push(WeightFileIdentity::of(f)?.as_text());
         }
-        let memo_key = format!("{}|{}|{}", idents.join(","), prefixes.join(","), hex(&crate::content_hash(config.as_bytes())));
+        let memo_key =
+            format!("{}|{}|{}", idents.join(","), prefixes.join(","), hex(&crate::content_hash(config.as_bytes())));
         if let Some(Ok(Some(v))) = memo.map(|m| m.get(memo_key.as_bytes())) {
             if let Ok(arr) = <[u8; 32]>::try_from(v.as_ref()) {
                 return Ok(Self(arr));
@@ -109,7 +120,8 @@ fn safetensors_header(path: &Path) -> std::io::Result<Vec<(String, serde_json::V
     }
     let mut header = vec![0u8; len as usize];
     f.read_exact(&mut header)?;
-    let table: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|_| bad(path, "json"))?;
+    let table: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|_| bad(path, "json"))?;
     Ok(table.into_iter().filter(|(k, _)| k != "__metadata__").collect())
 }
 
@@ -161,6 +173,10 @@ mod tests {
         assert_eq!(TowerFingerprint::compute(&[&p], &["vision_tower."], "", Some(&memo)).unwrap(), a);
         std::thread::sleep(std::time::Duration::from_millis(10));
         write_safetensors(&p, &[("vision_tower.w", &[1, 2, 4])]);
-        assert_ne!(TowerFingerprint::compute(&[&p], &["vision_tower."], "", Some(&memo)).unwrap(), a, "a rewritten file is re-hashed");
+        assert_ne!(
+            TowerFingerprint::compute(&[&p], &["vision_tower."], "", Some(&memo)).unwrap(),
+            a,
+            "a rewritten file is re-hashed"
+        );
     }
 }

@@ -101,7 +101,13 @@ impl FeatureStore {
     fn rebuild_index(&mut self) {
         for item in self.features.iter() {
             let Ok((k, v)) = item else { continue };
-            let tick = self.access.get(&k).ok().flatten().and_then(|t| Some(u64::from_be_bytes(t.as_ref().try_into().ok()?))).unwrap_or(0);
+            let tick = self
+                .access
+                .get(&k)
+                .ok()
+                .flatten()
+                .and_then(|t| Some(u64::from_be_bytes(t.as_ref().try_into().ok()?)))
+                .unwrap_or(0);
             self.track(k.to_vec(), tick, v.len() as u64);
             self.tick = self.tick.max(tick);
         }
@@ -212,7 +218,9 @@ impl FeatureStore {
 
     fn evict_to_budget(&mut self) {
         while self.stats.disk_bytes > self.config.disk_bytes {
-            let Some((_, key)) = self.order.pop_first() else { break };
+            let Some((_, key)) = self.order.pop_first() else {
+                break;
+            };
             self.remove_raw(&key);
             self.stats.evictions += 1;
         }
@@ -244,11 +252,7 @@ impl FeatureStore {
 
     /// Every stored key with its payload size, most recently used first.
     pub fn list(&self) -> Vec<(FeatureKey, u64)> {
-        self.order
-            .values()
-            .rev()
-            .filter_map(|k| Some((FeatureKey::from_bytes(k)?, self.index.get(k)?.1)))
-            .collect()
+        self.order.values().rev().filter_map(|k| Some((FeatureKey::from_bytes(k)?, self.index.get(k)?.1))).collect()
     }
 
     /// Removes everything.

@@ -75,7 +75,8 @@ impl Features {
         }
         let dtype = FeatureDtype::from_u8(r.take(1)?[0])?;
         let ndim = r.take(1)?[0] as usize;
-        let shape: Vec<u32> = (0..ndim).map(|_| Some(u32::from_le_bytes(r.take(4)?.try_into().ok()?))).collect::<Option<_>>()?;
+        let shape: Vec<u32> =
+            (0..ndim).map(|_| Some(u32::from_le_bytes(r.take(4)?.try_into().ok()?))).collect::<Option<_>>()?;
         let len = u64::from_le_bytes(r.take(8)?.try_into().ok()?) as usize;
         let crc = u32::from_le_bytes(r.take(4)?.try_into().ok()?);
         let data = r.take(len)?;

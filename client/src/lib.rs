@@ -44,12 +44,15 @@ impl Client {
             .await
             .map_err(|source| ClientError::Unreachable { socket: socket.to_owned(), source })?;
         let mut conn = Framed::new(stream, ClientCodec::default());
-        conn.send(Request::Hello { protocol: PROTOCOL_VERSION, client_version: env!("CARGO_PKG_VERSION").into() }).await?;
+        conn.send(Request::Hello { protocol: PROTOCOL_VERSION, client_version: env!("CARGO_PKG_VERSION").into() })
+            .await?;
         match conn.next().await.transpose()? {
             Some(Response::Hello { daemon_version, blas, .. }) => {
                 Ok(Self { conn, daemon_version, daemon_blas: blas, socket: socket.to_owned() })
             }
-            Some(Response::Error { kind: ErrorKind::ProtocolMismatch, message }) => Err(ClientError::ProtocolMismatch(message)),
+            Some(Response::Error { kind: ErrorKind::ProtocolMismatch, message }) => {
+                Err(ClientError::ProtocolMismatch(message))
+            }
             Some(Response::Error { kind, message }) => Err(ClientError::Daemon { kind, message }),
             Some(other) => Err(ClientError::Unexpected(format!("{other:?}"))),
             None => Err(ClientError::Disconnected),
@@ -73,7 +76,10 @@ impl Client {
                     // loser exits at once, and we keep waiting for the winner.
                     if let Ok(Some(status)) = child.try_wait() {
                         if !status.success() && !settings.socket.exists() {
-                            return Err(ClientError::DaemonExited { status: status.to_string(), log: spawn::log_path(settings) });
+                            return Err(ClientError::DaemonExited {
+                                status: status.to_string(),
+                                log: spawn::log_path(settings),
+                            });
                         }
                     }
                     if std::time::Instant::now() > deadline {
@@ -121,7 +127,10 @@ impl Client {
         let hashes_only: Vec<MediaRef> = media.iter().map(|m| MediaRef { sha256: m.sha256, bytes: None }).collect();
         let mut answer = self.call(Request::Prefetch { model: model.map(String::from), media: hashes_only }).await?;
         if let Response::NeedMedia { missing } = &answer {
-            let needed = media.into_iter().map(|m| if missing.contains(&m.sha256) { m } else { MediaRef { bytes: None, ..m } }).collect();
+            let needed = media
+                .into_iter()
+                .map(|m| if missing.contains(&m.sha256) { m } else { MediaRef { bytes: None, ..m } })
+                .collect();
             answer = self.call(Request::Prefetch { model: model.map(String::from), media: needed }).await?;
         }
         match answer {
@@ -155,7 +164,11 @@ impl Client {
     }
 
     /// Loads a model now; returns its canonical name, load time and size.
-    pub async fn load(&mut self, model: &str, keep_alive: Option<KeepAlive>) -> Result<(String, u64, u64), ClientError> {
+    pub async fn load(
+        &mut self,
+        model: &str,
+        keep_alive: Option<KeepAlive>,
+    ) -> Result<(String, u64, u64), ClientError> {
         match self.call(Request::Load { model: model.into(), keep_alive }).await? {
             Response::Loaded { model, load_ms, memory_bytes } => Ok((model, load_ms, memory_bytes)),
             other => Err(unexpected(other)),

@@ -14,7 +14,9 @@ pub const BLAS: &str = env!("MLXBC_BLAS_IN_USE");
 
 /// Resident set size of this process, in bytes (0 where unknown).
 pub fn rss_bytes() -> u64 {
-    let Ok(statm) = std::fs::read_to_string("/proc/self/statm") else { return 0 };
+    let Ok(statm) = std::fs::read_to_string("/proc/self/statm") else {
+        return 0;
+    };
     let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
     // SAFETY: sysconf has no preconditions.
     pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64

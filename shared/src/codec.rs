@@ -51,8 +51,8 @@ pub fn to_payload<T: Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
 
 /// Decodes a payload; trailing bytes are an error.
 pub fn from_payload<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FrameError> {
-    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
-        .map_err(|e| FrameError::Malformed(e.to_string()))?;
+    let (value, used) =
+        bincode::serde::decode_from_slice(bytes, config()).map_err(|e| FrameError::Malformed(e.to_string()))?;
     if used != bytes.len() {
         return Err(FrameError::Malformed(format!("{} trailing bytes", bytes.len() - used)));
     }

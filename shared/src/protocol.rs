@@ -247,7 +247,8 @@ impl KeepAlive {
             return Ok(KeepAlive::Forever);
         }
         let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
-        let n: u64 = digits.parse().map_err(|_| format!("bad keep-alive {text:?}: expected e.g. 30m, 90s, 2h, 0 or forever"))?;
+        let n: u64 =
+            digits.parse().map_err(|_| format!("bad keep-alive {text:?}: expected e.g. 30m, 90s, 2h, 0 or forever"))?;
         let mult = match unit {
             "" | "s" => 1,
             "m" => 60,

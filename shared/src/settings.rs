@@ -67,10 +67,8 @@ impl Settings {
     /// Reads the settings file of `paths` (if any), then applies `MLXBC_SOCKET`.
     pub fn load(paths: Paths) -> Result<Self, SettingsError> {
         let file = read_file(&paths.config_file)?;
-        let mut settings = Self::resolve(paths, file).map_err(|message| SettingsError::Parse {
-            path: PathBuf::new(),
-            message,
-        })?;
+        let mut settings =
+            Self::resolve(paths, file).map_err(|message| SettingsError::Parse { path: PathBuf::new(), message })?;
         if let Some(sock) = std::env::var_os("MLXBC_SOCKET").filter(|s| !s.is_empty()) {
             settings.socket = PathBuf::from(sock);
         }

@@ -7,7 +7,10 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use mlxbc_client::{CacheCommand, ChatMessage, Client, ClientError, GenerateRequest, KeepAlive, MediaRef, Response, SamplingParams, Settings};
+use mlxbc_client::{
+    CacheCommand, ChatMessage, Client, ClientError, GenerateRequest, KeepAlive, MediaRef, Response, SamplingParams,
+    Settings,
+};
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
 
@@ -246,7 +249,12 @@ fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
     Ok(GenerateRequest {
         model: args.model.clone(),
         messages,
-        sampling: SamplingParams { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed },
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
         keep_alive: keep_alive(&args.keep_alive)?,
@@ -262,7 +270,11 @@ async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) -> R
             Ok(Some(e)) => e,
             Ok(None) => break,
             Err(ClientError::Daemon { kind, message }) if args.json => {
-                writeln!(out, "{}", serde_json::json!({"event": "error", "kind": format!("{kind:?}"), "message": message}))?;
+                writeln!(
+                    out,
+                    "{}",
+                    serde_json::json!({"event": "error", "kind": format!("{kind:?}"), "message": message})
+                )?;
                 return Err(ClientError::Daemon { kind, message }.into());
             }
             Err(e) => return Err(e.into()),
@@ -302,7 +314,9 @@ async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) -> R
 fn event_json(event: &Response) -> serde_json::Value {
     use serde_json::json;
     match event {
-        Response::Started { model, prompt_tokens } => json!({"event": "start", "model": model, "prompt_tokens": prompt_tokens}),
+        Response::Started { model, prompt_tokens } => {
+            json!({"event": "start", "model": model, "prompt_tokens": prompt_tokens})
+        }
         Response::Token { text } => json!({"event": "token", "text": text}),
         Response::Done { stats } => json!({"event": "done", "stats": {
             "model": stats.model, "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
@@ -325,15 +339,36 @@ async fn manage(client: &mut Client, command: Command) -> Result<()> {
         Command::Models => {
             writeln!(out, "{:<40} {:<6} {:>12} {:<7} ALIASES", "NAME", "FORMAT", "SIZE", "LOADED")?;
             for m in client.list_models().await? {
-                writeln!(out, "{:<40} {:<6} {:>12} {:<7} {}", m.name, m.format, gib(m.size_bytes), if m.loaded { "yes" } else { "" }, m.aliases.join(","))?;
+                writeln!(
+                    out,
+                    "{:<40} {:<6} {:>12} {:<7} {}",
+                    m.name,
+                    m.format,
+                    gib(m.size_bytes),
+                    if m.loaded { "yes" } else { "" },
+                    m.aliases.join(",")
+                )?;
             }
         }
         Command::Ps => {
             let s = client.status().await?;
-            writeln!(out, "{:<40} {:<6} {:>12} {:<10} {:>10} {:>8}", "NAME", "ARCH", "MEMORY", "KEEP", "UNLOAD IN", "IDLE")?;
+            writeln!(
+                out,
+                "{:<40} {:<6} {:>12} {:<10} {:>10} {:>8}",
+                "NAME", "ARCH", "MEMORY", "KEEP", "UNLOAD IN", "IDLE"
+            )?;
             for m in s.loaded {
                 let until = m.expires_in_s.map_or("never".into(), |s| format!("{s}s"));
-                writeln!(out, "{:<40} {:<6} {:>12} {:<10} {:>10} {:>7}s", m.name, m.architecture, gib(m.memory_bytes), m.keep_alive.to_string(), until, m.idle_s)?;
+                writeln!(
+                    out,
+                    "{:<40} {:<6} {:>12} {:<10} {:>10} {:>7}s",
+                    m.name,
+                    m.architecture,
+                    gib(m.memory_bytes),
+                    m.keep_alive.to_string(),
+                    until,
+                    m.idle_s
+                )?;
             }
         }
         Command::Status => {
@@ -341,7 +376,13 @@ async fn manage(client: &mut Client, command: Command) -> Result<()> {
             writeln!(out, "mlxbcd {} (protocol {}), pid {}, up {}s", s.daemon_version, s.protocol, s.pid, s.uptime_s)?;
             writeln!(out, "socket:   {}", client.socket().display())?;
             writeln!(out, "device:   {} (BLAS: {})", s.device, s.blas)?;
-            writeln!(out, "memory:   MLX active {}, peak {}, RSS {}", gib(s.mlx_active_bytes), gib(s.mlx_peak_bytes), gib(s.rss_bytes))?;
+            writeln!(
+                out,
+                "memory:   MLX active {}, peak {}, RSS {}",
+                gib(s.mlx_active_bytes),
+                gib(s.mlx_peak_bytes),
+                gib(s.rss_bytes)
+            )?;
             writeln!(out, "loaded:   {}", s.loaded.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "))?;
             writeln!(out, "queue:    {} waiting; {} requests served", s.queued_jobs, s.requests_served)?;
         }
@@ -370,8 +411,20 @@ async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 CacheCmd::Ls => {}
                 CacheCmd::Stats => {
                     writeln!(out, "store:     {}", r.path)?;
-                    writeln!(out, "entries:   {} ({} of {} on disk; {} in RAM, {})", r.entries, gib(r.disk_bytes), gib(r.disk_budget_bytes), r.ram_entries, gib(r.ram_bytes))?;
-                    writeln!(out, "hits:      {} RAM, {} disk; misses {}; evictions {}; corrupt {}", r.ram_hits, r.disk_hits, r.misses, r.evictions, r.corrupt)?;
+                    writeln!(
+                        out,
+                        "entries:   {} ({} of {} on disk; {} in RAM, {})",
+                        r.entries,
+                        gib(r.disk_bytes),
+                        gib(r.disk_budget_bytes),
+                        r.ram_entries,
+                        gib(r.ram_bytes)
+                    )?;
+                    writeln!(
+                        out,
+                        "hits:      {} RAM, {} disk; misses {}; evictions {}; corrupt {}",
+                        r.ram_hits, r.disk_hits, r.misses, r.evictions, r.corrupt
+                    )?;
                 }
             }
         }

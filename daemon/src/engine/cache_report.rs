@@ -8,7 +8,10 @@ use std::path::Path;
 /// Runs a cache command and reports the store's state afterwards.
 pub fn run(store: Option<&mut FeatureStore>, path: &Path, command: CacheCommand) -> Response {
     let Some(store) = store else {
-        return Response::Error { kind: ErrorKind::Internal, message: format!("the feature store at {} could not be opened; see the daemon log", path.display()) };
+        return Response::Error {
+            kind: ErrorKind::Internal,
+            message: format!("the feature store at {} could not be opened; see the daemon log", path.display()),
+        };
     };
     let mut removed = 0;
     let mut listing = Vec::new();

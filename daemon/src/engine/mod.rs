@@ -136,7 +136,10 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
     };
     let store = match mlxbc_cache::FeatureStore::open(
         &settings.feature_cache_dir,
-        mlxbc_cache::StoreConfig { ram_bytes: settings.feature_ram_bytes as usize, disk_bytes: settings.feature_cache_bytes },
+        mlxbc_cache::StoreConfig {
+            ram_bytes: settings.feature_ram_bytes as usize,
+            disk_bytes: settings.feature_cache_bytes,
+        },
     ) {
         Ok(s) => Some(s),
         Err(e) => {
@@ -170,7 +173,10 @@ fn refuse(job: Job) {
         Job::Generate { events, .. } => {
             let _ = events.send(err());
         }
-        Job::Load { reply, .. } | Job::Unload { reply, .. } | Job::Prefetch { reply, .. } | Job::Cache { reply, .. } => {
+        Job::Load { reply, .. }
+        | Job::Unload { reply, .. }
+        | Job::Prefetch { reply, .. }
+        | Job::Cache { reply, .. } => {
             let _ = reply.send(err());
         }
     }
@@ -268,7 +274,9 @@ impl Engine {
                         let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
                         match media::resolve(m, &name, &refs, self.store.as_mut()) {
                             Ok(media::Resolved::Missing(missing)) => Response::NeedMedia { missing },
-                            Ok(media::Resolved::Ready(_, s)) => Response::Prefetched { encoded: s.misses, cached: s.hits },
+                            Ok(media::Resolved::Ready(_, s)) => {
+                                Response::Prefetched { encoded: s.misses, cached: s.hits }
+                            }
                             Err((kind, message)) => Response::Error { kind, message },
                         }
                     }
@@ -296,7 +304,9 @@ impl Engine {
             Job::Unload { model, reply } => {
                 self.prefixes.clear();
                 let response = match self.registry.resolve(Some(&model)) {
-                    Ok(resolved) => Response::Unloaded { was_loaded: self.residency.unload(&resolved.name), model: resolved.name },
+                    Ok(resolved) => {
+                        Response::Unloaded { was_loaded: self.residency.unload(&resolved.name), model: resolved.name }
+                    }
                     Err(_) => Response::Unloaded { was_loaded: self.residency.unload(&model), model },
                 };
                 let _ = reply.send(response);
@@ -305,7 +315,11 @@ impl Engine {
     }
 
     /// Makes a model resident (fingerprinting its tower through the store's memo).
-    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<(String, f64), (ErrorKind, String)> {
+    fn load(
+        &mut self,
+        model: Option<&str>,
+        keep_alive: Option<KeepAlive>,
+    ) -> Result<(String, f64), (ErrorKind, String)> {
         let memo = self.store.as_ref().and_then(|s| s.tree("tower-fingerprints").ok());
         self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())
     }

@@ -40,9 +40,13 @@ impl ModelRegistry {
             let name = if candidate.is_absolute() { target.to_string() } else { file_name(&path) };
             return Ok(ResolvedModel { name, path });
         }
-        let known: Vec<String> = self.list().into_iter().flat_map(|m| std::iter::once(m.name).chain(m.aliases)).collect();
+        let known: Vec<String> =
+            self.list().into_iter().flat_map(|m| std::iter::once(m.name).chain(m.aliases)).collect();
         let known = if known.is_empty() {
-            format!("none: the models directory {} is empty (run scripts/setup to fetch the default model)", self.models_dir.display())
+            format!(
+                "none: the models directory {} is empty (run scripts/setup to fetch the default model)",
+                self.models_dir.display()
+            )
         } else {
             known.join(", ")
         };
@@ -56,8 +60,11 @@ impl ModelRegistry {
     /// Every model in the store, with its aliases.
     pub fn list(&self) -> Vec<ModelInfo> {
         let mut out = Vec::new();
-        let Ok(entries) = std::fs::read_dir(&self.models_dir) else { return out };
-        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| is_model(p)).collect();
+        let Ok(entries) = std::fs::read_dir(&self.models_dir) else {
+            return out;
+        };
+        let mut paths: Vec<PathBuf> =
+            entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| is_model(p)).collect();
         paths.sort();
         for path in paths {
             let name = file_name(&path);
@@ -89,7 +96,5 @@ fn is_model(path: &Path) -> bool {
 }
 
 fn dir_size(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|it| it.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
-        .unwrap_or(0)
+    std::fs::read_dir(dir).map(|it| it.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum()).unwrap_or(0)
 }

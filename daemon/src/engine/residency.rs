@@ -52,17 +52,23 @@ impl Residency {
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
-        let model = TextModel::load(&resolved.path, form, fingerprints)
-            .map_err(|e| (ErrorKind::ModelLoad, format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display())))?;
-        model
-            .warm_up()
-            .map_err(|e| (ErrorKind::ModelLoad, format!("running model {} for the first time: {e:#}", resolved.name)))?;
+        let model = TextModel::load(&resolved.path, form, fingerprints).map_err(|e| {
+            (ErrorKind::ModelLoad, format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
+        })?;
+        model.warm_up().map_err(|e| {
+            (ErrorKind::ModelLoad, format!("running model {} for the first time: {e:#}", resolved.name))
+        })?;
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
         tracing::info!(model = %resolved.name, load_ms, memory_bytes, "model loaded");
         self.models.insert(
             resolved.name.clone(),
-            Resident { model, memory_bytes, keep_alive: keep_alive.unwrap_or(self.default_keep_alive), last_used: Instant::now() },
+            Resident {
+                model,
+                memory_bytes,
+                keep_alive: keep_alive.unwrap_or(self.default_keep_alive),
+                last_used: Instant::now(),
+            },
         );
         Ok((resolved.name, load_ms))
     }
@@ -106,8 +112,12 @@ impl Residency {
     /// Unloads every model whose keep-alive has run out; returns their names.
     pub fn expire(&mut self) -> Vec<String> {
         let now = Instant::now();
-        let gone: Vec<String> =
-            self.models.iter().filter(|(_, r)| r.expires_at().is_some_and(|t| t <= now)).map(|(n, _)| n.clone()).collect();
+        let gone: Vec<String> = self
+            .models
+            .iter()
+            .filter(|(_, r)| r.expires_at().is_some_and(|t| t <= now))
+            .map(|(n, _)| n.clone())
+            .collect();
         for name in &gone {
             self.models.remove(name);
         }

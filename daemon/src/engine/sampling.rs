@@ -81,8 +81,14 @@ mod tests {
     fn seeded_sampling_repeats_and_top_k_one_is_greedy() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32 * 0.03).collect();
         let p = SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed: Some(7) };
-        let a: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..20).map(|_| s.sample_host(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p); (0..20).map(|_| s.sample_host(&logits)).collect() };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone());
+            (0..20).map(|_| s.sample_host(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p);
+            (0..20).map(|_| s.sample_host(&logits)).collect()
+        };
         assert_eq!(a, b);
         let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, seed: Some(1) });
         let best = (0..100).max_by(|&x, &y| logits[x].total_cmp(&logits[y])).unwrap() as u32;

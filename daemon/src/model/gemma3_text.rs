@@ -47,18 +47,42 @@ pub struct Gemma3TextConfig {
     pub max_position_embeddings: u32,
 }
 
-fn d_heads() -> i32 { 8 }
-fn d_head_dim() -> i32 { 256 }
-fn d_head_dim_f() -> f32 { 256.0 }
-fn d_eps() -> f32 { 1e-6 }
-fn d_vocab() -> i32 { 262208 }
-fn d_kv_heads() -> i32 { 4 }
-fn d_global_base() -> f32 { 1_000_000.0 }
-fn d_local_base() -> f32 { 10_000.0 }
-fn d_window() -> i32 { 1024 }
-fn d_pattern() -> i32 { 6 }
-fn d_mm_tokens() -> i32 { 256 }
-fn d_ctx() -> u32 { 4096 }
+fn d_heads() -> i32 {
+    8
+}
+fn d_head_dim() -> i32 {
+    256
+}
+fn d_head_dim_f() -> f32 {
+    256.0
+}
+fn d_eps() -> f32 {
+    1e-6
+}
+fn d_vocab() -> i32 {
+    262208
+}
+fn d_kv_heads() -> i32 {
+    4
+}
+fn d_global_base() -> f32 {
+    1_000_000.0
+}
+fn d_local_base() -> f32 {
+    10_000.0
+}
+fn d_window() -> i32 {
+    1024
+}
+fn d_pattern() -> i32 {
+    6
+}
+fn d_mm_tokens() -> i32 {
+    256
+}
+fn d_ctx() -> u32 {
+    4096
+}
 
 struct Block {
     q: Linear,
@@ -116,13 +140,20 @@ impl Gemma3Text {
                 sliding: (i + 1) % config.sliding_window_pattern != 0,
             });
         }
-        let lm_head = if t.has(&format!("{prefix}.lm_head.weight")) { Some(t.linear(&format!("{prefix}.lm_head"))?) } else { None };
-        // mlx-vlm: h *= mx.array(hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
-        let embed_scale = Array::from_f32((config.hidden_size as f64).sqrt() as f32).as_dtype(Dtype::Bfloat16)?.as_dtype(Dtype::Float32)?;
-        let global_rope_scale = match config.rope_scaling.as_ref().and_then(|s| s.get("factor")).and_then(|f| f.as_f64()) {
-            Some(f) => (1.0 / f) as f32,
-            None => 1.0,
+        let lm_head = if t.has(&format!("{prefix}.lm_head.weight")) {
+            Some(t.linear(&format!("{prefix}.lm_head"))?)
+        } else {
+            None
         };
+        // mlx-vlm: h *= mx.array(hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
+        let embed_scale = Array::from_f32((config.hidden_size as f64).sqrt() as f32)
+            .as_dtype(Dtype::Bfloat16)?
+            .as_dtype(Dtype::Float32)?;
+        let global_rope_scale =
+            match config.rope_scaling.as_ref().and_then(|s| s.get("factor")).and_then(|f| f.as_f64()) {
+                Some(f) => (1.0 / f) as f32,
+                None => 1.0,
+            };
         Ok(Self {
             embed: t.embedding(&format!("{prefix}.model.embed_tokens"))?,
             norm: norm(t, &format!("{prefix}.model.norm.weight"))?,
@@ -163,7 +194,11 @@ impl Gemma3Text {
             let q = split(b.q.forward(&x)?, c.num_attention_heads, &b.q_norm)?;
             let k = split(b.k.forward(&x)?, c.num_key_value_heads, &b.k_norm)?;
             let v = b.v.forward(&x)?.reshape(&[1, l, c.num_key_value_heads, -1])?.transpose_axes(&[0, 2, 1, 3])?;
-            let (base, scale) = if b.sliding { (c.rope_local_base_freq, 1.0) } else { (c.rope_global_base_freq, self.global_rope_scale) };
+            let (base, scale) = if b.sliding {
+                (c.rope_local_base_freq, 1.0)
+            } else {
+                (c.rope_global_base_freq, self.global_rope_scale)
+            };
             let q = fast::rope(&q, c.head_dim, false, base, scale, offset, None)?;
             let k = fast::rope(&k, c.head_dim, false, base, scale, offset, None)?;
             let (k, v) = cache.update(i, k, v)?;
@@ -180,11 +215,20 @@ impl Gemma3Text {
     }
 
     /// Causal attention; sliding layers see only the last `sliding_window` keys.
-    fn attend(&self, q: &Array, k: Array, v: Array, sliding: bool, offset: i32, blocks: Option<&[i32]>) -> Result<Array> {
+    fn attend(
+        &self,
+        q: &Array,
+        k: Array,
+        v: Array,
+        sliding: bool,
+        offset: i32,
+        blocks: Option<&[i32]>,
+    ) -> Result<Array> {
         let scale = (self.config.query_pre_attn_scalar as f64).powf(-0.5) as f32;
         let (l, total) = (q.shape()[2], k.shape()[2]);
         let window = self.config.sliding_window;
-        let queries_in_image = blocks.is_some_and(|b| b[offset as usize..(offset + l) as usize].iter().any(|&x| x >= 0));
+        let queries_in_image =
+            blocks.is_some_and(|b| b[offset as usize..(offset + l) as usize].iter().any(|&x| x >= 0));
         if l > 1 && queries_in_image {
             let b = blocks.unwrap();
             let allowed: Vec<bool> = (offset..offset + l)
@@ -196,7 +240,14 @@ impl Gemma3Text {
                 })
                 .collect();
             let mask = Array::from_slice(&allowed, &[l, total]);
-            return Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, ScaledDotProductAttentionMask::Array(&mask), None)?);
+            return Ok(fast::scaled_dot_product_attention(
+                q,
+                &k,
+                &v,
+                scale,
+                ScaledDotProductAttentionMask::Array(&mask),
+                None,
+            )?);
         }
         if !sliding || total <= window {
             let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };

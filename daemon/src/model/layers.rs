@@ -71,7 +71,13 @@ impl Embedding {
             Embedding::Dense(w) => w.take_axis(ids, 0)?,
             Embedding::Quantized(q) => {
                 let biases = q.biases.take_axis(ids, 0)?;
-                ops::dequantize(q.weight.take_axis(ids, 0)?, q.scales.take_axis(ids, 0)?, &biases, q.group_size, q.bits)?
+                ops::dequantize(
+                    q.weight.take_axis(ids, 0)?,
+                    q.scales.take_axis(ids, 0)?,
+                    &biases,
+                    q.group_size,
+                    q.bits,
+                )?
             }
         })
     }

@@ -31,10 +31,7 @@ impl KvCache {
     pub(crate) fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
         let (k, v) = match self.layers[layer].take() {
             None => (k, v),
-            Some((pk, pv)) => (
-                mlx_rs::ops::concatenate(&[pk, k], 2)?,
-                mlx_rs::ops::concatenate(&[pv, v], 2)?,
-            ),
+            Some((pk, pv)) => (mlx_rs::ops::concatenate(&[pk, k], 2)?, mlx_rs::ops::concatenate(&[pv, v], 2)?),
         };
         self.layers[layer] = Some((k.clone(), v.clone()));
         Ok((k, v))
@@ -107,7 +104,8 @@ impl Transformer {
                 post_attention_layernorm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,
             });
         }
-        let lm_head = if !config.tie_word_embeddings && t.has("lm_head.weight") { Some(t.linear("lm_head")?) } else { None };
+        let lm_head =
+            if !config.tie_word_embeddings && t.has("lm_head.weight") { Some(t.linear("lm_head")?) } else { None };
         let rope_freqs = config.rope_scaling.as_ref().map(|s| llama3_rope_freqs(&config, s));
         let scale = (config.head_dim as f64).powf(-0.5) as f32;
         Ok(Self {
@@ -127,10 +125,18 @@ impl Transformer {
             .layers
             .iter()
             .map(|l| {
-                [&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj]
-                    .iter()
-                    .map(|x| x.nbytes())
-                    .sum::<usize>()
+                [
+                    &l.attn.q_proj,
+                    &l.attn.k_proj,
+                    &l.attn.v_proj,
+                    &l.attn.o_proj,
+                    &l.mlp.gate_proj,
+                    &l.mlp.up_proj,
+                    &l.mlp.down_proj,
+                ]
+                .iter()
+                .map(|x| x.nbytes())
+                .sum::<usize>()
                     + l.input_layernorm.nbytes()
                     + l.post_attention_layernorm.nbytes()
             })
@@ -150,9 +156,18 @@ impl Transformer {
         let mut h = embeds.clone();
         let offset = cache.offset;
         for (i, layer) in self.layers.iter().enumerate() {
-            let r = self.attention(&layer.attn, &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?, cache, i, offset)?;
+            let r = self.attention(
+                &layer.attn,
+                &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?,
+                cache,
+                i,
+                offset,
+            )?;
             let h2 = h.add(&r)?;
-            let r = self.mlp(&layer.mlp, &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?)?;
+            let r = self.mlp(
+                &layer.mlp,
+                &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
+            )?;
             h = h2.add(&r)?;
         }
         cache.offset += len;
@@ -216,11 +231,19 @@ impl Transformer {
 /// cos/sin `[1, 1, L, head_dim]` of Qwen2-VL's "chunked" multimodal rope, as
 /// mlx-vlm computes them: frequency f follows the time, height or width
 /// position by `section`; positions past the prompt are `offset + delta`.
-fn mrope_cos_sin(c: &TextConfig, section: &[i32], mrope: Option<&(Vec<[i64; 3]>, i64)>, offset: i32, l: i32) -> Result<(Array, Array)> {
+fn mrope_cos_sin(
+    c: &TextConfig,
+    section: &[i32],
+    mrope: Option<&(Vec<[i64; 3]>, i64)>,
+    offset: i32,
+    l: i32,
+) -> Result<(Array, Array)> {
     let half = c.head_dim / 2;
-    let steps = mlx_rs::ops::arange::<_, f32>(0.0, c.head_dim as f32, 2.0)?.divide(Array::from_f32(c.head_dim as f32))?;
+    let steps =
+        mlx_rs::ops::arange::<_, f32>(0.0, c.head_dim as f32, 2.0)?.divide(Array::from_f32(c.head_dim as f32))?;
     let inv_freq = Array::from_f32(1.0).divide(mlx_rs::ops::power(Array::from_f32(c.rope_theta), &steps)?)?;
-    let axis_of: Vec<usize> = section.iter().enumerate().flat_map(|(a, &n)| std::iter::repeat(a).take(n as usize)).collect();
+    let axis_of: Vec<usize> =
+        section.iter().enumerate().flat_map(|(a, &n)| std::iter::repeat(a).take(n as usize)).collect();
     let positions: Vec<f32> = (offset..offset + l)
         .flat_map(|p| {
             let pos = match mrope {
@@ -257,7 +280,8 @@ fn llama3_rope_freqs(c: &TextConfig, s: &super::config::Llama3RopeScaling) -> Ar
             let wavelen = 2.0 * std::f32::consts::PI * f;
             let f = if wavelen > low_wavelen { f * s.factor } else { f };
             if wavelen > high_wavelen && wavelen < low_wavelen {
-                let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
                 f / ((1.0 - smooth) / s.factor + smooth)
             } else {
                 f

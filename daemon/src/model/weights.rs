@@ -50,7 +50,13 @@ impl TensorMap {
     /// Tensors from a GGUF file, renamed to HF names. llama.cpp permutes the
     /// rows of Llama's q/k projections for its interleaved rope; that is
     /// undone here so one rope layout serves both formats.
-    pub fn from_gguf(file: &GgufFile, arch: Architecture, n_heads: i32, n_kv_heads: i32, form: WeightForm) -> Result<Self> {
+    pub fn from_gguf(
+        file: &GgufFile,
+        arch: Architecture,
+        n_heads: i32,
+        n_kv_heads: i32,
+        form: WeightForm,
+    ) -> Result<Self> {
         let mut tensors = HashMap::new();
         for (name, array) in file.arrays().context("reading GGUF tensors")? {
             let (module, suffix) = name.rsplit_once('.').with_context(|| format!("odd GGUF tensor name {name}"))?;
@@ -68,7 +74,11 @@ impl TensorMap {
 
     /// Tensors from `*.safetensors` in `dir`; `quantization` is config.json's
     /// section of that name (group size, bits, per-module overrides).
-    pub fn from_safetensors_dir(dir: &Path, quantization: Option<&serde_json::Value>, form: WeightForm) -> Result<Self> {
+    pub fn from_safetensors_dir(
+        dir: &Path,
+        quantization: Option<&serde_json::Value>,
+        form: WeightForm,
+    ) -> Result<Self> {
         let mut files: Vec<_> = std::fs::read_dir(dir)
             .with_context(|| format!("reading model directory {}", dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -83,7 +93,8 @@ impl TensorMap {
             let loaded = Array::load_safetensors(f).with_context(|| format!("reading weights at {}", f.display()))?;
             tensors.extend(loaded);
         }
-        let default_group = quantization.and_then(|q| q.get("group_size")).and_then(|g| g.as_i64()).unwrap_or(64) as i32;
+        let default_group =
+            quantization.and_then(|q| q.get("group_size")).and_then(|g| g.as_i64()).unwrap_or(64) as i32;
         let mut group_overrides = HashMap::new();
         if let Some(obj) = quantization.and_then(|q| q.as_object()) {
             for (k, v) in obj {
@@ -103,7 +114,8 @@ impl TensorMap {
     /// The remaining tensors under `prefix`, renamed without it (e.g. a VLM's
     /// `language_model.` part for the text decoder).
     pub fn strip_prefix(self, prefix: &str) -> Self {
-        let tensors = self.tensors.into_iter().filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v))).collect();
+        let tensors =
+            self.tensors.into_iter().filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v))).collect();
         Self { tensors, ..self }
     }
 
@@ -130,16 +142,25 @@ impl TensorMap {
         if !self.has(&format!("{prefix}.scales")) {
             return Ok(None);
         }
-        let weight = self.tensors.remove(&format!("{prefix}.weight")).with_context(|| format!("missing {prefix}.weight"))?;
+        let weight =
+            self.tensors.remove(&format!("{prefix}.weight")).with_context(|| format!("missing {prefix}.weight"))?;
         let dtype = self.form.float_dtype();
         let scales = self.tensors.remove(&format!("{prefix}.scales")).unwrap().as_dtype(dtype)?;
-        let biases = self.tensors.remove(&format!("{prefix}.biases")).with_context(|| format!("missing {prefix}.biases"))?.as_dtype(dtype)?;
+        let biases = self
+            .tensors
+            .remove(&format!("{prefix}.biases"))
+            .with_context(|| format!("missing {prefix}.biases"))?
+            .as_dtype(dtype)?;
         let group_size = self.group_overrides.get(prefix).copied().unwrap_or(self.default_group);
         let packed_cols = *weight.shape().last().unwrap();
         let groups = *scales.shape().last().unwrap();
         let bits = packed_cols * 32 / (groups * group_size);
         if ![2, 3, 4, 5, 6, 8].contains(&bits) {
-            bail!("{prefix}: cannot infer quantization bits (weight {:?}, scales {:?}, group {group_size})", weight.shape(), scales.shape());
+            bail!(
+                "{prefix}: cannot infer quantization bits (weight {:?}, scales {:?}, group {group_size})",
+                weight.shape(),
+                scales.shape()
+            );
         }
         Ok(Some(Quantized { weight, scales, biases, group_size, bits }))
     }

@@ -160,9 +160,7 @@ async fn answer(state: &ServerState, request: Request) -> Response {
             Response::Models { models }
         }
         Request::Status => Response::Status(state.engine.status(state.started)),
-        Request::Load { model, keep_alive } => {
-            round_trip(state, |reply| Job::Load { model, keep_alive, reply }).await
-        }
+        Request::Load { model, keep_alive } => round_trip(state, |reply| Job::Load { model, keep_alive, reply }).await,
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
         Request::Prefetch { model, media } => round_trip(state, |reply| Job::Prefetch { model, media, reply }).await,
         Request::Cache(command) => round_trip(state, |reply| Job::Cache { command, reply }).await,

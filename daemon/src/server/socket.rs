@@ -23,7 +23,8 @@ impl Drop for SocketGuard {
 /// same path fails here with a message that says so.
 pub fn bind(path: &Path) -> Result<(tokio::net::UnixListener, SocketGuard)> {
     let dir = path.parent().context("socket path has no parent directory")?;
-    mlxbc_shared::paths::create_private_dir(dir).with_context(|| format!("creating socket directory {}", dir.display()))?;
+    mlxbc_shared::paths::create_private_dir(dir)
+        .with_context(|| format!("creating socket directory {}", dir.display()))?;
     let lock_path = path.with_extension("lock");
     let lock = File::options()
         .create(true)

@@ -17,7 +17,14 @@ pub struct Gemma3Projector {
 
 impl Gemma3Projector {
     /// Loads `prefix.mm_soft_emb_norm.weight` and `prefix.mm_input_projection_weight`.
-    pub fn load(t: &mut TensorMap, prefix: &str, image_size: i32, patch_size: i32, tokens_per_image: i32, eps: f32) -> Result<Self> {
+    pub fn load(
+        t: &mut TensorMap,
+        prefix: &str,
+        image_size: i32,
+        patch_size: i32,
+        tokens_per_image: i32,
+        eps: f32,
+    ) -> Result<Self> {
         let norm_weight = t.float(&format!("{prefix}.mm_soft_emb_norm.weight"))?.add(Array::from_f32(1.0))?;
         Ok(Self {
             norm_weight,

@@ -12,7 +12,9 @@ pub fn positions(ids: &[u32], image_token: u32, grids: &[(u32, u32, u32)], merge
     let next_start = |out: &Vec<[i64; 3]>| out.iter().flat_map(|p| p.iter()).max().map_or(0, |m| m + 1);
     let mut st = 0usize;
     for &(t, h, w) in grids {
-        let Some(ed) = ids[st..].iter().position(|&x| x == image_token).map(|p| p + st) else { break };
+        let Some(ed) = ids[st..].iter().position(|&x| x == image_token).map(|p| p + st) else {
+            break;
+        };
         let start = next_start(&out);
         for i in 0..(ed - st) as i64 {
             out.push([start + i; 3]);

@@ -31,10 +31,18 @@ pub struct Qwen25VisionConfig {
     pub fullatt_block_indexes: Vec<i32>,
 }
 
-fn d_patch() -> i32 { 14 }
-fn d_merge() -> i32 { 2 }
-fn d_temporal() -> i32 { 2 }
-fn d_window() -> i32 { 112 }
+fn d_patch() -> i32 {
+    14
+}
+fn d_merge() -> i32 {
+    2
+}
+fn d_temporal() -> i32 {
+    2
+}
+fn d_window() -> i32 {
+    112
+}
 
 struct Block {
     norm1: Array,
@@ -99,7 +107,8 @@ impl Qwen25VisionTower {
         let w = self.patch_weight.reshape(&[c.hidden_size, -1])?;
         let x = cubes.matmul(w.t())?;
 
-        let (window_index, cu_windows) = window_index(grid, c.spatial_merge_size, c.window_size / c.spatial_merge_size / p);
+        let (window_index, cu_windows) =
+            window_index(grid, c.spatial_merge_size, c.window_size / c.spatial_merge_size / p);
         let rotary = rotary(grid, c.spatial_merge_size, c.hidden_size / c.num_heads);
         let order = Array::from_slice(&window_index, &[window_index.len() as i32]);
         let reorder = |a: &Array| -> Result<Array> {
@@ -135,7 +144,9 @@ impl Qwen25VisionTower {
         let heads = self.config.num_heads;
         let n = x.shape()[0];
         let qkv = b.qkv.forward(x)?.reshape(&[n, 3, heads, -1])?;
-        let part = |i: i32| -> Result<Array> { Ok(qkv.take_axis(Array::from_slice(&[i], &[1]), 1)?.reshape(&[n, heads, -1])?) };
+        let part = |i: i32| -> Result<Array> {
+            Ok(qkv.take_axis(Array::from_slice(&[i], &[1]), 1)?.reshape(&[n, heads, -1])?)
+        };
         let rope = |a: Array| -> Result<Array> {
             let half = a.shape()[2] / 2;
             let lo = a.take_axis(Array::from_slice(&(0..half).collect::<Vec<i32>>(), &[half]), 2)?;
@@ -148,7 +159,14 @@ impl Qwen25VisionTower {
         let k = to_heads(rope(part(1)?)?)?;
         let v = to_heads(part(2)?)?;
         let scale = ((self.config.hidden_size / heads) as f64).powf(-0.5) as f32;
-        let o = fast::scaled_dot_product_attention(&q, &k, &v, scale, fast::ScaledDotProductAttentionMask::Array(mask), None)?;
+        let o = fast::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            scale,
+            fast::ScaledDotProductAttentionMask::Array(mask),
+            None,
+        )?;
         b.proj.forward(&o.reshape(&[heads, n, -1])?.transpose_axes(&[1, 0, 2])?.reshape(&[n, -1])?)
     }
 }
@@ -157,7 +175,8 @@ impl Qwen25VisionTower {
 fn block_mask(bounds: &[i32], n: i32) -> Array {
     let seg = |i: i32| bounds.windows(2).position(|w| i >= w[0] && i < w[1]).unwrap_or(usize::MAX);
     let segs: Vec<usize> = (0..n).map(seg).collect();
-    let allowed: Vec<bool> = (0..n as usize).flat_map(|i| (0..n as usize).map(move |j| (i, j))).map(|(i, j)| segs[i] == segs[j]).collect();
+    let allowed: Vec<bool> =
+        (0..n as usize).flat_map(|i| (0..n as usize).map(move |j| (i, j))).map(|(i, j)| segs[i] == segs[j]).collect();
     Array::from_slice(&allowed, &[n, n])
 }
 

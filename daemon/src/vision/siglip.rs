@@ -109,7 +109,9 @@ impl SiglipTower {
         let scale = ((d / heads) as f64).powf(-0.5) as f32;
         for l in &self.layers {
             let y = l.norm1.forward(&x)?;
-            let split = |a: Array| -> Result<Array> { Ok(a.reshape(&[b, -1, heads, d / heads])?.transpose_axes(&[0, 2, 1, 3])?) };
+            let split = |a: Array| -> Result<Array> {
+                Ok(a.reshape(&[b, -1, heads, d / heads])?.transpose_axes(&[0, 2, 1, 3])?)
+            };
             let (q, k, v) = (split(l.q.forward(&y)?)?, split(l.k.forward(&y)?)?, split(l.v.forward(&y)?)?);
             let o = fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None)?;
             let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, -1, d])?;

@@ -90,7 +90,10 @@ async fn unknown_model_lists_the_known_ones() {
     while_another_client_is_served(&d, async {
         match ask(&d.socket, greedy(Some("no-such-model"), "hi", 4)).await {
             Err(ClientError::Daemon { kind: ErrorKind::UnknownModel, message }) => {
-                assert!(message.contains("no-such-model") && message.contains("smollm2") && message.contains(SMOLLM2), "{message}");
+                assert!(
+                    message.contains("no-such-model") && message.contains("smollm2") && message.contains(SMOLLM2),
+                    "{message}"
+                );
             }
             other => panic!("expected UnknownModel, got {other:?}"),
         }
@@ -135,7 +138,9 @@ async fn corrupt_and_truncated_model_files_are_load_errors() {
     for name in ["garbage.gguf", "truncated.gguf", "bad-dir"] {
         while_another_client_is_served(&d, async {
             match ask(&d.socket, greedy(Some(name), "hi", 4)).await {
-                Err(ClientError::Daemon { kind: ErrorKind::ModelLoad, message }) => assert!(message.contains(name), "{message}"),
+                Err(ClientError::Daemon { kind: ErrorKind::ModelLoad, message }) => {
+                    assert!(message.contains(name), "{message}")
+                }
                 other => panic!("{name}: expected ModelLoad, got {other:?}"),
             }
         })

@@ -8,7 +8,8 @@ use std::process::Stdio;
 fn ask_starts_the_daemon_on_first_use_and_streams_the_answer() {
     let home = tempfile::Builder::new().prefix("mlxbc-cli").tempdir_in("/tmp").unwrap();
     std::fs::create_dir(home.path().join("models")).unwrap();
-    std::os::unix::fs::symlink(fixture(&format!("models/{SMOLLM2}")), home.path().join("models").join(SMOLLM2)).unwrap();
+    std::os::unix::fs::symlink(fixture(&format!("models/{SMOLLM2}")), home.path().join("models").join(SMOLLM2))
+        .unwrap();
     let run = |args: &[&str]| {
         std::process::Command::new(binary("mlxbc"))
             .env("MLXBC_HOME", home.path())
@@ -31,10 +32,17 @@ fn ask_starts_the_daemon_on_first_use_and_streams_the_answer() {
 #[test]
 fn json_output_is_one_object_per_event_ending_with_done() {
     let d = Daemon::start();
-    let out = d.cli().args(["ask", "--json", "-n", "8", "What is the capital of France?"]).stdin(Stdio::null()).output().unwrap();
+    let out = d
+        .cli()
+        .args(["ask", "--json", "-n", "8", "What is the capital of France?"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
     assert!(out.status.success());
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("each line is JSON")).collect();
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
     assert_eq!(lines.first().unwrap()["event"], "start");
     assert!(lines.iter().any(|l| l["event"] == "token"));
     let done = lines.last().unwrap();
@@ -54,7 +62,8 @@ fn piped_stdin_is_appended_to_the_prompt() {
         .unwrap();
     child.stdin.take().unwrap().write_all("a long text about cats ".repeat(20).as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    let first: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let first: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
     assert!(first["prompt_tokens"].as_u64().unwrap() > 100, "stdin made the prompt longer: {first}");
 }
 
@@ -64,7 +73,12 @@ fn errors_have_documented_exit_codes() {
     let out = d.cli().args(["ask", "-m", "nope", "hi"]).stdin(Stdio::null()).output().unwrap();
     assert_eq!(out.status.code(), Some(4), "refused request");
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model \"nope\""));
-    let out = d.cli().args(["status", "--socket", "/tmp/definitely-not-here/x.sock"]).env("MLXBC_DAEMON", "/bin/false").output().unwrap();
+    let out = d
+        .cli()
+        .args(["status", "--socket", "/tmp/definitely-not-here/x.sock"])
+        .env("MLXBC_DAEMON", "/bin/false")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(3), "unreachable daemon: {}", String::from_utf8_lossy(&out.stderr));
 }
 

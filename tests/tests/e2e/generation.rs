@@ -78,7 +78,12 @@ async fn load_ps_and_unload() {
     assert_eq!(status.loaded.len(), 1);
     assert_eq!(status.loaded[0].keep_alive, KeepAlive::Forever);
     assert_eq!(status.loaded[0].expires_in_s, None);
-    assert!(c.list_models().await.unwrap().iter().any(|m| m.name == SMOLLM2 && m.loaded && m.aliases.contains(&"smollm2".into())));
+    assert!(c
+        .list_models()
+        .await
+        .unwrap()
+        .iter()
+        .any(|m| m.name == SMOLLM2 && m.loaded && m.aliases.contains(&"smollm2".into())));
     assert!(c.unload("smollm2").await.unwrap());
     assert!(!c.unload("smollm2").await.unwrap());
     assert!(c.status().await.unwrap().loaded.is_empty());

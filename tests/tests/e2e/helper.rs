@@ -21,7 +21,9 @@ pub fn binary(name: &str) -> PathBuf {
 
 /// A test fixture file or directory; missing ones fail with how to get them.
 pub fn fixture(rel: &str) -> PathBuf {
-    let root = std::env::var_os("MLXBC_TEST_FIXTURES").map(PathBuf::from).unwrap_or_else(|| workspace().join("target/test-fixtures"));
+    let root = std::env::var_os("MLXBC_TEST_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/test-fixtures"));
     let p = root.join(rel);
     assert!(p.exists(), "missing test fixture {} — run scripts/test-fixtures (or scripts/test) first", p.display());
     p
@@ -62,7 +64,8 @@ impl Daemon {
         for (name, target) in &opts.models {
             std::os::unix::fs::symlink(target, models.join(name)).unwrap();
         }
-        let mut d = Daemon { child: None, socket: home.path().join("mlxbcd.sock"), log: home.path().join("daemon.log"), home };
+        let mut d =
+            Daemon { child: None, socket: home.path().join("mlxbcd.sock"), log: home.path().join("daemon.log"), home };
         d.spawn(&opts.args);
         d
     }
@@ -154,7 +157,10 @@ pub fn greedy(model: Option<&str>, prompt: &str, max_tokens: u32) -> GenerateReq
 }
 
 /// Runs a request to completion on a new connection.
-pub async fn ask(socket: impl AsRef<Path>, request: GenerateRequest) -> Result<(String, GenerationStats), mlxbc_client::ClientError> {
+pub async fn ask(
+    socket: impl AsRef<Path>,
+    request: GenerateRequest,
+) -> Result<(String, GenerationStats), mlxbc_client::ClientError> {
     let mut c = Client::connect(socket.as_ref()).await?;
     c.generate(request).await?.collect_text().await
 }
