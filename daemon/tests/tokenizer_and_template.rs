@@ -7,17 +7,8 @@ use mlxbc_daemon::model::{tokenizer, weights::WeightForm, TextModel};
 use mlxbc_shared::{ChatMessage, Role};
 use std::path::PathBuf;
 
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// The fixture directory; a missing fixture fails with how to get it.
-fn fixture(rel: &str) -> PathBuf {
-    let root = std::env::var_os("MLXBC_TEST_FIXTURES").map(PathBuf::from).unwrap_or_else(|| workspace().join("target/test-fixtures"));
-    let p = root.join(rel);
-    assert!(p.exists(), "missing test fixture {} — run scripts/test-fixtures (or scripts/test) first", p.display());
-    p
-}
+mod common;
+use common::*;
 
 fn smollm2_gguf() -> PathBuf {
     fixture("models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -40,7 +31,9 @@ const CORPUS: &[&str] = &[
 fn gguf_tokenizer_matches_the_hf_reference_on_a_varied_corpus() {
     let file = mlx_rs::io::GgufFile::load(smollm2_gguf()).unwrap();
     let ours = tokenizer::from_gguf(&file).unwrap();
-    let reference = tokenizer::from_file(&workspace().join("tests/fixtures/tokenizers/smollm2-135m-instruct/tokenizer.json")).unwrap();
+    let reference =
+        tokenizer::from_file(&workspace().join("tests/fixtures/tokenizers/smollm2-135m-instruct/tokenizer.json"))
+            .unwrap();
     for text in CORPUS {
         let a = ours.encode(*text, false).unwrap();
         let b = reference.encode(*text, false).unwrap();
@@ -85,16 +78,42 @@ fn messages(case: &serde_json::Value) -> Vec<ChatMessage> {
 
 #[test]
 fn chat_prompts_tokenize_exactly_like_mlx_lm() {
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(workspace().join("tests/fixtures/reference/smollm2-mlx.json")).unwrap()).unwrap();
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(workspace().join("tests/fixtures/reference/smollm2-mlx.json")).unwrap(),
+    )
+    .unwrap();
     for path in [smollm2_gguf(), fixture("mlx/smollm2-mlx")] {
         let model = TextModel::load(&path, WeightForm::DenseF32, None).unwrap();
         for case in golden["cases"].as_array().unwrap() {
             let prompt = model.template.render(&messages(case)).unwrap();
             let ids = model.encode(&prompt).unwrap();
-            let want: Vec<u32> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            let want: Vec<u32> =
+                case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
             assert_eq!(ids, want, "prompt ids differ for {} with {}", case["messages"], path.display());
         }
         assert!(model.eos_ids.contains(&2), "<|im_end|> (2) must end generation for {}", path.display());
+    }
+}
+
+/// The VLM fixtures' tokenizers (rebuilt from the Gemma 3 and Qwen2.5 GGUF
+/// metadata by scripts/reference/gguf_tokenizer.py) against independent
+/// references: SentencePiece itself for Gemma 3, and transformers' GGUF
+/// loader for Qwen2.5 (tests/fixtures/reference/tokenizers.json, made by
+/// scripts/reference/tokenizer_goldens.py).
+#[test]
+fn vlm_fixture_tokenizers_match_sentencepiece_and_transformers() {
+    let golden = reference_json("tokenizers.json");
+    for (family, dir) in [("gemma3", "mlx/tiny-gemma3-vlm"), ("qwen2.5", "mlx/tiny-qwen25-vl")] {
+        let tok = tokenizer::from_file(&fixture(dir).join("tokenizer.json")).unwrap();
+        let cases = golden[family]["cases"].as_array().unwrap();
+        assert!(cases.len() > 10);
+        for case in cases {
+            let text = case[0].as_str().unwrap();
+            let want: Vec<u32> = serde_json::from_value(case[1].clone()).unwrap();
+            let got = tok.encode(text, false).unwrap().get_ids().to_vec();
+            assert_eq!(got, want, "{family} ({}): {text:?}", golden[family]["reference"]);
+            // And back: byte fallback and "▁" decode to the original text.
+            assert_eq!(tok.decode(&got, false).unwrap(), text, "{family}: decoding {text:?}");
+        }
     }
 }

@@ -10,13 +10,17 @@ use mlx_rs::{ops, Array};
 use mlxbc_daemon::model::weights::{TensorMap, WeightForm};
 use mlxbc_daemon::vision::gemma3_projector::Gemma3Projector;
 use mlxbc_daemon::vision::siglip::{SiglipConfig, SiglipTower};
-use std::path::PathBuf;
 
 const TOLERANCE: f32 = 1e-4;
 
+mod common;
+use common::*;
+
 fn reference(name: &str) -> std::collections::HashMap<String, Array> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/reference").join(name);
-    Array::load_safetensors(&p).unwrap_or_else(|e| panic!("reading {}: {e} (regenerate with scripts/reference/mlx_vlm_towers.py)", p.display()))
+    let p = reference_path(name);
+    Array::load_safetensors(&p).unwrap_or_else(|e| {
+        panic!("reading {}: {e} (regenerate with scripts/reference/mlx_vlm_towers.py)", p.display())
+    })
 }
 
 /// The SigLIP shape scripts/reference/mlx_vlm_towers.py builds (VISION there).
@@ -66,7 +70,13 @@ fn split_last(embeds: &Array) -> (Array, Array) {
 /// Prefills the reference's way, decodes greedily, and checks the first
 /// logits (within TOLERANCE) and every id against the recording. `forward`
 /// maps embeddings to last-position logits, advancing its own cache.
-fn assert_greedy_matches(label: &str, rec: &Recorded, embeds: &Array, mut forward: impl FnMut(&Array) -> Array, embed: impl Fn(u32) -> Array) {
+fn assert_greedy_matches(
+    label: &str,
+    rec: &Recorded,
+    embeds: &Array,
+    mut forward: impl FnMut(&Array) -> Array,
+    embed: impl Fn(u32) -> Array,
+) {
     let (body, last) = split_last(embeds);
     forward(&body);
     let mut logits = forward(&last);
@@ -188,7 +198,8 @@ fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
     let mut tensors = reference("qwen25-vl-language.safetensors");
     let rec = take_recorded(&mut tensors);
     let tensors = tensors.into_iter().map(|(k, v)| (k.trim_start_matches("language_model.").to_string(), v)).collect();
-    let model = Transformer::from_tensors(tiny_qwen_text(), TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
+    let model =
+        Transformer::from_tensors(tiny_qwen_text(), TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
     let mut cache = KvCache::new(2);
     cache.mrope = Some(mrope::positions(&rec.prompt, 250, &[(1, 4, 6)], 2));
     let embeds = model.embed(&Array::from_slice(&rec.prompt, &[1, rec.prompt.len() as i32])).unwrap();
@@ -215,7 +226,13 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
     .unwrap();
     let tower = Qwen25VisionTower::load(vision, &mut t, "vision_tower").unwrap();
     let text = Transformer::from_tensors(tiny_qwen_text(), t.strip_prefix("language_model.")).unwrap();
-    let preprocess = Qwen25Preprocess { min_pixels: 0, max_pixels: 0, mean: [0.0; 3], std: [1.0; 3] };
+    let preprocess = Qwen25Preprocess {
+        min_pixels: 0,
+        resample: mlxbc_daemon::vision::image::Resample::BICUBIC,
+        max_pixels: 0,
+        mean: [0.0; 3],
+        std: [1.0; 3],
+    };
     let vlm = Qwen25Vlm { text, tower, image_token_id: 250, preprocess };
     let features = vlm.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
     let embeds = vlm.prompt_embeddings(&rec.prompt, &[features.clone()]).unwrap();
@@ -239,3 +256,76 @@ fn tiny_qwen_text() -> mlxbc_daemon::model::config::TextConfig {
     )
     .unwrap()
 }
+
+/// The fixtures' tiny VLMs through the daemon's own front half — chat
+/// template, processor (resize, rescale, normalize), tower and projector,
+/// placeholder expansion, tokenizer — against mlx-vlm's whole pipeline on the
+/// same directory and image (tests/fixtures/reference/vlm-pipeline.*, made by
+/// scripts/reference/mlx_vlm_pipeline.py). Greedy ids through the real daemon
+/// are checked in tests/tests/e2e/reference.rs.
+#[test]
+fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
+    use mlxbc_daemon::model::TextModel;
+    use mlxbc_shared::{ChatMessage, Role};
+    let golden = reference_json("vlm-pipeline.json");
+    let mut want_features = reference("vlm-pipeline.safetensors");
+    let bytes = std::fs::read(reference_path(golden["image"].as_str().unwrap())).unwrap();
+    let img = mlxbc_daemon::vision::image::decode(&bytes).unwrap();
+    for family in ["tiny-gemma3-vlm", "tiny-qwen25-vl"] {
+        let dir = fixture(&format!("mlx/{family}"));
+        let g = &golden[family];
+        assert_eq!(
+            sha256_hex(&dir.join("model.safetensors")),
+            g["weights_sha256"].as_str().unwrap(),
+            "{family}: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
+        );
+        let model = TextModel::load(&dir, WeightForm::DenseF32, None).unwrap();
+        let vision = model.vision.as_ref().unwrap();
+
+        if let Some(pre) = &vision.preprocess {
+            // Fixed-size processors: the resized, normalized pixels themselves.
+            let nchw = want_features.remove(&format!("{family}.pixels")).unwrap();
+            let (h, w) = (pre.height as usize, pre.width as usize);
+            let nchw = nchw.as_slice::<f32>();
+            let theirs = (0..h * w * 3).map(|i| nchw[(i % 3) * h * w + i / 3]); // channels last, as ours
+            let level = pre.rescale / pre.std[0];
+            let levels: Vec<f32> = pre.apply(&img).iter().zip(theirs).map(|(a, b)| ((a - b) / level).abs()).collect();
+            let worst = levels.iter().copied().fold(0.0, f32::max);
+            let off = levels.iter().filter(|d| **d > 0.5).count();
+            let ours = &levels;
+            eprintln!("{family}: pixels vs PIL: {off} of {} values differ, by at most {worst:.2} levels", ours.len());
+            assert!(worst <= 1.01, "{family}: resized pixels differ from PIL's by {worst} levels");
+        }
+        let features = model.encode_image(&img).unwrap();
+        let hidden = *features.shape().last().unwrap();
+        let rows = features.size() as i32 / hidden;
+        let want = want_features.remove(&format!("{family}.features")).unwrap();
+        assert_eq!(want.shape(), &[rows, hidden], "{family}: feature rows (image tokens)");
+        let err = relative_error(&features.reshape(&[rows, hidden]).unwrap(), &want);
+        eprintln!("{family}: features vs mlx-vlm's processor + tower: relative error {err:e}");
+        assert!(err < PIPELINE_TOLERANCE, "{family}: features differ from mlx-vlm's: {err:e}");
+
+        let question = golden["question"].as_str().unwrap();
+        let messages = [ChatMessage {
+            role: Role::User,
+            content: question.into(),
+            images: vec![mlxbc_shared::MediaRef::from_bytes(bytes.clone())],
+        }];
+        let prompt = vision.expand(&model.template.render(&messages).unwrap(), &[rows as usize]);
+        let ours = model.encode(&prompt).unwrap();
+        let mut theirs: Vec<u32> = serde_json::from_value(g["prompt_ids"].clone()).unwrap();
+        if family.starts_with("tiny-gemma3") {
+            // mlx-vlm tokenizes the rendered template (which writes <bos>) with
+            // add_special_tokens on, so its prompt starts <bos><bos>; Gemma
+            // expects one, as the template, HF's chat API and llama.cpp give.
+            assert_eq!(&theirs[..2], &[2, 2], "mlx-vlm's doubled BOS is gone: update this test");
+            theirs.remove(0);
+        }
+        assert_eq!(ours, theirs, "{family}: prompt ids (template, expansion, tokenizer) differ from mlx-vlm's");
+    }
+}
+
+/// Features from a whole image pipeline: both sides resize the same PNG
+/// (PIL in the reference, the `image` crate here), so single pixels may land
+/// one 8-bit level apart; that, not the tower, sets this bound.
+const PIPELINE_TOLERANCE: f32 = 1e-2;

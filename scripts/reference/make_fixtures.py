@@ -10,7 +10,12 @@ The tiny models use the SmolLM2 tokenizer: their job is to pin each
 architecture's arithmetic, not language. Weights come from MLX's seeded RNG,
 so the same MLX version rebuilds them bit for bit; tests check a sha256.
 
-Usage: make_fixtures.py SMOLLM2.gguf TOKENIZER_DIR OUT
+  OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/
+                     random-weight VLMs with the real Gemma 3 / Qwen2.5
+                     tokenizers (from the GGUF metadata), in f32 and as
+                     mlx-community style 4-bit copies
+
+Usage: make_fixtures.py SMOLLM2.gguf TOKENIZER_DIR OUT GEMMA3.gguf[.part] QWEN25.gguf[.part]
 """
 import hashlib
 import json
@@ -23,6 +28,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gguf_tokenizer  # noqa: E402
 
 TINY = {
     "qwen2": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -60,30 +67,36 @@ def tiny_model(arch, tok_dir, out, seed):
 
 
 # A tiny Gemma 3 VLM for the daemon's end-to-end image tests: random weights
-# under mlx-community checkpoint names, SigLIP 64x64/8 tower, 16 image tokens.
-# Its tokenizer is SmolLM2's plus Gemma's image and turn tokens (the real
-# Gemma 3 tokenizer is SentencePiece, which the GGUF path does not build yet).
-GEMMA_TOKENS = ["<image_soft_token>", "<start_of_image>", "<end_of_image>", "<end_of_turn>", "<start_of_turn>"]
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
-    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
-    "{% if p.type == 'image' %}<start_of_image>{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
-    "<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
-)
+# under mlx-community checkpoint names, SigLIP 64x64/8 tower, 16 image tokens,
+# and the real Gemma 3 tokenizer (SentencePiece, rebuilt from the Gemma 3 GGUF's
+# metadata, plus <image_soft_token> at 262144 as in the released VLMs), the
+# real chat template, and the processor files transformers/mlx-vlm read.
+TEMPLATES = HERE / "templates"
 
 
-def tiny_gemma3_vlm(tok_dir, out, seed):
-    tok = json.loads((tok_dir / "tokenizer.json").read_text())
-    base = len(tok["model"]["vocab"])
-    for i, t in enumerate(GEMMA_TOKENS):
-        tok["model"]["vocab"][t] = base + i
-        tok["added_tokens"].append({"id": base + i, "content": t, "single_word": False, "lstrip": False,
-                                    "rstrip": False, "normalized": False, "special": True})
-    vocab = base + len(GEMMA_TOKENS)
-    text = dict(hidden_size=96, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+def gguf_tokenizer_files(gguf_part, out, extra_special=(), **config):
+    """tokenizer.json from the GGUF metadata; tokenizer_config.json from `config`."""
+    meta = gguf_tokenizer.read_metadata(gguf_part)
+    tok = gguf_tokenizer.hf_tokenizer(meta, extra_special)
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    cfg = dict(config, tokenizer_class="PreTrainedTokenizerFast", model_max_length=131072)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    return tok
+
+
+def tiny_gemma3_vlm(gemma_gguf, out, seed):
+    out.mkdir(parents=True, exist_ok=True)
+    tok = gguf_tokenizer_files(
+        gemma_gguf, out, ["<image_soft_token>"], bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<unk>", add_bos_token=True, chat_template=(TEMPLATES / "gemma3.jinja").read_text(),
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+    vocab = len(tok["model"]["vocab"])
+    image_token = vocab - 1
+    text = dict(model_type="gemma3_text", hidden_size=96, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, vocab_size=vocab,
                 sliding_window_pattern=2, sliding_window=1024, mm_tokens_per_image=16, max_position_embeddings=4096)
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    vision = dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   patch_size=8, image_size=64, layer_norm_eps=1e-6)
     mx.random.seed(seed)
     w = {}
@@ -121,35 +134,28 @@ def tiny_gemma3_vlm(tok_dir, out, seed):
     out.mkdir(parents=True, exist_ok=True)
     mx.eval(w)
     mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
-    config = {"model_type": "gemma3", "text_config": text, "vision_config": vision, "image_token_index": base,
-              "eos_token_id": [base + 3], "bos_token_id": 1}
+    config = {"model_type": "gemma3", "text_config": text, "vision_config": vision, "image_token_index": image_token,
+              "boi_token_index": 255999, "eoi_token_index": 256000, "mm_tokens_per_image": 16,
+              "eos_token_id": [1, 106], "bos_token_id": 2, "pad_token_id": 0}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(
-        {"size": {"height": 64, "width": 64}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-         "rescale_factor": 1 / 255}, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(tok))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<end_of_turn>", "chat_template": GEMMA_TEMPLATE}, indent=2) + "\n")
+        {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+         "do_resize": True, "size": {"height": 64, "width": 64}, "resample": 2, "do_rescale": True,
+         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+         "do_convert_rgb": None, "do_pan_and_scan": None}, indent=2) + "\n")
+    (out / "processor_config.json").write_text(json.dumps(
+        {"image_seq_length": 16, "processor_class": "Gemma3Processor"}, indent=2) + "\n")
 
 
-QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
-QWEN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
-    "{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
-)
-
-
-def tiny_qwen25_vl(tok_dir, out, seed):
-    """A tiny Qwen2.5-VL for the daemon's image tests (same spirit as the Gemma 3 one)."""
-    tok = json.loads((tok_dir / "tokenizer.json").read_text())
-    base = len(tok["model"]["vocab"])
-    for i, t in enumerate(QWEN_TOKENS):
-        tok["model"]["vocab"][t] = base + i
-        tok["added_tokens"].append({"id": base + i, "content": t, "single_word": False, "lstrip": False,
-                                    "rstrip": False, "normalized": False, "special": True})
-    vocab = base + len(QWEN_TOKENS)
+def tiny_qwen25_vl(qwen_gguf, out, seed):
+    """A tiny Qwen2.5-VL for the daemon's image tests (same spirit as the Gemma 3
+    one): the real Qwen2.5 tokenizer (from the Qwen2.5 GGUF's metadata, which
+    holds the vision tokens) and Qwen2.5-VL's chat template."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = gguf_tokenizer_files(
+        qwen_gguf, out, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=(TEMPLATES / "qwen2_5_vl.jinja").read_text())
+    vocab = len(tok["model"]["vocab"])
     mx.random.seed(seed)
     w = {}
     def normal(name, shape, scale=0.1):
@@ -194,25 +200,27 @@ def tiny_qwen25_vl(tok_dir, out, seed):
               "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
                                 "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                                 "window_size": 56, "fullatt_block_indexes": [1]},
-              "image_token_id": base + 1, "vision_start_token_id": base, "eos_token_id": 2}
+              "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+              "vision_end_token_id": 151653, "bos_token_id": 151643, "eos_token_id": 151645}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(
-        {"min_pixels": 56 * 56, "max_pixels": 112 * 112, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-         "image_std": [0.26862954, 0.26130258, 0.27577711]}, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(tok))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": QWEN_TEMPLATE}, indent=2) + "\n")
+        {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+         "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "temporal_patch_size": 2,
+         "merge_size": 2, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+         "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+         "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True}, indent=2) + "\n")
 
 
 def quantized_copy(src, out, bits=4, group=32):
-    """An mlx-community style 4-bit copy: 2-D weights whose rows split into
-    groups become (weight uint32, scales, biases); norms, biases, conv and
-    projector weights stay as they are."""
+    """An mlx-community style 4-bit copy: the language model's 2-D weights whose
+    rows split into groups become (weight uint32, scales, biases); norms and
+    biases stay as they are, and so do the vision tower and the projector
+    (mlx-vlm's converter leaves multimodal modules unquantized)."""
     out.mkdir(parents=True, exist_ok=True)
     w = mx.load(str(src / "model.safetensors"))
     q = {}
     for k, v in w.items():
-        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group == 0 and "position_embedding" not in k:
+        if k.startswith("language_model.") and k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group == 0:
             wq, scales, biases = mx.quantize(v, group_size=group, bits=bits)
             base = k[: -len(".weight")]
             q[k], q[base + ".scales"], q[base + ".biases"] = wq, scales, biases
@@ -229,16 +237,17 @@ def quantized_copy(src, out, bits=4, group=32):
 
 
 def main():
-    gguf, tok_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    gguf, tok_dir, out, gemma_gguf, qwen_gguf = map(Path, sys.argv[1:6])
     out.mkdir(parents=True, exist_ok=True)
     smol = out / "smollm2-mlx"
     subprocess.run([sys.executable, str(HERE / "gguf_to_mlx.py"), str(gguf), str(smol),
                     "--tokenizer-dir", str(tok_dir), "--dtype", "float32"], check=True)
     for seed, arch in enumerate(TINY, start=1):
         tiny_model(arch, tok_dir, out / f"tiny-{arch}", seed)
-    tiny_gemma3_vlm(tok_dir, out / "tiny-gemma3-vlm", 7)
+    tiny_gemma3_vlm(gemma_gguf, out / "tiny-gemma3-vlm", 7)
     quantized_copy(out / "tiny-gemma3-vlm", out / "tiny-gemma3-vlm-4bit")
-    tiny_qwen25_vl(tok_dir, out / "tiny-qwen25-vl", 8)
+    tiny_qwen25_vl(qwen_gguf, out / "tiny-qwen25-vl", 8)
+    quantized_copy(out / "tiny-qwen25-vl", out / "tiny-qwen25-vl-4bit")
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

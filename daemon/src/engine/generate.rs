@@ -5,17 +5,17 @@
 //! the last token in chunks, then the last token alone), so the computation,
 //! and therefore the greedy token ids, are the reference's.
 
+use super::media::{self, MediaStats, Resolved};
+use super::prefix::PrefixCache;
 use super::sampling::Sampler;
 use super::stop::{Filtered, StopFilter};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::transformer::KvCache;
-use super::media::{self, MediaStats, Resolved};
-use super::prefix::PrefixCache;
 use crate::model::{Backbone, TextModel};
-use mlxbc_cache::FeatureStore;
-use mlxbc_shared::MediaRef;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::Array;
+use mlxbc_cache::FeatureStore;
+use mlxbc_shared::MediaRef;
 use mlxbc_shared::{ErrorKind, GenerateRequest, GenerationStats, Response, StopReason};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -98,19 +98,9 @@ pub fn run(
     };
     if let Some(v) = &model.vision {
         // Each placeholder becomes as many image tokens as its image has feature rows.
-        let mut expanded = String::with_capacity(prompt.len());
-        let mut rest = prompt.as_str();
-        for f in &features {
-            let at = rest.find(v.placeholder.as_str()).expect("placeholders counted above");
-            let rows: i32 = f.shape()[..f.shape().len() - 1].iter().product();
-            expanded.push_str(&rest[..at]);
-            expanded.push_str(&v.expansion_prefix);
-            expanded.push_str(&v.image_token.repeat(rows as usize));
-            expanded.push_str(&v.expansion_suffix);
-            rest = &rest[at + v.placeholder.len()..];
-        }
-        expanded.push_str(rest);
-        prompt = expanded;
+        let rows: Vec<usize> =
+            features.iter().map(|f| f.shape()[..f.shape().len() - 1].iter().product::<i32>() as usize).collect();
+        prompt = v.expand(&prompt, &rows);
     }
     let ids = model.encode(&prompt).map_err(inference)?;
     let context = model.backbone.context_length() as usize;
@@ -143,7 +133,12 @@ pub fn run(
     let n = ids.len();
     // The prefix that ends after the last image has an identity; its KV state
     // is kept so the next question about the same images skips it.
-    let prefix = model.vision.as_ref().and_then(|v| ids.iter().rposition(|&t| t == v.image_token_id)).map(|p| p + 1).filter(|&p| p < n);
+    let prefix = model
+        .vision
+        .as_ref()
+        .and_then(|v| ids.iter().rposition(|&t| t == v.image_token_id))
+        .map(|p| p + 1)
+        .filter(|&p| p < n);
     let identity = prefix.map(|p| PrefixCache::identity(ctx.model_name, &ids[..p], &media));
     let mut reused = 0;
     let mut cache = match identity.as_ref().and_then(|id| ctx.prefixes.get(id)) {
@@ -155,7 +150,12 @@ pub fn run(
     };
     if let Backbone::Qwen25Vl(v) = &model.backbone {
         let grids: Vec<_> = features.iter().map(|f| v.grid_of(f)).collect();
-        cache.mrope = Some(crate::vision::mrope::positions(&ids, v.image_token_id, &grids, v.tower.config.spatial_merge_size as u32));
+        cache.mrope = Some(crate::vision::mrope::positions(
+            &ids,
+            v.image_token_id,
+            &grids,
+            v.tower.config.spatial_merge_size as u32,
+        ));
     }
     let prefill = |from: usize, to: usize, cache: &mut KvCache| -> Result<bool, Failure> {
         let mut at = from;
@@ -235,7 +235,8 @@ pub fn run(
         decode_steps += 1;
     };
     let tail = stops.finish();
-    if stop_reason != StopReason::StopString && !tail.is_empty() && events.send(Response::Token { text: tail }).is_err() {
+    if stop_reason != StopReason::StopString && !tail.is_empty() && events.send(Response::Token { text: tail }).is_err()
+    {
         return Ok(Finished::Abandoned);
     }
     let decode_s = t_first.elapsed().as_secs_f64();

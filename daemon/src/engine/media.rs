@@ -4,7 +4,7 @@
 //! engine is one thread, so two requests for the same new image encode it
 //! once: the second finds the first one's entry.
 
-use crate::model::{Backbone, TextModel};
+use crate::model::TextModel;
 use crate::vision::image;
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality};
@@ -46,10 +46,15 @@ pub fn key_for(model: &TextModel, media: &MediaRef) -> Option<FeatureKey> {
 }
 
 /// Finds or computes features for every item of `media`.
-pub fn resolve(model: &TextModel, name: &str, media: &[&MediaRef], store: Option<&mut FeatureStore>) -> Result<Resolved, Failure> {
-    let Some(vision) = model.vision.as_ref() else {
+pub fn resolve(
+    model: &TextModel,
+    name: &str,
+    media: &[&MediaRef],
+    store: Option<&mut FeatureStore>,
+) -> Result<Resolved, Failure> {
+    if model.vision.is_none() {
         return Err(bad(format!("model {name} is text-only and cannot take images; use a vision-language model")));
-    };
+    }
     let mut store = store;
     let mut stats = MediaStats::default();
     let mut found: Vec<Option<Array>> = Vec::new();
@@ -88,16 +93,8 @@ pub fn resolve(model: &TextModel, name: &str, media: &[&MediaRef], store: Option
         }
         let t = Instant::now();
         let img = image::decode(bytes).map_err(|e| bad(format!("image {}: {e}", &m.hex()[..12])))?;
-        let features = match &model.backbone {
-            Backbone::Gemma3(v) => {
-                let pre = vision.preprocess.as_ref().expect("Gemma 3 has a fixed-size preprocess");
-                let pixels = Array::from_slice(&pre.apply(&img), &[1, pre.height as i32, pre.width as i32, 3]);
-                v.encode_image(&pixels)
-            }
-            Backbone::Qwen25Vl(v) => v.encode_image(&img),
-            Backbone::Decoder(_) => unreachable!("vision spec without a tower"),
-        }
-        .map_err(|e| (ErrorKind::Inference, format!("encoding image: {e:#}")))?;
+        let features =
+            model.encode_image(&img).map_err(|e| (ErrorKind::Inference, format!("encoding image: {e:#}")))?;
         let features = features.as_dtype(Dtype::Float32).map_err(|e| (ErrorKind::Inference, e.to_string()))?;
         features.eval().map_err(|e| (ErrorKind::Inference, e.to_string()))?;
         stats.encode_ms += t.elapsed().as_secs_f64() * 1000.0;

@@ -50,7 +50,12 @@ impl Backbone {
 
     /// Prompt positions through the layers during prefill; `ids` is the
     /// whole prompt, so image positions can see their whole image.
-    pub fn prefill(&self, embeds: &mlx_rs::Array, cache: &mut transformer::KvCache, ids: &[u32]) -> Result<mlx_rs::Array> {
+    pub fn prefill(
+        &self,
+        embeds: &mlx_rs::Array,
+        cache: &mut transformer::KvCache,
+        ids: &[u32],
+    ) -> Result<mlx_rs::Array> {
         match self {
             Backbone::Gemma3(v) if v.bidirectional_images => {
                 v.text.hidden_with_blocks(embeds, cache, Some(&v.image_blocks(ids)))
@@ -129,6 +134,26 @@ pub struct VisionSpec {
     pub image_token_id: u32,
 }
 
+impl VisionSpec {
+    /// The prompt with its `i`-th placeholder replaced by the expansion for
+    /// an image of `rows[i]` feature rows. The caller has checked that the
+    /// prompt holds exactly `rows.len()` placeholders.
+    pub fn expand(&self, prompt: &str, rows: &[usize]) -> String {
+        let mut expanded = String::with_capacity(prompt.len() + rows.iter().sum::<usize>() * self.image_token.len());
+        let mut rest = prompt;
+        for &n in rows {
+            let at = rest.find(self.placeholder.as_str()).expect("one placeholder per image, checked by the caller");
+            expanded.push_str(&rest[..at]);
+            expanded.push_str(&self.expansion_prefix);
+            expanded.push_str(&self.image_token.repeat(n));
+            expanded.push_str(&self.expansion_suffix);
+            rest = &rest[at + self.placeholder.len()..];
+        }
+        expanded.push_str(rest);
+        expanded
+    }
+}
+
 /// Everything needed to answer a chat request with one model.
 pub struct TextModel {
     pub backbone: Backbone,
@@ -172,6 +197,20 @@ impl TextModel {
         Ok(())
     }
 
+    /// Features of one decoded image: the model's own preprocessing, tower
+    /// and projector (`[rows, hidden]`-like; Qwen2.5-VL keeps its grid as
+    /// `[grid_h / 2, grid_w / 2, hidden]`). Fails for text-only models.
+    pub fn encode_image(&self, img: &image::RgbImage) -> Result<mlx_rs::Array> {
+        match (&self.backbone, &self.vision) {
+            (Backbone::Gemma3(v), Some(VisionSpec { preprocess: Some(pre), .. })) => {
+                let pixels = mlx_rs::Array::from_slice(&pre.apply(img), &[1, pre.height as i32, pre.width as i32, 3]);
+                v.encode_image(&pixels)
+            }
+            (Backbone::Qwen25Vl(v), _) => v.encode_image(img),
+            _ => bail!("this model has no vision tower"),
+        }
+    }
+
     /// Token ids of a prompt text (special tokens in the text are honoured,
     /// no BOS added: chat templates write it themselves).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
@@ -192,10 +231,10 @@ fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
     let tensors = TensorMap::from_gguf(&file, config.architecture, config.num_heads, config.num_kv_heads, form)?;
     let tokenizer = tokenizer::from_gguf(&file)?;
     let id = |key: &str| config::gguf_number(&file, key).ok().map(|v| v as u32);
-    let (bos, eos, eot) = (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.eot_token_id"));
-    let source = file
-        .get_metadata_string("tokenizer.chat_template")?
-        .unwrap_or_else(|| chat_template::CHATML.to_string());
+    let (bos, eos, eot) =
+        (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.eot_token_id"));
+    let source =
+        file.get_metadata_string("tokenizer.chat_template")?.unwrap_or_else(|| chat_template::CHATML.to_string());
     let template = ChatTemplate::new(source, token_text(&tokenizer, bos), token_text(&tokenizer, eos))?;
     let eos_ids = [eos, eot].into_iter().flatten().collect();
     let backbone = Backbone::Decoder(Transformer::from_tensors(config, tensors)?);
@@ -229,7 +268,8 @@ pub fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
 }
 
 fn load_dir(dir: &Path, form: WeightForm) -> Result<TextModel> {
-    let config_text = std::fs::read_to_string(dir.join("config.json")).with_context(|| format!("reading {}/config.json", dir.display()))?;
+    let config_text = std::fs::read_to_string(dir.join("config.json"))
+        .with_context(|| format!("reading {}/config.json", dir.display()))?;
     let config = TextConfig::from_hf_json(&config_text)?;
     let raw: serde_json::Value = serde_json::from_str(&config_text)?;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));

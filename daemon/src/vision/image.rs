@@ -58,11 +58,52 @@ fn classify(e: image::ImageError) -> MediaError {
     }
 }
 
+/// The resize filter a processor config names with PIL's `resample` codes
+/// (0 nearest, 1 Lanczos, 2 bilinear, 3 bicubic; anything else: bicubic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resample(pub u8);
+
+impl Resample {
+    /// PIL's bicubic, the default of most image processors.
+    pub const BICUBIC: Resample = Resample(3);
+
+    /// From a processor config's `resample` value (absent: `default`).
+    pub fn from_config(v: Option<&serde_json::Value>, default: Resample) -> Resample {
+        v.and_then(|v| v.as_u64()).map(|n| Resample(n.min(255) as u8)).unwrap_or(default)
+    }
+
+    fn filter(self) -> image::imageops::FilterType {
+        use image::imageops::FilterType;
+        match self.0 {
+            0 => FilterType::Nearest,
+            1 => FilterType::Lanczos3,
+            2 => FilterType::Triangle,
+            _ => FilterType::CatmullRom,
+        }
+    }
+
+    /// Resizes with this filter (scaled support when shrinking, as PIL does).
+    pub fn resize(self, img: &image::RgbImage, width: u32, height: u32) -> image::RgbImage {
+        image::imageops::resize(img, width, height, self.filter())
+    }
+
+    /// Name for feature-store keys.
+    pub fn name(self) -> &'static str {
+        match self.0 {
+            0 => "nearest",
+            1 => "lanczos3",
+            2 => "bilinear",
+            _ => "catmullrom",
+        }
+    }
+}
+
 /// A model's image preprocessing: resize to a fixed size, rescale, normalize.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Preprocess {
     pub height: u32,
     pub width: u32,
+    pub resample: Resample,
     pub rescale: f32,
     pub mean: [f32; 3],
     pub std: [f32; 3],
@@ -72,15 +113,20 @@ impl Preprocess {
     /// A stable description, hashed into feature-store keys.
     pub fn describe(&self) -> String {
         format!(
-            "resize={}x{}:catmullrom;rescale={};mean={:?};std={:?}",
-            self.height, self.width, self.rescale, self.mean, self.std
+            "resize={}x{}:{};rescale={};mean={:?};std={:?}",
+            self.height,
+            self.width,
+            self.resample.name(),
+            self.rescale,
+            self.mean,
+            self.std
         )
     }
 
     /// Pixels as f32, channels last (`[height, width, 3]`, row major), as MLX
     /// convolutions expect them.
     pub fn apply(&self, img: &image::RgbImage) -> Vec<f32> {
-        let resized = image::imageops::resize(img, self.width, self.height, image::imageops::FilterType::CatmullRom);
+        let resized = self.resample.resize(img, self.width, self.height);
         resized
             .pixels()
             .flat_map(|p| (0..3).map(move |c| (p.0[c] as f32 * self.rescale - self.mean[c]) / self.std[c]))
@@ -120,7 +166,6 @@ mod tests {
         assert!(matches!(decode(&bomb), Err(MediaError::TooLarge { .. })), "{:?}", decode(&bomb));
     }
 
-
     fn encode(img: &image::RgbImage, format: ImageFormat) -> Vec<u8> {
         let mut out = Vec::new();
         DynamicImage::ImageRgb8(img.clone()).write_to(&mut Cursor::new(&mut out), format).unwrap();
@@ -157,7 +202,14 @@ mod tests {
     #[test]
     fn normalizes_channels_last() {
         let img = image::RgbImage::from_pixel(2, 2, image::Rgb([255, 0, 127]));
-        let p = Preprocess { height: 2, width: 2, rescale: 1.0 / 255.0, mean: [0.5; 3], std: [0.5; 3] };
+        let p = Preprocess {
+            height: 2,
+            width: 2,
+            resample: Resample::BICUBIC,
+            rescale: 1.0 / 255.0,
+            mean: [0.5; 3],
+            std: [0.5; 3],
+        };
         let px = p.apply(&img);
         assert_eq!(px.len(), 12);
         assert!((px[0] - 1.0).abs() < 1e-6 && (px[1] + 1.0).abs() < 1e-6);

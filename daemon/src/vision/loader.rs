@@ -3,7 +3,7 @@
 //! `preprocessor_config.json`, `*.safetensors`, tokenizer and chat template.
 
 use super::gemma3_vlm::Gemma3Vlm;
-use super::image::Preprocess;
+use super::image::{Preprocess, Resample};
 use super::siglip::SiglipConfig;
 use crate::model::gemma3_text::Gemma3TextConfig;
 use crate::model::weights::{TensorMap, WeightForm};
@@ -23,7 +23,12 @@ fn f32s(v: Option<&serde_json::Value>, default: [f32; 3]) -> [f32; 3] {
 }
 
 /// The fingerprint of the tower tensors (`prefixes`) in a directory's safetensors files.
-fn tower_fingerprint(dir: &Path, prefixes: &[&str], raw: &serde_json::Value, memo: Option<&sled::Tree>) -> Result<TowerFingerprint> {
+fn tower_fingerprint(
+    dir: &Path,
+    prefixes: &[&str],
+    raw: &serde_json::Value,
+    memo: Option<&sled::Tree>,
+) -> Result<TowerFingerprint> {
     let mut files: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
@@ -35,17 +40,27 @@ fn tower_fingerprint(dir: &Path, prefixes: &[&str], raw: &serde_json::Value, mem
 }
 
 /// Gemma 3 from a directory.
-pub fn load_gemma3_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, memo: Option<&sled::Tree>) -> Result<TextModel> {
-    let text: Gemma3TextConfig = serde_json::from_value(raw["text_config"].clone()).context("config.json text_config")?;
-    let vision: SiglipConfig = serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
+pub fn load_gemma3_dir(
+    dir: &Path,
+    raw: &serde_json::Value,
+    form: WeightForm,
+    memo: Option<&sled::Tree>,
+) -> Result<TextModel> {
+    let text: Gemma3TextConfig =
+        serde_json::from_value(raw["text_config"].clone()).context("config.json text_config")?;
+    let vision: SiglipConfig =
+        serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = raw.get("image_token_index").and_then(|v| v.as_u64()).unwrap_or(262144) as u32;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
     let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
     let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
-    let side = pre.get("size").and_then(|s| s.get("height")).and_then(|h| h.as_u64()).unwrap_or(vision.image_size as u64) as u32;
+    let side =
+        pre.get("size").and_then(|s| s.get("height")).and_then(|h| h.as_u64()).unwrap_or(vision.image_size as u64)
+            as u32;
     let preprocess = Preprocess {
         height: side,
         width: side,
+        resample: Resample::from_config(pre.get("resample"), Resample::BICUBIC),
         rescale: pre.get("rescale_factor").and_then(|r| r.as_f64()).unwrap_or(1.0 / 255.0) as f32,
         mean: f32s(pre.get("image_mean"), [0.5; 3]),
         std: f32s(pre.get("image_std"), [0.5; 3]),
@@ -53,12 +68,8 @@ pub fn load_gemma3_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, me
     let fingerprint = tower_fingerprint(dir, GEMMA3_TOWER, raw, memo)?;
     let (tokenizer, template, mut eos_ids) = chat_parts(dir, raw)?;
     eos_ids.extend(tokenizer.token_to_id("<end_of_turn>"));
-    let tokens = text.mm_tokens_per_image;
     let vlm = Gemma3Vlm::load(text, vision, image_token_id, &mut tensors)?;
     let soft = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<image_soft_token>".into());
-    // mlx-vlm's Gemma 3 processor: each <start_of_image> becomes
-    // "\n\n<start_of_image>" + N soft tokens + "<end_of_image>\n\n".
-    let _ = tokens;
     Ok(TextModel {
         backbone: Backbone::Gemma3(Box::new(vlm)),
         tokenizer,
@@ -68,6 +79,8 @@ pub fn load_gemma3_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, me
             preprocess_key: preprocess.describe(),
             preprocess: Some(preprocess),
             fingerprint,
+            // HF's Gemma 3 processor: each <start_of_image> becomes
+            // "\n\n<start_of_image>" + one soft token per feature row + "<end_of_image>\n\n".
             placeholder: "<start_of_image>".into(),
             expansion_prefix: "\n\n<start_of_image>".into(),
             image_token: soft,
@@ -82,7 +95,12 @@ const QWEN25_TOWER: &[&str] = &["vision_tower."];
 
 /// Qwen2.5-VL from an mlx-community style directory (`language_model.*`,
 /// `vision_tower.*`; text hyper-parameters at the top of config.json).
-pub fn load_qwen25_vl_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm, memo: Option<&sled::Tree>) -> Result<TextModel> {
+pub fn load_qwen25_vl_dir(
+    dir: &Path,
+    raw: &serde_json::Value,
+    form: WeightForm,
+    memo: Option<&sled::Tree>,
+) -> Result<TextModel> {
     use super::qwen25_vl::{Qwen25Preprocess, Qwen25Vlm};
     use super::qwen25_vl_tower::{Qwen25VisionConfig, Qwen25VisionTower};
     use crate::model::config::TextConfig;
@@ -90,13 +108,15 @@ pub fn load_qwen25_vl_dir(dir: &Path, raw: &serde_json::Value, form: WeightForm,
     let mut text_json = raw.clone();
     text_json["model_type"] = "qwen2".into();
     let text = TextConfig::from_hf_json(&text_json.to_string())?;
-    let vision: Qwen25VisionConfig = serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
+    let vision: Qwen25VisionConfig =
+        serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = raw.get("image_token_id").and_then(|v| v.as_u64()).unwrap_or(151655) as u32;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
     let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
     let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
     let preprocess = Qwen25Preprocess {
         min_pixels: pre.get("min_pixels").and_then(|v| v.as_u64()).unwrap_or(56 * 56),
+        resample: Resample::from_config(pre.get("resample"), Resample::BICUBIC),
         max_pixels: pre.get("max_pixels").and_then(|v| v.as_u64()).unwrap_or(28 * 28 * 1280),
         mean: f32s(pre.get("image_mean"), [0.481_454_66, 0.457_827_5, 0.408_210_73]),
         std: f32s(pre.get("image_std"), [0.268_629_54, 0.261_302_58, 0.275_777_1]),

@@ -12,6 +12,7 @@ use mlx_rs::Array;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen25Preprocess {
     pub min_pixels: u64,
+    pub resample: super::image::Resample,
     pub max_pixels: u64,
     pub mean: [f32; 3],
     pub std: [f32; 3],
@@ -20,7 +21,14 @@ pub struct Qwen25Preprocess {
 impl Qwen25Preprocess {
     /// Stable description for feature-store keys.
     pub fn describe(&self) -> String {
-        format!("qwen2vl;smart_resize=28,{},{};catmullrom;mean={:?};std={:?}", self.min_pixels, self.max_pixels, self.mean, self.std)
+        format!(
+            "qwen2vl;smart_resize=28,{},{};{};mean={:?};std={:?}",
+            self.min_pixels,
+            self.max_pixels,
+            self.resample.name(),
+            self.mean,
+            self.std
+        )
     }
 }
 
@@ -37,8 +45,9 @@ impl Qwen25Vlm {
     pub fn encode_image(&self, img: &image::RgbImage) -> Result<Array> {
         let c = &self.tower.config;
         let factor = (c.patch_size * c.spatial_merge_size) as u32;
-        let (h, w) = smart_resize(img.height(), img.width(), factor, self.preprocess.min_pixels, self.preprocess.max_pixels);
-        let resized = image::imageops::resize(img, w, h, image::imageops::FilterType::CatmullRom);
+        let (h, w) =
+            smart_resize(img.height(), img.width(), factor, self.preprocess.min_pixels, self.preprocess.max_pixels);
+        let resized = self.preprocess.resample.resize(img, w, h);
         let (m, s) = (self.preprocess.mean, self.preprocess.std);
         let pixels: Vec<f32> =
             resized.pixels().flat_map(|p| (0..3).map(move |k| (p.0[k] as f32 / 255.0 - m[k]) / s[k])).collect();

@@ -14,7 +14,11 @@ pub fn png(w: u32, h: u32, seed: u32) -> Vec<u8> {
     for y in 0..h {
         raw.push(0u8);
         for x in 0..w {
-            raw.extend_from_slice(&[((x * seed + y * 3) % 256) as u8, ((y * seed) % 256) as u8, ((x + y + seed) % 256) as u8]);
+            raw.extend_from_slice(&[
+                ((x * seed + y * 3) % 256) as u8,
+                ((y * seed) % 256) as u8,
+                ((x + y + seed) % 256) as u8,
+            ]);
         }
     }
     let mut z = flate2_like::compress(&raw);
@@ -34,7 +38,6 @@ pub fn png(w: u32, h: u32, seed: u32) -> Vec<u8> {
     chunk(b"IEND", b"");
     out
 }
-
 
 /// zlib with stored (uncompressed) deflate blocks: enough for test images.
 mod flate2_like {
@@ -125,7 +128,11 @@ async fn one_changed_tower_byte_is_a_different_fingerprint() {
     let mut req = ask_image(&[&img], "What is this?");
     req.model = Some("changed-vlm".into());
     let (_, b) = ask_ok(&d.socket, req).await;
-    assert_eq!((a.encoder_misses, b.encoder_misses), (1, 1), "the changed tower does not reuse the original's features");
+    assert_eq!(
+        (a.encoder_misses, b.encoder_misses),
+        (1, 1),
+        "the changed tower does not reuse the original's features"
+    );
     assert_eq!(d.client().await.cache(CacheCommand::Stats).await.unwrap().entries, 2);
 }
 
@@ -137,7 +144,8 @@ async fn a_corrupted_stored_value_is_detected_and_re_encoded() {
     d.terminate();
     {
         // Damage the stored value behind the daemon's back.
-        let mut store = mlxbc_cache::FeatureStore::open(&d.home.path().join("cache/features"), Default::default()).unwrap();
+        let mut store =
+            mlxbc_cache::FeatureStore::open(&d.home.path().join("cache/features"), Default::default()).unwrap();
         let (key, _) = store.list()[0];
         let tree = store.raw_tree();
         let mut v = tree.get(key.to_bytes()).unwrap().unwrap().to_vec();
@@ -266,7 +274,8 @@ fn cli_ask_image_cache_and_prefetch() {
     assert_eq!(String::from_utf8_lossy(&pre.stdout).trim(), "1 encoded, 0 already stored");
     let out = d.cli().args(["ask", "--json", "-n", "4", "-m", VLM, "--image", p, "What is this?"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let done: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    let done: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
     assert_eq!(done["stats"]["encoder_hits"], 1, "prefetched: the first question is already a hit");
     let ls = String::from_utf8_lossy(&d.cli().args(["cache", "ls"]).output().unwrap().stdout).to_string();
     assert_eq!(ls.lines().count(), 1, "{ls}");
@@ -279,19 +288,22 @@ fn cli_ask_image_cache_and_prefetch() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_4bit_mlx_community_style_directory_loads_and_caches() {
+async fn a_4bit_mlx_community_style_directory_loads_and_caches_in_both_families() {
+    const FAMILIES: [&str; 2] = ["tiny-gemma3-vlm-4bit", "tiny-qwen25-vl-4bit"];
     let d = Daemon::start_with(DaemonOptions {
-        models: vec![("tiny-gemma3-vlm-4bit", fixture("mlx/tiny-gemma3-vlm-4bit"))],
+        models: FAMILIES.iter().map(|name| (*name, fixture(&format!("mlx/{name}")))).collect(),
         args: vec![],
     });
-    let img = png(64, 64, 41);
-    let mut req = ask_image(&[&img], "What is this?");
-    req.model = Some("tiny-gemma3-vlm-4bit".into());
-    let (first, s1) = ask_ok(&d.socket, req.clone()).await;
-    let (second, s2) = ask_ok(&d.socket, req).await;
-    assert_eq!((s1.encoder_misses, s2.encoder_hits), (1, 1));
-    assert_eq!(first, second);
-    assert!(s1.generated_tokens > 0);
+    for (name, seed) in FAMILIES.iter().zip(41..) {
+        let img = png(64, 64, seed);
+        let mut req = ask_image(&[&img], "What is this?");
+        req.model = Some(name.to_string());
+        let (first, s1) = ask_ok(&d.socket, req.clone()).await;
+        let (second, s2) = ask_ok(&d.socket, req).await;
+        assert_eq!((s1.encoder_misses, s2.encoder_hits), (1, 1), "{name}");
+        assert_eq!(first, second, "{name}");
+        assert!(s1.generated_tokens > 0, "{name}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
