@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""mlx-vlm's side of the image benchmark, in process, on the same Gemma 3
-weights and image as mlxbc-bench --image: time in the vision tower and time to
-the first token. mlx-vlm keeps no features across requests, so every request
-pays the encoder. Prints one JSON object.
+"""mlx-vlm's side of the image benchmark, in process, on the same model
+directory, image and messages as `mlxbc-bench --image`: time to the first
+token of `mlx_vlm.stream_generate` (processor, tower, prefill, first sample)
+and the tower alone on the processed pixels. mlx-vlm keeps no features across
+requests, so every request pays the encoder. Prints one JSON object.
 
 Usage: mlx_vlm_bench.py MODEL_DIR IMAGE   (venv with mlx[cpu]==0.32.4 mlx-vlm==0.7.10)
 """
@@ -13,40 +14,34 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
-from PIL import Image
-from mlx_vlm.models.gemma3 import gemma3 as g3
-from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
+from mlx_vlm import load, stream_generate
+from mlx_vlm.utils import prepare_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from mlx_vlm_pipeline import features  # noqa: E402
+
+QUESTION = "What is in this picture?"
 
 
 def main():
     model_dir, image = Path(sys.argv[1]), sys.argv[2]
-    cfg = json.loads((model_dir / "config.json").read_text())
-    tc = TextConfig.from_dict(dict(cfg["text_config"], model_type="gemma3_text"))
-    vc = VisionConfig.from_dict(dict(cfg["vision_config"], model_type="siglip_vision_model"))
-    mc = ModelConfig(text_config=tc, vision_config=vc, model_type="gemma3", image_token_index=cfg["image_token_index"],
-                     hidden_size=tc.hidden_size, vocab_size=tc.vocab_size)
-    model = g3.Model(mc)
-    model.load_weights(list(mx.load(str(model_dir / "model.safetensors")).items()), strict=False)
-    mx.eval(model.parameters())
-    side = vc.image_size
-    px = np.asarray(Image.open(image).convert("RGB").resize((side, side), Image.BICUBIC), dtype=np.float32)
-    pixels = mx.array(((px / 255.0 - 0.5) / 0.5)[None].transpose(0, 3, 1, 2))
-    n = tc.mm_tokens_per_image
-    ids = mx.array([[2, 17, 42] + [cfg["image_token_index"]] * n + [99, 7, 123] * 3])
+    family = model_dir.name
+    model, processor = load(str(model_dir))
+    messages = [{"role": "system", "content": "A"},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    token = getattr(model.config, "image_token_index", None) or getattr(model.config, "image_token_id", None)
+    inputs = prepare_inputs(processor, images=[image], prompts=prompt, image_token_index=token)
 
     def encode_ms():
         t = time.perf_counter()
-        h, _, _ = model.vision_tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True)
-        mx.eval(model.multi_modal_projector(h))
+        mx.eval(features(model, family, inputs))
         return (time.perf_counter() - t) * 1000
 
     def ttft_ms():
         t = time.perf_counter()
-        emb = model.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape)).inputs_embeds
-        cache = model.language_model.make_cache()
-        logits = model.language_model(inputs=ids, inputs_embeds=emb, cache=cache).logits[:, -1]
-        int(mx.argmax(logits, axis=-1).item())
+        for _ in stream_generate(model, processor, prompt, image=[image], max_tokens=1, temperature=0.0):
+            break
         return (time.perf_counter() - t) * 1000
 
     encode_ms(); ttft_ms()  # warm-up
