@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -334,6 +334,10 @@ pub enum ErrorKind {
     /// Media could not be used: not an image, corrupt, too large, a count
     /// that does not match the prompt, or a text-only model.
     BadMedia,
+    /// The connecting user is not the daemon's user.
+    PermissionDenied,
+    /// The model does not fit the memory budget, even after unloading others.
+    OutOfMemory,
 }
 
 /// A model the daemon can serve.

@@ -34,6 +34,15 @@ pub struct SettingsFile {
     pub feature_ram_mib: Option<u64>,
     /// Prompt prefixes (with images) whose KV state is kept in RAM (default 8).
     pub prefix_cache_entries: Option<usize>,
+    /// Most models resident at once; loading one more unloads the least
+    /// recently used unpinned one (default 3).
+    pub max_loaded_models: Option<usize>,
+    /// Memory the resident models may take together, in MiB (default: 3/4
+    /// of the machine's RAM). A model that cannot fit is refused.
+    pub memory_budget_mib: Option<u64>,
+    /// When started by launchd/systemd socket activation: exit after this
+    /// long with no client and no model loaded (default "10m"; "forever": never).
+    pub idle_exit: Option<String>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
 }
@@ -52,6 +61,11 @@ pub struct Settings {
     pub feature_cache_bytes: u64,
     pub feature_ram_bytes: u64,
     pub prefix_cache_entries: usize,
+    pub max_loaded_models: usize,
+    /// None: 3/4 of physical memory, decided by the daemon.
+    pub memory_budget_bytes: Option<u64>,
+    /// Idle time after which a socket-activated daemon exits.
+    pub idle_exit: KeepAlive,
 }
 
 /// Why settings could not be loaded.
@@ -99,6 +113,12 @@ impl Settings {
             feature_cache_bytes: file.feature_cache_mib.unwrap_or(4096) << 20,
             feature_ram_bytes: file.feature_ram_mib.unwrap_or(256) << 20,
             prefix_cache_entries: file.prefix_cache_entries.unwrap_or(8),
+            max_loaded_models: file.max_loaded_models.unwrap_or(3).max(1),
+            memory_budget_bytes: file.memory_budget_mib.map(|m| m << 20),
+            idle_exit: match &file.idle_exit {
+                Some(text) => KeepAlive::parse(text)?,
+                None => KeepAlive::Seconds(10 * 60),
+            },
             paths,
         })
     }

@@ -18,6 +18,9 @@ struct Args {
     /// Directory of models (default: <data dir>/models).
     #[arg(long)]
     models_dir: Option<PathBuf>,
+    /// When socket-activated: exit after this long idle with no model loaded (10m, 0, forever).
+    #[arg(long)]
+    idle_exit: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -27,6 +30,8 @@ fn main() -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
+    // Before any thread exists: it clears LISTEN_* from the environment.
+    let inherited = mlxbc_daemon::server::activation::take_inherited()?;
     let mut settings = Settings::from_env()?;
     if let Some(s) = args.socket {
         settings.socket = s;
@@ -37,8 +42,11 @@ fn main() -> Result<()> {
     if let Some(d) = args.models_dir {
         settings.models_dir = d;
     }
+    if let Some(i) = args.idle_exit {
+        settings.idle_exit = mlxbc_shared::KeepAlive::parse(&i).map_err(anyhow::Error::msg)?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let result = runtime.block_on(mlxbc_daemon::run(settings));
+    let result = runtime.block_on(mlxbc_daemon::run(settings, inherited));
     if let Err(e) = &result {
         tracing::error!("{e:#}");
     }

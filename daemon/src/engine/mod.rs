@@ -110,6 +110,11 @@ impl EngineHandle {
         let _ = self.jobs.send(Control::Stop);
     }
 
+    /// No model resident and no job queued.
+    pub fn is_idle(&self) -> bool {
+        self.queued.load(Ordering::SeqCst) == 0 && self.snapshot.lock().unwrap().loaded.is_empty()
+    }
+
     /// Names of resident models.
     pub fn loaded_names(&self) -> Vec<String> {
         self.snapshot.lock().unwrap().loaded.iter().map(|m| m.name.clone()).collect()

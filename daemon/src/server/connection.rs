@@ -5,7 +5,7 @@ use crate::engine::{EngineHandle, Job};
 use futures::{SinkExt, StreamExt};
 use mlxbc_shared::codec::DaemonCodec;
 use mlxbc_shared::{ErrorKind, FrameError, Request, Response, PROTOCOL_VERSION};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::UnixStream;
@@ -21,6 +21,26 @@ pub struct ServerState {
     pub started: Instant,
     /// Set to true to stop the daemon.
     pub shutdown: watch::Sender<bool>,
+    /// Open client connections.
+    pub connections: AtomicUsize,
+    /// The only uid allowed to connect: the daemon's own.
+    pub owner_uid: u32,
+}
+
+/// Counts a connection for as long as it lives.
+struct Counted<'a>(&'a AtomicUsize);
+
+impl<'a> Counted<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::SeqCst);
+        Self(n)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// How long a client may take to say Hello.
@@ -28,7 +48,28 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves one connection to its end.
 pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
+    let _counted = Counted::new(&state.connections);
+    let peer = stream.peer_cred();
     let mut conn = Framed::new(stream, DaemonCodec::default());
+    // The socket's file modes already keep others out; the peer's uid is
+    // checked as well, for sockets a service manager created or a user relaxed.
+    match peer {
+        Ok(cred) if cred.uid() == state.owner_uid => {}
+        Ok(cred) => {
+            tracing::warn!(uid = cred.uid(), pid = cred.pid(), "refused a connection from another user");
+            let msg = format!(
+                "permission denied: this mlxbcd serves uid {} only, and you are uid {}; run your own daemon",
+                state.owner_uid,
+                cred.uid()
+            );
+            let _ = conn.send(error(ErrorKind::PermissionDenied, msg)).await;
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the peer's credentials; closing");
+            return;
+        }
+    }
     if !handshake(&mut conn).await {
         return;
     }

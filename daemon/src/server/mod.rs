@@ -1,23 +1,43 @@
 //! The listener: accepts connections on the Unix socket, a task each, until
-//! SIGTERM/SIGINT or a Shutdown request.
+//! SIGTERM/SIGINT, a Shutdown request or (socket-activated) an idle period.
 
+pub mod activation;
 pub mod connection;
 mod socket;
 
 use anyhow::{Context, Result};
 use connection::ServerState;
 use mlxbc_shared::settings::Settings;
+use mlxbc_shared::KeepAlive;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
-/// Runs the daemon until it is told to stop.
-pub async fn run(settings: Settings) -> Result<()> {
-    let (listener, guard) = socket::bind(&settings.socket)?;
+/// Runs the daemon until it is told to stop. `inherited` is the socket a
+/// service manager passed ([`activation::take_inherited`]); without one the
+/// daemon binds `settings.socket` itself.
+pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -> Result<()> {
+    let manager = inherited.as_ref().map(|i| i.manager);
+    let (listener, guard) = match inherited {
+        Some(i) => (tokio::net::UnixListener::from_std(i.listener)?, None),
+        None => {
+            let (listener, guard) = socket::bind(&settings.socket)?;
+            (listener, Some(guard))
+        }
+    };
     let (engine, engine_thread) = crate::engine::spawn(&settings).context("starting the engine thread")?;
+    // Only a socket-activated daemon may leave: its manager keeps listening
+    // and starts it again on the next connection.
+    let idle_exit = match (manager, settings.idle_exit) {
+        (Some(_), KeepAlive::Seconds(s)) => Some(Duration::from_secs(s)),
+        _ => None,
+    };
     tracing::info!(
         socket = %settings.socket.display(),
+        activated_by = manager.unwrap_or("none"),
+        idle_exit_s = idle_exit.map(|d| d.as_secs()),
         device = %engine.device,
         blas = crate::BLAS,
         models = %settings.models_dir.display(),
@@ -30,21 +50,42 @@ pub async fn run(settings: Settings) -> Result<()> {
         registry: crate::engine::registry::ModelRegistry::new(&settings),
         started: Instant::now(),
         shutdown,
+        connections: Default::default(),
+        owner_uid: unsafe { libc::geteuid() },
     });
+    activation::notify_ready(&format!("listening on {}", settings.socket.display()));
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
+    let mut tick =
+        tokio::time::interval(idle_exit.map_or(Duration::from_secs(3600), |d| (d / 4).max(Duration::from_millis(100))));
+    let mut idle_since: Option<Instant> = None;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => { tokio::spawn(connection::serve(stream, state.clone())); }
+                Ok((stream, _)) => {
+                    idle_since = None;
+                    tokio::spawn(connection::serve(stream, state.clone()));
+                }
                 Err(e) => tracing::warn!(error = %e, "accept failed"),
             },
+            _ = tick.tick(), if idle_exit.is_some() => {
+                let idle = state.connections.load(Ordering::SeqCst) == 0 && state.engine.is_idle();
+                let since = *idle_since.get_or_insert_with(Instant::now);
+                if !idle {
+                    idle_since = None;
+                } else if since.elapsed() >= idle_exit.unwrap_or_default() {
+                    tracing::info!(idle_s = since.elapsed().as_secs(), "idle with no model loaded: exiting until the next connection");
+                    break;
+                }
+            }
             _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
             _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
             _ = shutdown_rx.changed() => break,
         }
     }
+    activation::notify_stopping();
     // Stop taking connections, then let the engine finish the job in hand.
+    // An inherited socket stays open in the manager, which queues new clients.
     drop(listener);
     drop(guard);
     state.engine.stop();

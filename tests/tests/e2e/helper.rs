@@ -58,16 +58,60 @@ impl Daemon {
     }
 
     pub fn start_with(opts: DaemonOptions) -> Self {
+        let mut d = Self::prepare(&opts);
+        d.spawn(&opts.args);
+        d
+    }
+
+    /// The daemon's home and model store, without starting it.
+    pub fn prepare(opts: &DaemonOptions) -> Self {
         let home = tempfile::Builder::new().prefix("mlxbc-e2e").tempdir_in("/tmp").unwrap();
         let models = home.path().join("models");
         std::fs::create_dir_all(&models).unwrap();
         for (name, target) in &opts.models {
             std::os::unix::fs::symlink(target, models.join(name)).unwrap();
         }
-        let mut d =
-            Daemon { child: None, socket: home.path().join("mlxbcd.sock"), log: home.path().join("daemon.log"), home };
-        d.spawn(&opts.args);
-        d
+        Daemon { child: None, socket: home.path().join("mlxbcd.sock"), log: home.path().join("daemon.log"), home }
+    }
+
+    /// Starts the process the way systemd does for a socket unit: the
+    /// listening socket as fd 3, `LISTEN_FDS=1`, `LISTEN_PID` = the daemon's
+    /// pid (set by a shell that then execs it, so the pid is the same).
+    pub fn spawn_activated(
+        &mut self,
+        listener: &std::os::unix::net::UnixListener,
+        args: &[&str],
+        env: &[(&str, &Path)],
+    ) {
+        use std::os::unix::io::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c").arg(r#"LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" "$@""#).arg(binary("mlxbcd")).args(args);
+        self.env(&mut cmd);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let fd = listener.as_raw_fd();
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || if libc::dup2(fd, 3) == 3 { Ok(()) } else { Err(std::io::Error::last_os_error()) });
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+        self.child = Some(cmd.spawn().unwrap());
+    }
+
+    /// Waits for the process to exit by itself; None after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(s) = self.child.as_mut().expect("running").try_wait().unwrap() {
+                self.child = None;
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
     }
 
     /// Environment every process of this daemon's "user" gets.

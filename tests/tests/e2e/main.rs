@@ -8,4 +8,5 @@ mod generation;
 mod helper;
 mod lifecycle;
 mod reference;
+mod service;
 mod vision;
