@@ -16,6 +16,7 @@
 
 mod error;
 mod spawn;
+pub use spawn::{daemon_program, log_path};
 
 pub use error::ClientError;
 pub use mlxbc_shared::settings::Settings;

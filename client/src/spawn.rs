@@ -12,7 +12,9 @@ pub fn log_path(settings: &Settings) -> PathBuf {
     settings.paths.log_dir.join("mlxbcd.log")
 }
 
-fn daemon_program() -> PathBuf {
+/// The `mlxbcd` a client starts: `MLXBC_DAEMON`, else the one beside this
+/// executable, else `mlxbcd` from `PATH`.
+pub fn daemon_program() -> PathBuf {
     if let Some(p) = std::env::var_os("MLXBC_DAEMON") {
         return PathBuf::from(p);
     }

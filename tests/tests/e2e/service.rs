@@ -89,3 +89,27 @@ fn another_user_is_refused_with_a_clear_error_and_a_log_line() {
     let ok = d.cli().arg("status").output().unwrap();
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
 }
+
+#[test]
+fn service_install_dry_run_names_this_daemon_and_socket() {
+    let home = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(binary("mlxbc"))
+        .args(["service", "install", "--dry-run"])
+        .env("MLXBC_HOME", home.path())
+        .env("HOME", home.path())
+        .env_remove("MLXBC_SOCKET")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let daemon = binary("mlxbcd").canonicalize().unwrap();
+    if cfg!(target_os = "macos") {
+        assert!(text.contains("<string>dev.mlxbc.daemon</string>"), "{text}");
+        assert!(text.contains("launchctl bootstrap gui/"), "{text}");
+    } else {
+        assert!(text.contains(&format!("ExecStart={}\n", daemon.display())), "{text}");
+        assert!(text.contains(&format!("ListenStream={}\n", home.path().join("mlxbcd.sock").display())), "{text}");
+        assert!(text.contains("systemctl --user enable --now mlxbc.socket mlxbc.service"), "{text}");
+    }
+    assert!(!home.path().join(".config").exists(), "a dry run writes nothing");
+}

@@ -1,0 +1,132 @@
+//! `mlxbc ask`: one question, streamed to stdout (or as JSON events).
+
+use crate::{keep_alive, AskArgs};
+use anyhow::Result;
+use mlxbc_client::{ChatMessage, Client, ClientError, GenerateRequest, MediaRef, Response, SamplingParams};
+use std::io::{IsTerminal, Read, Write};
+
+/// Reads image files with the user's own permissions (the daemon never opens
+/// a path a client names); `-` is stdin.
+pub fn read_media(paths: &[std::path::PathBuf]) -> Result<Vec<MediaRef>> {
+    paths
+        .iter()
+        .map(|p| {
+            let bytes = if p.as_os_str() == "-" {
+                let mut b = Vec::new();
+                std::io::stdin().lock().read_to_end(&mut b)?;
+                b
+            } else {
+                std::fs::read(p).map_err(|e| anyhow::anyhow!("reading image {}: {e}", p.display()))?
+            };
+            Ok(MediaRef::from_bytes(bytes))
+        })
+        .collect()
+}
+
+/// The prompt, with piped stdin appended (e.g. `git diff | mlxbc ask "..."`).
+pub fn args_prompt(args: &AskArgs) -> Result<String> {
+    let mut prompt = args.prompt.clone();
+    let stdin = std::io::stdin();
+    let stdin_is_an_image = args.image.iter().any(|p| p.as_os_str() == "-");
+    if !stdin.is_terminal() && !stdin_is_an_image {
+        let mut piped = String::new();
+        stdin.lock().read_to_string(&mut piped)?;
+        if !piped.trim().is_empty() {
+            prompt.push_str("\n\n");
+            prompt.push_str(piped.trim_end());
+        }
+    }
+    Ok(prompt)
+}
+
+/// The one conversion from CLI arguments to a request.
+pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
+    let mut messages = Vec::new();
+    if let Some(s) = &args.system {
+        messages.push(ChatMessage::system(s.clone()));
+    }
+    let mut user = ChatMessage::user(prompt);
+    user.images = read_media(&args.image)?;
+    messages.push(user);
+    Ok(GenerateRequest {
+        model: args.model.clone(),
+        messages,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+        keep_alive: keep_alive(&args.keep_alive)?,
+        ignore_eos: args.ignore_eos,
+    })
+}
+
+pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) -> Result<()> {
+    let mut stream = client.generate(request).await?;
+    let mut out = std::io::stdout().lock();
+    loop {
+        let event = match stream.next_event().await {
+            Ok(Some(e)) => e,
+            Ok(None) => break,
+            Err(ClientError::Daemon { kind, message }) if args.json => {
+                writeln!(
+                    out,
+                    "{}",
+                    serde_json::json!({"event": "error", "kind": format!("{kind:?}"), "message": message})
+                )?;
+                return Err(ClientError::Daemon { kind, message }.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if args.json {
+            writeln!(out, "{}", event_json(&event))?;
+            out.flush()?;
+            continue;
+        }
+        match event {
+            Response::Token { text } => {
+                out.write_all(text.as_bytes())?;
+                out.flush()?;
+            }
+            Response::Done { stats } => {
+                writeln!(out)?;
+                if args.verbose && stats.encoder_hits + stats.encoder_misses > 0 {
+                    eprintln!(
+                        "images: {} hit, {} encoded | lookup {:.1} ms, encode {:.0} ms | prefix tokens reused {} | prefill {:.0} ms",
+                        stats.encoder_hits, stats.encoder_misses, stats.lookup_ms, stats.encode_ms, stats.prefix_tokens_reused, stats.prefill_ms
+                    );
+                }
+                if args.verbose {
+                    eprintln!(
+                        "model {} | prompt {} tok | generated {} tok | ttft {:.0} ms (load {:.0} ms) | prefill {:.1} tok/s | decode {:.1} tok/s | stop {:?}",
+                        stats.model, stats.prompt_tokens, stats.generated_tokens, stats.time_to_first_token_ms, stats.load_ms,
+                        stats.prefill_tokens_per_s, stats.decode_tokens_per_s, stats.stop_reason
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+pub fn event_json(event: &Response) -> serde_json::Value {
+    use serde_json::json;
+    match event {
+        Response::Started { model, prompt_tokens } => {
+            json!({"event": "start", "model": model, "prompt_tokens": prompt_tokens})
+        }
+        Response::Token { text } => json!({"event": "token", "text": text}),
+        Response::Done { stats } => json!({"event": "done", "stats": {
+            "model": stats.model, "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
+            "time_to_first_token_ms": stats.time_to_first_token_ms, "load_ms": stats.load_ms,
+            "prefill_tokens_per_s": stats.prefill_tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+            "stop_reason": format!("{:?}", stats.stop_reason), "token_ids": stats.token_ids,
+            "encoder_hits": stats.encoder_hits, "encoder_misses": stats.encoder_misses, "encode_ms": stats.encode_ms,
+            "lookup_ms": stats.lookup_ms, "prefix_tokens_reused": stats.prefix_tokens_reused, "prefill_ms": stats.prefill_ms}}),
+        other => json!({"event": "other", "debug": format!("{other:?}")}),
+    }
+}

@@ -1,0 +1,232 @@
+//! `mlxbc`: ask questions and manage the mlxbcd daemon from a shell.
+//!
+//! Exit codes: 0 success (also when stdout is closed early, e.g. `| head`),
+//! 1 other errors, 2 bad usage, 3 daemon unreachable or could not start,
+//! 4 the daemon refused the request (unknown model, prompt too long, ...),
+//! 130 interrupted by Ctrl-C.
+
+mod ask;
+mod manage;
+mod service;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use mlxbc_client::{Client, ClientError, KeepAlive, Settings};
+use std::process::ExitCode;
+
+/// Talk to mlxbcd, the resident MLX model server.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    /// Socket of the daemon (default: from settings or MLXBC_SOCKET).
+    #[arg(long, global = true)]
+    socket: Option<std::path::PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum Command {
+    /// Ask a question; the answer streams to stdout. Piped stdin is appended to the prompt.
+    Ask(AskArgs),
+    /// List the models the daemon can serve.
+    Models,
+    /// Show loaded models.
+    Ps,
+    /// Show the daemon's status.
+    Status,
+    /// Load a model now.
+    Load {
+        model: String,
+        /// How long it stays loaded when idle: 30m, 0, forever.
+        #[arg(long)]
+        keep_alive: Option<String>,
+    },
+    /// Unload a model now.
+    Unload { model: String },
+    /// Stop the daemon.
+    Stop,
+    /// Inspect or maintain the encoder-feature store.
+    Cache {
+        #[command(subcommand)]
+        command: CacheCmd,
+    },
+    /// Encode images ahead of time, so the first question about them is already a hit.
+    Prefetch {
+        /// Vision-language model whose tower encodes them.
+        #[arg(long, short)]
+        model: Option<String>,
+        /// Image files.
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+    },
+    /// Install and drive the login service (launchd LaunchAgent / systemd user units).
+    Service {
+        #[command(subcommand)]
+        verb: ServiceCmd,
+        /// Print the files and commands instead of writing and running them.
+        #[arg(long, global = true)]
+        dry_run: bool,
+        /// `logs`: keep printing new lines.
+        #[arg(long, short, global = true)]
+        follow: bool,
+    },
+}
+
+#[derive(Subcommand, Debug, Clone, Copy)]
+enum ServiceCmd {
+    /// Write the service definition and start it at every login (socket-activated).
+    Install,
+    /// Stop the service and remove its definition.
+    Uninstall,
+    /// Start the daemon now.
+    Start,
+    /// Stop the daemon (the socket keeps listening; the next client starts it again).
+    Stop,
+    /// What the service manager says about it.
+    Status,
+    /// The daemon's log.
+    Logs,
+}
+
+#[derive(Subcommand, Debug, Clone, Copy)]
+pub(crate) enum CacheCmd {
+    /// Entries, sizes, hits and misses.
+    Stats,
+    /// Every stored feature entry.
+    Ls,
+    /// Remove every entry.
+    Clear,
+    /// Read every entry and drop damaged ones.
+    Verify,
+}
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct AskArgs {
+    /// The question.
+    prompt: String,
+    /// An image to ask about (repeatable, in order; `-` reads stdin).
+    #[arg(long, short = 'i')]
+    image: Vec<std::path::PathBuf>,
+    /// Model name, alias or path (default: the configured default model).
+    #[arg(long, short)]
+    model: Option<String>,
+    /// A system prompt.
+    #[arg(long, short)]
+    system: Option<String>,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, short, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Nucleus sampling mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Most tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 512)]
+    max_tokens: u32,
+    /// Seed for reproducible sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop before this text (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// How long the model stays loaded afterwards: 30m, 0, forever.
+    #[arg(long)]
+    keep_alive: Option<String>,
+    /// Print one JSON object per event instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Keep generating past end-of-sequence (for benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print statistics to stderr.
+    #[arg(long, short)]
+    verbose: bool,
+}
+
+const EXIT_UNREACHABLE: u8 = 3;
+const EXIT_REFUSED: u8 = 4;
+const EXIT_INTERRUPTED: u8 = 130;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("mlxbc: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            r = run(cli) => r,
+            _ = tokio::signal::ctrl_c() => Err(anyhow::Error::new(Interrupted)),
+        }
+    });
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => exit_for(&e),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted")]
+struct Interrupted;
+
+fn exit_for(e: &anyhow::Error) -> ExitCode {
+    if e.downcast_ref::<Interrupted>().is_some() {
+        // Dropping the connection (the runtime is gone) cancels the generation.
+        return ExitCode::from(EXIT_INTERRUPTED);
+    }
+    if let Some(io) = e.downcast_ref::<std::io::Error>() {
+        if io.kind() == std::io::ErrorKind::BrokenPipe {
+            return ExitCode::SUCCESS;
+        }
+    }
+    eprintln!("mlxbc: {e:#}");
+    match e.downcast_ref::<ClientError>() {
+        Some(ClientError::Unreachable { .. } | ClientError::Spawn { .. } | ClientError::DaemonExited { .. }) => {
+            ExitCode::from(EXIT_UNREACHABLE)
+        }
+        Some(ClientError::Daemon { .. } | ClientError::ProtocolMismatch(_)) => ExitCode::from(EXIT_REFUSED),
+        _ => ExitCode::FAILURE,
+    }
+}
+
+fn settings(cli: &Cli) -> Result<Settings> {
+    let mut s = Settings::from_env()?;
+    if let Some(sock) = &cli.socket {
+        s.socket = sock.clone();
+    }
+    Ok(s)
+}
+
+pub(crate) fn keep_alive(text: &Option<String>) -> Result<Option<KeepAlive>> {
+    text.as_deref().map(KeepAlive::parse).transpose().map_err(anyhow::Error::msg)
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let settings = settings(&cli)?;
+    match cli.command {
+        Command::Ask(args) => {
+            let request = ask::ask_request(ask::args_prompt(&args)?, &args)?;
+            let mut client = Client::connect_or_start(&settings).await?;
+            ask::ask(&mut client, request, &args).await
+        }
+        Command::Stop => match Client::connect(&settings.socket).await {
+            Ok(mut c) => Ok(c.shutdown().await?),
+            Err(ClientError::Unreachable { .. }) => {
+                eprintln!("mlxbc: no daemon is running at {}", settings.socket.display());
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        },
+        Command::Service { verb, dry_run, follow } => service::run(verb, &settings, dry_run, follow),
+        command => {
+            let mut client = Client::connect_or_start(&settings).await?;
+            manage::manage(&mut client, command).await
+        }
+    }
+}

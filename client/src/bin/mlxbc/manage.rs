@@ -1,0 +1,114 @@
+//! The daemon-management commands: models, ps, status, load, unload, cache, prefetch.
+
+use crate::{keep_alive, CacheCmd, Command};
+use anyhow::Result;
+use mlxbc_client::{CacheCommand, Client};
+use std::io::Write;
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match command {
+        Command::Models => {
+            writeln!(out, "{:<40} {:<6} {:>12} {:<7} ALIASES", "NAME", "FORMAT", "SIZE", "LOADED")?;
+            for m in client.list_models().await? {
+                writeln!(
+                    out,
+                    "{:<40} {:<6} {:>12} {:<7} {}",
+                    m.name,
+                    m.format,
+                    gib(m.size_bytes),
+                    if m.loaded { "yes" } else { "" },
+                    m.aliases.join(",")
+                )?;
+            }
+        }
+        Command::Ps => {
+            let s = client.status().await?;
+            writeln!(
+                out,
+                "{:<40} {:<6} {:>12} {:<10} {:>10} {:>8}",
+                "NAME", "ARCH", "MEMORY", "KEEP", "UNLOAD IN", "IDLE"
+            )?;
+            for m in s.loaded {
+                let until = m.expires_in_s.map_or("never".into(), |s| format!("{s}s"));
+                writeln!(
+                    out,
+                    "{:<40} {:<6} {:>12} {:<10} {:>10} {:>7}s",
+                    m.name,
+                    m.architecture,
+                    gib(m.memory_bytes),
+                    m.keep_alive.to_string(),
+                    until,
+                    m.idle_s
+                )?;
+            }
+        }
+        Command::Status => {
+            let s = client.status().await?;
+            writeln!(out, "mlxbcd {} (protocol {}), pid {}, up {}s", s.daemon_version, s.protocol, s.pid, s.uptime_s)?;
+            writeln!(out, "socket:   {}", client.socket().display())?;
+            writeln!(out, "device:   {} (BLAS: {})", s.device, s.blas)?;
+            writeln!(
+                out,
+                "memory:   MLX active {}, peak {}, RSS {}",
+                gib(s.mlx_active_bytes),
+                gib(s.mlx_peak_bytes),
+                gib(s.rss_bytes)
+            )?;
+            writeln!(out, "loaded:   {}", s.loaded.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "))?;
+            writeln!(out, "queue:    {} waiting; {} requests served", s.queued_jobs, s.requests_served)?;
+        }
+        Command::Load { model, keep_alive: ka } => {
+            let (name, ms, bytes) = client.load(&model, keep_alive(&ka)?).await?;
+            writeln!(out, "loaded {name} in {ms} ms ({})", gib(bytes))?;
+        }
+        Command::Unload { model } => {
+            let was = client.unload(&model).await?;
+            writeln!(out, "{}", if was { format!("unloaded {model}") } else { format!("{model} was not loaded") })?;
+        }
+        Command::Cache { command } => {
+            let cmd = match command {
+                CacheCmd::Stats => CacheCommand::Stats,
+                CacheCmd::Ls => CacheCommand::List,
+                CacheCmd::Clear => CacheCommand::Clear,
+                CacheCmd::Verify => CacheCommand::Verify,
+            };
+            let r = client.cache(cmd).await?;
+            for e in &r.listing {
+                writeln!(out, "{}  tower {}  {}", e.content, e.tower, gib(e.bytes))?;
+            }
+            match command {
+                CacheCmd::Clear => writeln!(out, "removed {} entries", r.removed)?,
+                CacheCmd::Verify => writeln!(out, "{} entries ok, {} damaged entries removed", r.entries, r.removed)?,
+                CacheCmd::Ls => {}
+                CacheCmd::Stats => {
+                    writeln!(out, "store:     {}", r.path)?;
+                    writeln!(
+                        out,
+                        "entries:   {} ({} of {} on disk; {} in RAM, {})",
+                        r.entries,
+                        gib(r.disk_bytes),
+                        gib(r.disk_budget_bytes),
+                        r.ram_entries,
+                        gib(r.ram_bytes)
+                    )?;
+                    writeln!(
+                        out,
+                        "hits:      {} RAM, {} disk; misses {}; evictions {}; corrupt {}",
+                        r.ram_hits, r.disk_hits, r.misses, r.evictions, r.corrupt
+                    )?;
+                }
+            }
+        }
+        Command::Prefetch { model, files } => {
+            let (encoded, cached) = client.prefetch(model.as_deref(), crate::ask::read_media(&files)?).await?;
+            writeln!(out, "{encoded} encoded, {cached} already stored")?;
+        }
+        Command::Ask(_) | Command::Stop | Command::Service { .. } => unreachable!("handled in run"),
+    }
+    Ok(())
+}
