@@ -3,6 +3,7 @@
 //! [`run`], so tests can also boot the daemon in-process.
 
 pub mod engine;
+pub mod http;
 pub mod model;
 pub mod server;
 pub mod vision;

@@ -366,6 +366,23 @@ pub struct LoadedModel {
     pub expires_in_s: Option<u64>,
     pub idle_s: u64,
     pub context_length: u32,
+    /// Kept regardless of idleness and memory pressure (keep-alive "forever").
+    pub pinned: bool,
+}
+
+/// One thing the daemon let go of under memory pressure.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShedEvent {
+    /// Seconds since it happened.
+    pub ago_s: u64,
+    /// "encoder RAM tier", "KV prefixes" or "model".
+    pub tier: String,
+    /// What was dropped (a model's name, a count of entries).
+    pub what: String,
+    /// Bytes it held.
+    pub freed_bytes: u64,
+    /// Memory available on the machine when it was shed.
+    pub available_bytes: u64,
 }
 
 /// Answer to [`Request::Status`].
@@ -389,4 +406,10 @@ pub struct DaemonStatus {
     pub requests_served: u64,
     /// Generations abandoned because their client went away.
     pub generations_cancelled: u64,
+    /// What resident models may take together.
+    pub memory_budget_bytes: u64,
+    /// Memory available on the machine (Linux MemAvailable), if known.
+    pub available_bytes: Option<u64>,
+    /// Recent memory-pressure sheds, newest last.
+    pub memory_sheds: Vec<ShedEvent>,
 }

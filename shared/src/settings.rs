@@ -40,9 +40,15 @@ pub struct SettingsFile {
     /// Memory the resident models may take together, in MiB (default: 3/4
     /// of the machine's RAM). A model that cannot fit is refused.
     pub memory_budget_mib: Option<u64>,
+    /// Below this much available memory (MiB) the daemon sheds, in order: the
+    /// encoder RAM tier, idle KV prefixes, unpinned models (default: 5% of RAM).
+    pub low_memory_mib: Option<u64>,
     /// When started by launchd/systemd socket activation: exit after this
     /// long with no client and no model loaded (default "10m"; "forever": never).
     pub idle_exit: Option<String>,
+    /// Serve the OpenAI-compatible HTTP API here too, e.g. "127.0.0.1:11435"
+    /// (loopback only; off by default).
+    pub http: Option<std::net::SocketAddr>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
 }
@@ -66,6 +72,10 @@ pub struct Settings {
     pub memory_budget_bytes: Option<u64>,
     /// Idle time after which a socket-activated daemon exits.
     pub idle_exit: KeepAlive,
+    /// None: 5% of physical memory.
+    pub low_memory_bytes: Option<u64>,
+    /// The HTTP gateway's address, if on.
+    pub http: Option<std::net::SocketAddr>,
 }
 
 /// Why settings could not be loaded.
@@ -115,6 +125,8 @@ impl Settings {
             prefix_cache_entries: file.prefix_cache_entries.unwrap_or(8),
             max_loaded_models: file.max_loaded_models.unwrap_or(3).max(1),
             memory_budget_bytes: file.memory_budget_mib.map(|m| m << 20),
+            low_memory_bytes: file.low_memory_mib.map(|m| m << 20),
+            http: file.http,
             idle_exit: match &file.idle_exit {
                 Some(text) => KeepAlive::parse(text)?,
                 None => KeepAlive::Seconds(10 * 60),

@@ -18,6 +18,9 @@ struct Args {
     /// Directory of models (default: <data dir>/models).
     #[arg(long)]
     models_dir: Option<PathBuf>,
+    /// Also serve the OpenAI-compatible HTTP API here (loopback only), e.g. 127.0.0.1:11435.
+    #[arg(long)]
+    http: Option<std::net::SocketAddr>,
     /// When socket-activated: exit after this long idle with no model loaded (10m, 0, forever).
     #[arg(long)]
     idle_exit: Option<String>,
@@ -41,6 +44,9 @@ fn main() -> Result<()> {
     }
     if let Some(d) = args.models_dir {
         settings.models_dir = d;
+    }
+    if args.http.is_some() {
+        settings.http = args.http;
     }
     if let Some(i) = args.idle_exit {
         settings.idle_exit = mlxbc_shared::KeepAlive::parse(&i).map_err(anyhow::Error::msg)?;

@@ -5,6 +5,7 @@
 mod cache_report;
 mod generate;
 mod media;
+pub mod memory;
 mod prefix;
 pub mod registry;
 mod residency;
@@ -12,7 +13,9 @@ pub mod sampling;
 mod stop;
 
 use crate::model::weights::WeightForm;
-use mlxbc_shared::{settings::Settings, DaemonStatus, ErrorKind, GenerateRequest, KeepAlive, LoadedModel, Response};
+use mlxbc_shared::{
+    settings::Settings, DaemonStatus, ErrorKind, GenerateRequest, KeepAlive, LoadedModel, Response, ShedEvent,
+};
 use registry::ModelRegistry;
 use residency::Residency;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -54,7 +57,13 @@ pub struct EngineSnapshot {
     pub loaded: Vec<LoadedModel>,
     pub mlx_active_bytes: u64,
     pub mlx_peak_bytes: u64,
+    pub memory_budget_bytes: u64,
+    /// Memory-pressure sheds (newest last), with when they happened.
+    pub sheds: Vec<(Instant, ShedEvent)>,
 }
+
+/// How many shed events status keeps.
+const SHED_HISTORY: usize = 32;
 
 /// The tokio side's handle on the engine thread.
 #[derive(Clone)]
@@ -99,6 +108,13 @@ impl EngineHandle {
             queued_jobs: self.queued.load(Ordering::SeqCst),
             requests_served: self.served.load(Ordering::SeqCst),
             generations_cancelled: self.cancelled.load(Ordering::SeqCst),
+            memory_budget_bytes: snap.memory_budget_bytes,
+            available_bytes: memory::available_bytes(),
+            memory_sheds: snap
+                .sheds
+                .iter()
+                .map(|(at, e)| ShedEvent { ago_s: at.elapsed().as_secs(), ..e.clone() })
+                .collect(),
         }
     }
 
@@ -158,7 +174,12 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         store_path: settings.feature_cache_dir.clone(),
         prefixes: prefix::PrefixCache::new(settings.prefix_cache_entries),
         registry: ModelRegistry::new(settings),
-        residency: Residency::new(settings.keep_alive),
+        residency: Residency::new(
+            settings.keep_alive,
+            settings.max_loaded_models,
+            settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
+        ),
+        low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
         form: WeightForm::for_device(&device),
         prefill_chunk: settings.prefill_chunk,
         snapshot: handle.snapshot.clone(),
@@ -170,6 +191,9 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || engine.run(rx))?;
     Ok((handle, thread))
 }
+
+/// How often the engine looks at available memory when idle.
+const PRESSURE_POLL: Duration = Duration::from_secs(2);
 
 /// Answers a job that arrived after the stop.
 fn refuse(job: Job) {
@@ -193,6 +217,8 @@ struct Engine {
     prefixes: prefix::PrefixCache,
     registry: ModelRegistry,
     residency: Residency,
+    /// Below this much available memory, shed.
+    low_memory_bytes: u64,
     form: WeightForm,
     prefill_chunk: usize,
     snapshot: Arc<Mutex<EngineSnapshot>>,
@@ -205,7 +231,8 @@ struct Engine {
 impl Engine {
     fn run(&mut self, rx: mpsc::Receiver<Control>) {
         loop {
-            let wait = self.residency.next_expiry().unwrap_or(Duration::from_secs(3600));
+            // Wake at least every PRESSURE_POLL to look at the machine's memory.
+            let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
             match rx.recv_timeout(wait) {
                 Ok(Control::Job(job)) => {
                     self.queued.fetch_sub(1, Ordering::SeqCst);
@@ -213,8 +240,13 @@ impl Engine {
                         refuse(job);
                         continue;
                     }
-                    self.handle(job);
+                    let pending = self.handle(job);
                     self.served.fetch_add(1, Ordering::SeqCst);
+                    if pending {
+                        // Its client is sending the image bytes: keep its model for the resend.
+                        self.publish();
+                        continue;
+                    }
                 }
                 Ok(Control::Stop) => {
                     while let Ok(Control::Job(job)) = rx.try_recv() {
@@ -229,12 +261,18 @@ impl Engine {
                 self.prefixes.clear();
                 tracing::info!(model = %name, "keep-alive expired: unloaded");
             }
+            if !self.residency.take_evicted().is_empty() {
+                self.prefixes.clear();
+            }
+            self.relieve_memory_pressure();
             self.publish();
         }
         tracing::info!("engine stopped");
     }
 
-    fn handle(&mut self, job: Job) {
+    /// Runs a job; true when its request is still in flight (the daemon
+    /// asked the client for media bytes and the model is about to be needed).
+    fn handle(&mut self, job: Job) -> bool {
         match job {
             Job::Generate { request, events, cancel, received } => {
                 let keep_alive = request.keep_alive;
@@ -260,7 +298,7 @@ impl Engine {
                     Ok(generate::Finished::Done(stats)) => {
                         let _ = events.send(Response::Done { stats });
                     }
-                    Ok(generate::Finished::AskedForMedia) => {}
+                    Ok(generate::Finished::AskedForMedia) => return true,
                     Ok(generate::Finished::Abandoned) => {
                         self.cancelled.fetch_add(1, Ordering::SeqCst);
                         tracing::info!("generation cancelled: the client went away");
@@ -278,7 +316,10 @@ impl Engine {
                         let m = self.residency.get(&name).expect("just loaded");
                         let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
                         match media::resolve(m, &name, &refs, self.store.as_mut()) {
-                            Ok(media::Resolved::Missing(missing)) => Response::NeedMedia { missing },
+                            Ok(media::Resolved::Missing(missing)) => {
+                                let _ = reply.send(Response::NeedMedia { missing });
+                                return true;
+                            }
                             Ok(media::Resolved::Ready(_, s)) => {
                                 Response::Prefetched { encoded: s.misses, cached: s.hits }
                             }
@@ -317,6 +358,7 @@ impl Engine {
                 let _ = reply.send(response);
             }
         }
+        false
     }
 
     /// Makes a model resident (fingerprinting its tower through the store's memo).
@@ -329,8 +371,42 @@ impl Engine {
         self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())
     }
 
+    /// Under memory pressure, lets go of one tier at a time — the encoder RAM
+    /// tier, then idle KV prefixes, then the least recently used unpinned
+    /// model — re-reading available memory after each, until it recovers.
+    fn relieve_memory_pressure(&mut self) {
+        loop {
+            let Some(available) = memory::available_bytes() else { return };
+            if available >= self.low_memory_bytes {
+                return;
+            }
+            let shed = if let Some(n) = self.store.as_mut().map(|s| s.shed_ram()).filter(|&n| n > 0) {
+                ("encoder RAM tier", "cached image features".to_string(), n as u64)
+            } else if !self.prefixes.is_empty() {
+                let bytes = self.prefixes.bytes();
+                ("KV prefixes", format!("{} prompt prefixes", self.prefixes.clear()), bytes)
+            } else if let Some((name, bytes)) = self.residency.shed_one() {
+                self.prefixes.clear();
+                ("model", name, bytes)
+            } else {
+                return; // nothing left that may go: pinned models stay
+            };
+            let _ = mlx_rs::memory::clear_cache();
+            let (tier, what, freed_bytes) = shed;
+            tracing::warn!(tier, %what, freed_bytes, available, threshold = self.low_memory_bytes, "memory pressure: shed");
+            let mut snap = self.snapshot.lock().unwrap();
+            snap.sheds.push((
+                Instant::now(),
+                ShedEvent { ago_s: 0, tier: tier.into(), what, freed_bytes, available_bytes: available },
+            ));
+            let excess = snap.sheds.len().saturating_sub(SHED_HISTORY);
+            snap.sheds.drain(..excess);
+        }
+    }
+
     fn publish(&self) {
         let mut snap = self.snapshot.lock().unwrap();
+        snap.memory_budget_bytes = self.residency.budget_bytes();
         snap.loaded = self.residency.describe();
         snap.mlx_active_bytes = mlx_rs::memory::active_memory().unwrap_or(0) as u64;
         snap.mlx_peak_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;

@@ -52,6 +52,16 @@ impl PrefixCache {
         self.entries.put(id, cache.clone());
     }
 
+    /// Nothing held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes the held KV states take.
+    pub fn bytes(&self) -> u64 {
+        self.entries.iter().map(|(_, c)| c.nbytes()).sum()
+    }
+
     /// Drops everything (memory pressure, model unload).
     pub fn clear(&mut self) -> usize {
         let n = self.entries.len();

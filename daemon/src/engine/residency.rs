@@ -1,10 +1,16 @@
-//! Which models are resident, and for how long they stay after their last use.
+//! Which models are resident, for how long they stay after their last use,
+//! and how many fit: at most `max_loaded` models within a memory budget.
+//! Loading beyond either unloads the least recently used unpinned model
+//! first; a model that cannot fit even then is refused before it is loaded.
 
 use super::registry::ModelRegistry;
 use crate::model::{weights::WeightForm, TextModel};
 use mlxbc_shared::{ErrorKind, KeepAlive, LoadedModel};
 use std::collections::HashMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
 
 struct Resident {
     model: TextModel,
@@ -15,6 +21,10 @@ struct Resident {
 }
 
 impl Resident {
+    fn pinned(&self) -> bool {
+        self.keep_alive == KeepAlive::Forever
+    }
+
     fn expires_at(&self) -> Option<Instant> {
         match self.keep_alive {
             KeepAlive::Forever => None,
@@ -27,12 +37,115 @@ impl Resident {
 pub struct Residency {
     models: HashMap<String, Resident>,
     default_keep_alive: KeepAlive,
+    max_loaded: usize,
+    budget_bytes: u64,
+    /// Models unloaded to make room since the engine last asked.
+    evicted: Vec<String>,
+}
+
+/// Memory a model will take once loaded in `form`, from its files alone
+/// (before loading; the measurement after loading is what is accounted).
+/// GGUF and quantized weights are expanded when computing in dense f32.
+pub fn estimated_bytes(path: &Path, form: WeightForm) -> u64 {
+    let dense = matches!(form, WeightForm::DenseF32);
+    if path.is_file() {
+        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        // GGUF Q4/Q5/Q8 blocks average 5-6 bits a weight; f32 takes 32.
+        return if dense { size * 6 } else { size + size / 8 };
+    }
+    let size: u64 = std::fs::read_dir(path)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let config = crate::model::read_json(&path.join("config.json")).ok().flatten().unwrap_or_default();
+    let bits = config.get("quantization").and_then(|q| q.get("bits")).and_then(|b| b.as_u64());
+    let half = matches!(config.get("torch_dtype").and_then(|d| d.as_str()), Some("bfloat16" | "float16"));
+    match (dense, bits, half) {
+        (true, Some(b), _) => size * 32 / (b + 1).max(1), // scales and biases ride along
+        (true, None, true) => size * 2,
+        _ => size + size / 8,
+    }
 }
 
 impl Residency {
     /// No models yet; `default_keep_alive` applies when a request names none.
-    pub fn new(default_keep_alive: KeepAlive) -> Self {
-        Self { models: HashMap::new(), default_keep_alive }
+    pub fn new(default_keep_alive: KeepAlive, max_loaded: usize, budget_bytes: u64) -> Self {
+        Self {
+            models: HashMap::new(),
+            default_keep_alive,
+            max_loaded: max_loaded.max(1),
+            budget_bytes,
+            evicted: vec![],
+        }
+    }
+
+    /// The memory budget in bytes.
+    pub fn budget_bytes(&self) -> u64 {
+        self.budget_bytes
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.models.values().map(|r| r.memory_bytes).sum()
+    }
+
+    /// The least recently used model that may be unloaded.
+    fn least_recent_unpinned(&self) -> Option<String> {
+        self.models.iter().filter(|(_, r)| !r.pinned()).min_by_key(|(_, r)| r.last_used).map(|(n, _)| n.clone())
+    }
+
+    /// Unloads least recently used unpinned models until one more model of
+    /// `need` bytes fits both limits.
+    fn make_room(&mut self, name: &str, need: u64) -> Result<(), (ErrorKind, String)> {
+        if need > self.budget_bytes {
+            return Err((
+                ErrorKind::OutOfMemory,
+                format!(
+                    "model {name} needs about {} MiB, more than the memory budget of {} MiB; \
+                     raise memory_budget_mib in config.toml or use a smaller (quantized) model",
+                    need / MIB,
+                    self.budget_bytes / MIB
+                ),
+            ));
+        }
+        while self.models.len() >= self.max_loaded || self.used_bytes() + need > self.budget_bytes {
+            let Some(victim) = self.least_recent_unpinned() else {
+                let pinned: Vec<&str> = self.models.keys().map(String::as_str).collect();
+                return Err((
+                    ErrorKind::OutOfMemory,
+                    format!(
+                        "model {name} (about {} MiB) does not fit next to the pinned models {} ({} of {} MiB used, \
+                         at most {} loaded); unload one with `mlxbc unload NAME`",
+                        need / MIB,
+                        pinned.join(", "),
+                        self.used_bytes() / MIB,
+                        self.budget_bytes / MIB,
+                        self.max_loaded
+                    ),
+                ));
+            };
+            tracing::info!(model = %victim, to_load = %name, "unloading the least recently used model to make room");
+            self.unload(&victim);
+            self.evicted.push(victim);
+        }
+        Ok(())
+    }
+
+    /// Names of models unloaded to make room since the last call.
+    pub fn take_evicted(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Memory pressure's last tier: unloads the least recently used unpinned
+    /// model; returns its name and the bytes it held.
+    pub fn shed_one(&mut self) -> Option<(String, u64)> {
+        let victim = self.least_recent_unpinned()?;
+        let bytes = self.memory_of(&victim);
+        self.unload(&victim);
+        Some((victim, bytes))
     }
 
     /// Resolves `name` and loads it unless resident. Returns the canonical
@@ -49,6 +162,7 @@ impl Residency {
         if self.models.contains_key(&resolved.name) {
             return Ok((resolved.name, 0.0));
         }
+        self.make_room(&resolved.name, estimated_bytes(&resolved.path, form))?;
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
@@ -61,6 +175,13 @@ impl Residency {
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
         tracing::info!(model = %resolved.name, load_ms, memory_bytes, "model loaded");
+        // The estimate may have been low: measured, others make room if needed.
+        while self.used_bytes() + memory_bytes > self.budget_bytes {
+            let Some(victim) = self.least_recent_unpinned() else { break };
+            tracing::info!(model = %victim, loaded = %resolved.name, "over the memory budget after loading: unloading");
+            self.unload(&victim);
+            self.evicted.push(victim);
+        }
         self.models.insert(
             resolved.name.clone(),
             Resident {
@@ -141,6 +262,7 @@ impl Residency {
                 expires_in_s: r.expires_at().map(|t| t.saturating_duration_since(now).as_secs()),
                 idle_s: now.duration_since(r.last_used).as_secs(),
                 context_length: r.model.backbone.context_length(),
+                pinned: r.pinned(),
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -37,6 +37,11 @@ impl KvCache {
         Ok((k, v))
     }
 
+    /// Bytes the cached keys and values take.
+    pub fn nbytes(&self) -> u64 {
+        self.arrays().iter().map(|a| a.nbytes() as u64).sum()
+    }
+
     /// Arrays to evaluate so the cache is materialized.
     pub fn arrays(&self) -> Vec<&Array> {
         self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()

@@ -27,6 +27,10 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
             (listener, Some(guard))
         }
     };
+    let http = match settings.http {
+        Some(addr) => Some(crate::http::bind(addr).await?),
+        None => None,
+    };
     let (engine, engine_thread) = crate::engine::spawn(&settings).context("starting the engine thread")?;
     // Only a socket-activated daemon may leave: its manager keeps listening
     // and starts it again on the next connection.
@@ -53,6 +57,14 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
         connections: Default::default(),
         owner_uid: unsafe { libc::geteuid() },
     });
+    if let Some(listener) = http {
+        let (state, stop) = (state.clone(), shutdown_rx.clone());
+        tokio::spawn(async move {
+            if let Err(e) = crate::http::serve(listener, state, stop).await {
+                tracing::error!("{e:#}");
+            }
+        });
+    }
     activation::notify_ready(&format!("listening on {}", settings.socket.display()));
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -78,8 +90,8 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
                     break;
                 }
             }
-            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
-            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); let _ = state.shutdown.send(true); break; }
+            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); let _ = state.shutdown.send(true); break; }
             _ = shutdown_rx.changed() => break,
         }
     }

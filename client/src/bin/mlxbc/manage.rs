@@ -30,20 +30,40 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             let s = client.status().await?;
             writeln!(
                 out,
-                "{:<40} {:<6} {:>12} {:<10} {:>10} {:>8}",
-                "NAME", "ARCH", "MEMORY", "KEEP", "UNLOAD IN", "IDLE"
+                "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}",
+                "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE"
             )?;
-            for m in s.loaded {
+            for m in &s.loaded {
                 let until = m.expires_in_s.map_or("never".into(), |s| format!("{s}s"));
                 writeln!(
                     out,
-                    "{:<40} {:<6} {:>12} {:<10} {:>10} {:>7}s",
+                    "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}",
                     m.name,
                     m.architecture,
                     gib(m.memory_bytes),
+                    if m.pinned { "yes" } else { "" },
                     m.keep_alive.to_string(),
                     until,
-                    m.idle_s
+                    format!("{}s ago", m.idle_s)
+                )?;
+            }
+            let used: u64 = s.loaded.iter().map(|m| m.memory_bytes).sum();
+            let avail = s.available_bytes.map_or("unknown".into(), gib);
+            writeln!(
+                out,
+                "\nmemory: {} of {} budget; {avail} available on this machine",
+                gib(used),
+                gib(s.memory_budget_bytes)
+            )?;
+            for e in &s.memory_sheds {
+                writeln!(
+                    out,
+                    "shed {}s ago under memory pressure ({} available): {} — {} ({})",
+                    e.ago_s,
+                    gib(e.available_bytes),
+                    e.tier,
+                    e.what,
+                    gib(e.freed_bytes)
                 )?;
             }
         }

@@ -1,0 +1,164 @@
+//! The optional OpenAI-compatible HTTP gateway for editors
+//! (`mlxbcd --http 127.0.0.1:PORT`; off by default, loopback only):
+//! `POST /v1/chat/completions` (streaming as server-sent events, images as
+//! `data:` URLs) and `GET /v1/models`, on the same engine as the socket.
+
+mod openai;
+
+use crate::engine::Job;
+use crate::server::connection::ServerState;
+use anyhow::{bail, Context, Result};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use mlxbc_shared::{ErrorKind, Response as Wire};
+use openai::ChatCompletionRequest;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// Binds the gateway's address; only loopback addresses are accepted.
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
+    if !addr.ip().is_loopback() {
+        bail!("--http must be a loopback address (127.0.0.1 or ::1), not {addr}: the gateway has no authentication");
+    }
+    tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the HTTP gateway to {addr}"))
+}
+
+/// Serves HTTP on `listener` until `stop` turns true.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<ServerState>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<()> {
+    let app = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(state);
+    tracing::info!(addr = %listener.local_addr()?, "OpenAI-compatible HTTP gateway listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await
+        .context("HTTP gateway")
+}
+
+/// An OpenAI-style error body with a fitting status.
+fn error_response(kind: ErrorKind, message: String) -> Response {
+    let (status, kind_name) = match kind {
+        ErrorKind::UnknownModel => (StatusCode::NOT_FOUND, "model_not_found"),
+        ErrorKind::BadRequest | ErrorKind::BadMedia | ErrorKind::ContextOverflow | ErrorKind::BadFrame => {
+            (StatusCode::BAD_REQUEST, "invalid_request_error")
+        }
+        ErrorKind::OutOfMemory | ErrorKind::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+    };
+    (status, Json(json!({"error": {"message": message, "type": kind_name, "code": format!("{kind:?}")}})))
+        .into_response()
+}
+
+async fn models(State(state): State<Arc<ServerState>>) -> Json<serde_json::Value> {
+    let data: Vec<_> = state
+        .registry
+        .list()
+        .into_iter()
+        .map(|m| json!({"id": m.name, "object": "model", "created": 0, "owned_by": "mlxbc"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// Sets the generation's cancel flag when the HTTP response is dropped
+/// (the editor closed the connection mid-stream).
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+async fn chat_completions(State(state): State<Arc<ServerState>>, body: axum::body::Bytes) -> Response {
+    let parsed: ChatCompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(ErrorKind::BadRequest, format!("request body: {e}")),
+    };
+    let stream = parsed.stream;
+    let request = match parsed.into_generate() {
+        Ok(r) => r,
+        Err(e) => return error_response(ErrorKind::BadRequest, e.0),
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received: Instant::now() };
+    if let Err((kind, msg)) = state.engine.submit(job) {
+        return error_response(kind, msg);
+    }
+    let guard = CancelOnDrop(cancel);
+    // The first event decides the status: an error before any output is an HTTP error.
+    let model = match rx.recv().await {
+        Some(Wire::Started { model, .. }) => model,
+        Some(Wire::Error { kind, message }) => return error_response(kind, message),
+        other => return error_response(ErrorKind::Internal, format!("unexpected first event {other:?}")),
+    };
+    let id = format!("chatcmpl-{:x}", rand::random::<u64>());
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    if stream {
+        let first = openai::chunk(&id, created, &model, json!({"role": "assistant", "content": ""}), None);
+        let events = futures::stream::unfold((rx, Some(guard), false), move |(mut rx, guard, done)| {
+            let (id, model) = (id.clone(), model.clone());
+            async move {
+                if done {
+                    return None;
+                }
+                let data = match rx.recv().await {
+                    Some(Wire::Token { text }) => openai::chunk(&id, created, &model, json!({"content": text}), None),
+                    Some(Wire::Done { stats }) => {
+                        let finish = openai::finish_reason(stats.stop_reason);
+                        let last = openai::chunk(&id, created, &model, json!({}), Some(finish));
+                        return Some((vec![last.to_string(), "[DONE]".into()], (rx, guard, true)));
+                    }
+                    Some(Wire::Error { message, .. }) => json!({"error": {"message": message, "type": "server_error"}}),
+                    Some(_) => return Some((vec![], (rx, guard, false))),
+                    None => return None,
+                };
+                Some((vec![data.to_string()], (rx, guard, false)))
+            }
+        })
+        .flat_map(futures::stream::iter);
+        let all = futures::stream::once(async move { first.to_string() })
+            .chain(events)
+            .map(|d| Ok::<_, std::convert::Infallible>(Event::default().data(d)));
+        return Sse::new(all).into_response();
+    }
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Wire::Token { text: t }) => text.push_str(&t),
+            Some(Wire::Done { stats }) => {
+                let finish = openai::finish_reason(stats.stop_reason);
+                let body = openai::completion(
+                    &id,
+                    created,
+                    &model,
+                    &text,
+                    finish,
+                    stats.prompt_tokens,
+                    stats.generated_tokens,
+                );
+                drop(guard);
+                return Json(body).into_response();
+            }
+            Some(Wire::Error { kind, message }) => return error_response(kind, message),
+            Some(_) => {}
+            None => return error_response(ErrorKind::Internal, "the engine dropped the request".into()),
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! The OpenAI chat-completions wire format: request bodies in, response
+//! bodies and stream chunks out, and the conversion to our own request.
+
+use base64::Engine as _;
+use mlxbc_shared::{ChatMessage, GenerateRequest, MediaRef, Role, SamplingParams, StopReason};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// `POST /v1/chat/completions` body (the fields we honour; others are ignored).
+#[derive(Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub stream: bool,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub stop: Option<Stop>,
+    pub seed: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Part {
+    Text { text: String },
+    ImageUrl { image_url: ImageUrl },
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ImageUrl {
+    pub url: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Why a request body cannot be served (HTTP 400).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRequest(pub String);
+
+/// The image bytes of a `data:` URL. Other URLs are refused: the daemon
+/// never fetches from the network on a client's behalf.
+fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
+    let rest = url.strip_prefix("data:").ok_or_else(|| {
+        BadRequest("image_url must be a data: URL (data:image/png;base64,...); mlxbcd does not fetch URLs".into())
+    })?;
+    let (meta, payload) = rest.split_once(',').ok_or_else(|| BadRequest("malformed data: URL (no comma)".into()))?;
+    if !meta.ends_with(";base64") {
+        return Err(BadRequest("data: URL images must be base64-encoded".into()));
+    }
+    base64::engine::general_purpose::STANDARD
+        .decode(payload.trim())
+        .map_err(|e| BadRequest(format!("data: URL is not valid base64: {e}")))
+}
+
+impl ChatCompletionRequest {
+    /// Our request for it.
+    pub fn into_generate(self) -> Result<GenerateRequest, BadRequest> {
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for m in self.messages {
+            let role = match m.role.as_str() {
+                "system" | "developer" => Role::System,
+                "user" => Role::User,
+                "assistant" => Role::Assistant,
+                other => return Err(BadRequest(format!("unsupported message role {other:?}"))),
+            };
+            let mut msg = ChatMessage { role, content: String::new(), images: vec![] };
+            match m.content {
+                None => {}
+                Some(Content::Text(t)) => msg.content = t,
+                Some(Content::Parts(parts)) => {
+                    for p in parts {
+                        match p {
+                            Part::Text { text } => {
+                                if !msg.content.is_empty() {
+                                    msg.content.push('\n');
+                                }
+                                msg.content.push_str(&text);
+                            }
+                            Part::ImageUrl { image_url } => {
+                                msg.images.push(MediaRef::from_bytes(data_url_bytes(&image_url.url)?))
+                            }
+                        }
+                    }
+                }
+            }
+            messages.push(msg);
+        }
+        if messages.is_empty() {
+            return Err(BadRequest("messages must not be empty".into()));
+        }
+        let stop = match self.stop {
+            None => vec![],
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        };
+        Ok(GenerateRequest {
+            model: self.model.filter(|m| !m.is_empty()),
+            messages,
+            sampling: SamplingParams {
+                // OpenAI's default temperature is 1; say 0 for greedy.
+                temperature: self.temperature.unwrap_or(1.0),
+                top_k: 0,
+                top_p: self.top_p.unwrap_or(1.0),
+                seed: self.seed,
+            },
+            max_tokens: self.max_completion_tokens.or(self.max_tokens).unwrap_or(2048),
+            stop,
+            keep_alive: None,
+            ignore_eos: false,
+        })
+    }
+}
+
+/// OpenAI's `finish_reason` for ours.
+pub fn finish_reason(r: StopReason) -> &'static str {
+    match r {
+        StopReason::MaxTokens | StopReason::ContextFull => "length",
+        StopReason::Eos | StopReason::StopString => "stop",
+    }
+}
+
+/// One `chat.completion.chunk`.
+pub fn chunk(id: &str, created: u64, model: &str, delta: Value, finish: Option<&str>) -> Value {
+    json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+}
+
+/// A whole `chat.completion`.
+pub fn completion(id: &str, created: u64, model: &str, text: &str, finish: &str, prompt: u32, generated: u32) -> Value {
+    json!({"id": id, "object": "chat.completion", "created": created, "model": model,
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+           "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_images_and_stop_convert() {
+        let png = base64::engine::general_purpose::STANDARD.encode(b"\x89PNG....");
+        let body = json!({"model": "m", "stop": "END", "max_tokens": 7, "temperature": 0,
+            "messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "what?"},
+                             {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}}]}]});
+        let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
+        let g = req.into_generate().unwrap();
+        assert_eq!(g.messages.len(), 2);
+        assert_eq!(g.messages[1].images[0].bytes.as_deref(), Some(&b"\x89PNG...."[..]));
+        assert_eq!((g.stop, g.max_tokens, g.sampling.temperature), (vec!["END".to_string()], 7, 0.0));
+    }
+
+    #[test]
+    fn remote_urls_and_bad_roles_are_refused() {
+        let remote = json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}]});
+        let err = serde_json::from_value::<ChatCompletionRequest>(remote).unwrap().into_generate().unwrap_err();
+        assert!(err.0.contains("does not fetch URLs"), "{err}");
+        let role = json!({"messages": [{"role": "wizard", "content": "x"}]});
+        assert!(serde_json::from_value::<ChatCompletionRequest>(role).unwrap().into_generate().is_err());
+    }
+}

@@ -1,0 +1,115 @@
+//! The OpenAI-compatible HTTP gateway, with a real HTTP client (reqwest):
+//! non-streaming and SSE-streaming chat completions that match the socket's
+//! answer, images as data: URLs, /v1/models, errors as OpenAI error bodies,
+//! and loopback only.
+
+use crate::helper::*;
+use base64::Engine as _;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn gateway(models: Vec<(&'static str, std::path::PathBuf)>) -> (Daemon, String) {
+    let port = free_port();
+    let d = Daemon::start_with(DaemonOptions { models, args: vec!["--http".into(), format!("127.0.0.1:{port}")] });
+    (d, format!("http://127.0.0.1:{port}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chat_completions_plain_and_streamed_match_the_socket() {
+    let (d, base) = gateway(DaemonOptions::default().models);
+    let http = reqwest::Client::new();
+    let question = "What is the capital of France?";
+    let (want, _) = ask(&d.socket, greedy(None, question, 5)).await.unwrap();
+
+    let body = json!({"model": SMOLLM2, "temperature": 0, "max_tokens": 5,
+                      "messages": [{"role": "user", "content": question}]});
+    let r = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = http.post(format!("{base}/v1/chat/completions")).json(&streamed).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let mut raw = String::new();
+    let mut bytes = r.bytes_stream();
+    while let Some(chunk) = bytes.next().await {
+        raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    let datas: Vec<&str> = raw.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(datas.last(), Some(&"[DONE]"), "{raw}");
+    let chunks: Vec<Value> = datas[..datas.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, want);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+
+    let models: Value = http.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert!(models["data"].as_array().unwrap().iter().any(|m| m["id"] == SMOLLM2), "{models}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn images_as_data_urls_and_errors_as_openai_bodies() {
+    let (d, base) = gateway(vec![
+        ("tiny-gemma3-vlm", fixture("mlx/tiny-gemma3-vlm")),
+        (SMOLLM2, fixture(&format!("models/{SMOLLM2}"))),
+    ]);
+    let http = reqwest::Client::new();
+    let png = crate::vision::png(64, 64, 9);
+    let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png));
+    let body = json!({"model": "tiny-gemma3-vlm", "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}]});
+    let r = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    // The same image over the socket: a hit in the feature store, the same answer.
+    let mut req = greedy(Some("tiny-gemma3-vlm"), "What is this?", 4);
+    req.messages[0].images = vec![mlxbc_client::MediaRef::from_bytes(png)];
+    let (text, stats) = ask(&d.socket, req).await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], text.as_str());
+    assert_eq!(stats.encoder_hits, 1, "encoded once, through HTTP");
+
+    let unknown = http
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&json!({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+    let e: Value = unknown.json().await.unwrap();
+    assert!(e["error"]["message"].as_str().unwrap().contains("no-such-model"), "{e}");
+
+    let remote = json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]});
+    let r = http.post(format!("{base}/v1/chat/completions")).json(&remote).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let r = http.post(format!("{base}/v1/chat/completions")).body("{not json").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    // The daemon keeps serving.
+    let (again, _) = ask(&d.socket, greedy(None, "What is the capital of France?", 4)).await.unwrap();
+    assert!(!again.is_empty());
+}
+
+#[test]
+fn a_non_loopback_http_address_is_refused_at_start() {
+    let mut d = Daemon::prepare(&DaemonOptions::default());
+    let out = std::process::Command::new(binary("mlxbcd"))
+        .args(["--http", "0.0.0.0:11435"])
+        .env("MLXBC_HOME", d.home.path())
+        .env_remove("MLXBC_SOCKET")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("must be a loopback address"), "{stderr}");
+    d.child = None;
+}
