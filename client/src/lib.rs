@@ -14,6 +14,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod blocking;
 mod error;
 mod spawn;
 pub use spawn::{daemon_program, log_path};
@@ -121,6 +122,19 @@ impl Client {
             other => other,
         };
         Ok(GenerationStream { client: self, finished: false, pending })
+    }
+
+    /// Runs a generation to its end: the whole answer and its statistics.
+    pub async fn ask(&mut self, request: GenerateRequest) -> Result<(String, GenerationStats), ClientError> {
+        self.generate(request).await?.collect_text().await
+    }
+
+    /// Lists, shows or deletes the daemon's named conversations.
+    pub async fn sessions(&mut self, command: SessionCommand) -> Result<Vec<SessionInfo>, ClientError> {
+        match self.call(Request::Sessions(command)).await? {
+            Response::Sessions(list) => Ok(list),
+            other => Err(unexpected(other)),
+        }
     }
 
     /// Encodes images ahead of time; returns (encoded now, already stored).

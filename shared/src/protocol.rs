@@ -36,6 +36,26 @@ pub enum Request {
     Prefetch { model: Option<String>, media: Vec<MediaRef> },
     /// Inspect or maintain the encoder-feature store.
     Cache(CacheCommand),
+    /// List the daemon's named conversations, or forget one.
+    Sessions(SessionCommand),
+}
+
+/// What to do with named conversations.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SessionCommand {
+    /// Every session with its message count.
+    List,
+    /// One session's messages.
+    Show { name: String },
+    /// Forget a session.
+    Delete { name: String },
+}
+
+/// A named conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionInfo {
+    pub name: String,
+    pub messages: Vec<ChatMessage>,
 }
 
 /// What to do with the encoder-feature store.
@@ -134,6 +154,8 @@ pub enum Response {
     Prefetched { encoded: u32, cached: u32 },
     /// Answer to [`Request::Cache`].
     Cache(CacheReport),
+    /// Answer to [`Request::Sessions`] (`Delete`: the one deleted, if it existed).
+    Sessions(Vec<SessionInfo>),
 }
 
 /// One chat message.
@@ -194,6 +216,9 @@ pub struct GenerateRequest {
     pub keep_alive: Option<KeepAlive>,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// A named conversation the daemon keeps (across restarts): its history
+    /// goes before `messages`, and this exchange is appended to it.
+    pub session: Option<String>,
 }
 
 impl GenerateRequest {
@@ -207,6 +232,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             keep_alive: None,
             ignore_eos: false,
+            session: None,
         }
     }
 }

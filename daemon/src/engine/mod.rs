@@ -10,6 +10,7 @@ mod prefix;
 pub mod registry;
 mod residency;
 pub mod sampling;
+pub mod sessions;
 mod stop;
 
 use crate::model::weights::WeightForm;
@@ -180,6 +181,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
             settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
         ),
         low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
+        sessions: sessions::SessionStore::new(&sessions_dir(settings)),
         form: WeightForm::for_device(&device),
         prefill_chunk: settings.prefill_chunk,
         snapshot: handle.snapshot.clone(),
@@ -190,6 +192,11 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
     };
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || engine.run(rx))?;
     Ok((handle, thread))
+}
+
+/// Where named conversations are kept.
+pub fn sessions_dir(settings: &Settings) -> std::path::PathBuf {
+    settings.paths.home.join("sessions")
 }
 
 /// How often the engine looks at available memory when idle.
@@ -219,6 +226,7 @@ struct Engine {
     residency: Residency,
     /// Below this much available memory, shed.
     low_memory_bytes: u64,
+    sessions: sessions::SessionStore,
     form: WeightForm,
     prefill_chunk: usize,
     snapshot: Arc<Mutex<EngineSnapshot>>,
@@ -274,7 +282,23 @@ impl Engine {
     /// asked the client for media bytes and the model is about to be needed).
     fn handle(&mut self, job: Job) -> bool {
         match job {
-            Job::Generate { request, events, cancel, received } => {
+            Job::Generate { mut request, events, cancel, received } => {
+                // A named session: its history goes first; this turn is saved when it completes.
+                let turn = match &request.session {
+                    None => None,
+                    Some(name) => match self.sessions.load(name) {
+                        Ok(mut history) => {
+                            let turn = (name.clone(), request.messages.clone());
+                            history.append(&mut request.messages);
+                            request.messages = history;
+                            Some(turn)
+                        }
+                        Err(message) => {
+                            let _ = events.send(Response::Error { kind: ErrorKind::BadRequest, message });
+                            return false;
+                        }
+                    },
+                };
                 let keep_alive = request.keep_alive;
                 let outcome = match self.load(request.model.as_deref(), keep_alive) {
                     Err(e) => Err(e),
@@ -296,6 +320,13 @@ impl Engine {
                 };
                 match outcome {
                     Ok(generate::Finished::Done(stats)) => {
+                        if let Some((name, mut messages)) = turn {
+                            messages
+                                .push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, &request.stop)));
+                            if let Err(e) = self.sessions.append(&name, &messages) {
+                                tracing::warn!(session = %name, "{e}");
+                            }
+                        }
                         let _ = events.send(Response::Done { stats });
                     }
                     Ok(generate::Finished::AskedForMedia) => return true,
@@ -369,6 +400,17 @@ impl Engine {
     ) -> Result<(String, f64), (ErrorKind, String)> {
         let memo = self.store.as_ref().and_then(|s| s.tree("tower-fingerprints").ok());
         self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())
+    }
+
+    /// The text a finished generation streamed: its tokens decoded, cut
+    /// before the first stop string (the stream held those back).
+    fn answer_text(&self, stats: &mlxbc_shared::GenerationStats, stop: &[String]) -> String {
+        let Some(model) = self.residency.get(&stats.model) else { return String::new() };
+        let mut text = model.tokenizer.decode(&stats.token_ids, true).unwrap_or_default();
+        if let Some(cut) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text.truncate(cut);
+        }
+        text
     }
 
     /// Under memory pressure, lets go of one tier at a time — the encoder RAM

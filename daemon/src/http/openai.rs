@@ -130,6 +130,7 @@ impl ChatCompletionRequest {
             stop,
             keep_alive: None,
             ignore_eos: false,
+            session: None,
         })
     }
 }

@@ -25,6 +25,8 @@ pub struct ServerState {
     pub connections: AtomicUsize,
     /// The only uid allowed to connect: the daemon's own.
     pub owner_uid: u32,
+    /// Named conversations (read here; the engine appends to them).
+    pub sessions: crate::engine::sessions::SessionStore,
 }
 
 /// Counts a connection for as long as it lives.
@@ -205,6 +207,20 @@ async fn answer(state: &ServerState, request: Request) -> Response {
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
         Request::Prefetch { model, media } => round_trip(state, |reply| Job::Prefetch { model, media, reply }).await,
         Request::Cache(command) => round_trip(state, |reply| Job::Cache { command, reply }).await,
+        Request::Sessions(command) => {
+            use mlxbc_shared::SessionCommand;
+            let result = match command {
+                SessionCommand::List => Ok(state.sessions.list()),
+                SessionCommand::Show { name } => {
+                    state.sessions.load(&name).map(|messages| vec![mlxbc_shared::SessionInfo { name, messages }])
+                }
+                SessionCommand::Delete { name } => state.sessions.delete(&name).map(|s| s.into_iter().collect()),
+            };
+            match result {
+                Ok(list) => Response::Sessions(list),
+                Err(message) => error(ErrorKind::BadRequest, message),
+            }
+        }
         Request::Shutdown => {
             tracing::info!("shutdown requested by a client");
             let _ = state.shutdown.send(true);

@@ -55,7 +55,9 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
         started: Instant::now(),
         shutdown,
         connections: Default::default(),
+        // SAFETY: geteuid cannot fail.
         owner_uid: unsafe { libc::geteuid() },
+        sessions: crate::engine::sessions::SessionStore::new(&crate::engine::sessions_dir(&settings)),
     });
     if let Some(listener) = http {
         let (state, stop) = (state.clone(), shutdown_rx.clone());

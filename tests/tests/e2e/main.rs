@@ -4,6 +4,7 @@
 
 mod bad_input;
 mod cli;
+mod clients;
 mod generation;
 mod helper;
 mod http;

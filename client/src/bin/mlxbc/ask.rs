@@ -61,6 +61,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         stop: args.stop.clone(),
         keep_alive: keep_alive(&args.keep_alive)?,
         ignore_eos: args.ignore_eos,
+        session: args.session.clone(),
     })
 }
 

@@ -6,6 +6,7 @@
 //! 130 interrupted by Ctrl-C.
 
 mod ask;
+mod chat;
 mod manage;
 mod service;
 
@@ -29,6 +30,18 @@ struct Cli {
 pub(crate) enum Command {
     /// Ask a question; the answer streams to stdout. Piped stdin is appended to the prompt.
     Ask(AskArgs),
+    /// A conversation: interactive with line editing, or one turn per line of piped stdin.
+    Chat(ChatArgs),
+    /// List the daemon's named conversations, show one, or forget one.
+    Sessions {
+        #[command(subcommand)]
+        command: Option<SessionsCmd>,
+    },
+    /// Print a shell completion script: `mlxbc completions bash > /etc/bash_completion.d/mlxbc`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// List the models the daemon can serve.
     Models,
     /// Show loaded models.
@@ -89,6 +102,35 @@ enum ServiceCmd {
     Logs,
 }
 
+#[derive(Subcommand, Debug, Clone)]
+pub(crate) enum SessionsCmd {
+    /// Every session (the default).
+    Ls,
+    /// One session's messages.
+    Show { name: String },
+    /// Forget a session.
+    Rm { name: String },
+}
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct ChatArgs {
+    /// Model name, alias or path (default: the configured default model).
+    #[arg(long, short)]
+    model: Option<String>,
+    /// A system prompt (sent with the first turn).
+    #[arg(long, short)]
+    system: Option<String>,
+    /// Keep the conversation in the daemon under this name, across restarts.
+    #[arg(long)]
+    session: Option<String>,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, short, default_value_t = 0.0)]
+    temperature: f32,
+    /// Most tokens per answer.
+    #[arg(long, short = 'n', default_value_t = 1024)]
+    max_tokens: u32,
+}
+
 #[derive(Subcommand, Debug, Clone, Copy)]
 pub(crate) enum CacheCmd {
     /// Entries, sizes, hits and misses.
@@ -141,6 +183,9 @@ pub(crate) struct AskArgs {
     /// Keep generating past end-of-sequence (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// Continue (or start) a conversation the daemon keeps under this name.
+    #[arg(long)]
+    session: Option<String>,
     /// Print statistics to stderr.
     #[arg(long, short)]
     verbose: bool,
@@ -224,6 +269,15 @@ async fn run(cli: Cli) -> Result<()> {
             Err(e) => Err(e.into()),
         },
         Command::Service { verb, dry_run, follow } => service::run(verb, &settings, dry_run, follow),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "mlxbc", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Chat(args) => {
+            let mut client = Client::connect_or_start(&settings).await?;
+            chat::run(&mut client, &args, &settings.paths.home.join("chat_history")).await
+        }
         command => {
             let mut client = Client::connect_or_start(&settings).await?;
             manage::manage(&mut client, command).await

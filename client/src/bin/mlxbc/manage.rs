@@ -124,11 +124,39 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 }
             }
         }
+        Command::Sessions { command } => {
+            use crate::SessionsCmd;
+            use mlxbc_client::SessionCommand;
+            match command.unwrap_or(SessionsCmd::Ls) {
+                SessionsCmd::Ls => {
+                    for s in client.sessions(SessionCommand::List).await? {
+                        writeln!(out, "{:<32} {} messages", s.name, s.messages.len())?;
+                    }
+                }
+                SessionsCmd::Show { name } => {
+                    for s in client.sessions(SessionCommand::Show { name }).await? {
+                        for m in s.messages {
+                            writeln!(out, "{:?}: {}", m.role, m.content)?;
+                        }
+                    }
+                }
+                SessionsCmd::Rm { name } => {
+                    let gone = client.sessions(SessionCommand::Delete { name: name.clone() }).await?;
+                    writeln!(
+                        out,
+                        "{}",
+                        if gone.is_empty() { format!("no session {name}") } else { format!("forgot {name}") }
+                    )?;
+                }
+            }
+        }
         Command::Prefetch { model, files } => {
             let (encoded, cached) = client.prefetch(model.as_deref(), crate::ask::read_media(&files)?).await?;
             writeln!(out, "{encoded} encoded, {cached} already stored")?;
         }
-        Command::Ask(_) | Command::Stop | Command::Service { .. } => unreachable!("handled in run"),
+        Command::Ask(_) | Command::Stop | Command::Service { .. } | Command::Completions { .. } | Command::Chat(_) => {
+            unreachable!("handled in run")
+        }
     }
     Ok(())
 }

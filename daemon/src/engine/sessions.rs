@@ -1,0 +1,106 @@
+//! Named conversations the daemon keeps for shells and editors
+//! (`mlxbc chat --session NAME`): one JSON file per session under
+//! `<data dir>/sessions/`, written atomically, so a conversation survives
+//! daemon restarts. History is text: images of earlier turns are not kept
+//! (their features stay in the feature store; ask about them again by sending them).
+
+use mlxbc_shared::{ChatMessage, SessionInfo};
+use std::path::{Path, PathBuf};
+
+/// The session directory.
+pub struct SessionStore {
+    dir: PathBuf,
+}
+
+/// Names are file names: letters, digits, `.`, `_`, `-`; 1 to 64 of them.
+pub fn check_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("bad session name {name:?}: use 1-64 letters, digits, '.', '_' or '-'"))
+    }
+}
+
+impl SessionStore {
+    pub fn new(dir: &Path) -> Self {
+        Self { dir: dir.to_owned() }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.json"))
+    }
+
+    /// The stored messages (none for a new session).
+    pub fn load(&self, name: &str) -> Result<Vec<ChatMessage>, String> {
+        check_name(name)?;
+        match std::fs::read(self.path(name)) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("session {name} is damaged: {e}")),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(vec![]),
+            Err(e) => Err(format!("reading session {name}: {e}")),
+        }
+    }
+
+    /// Appends messages (their text; images are dropped).
+    pub fn append(&self, name: &str, new: &[ChatMessage]) -> Result<(), String> {
+        let mut all = self.load(name)?;
+        all.extend(new.iter().map(|m| ChatMessage { images: vec![], ..m.clone() }));
+        mlxbc_shared::paths::create_private_dir(&self.dir)
+            .map_err(|e| format!("creating {}: {e}", self.dir.display()))?;
+        let tmp = self.dir.join(format!(".{name}.json.tmp"));
+        let json = serde_json::to_vec_pretty(&all).map_err(|e| e.to_string())?;
+        std::fs::write(&tmp, json).and_then(|_| std::fs::rename(&tmp, self.path(name))).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("saving session {name}: {e}")
+        })
+    }
+
+    /// Every session.
+    pub fn list(&self) -> Vec<SessionInfo> {
+        let mut out: Vec<SessionInfo> = std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json").map(String::from))
+            .filter(|n| check_name(n).is_ok())
+            .map(|name| SessionInfo { messages: self.load(&name).unwrap_or_default(), name })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// Forgets a session; returns it if it existed.
+    pub fn delete(&self, name: &str) -> Result<Option<SessionInfo>, String> {
+        let messages = self.load(name)?;
+        match std::fs::remove_file(self.path(name)) {
+            Ok(()) => Ok(Some(SessionInfo { name: name.into(), messages })),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("deleting session {name}: {e}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn append_reload_list_delete_and_bad_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SessionStore::new(&dir.path().join("sessions"));
+        assert!(s.load("new").unwrap().is_empty());
+        s.append("work", &[ChatMessage::user("hi"), ChatMessage::assistant("hello")]).unwrap();
+        s.append("work", &[ChatMessage::user("again")]).unwrap();
+        let again = SessionStore::new(&dir.path().join("sessions"));
+        assert_eq!(again.load("work").unwrap().len(), 3);
+        assert_eq!(again.list().iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["work"]);
+        assert!(again.delete("work").unwrap().is_some());
+        assert!(again.delete("work").unwrap().is_none());
+        for bad in ["", "../x", "a/b", ".hidden", &"x".repeat(65)] {
+            assert!(again.load(bad).is_err(), "{bad:?}");
+        }
+    }
+}
