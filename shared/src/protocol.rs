@@ -379,6 +379,8 @@ pub struct ModelInfo {
     pub format: String,
     pub size_bytes: u64,
     pub loaded: bool,
+    /// Where it was found: "store" (the models directory), "hf-cache", "ollama", "lmstudio".
+    pub source: String,
 }
 
 /// A resident model.

@@ -3,6 +3,7 @@
 //! touch MLX state (mlx-rs arrays are `Send`, not `Sync`).
 
 mod cache_report;
+pub mod discovery;
 mod generate;
 mod media;
 pub mod memory;

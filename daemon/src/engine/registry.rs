@@ -1,6 +1,6 @@
 //! The model store: which names the daemon answers to and where their files
 //! are. A name is an alias from the settings, a file or directory name in the
-//! models directory, or a path.
+//! models directory, a path, or a model another tool keeps (see `discovery`).
 
 use mlxbc_shared::{settings::Settings, ModelInfo};
 use std::path::{Path, PathBuf};
@@ -39,6 +39,9 @@ impl ModelRegistry {
         if is_model(&path) {
             let name = if candidate.is_absolute() { target.to_string() } else { file_name(&path) };
             return Ok(ResolvedModel { name, path });
+        }
+        if let Some(found) = super::discovery::scan().into_iter().find(|f| f.name == target) {
+            return Ok(ResolvedModel { name: found.name, path: found.path });
         }
         let known: Vec<String> =
             self.list().into_iter().flat_map(|m| std::iter::once(m.name).chain(m.aliases)).collect();
@@ -81,6 +84,24 @@ impl ModelRegistry {
                 format: format.into(),
                 size_bytes,
                 loaded: false,
+                source: "store".into(),
+            });
+        }
+        for f in super::discovery::scan() {
+            let (format, size_bytes) = if f.path.is_dir() {
+                ("mlx", dir_size(&f.path))
+            } else {
+                ("gguf", f.path.metadata().map_or(0, |m| m.len()))
+            };
+            let aliases = self.aliases.iter().filter(|(_, t)| **t == f.name).map(|(a, _)| a.clone()).collect();
+            out.push(ModelInfo {
+                name: f.name,
+                aliases,
+                path: f.path.display().to_string(),
+                format: format.into(),
+                size_bytes,
+                loaded: false,
+                source: f.source.into(),
             });
         }
         out
@@ -95,6 +116,9 @@ fn is_model(path: &Path) -> bool {
     (path.is_file() && path.extension().is_some_and(|e| e == "gguf")) || path.join("config.json").is_file()
 }
 
+/// Bytes in a directory (symlinks followed: HF snapshots link into blobs/).
 fn dir_size(dir: &Path) -> u64 {
-    std::fs::read_dir(dir).map(|it| it.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum()).unwrap_or(0)
+    std::fs::read_dir(dir)
+        .map(|it| it.filter_map(|e| std::fs::metadata(e.ok()?.path()).ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
 }

@@ -37,6 +37,8 @@ pub struct Daemon {
     pub home: tempfile::TempDir,
     pub socket: PathBuf,
     pub log: PathBuf,
+    /// More environment for the daemon and its CLI (e.g. HOME, HF_HOME).
+    pub extra_env: Vec<(String, PathBuf)>,
 }
 
 /// What goes into the daemon's model store and command line.
@@ -71,7 +73,13 @@ impl Daemon {
         for (name, target) in &opts.models {
             std::os::unix::fs::symlink(target, models.join(name)).unwrap();
         }
-        Daemon { child: None, socket: home.path().join("mlxbcd.sock"), log: home.path().join("daemon.log"), home }
+        Daemon {
+            child: None,
+            socket: home.path().join("mlxbcd.sock"),
+            log: home.path().join("daemon.log"),
+            home,
+            extra_env: vec![],
+        }
     }
 
     /// Starts the process the way systemd does for a socket unit: the
@@ -117,6 +125,9 @@ impl Daemon {
     /// Environment every process of this daemon's "user" gets.
     pub fn env(&self, cmd: &mut Command) {
         cmd.env("MLXBC_HOME", self.home.path()).env_remove("MLXBC_SOCKET").env("MLXBC_LOG", "info");
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
     }
 
     /// Starts (or restarts) the process.

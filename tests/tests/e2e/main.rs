@@ -9,6 +9,7 @@ mod generation;
 mod helper;
 mod http;
 mod lifecycle;
+mod pull;
 mod reference;
 mod residency;
 mod service;

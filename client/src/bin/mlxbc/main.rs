@@ -8,6 +8,7 @@
 mod ask;
 mod chat;
 mod manage;
+mod pull;
 mod service;
 
 use anyhow::Result;
@@ -41,6 +42,17 @@ pub(crate) enum Command {
     Completions {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
+    },
+    /// Fetch a model from the Hugging Face hub (HF_ENDPOINT honoured) into the shared HF cache.
+    Pull {
+        /// Repository, e.g. mlx-community/gemma-3-4b-it-4bit.
+        repo: String,
+        /// Branch, tag or commit.
+        #[arg(long, default_value = "main")]
+        revision: String,
+        /// Only files matching this glob (repeatable), e.g. '*Q4_K_M.gguf'.
+        #[arg(long)]
+        include: Vec<String>,
     },
     /// List the models the daemon can serve.
     Models,
@@ -274,6 +286,7 @@ async fn run(cli: Cli) -> Result<()> {
             clap_complete::generate(shell, &mut Cli::command(), "mlxbc", &mut std::io::stdout());
             Ok(())
         }
+        Command::Pull { repo, revision, include } => pull::run(&repo, &revision, &include).await,
         Command::Chat(args) => {
             let mut client = Client::connect_or_start(&settings).await?;
             chat::run(&mut client, &args, &settings.paths.home.join("chat_history")).await

@@ -13,14 +13,15 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
     let mut out = std::io::stdout().lock();
     match command {
         Command::Models => {
-            writeln!(out, "{:<40} {:<6} {:>12} {:<7} ALIASES", "NAME", "FORMAT", "SIZE", "LOADED")?;
+            writeln!(out, "{:<48} {:<6} {:>12} {:<9} {:<7} ALIASES", "NAME", "FORMAT", "SIZE", "SOURCE", "LOADED")?;
             for m in client.list_models().await? {
                 writeln!(
                     out,
-                    "{:<40} {:<6} {:>12} {:<7} {}",
+                    "{:<48} {:<6} {:>12} {:<9} {:<7} {}",
                     m.name,
                     m.format,
                     gib(m.size_bytes),
+                    m.source,
                     if m.loaded { "yes" } else { "" },
                     m.aliases.join(",")
                 )?;
@@ -154,7 +155,12 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             let (encoded, cached) = client.prefetch(model.as_deref(), crate::ask::read_media(&files)?).await?;
             writeln!(out, "{encoded} encoded, {cached} already stored")?;
         }
-        Command::Ask(_) | Command::Stop | Command::Service { .. } | Command::Completions { .. } | Command::Chat(_) => {
+        Command::Ask(_)
+        | Command::Stop
+        | Command::Service { .. }
+        | Command::Completions { .. }
+        | Command::Chat(_)
+        | Command::Pull { .. } => {
             unreachable!("handled in run")
         }
     }
