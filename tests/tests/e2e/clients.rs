@@ -109,3 +109,21 @@ fn completions_for_bash_zsh_and_fish() {
     let check = Command::new("bash").arg("-n").arg(dir.path().join("c.bash")).output().unwrap();
     assert!(check.status.success(), "bash -n: {}", String::from_utf8_lossy(&check.stderr));
 }
+
+#[test]
+fn long_operations_show_progress_on_a_terminal_and_nothing_when_piped() {
+    let d = Daemon::start_with(DaemonOptions { models: vec![("tiny-qwen2", fixture("mlx/tiny-qwen2"))], args: vec![] });
+    let piped = d.cli().args(["load", "tiny-qwen2"]).output().unwrap();
+    assert!(piped.status.success());
+    assert_eq!(String::from_utf8_lossy(&piped.stderr), "", "quiet when piped");
+    d.cli().args(["unload", "tiny-qwen2"]).output().unwrap();
+    // util-linux `script` gives the command a pseudo-terminal, as a user's shell would.
+    let mut on_tty = Command::new("script");
+    d.env(&mut on_tty);
+    let cmd = format!("{} load tiny-qwen2", binary("mlxbc").display());
+    let out = on_tty.args(["-qec", &cmd, "/dev/null"]).output().expect("script (util-linux) runs the CLI on a pty");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{shown}");
+    assert!(shown.contains("loading tiny-qwen2"), "a spinner on the terminal: {shown:?}");
+    assert!(shown.contains("loaded tiny-qwen2 in"), "{shown:?}");
+}

@@ -66,11 +66,20 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
 }
 
 pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) -> Result<()> {
+    // Until the first event (model load, image encoding, prefill) a spinner says we wait.
+    let mut spinner = crate::progress::Spinner::start("thinking");
     let mut stream = client.generate(request).await?;
     let mut out = std::io::stdout().lock();
     loop {
         let event = match stream.next_event().await {
-            Ok(Some(e)) => e,
+            Ok(Some(Response::Started { .. })) if !args.json => {
+                spinner.stop();
+                continue;
+            }
+            Ok(Some(e)) => {
+                spinner.stop();
+                e
+            }
             Ok(None) => break,
             Err(ClientError::Daemon { kind, message }) if args.json => {
                 writeln!(

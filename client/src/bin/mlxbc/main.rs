@@ -8,6 +8,7 @@
 mod ask;
 mod chat;
 mod manage;
+mod progress;
 mod pull;
 mod service;
 

@@ -84,7 +84,9 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             writeln!(out, "queue:    {} waiting; {} requests served", s.queued_jobs, s.requests_served)?;
         }
         Command::Load { model, keep_alive: ka } => {
+            let mut spinner = crate::progress::Spinner::start(format!("loading {model}"));
             let (name, ms, bytes) = client.load(&model, keep_alive(&ka)?).await?;
+            spinner.stop();
             writeln!(out, "loaded {name} in {ms} ms ({})", gib(bytes))?;
         }
         Command::Unload { model } => {
@@ -152,7 +154,9 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             }
         }
         Command::Prefetch { model, files } => {
+            let mut spinner = crate::progress::Spinner::start(format!("encoding {} images", files.len()));
             let (encoded, cached) = client.prefetch(model.as_deref(), crate::ask::read_media(&files)?).await?;
+            spinner.stop();
             writeln!(out, "{encoded} encoded, {cached} already stored")?;
         }
         Command::Ask(_)
