@@ -55,22 +55,27 @@ pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
     let mut conn = Framed::new(stream, DaemonCodec::default());
     // The socket's file modes already keep others out; the peer's uid is
     // checked as well, for sockets a service manager created or a user relaxed.
-    match peer {
-        Ok(cred) if cred.uid() == state.owner_uid => {}
+    // The refusal answers the client's first frame, so that it is read and
+    // not lost to a client still writing its Hello.
+    let refused = match peer {
+        Ok(cred) if cred.uid() == state.owner_uid => None,
         Ok(cred) => {
             tracing::warn!(uid = cred.uid(), pid = cred.pid(), "refused a connection from another user");
-            let msg = format!(
+            Some(format!(
                 "permission denied: this mlxbcd serves uid {} only, and you are uid {}; run your own daemon",
                 state.owner_uid,
                 cred.uid()
-            );
-            let _ = conn.send(error(ErrorKind::PermissionDenied, msg)).await;
-            return;
+            ))
         }
         Err(e) => {
             tracing::warn!(error = %e, "could not read the peer's credentials; closing");
             return;
         }
+    };
+    if let Some(msg) = refused {
+        let _ = tokio::time::timeout(HELLO_TIMEOUT, conn.next()).await;
+        let _ = conn.send(error(ErrorKind::PermissionDenied, msg)).await;
+        return;
     }
     if !handshake(&mut conn).await {
         return;
