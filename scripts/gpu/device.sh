@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device side of scripts/gpu/stage: `scripts/gpu/device.sh N` in call N,
+# The device side of scripts/gpu/stage: `scripts/gpu/device.sh N` in call N (1-4),
 # with .dev/gpu/cN carried. Assembles /tmp/site (kept while the machine is
 # warm), then in the last call runs the smoke test and the benchmark:
 # mlxbcd (warm daemon, through the socket) and mlx-lm (in process) on the same
@@ -28,6 +28,8 @@ case $step in
   cd /tmp/site && $PY -c "import mlx.core as mx; print('python mlx default device', mx.default_device())"
   echo STEP2_DONE ;;
 3)
+  echo STEP3_DONE ;;
+4)
   mkdir -p /tmp/models
   cat /tmp/stage/gguf.part0 /tmp/stage/gguf.part1 /tmp/stage/gguf.part2 > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "gguf md5 $(md5sum < /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-32), expected $(sed -n 2p /tmp/stage/md5s.txt)"
@@ -45,5 +47,5 @@ case $step in
       --tokenizer-dir $repo/tests/fixtures/tokenizers/smollm2-135m-instruct 2>&1 | tail -2
   timeout 240 ./mlxbc-bench /tmp/models/smollm2-mlx 512 256 2>&1 | tee $OUT/mlxbcd-mlx.json
   timeout 240 $PY $repo/scripts/bench.d/mlx_lm_bench.py /tmp/models/smollm2-mlx 512 256 packed 2>&1 | tee $OUT/mlxlm-packed.json
-  echo STEP3_DONE ;;
+  echo STEP4_DONE ;;
 esac
