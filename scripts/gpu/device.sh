@@ -22,6 +22,7 @@ case $step in
   ln -sfn "$SP/nvidia" /tmp/site/nvidia
   ls /tmp/site; echo STEP1_DONE ;;
 2)
+  mkdir -p /tmp/site/mlx/lib
   cat /tmp/stage/libmlx.so.xz.part0 /tmp/stage/libmlx.so.xz.part1 | xz -dc > /tmp/site/mlx/lib/libmlx.so
   echo "libmlx.so md5 $(md5sum < /tmp/site/mlx/lib/libmlx.so | cut -c1-32), expected $(sed -n 1p /tmp/stage/md5s.txt)"
   ldd /tmp/site/mlx/lib/libmlx.so | grep "not found"
