@@ -11,7 +11,17 @@ use mlx_rs::{
     nn, Array,
 };
 
-/// Per-layer keys and values of everything processed so far.
+/// Positions a layer's key/value buffers grow by (mlx-lm's KVCache.step).
+const KV_STEP: i32 = 256;
+
+/// Per-layer keys and values of everything processed so far. Each layer's
+/// keys and values live in buffers `[batch, heads, capacity, head_dim]` that
+/// grow `KV_STEP` positions at a time and are written with slice updates, as
+/// mlx-lm's KVCache does: a decode step writes one position instead of copying
+/// the whole history, and the buffer shapes stay fixed between growths (what
+/// a compiled step needs). Attention reads the view of the first `offset`
+/// positions. Clones share buffers until one of them writes (MLX's slice
+/// update copies a buffer that is still referenced elsewhere).
 #[derive(Clone)]
 pub struct KvCache {
     layers: Vec<Option<(Array, Array)>>,
@@ -28,13 +38,39 @@ impl KvCache {
         Self { layers: (0..layers).map(|_| None).collect(), offset: 0, mrope: None }
     }
 
+    /// Writes `n` new positions' keys and values (`[batch, heads, n, head_dim]`)
+    /// after the `offset` cached ones; returns every cached position's.
     pub(crate) fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
-        let (k, v) = match self.layers[layer].take() {
-            None => (k, v),
-            Some((pk, pv)) => (mlx_rs::ops::concatenate(&[pk, k], 2)?, mlx_rs::ops::concatenate(&[pv, v], 2)?),
+        use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+        let (prev, n) = (self.offset, k.shape()[2]);
+        let end = prev + n;
+        let grow = |buf: Option<Array>, new: &Array| -> Result<Array> {
+            let s = new.shape();
+            match buf {
+                Some(b) if b.shape()[2] >= end => Ok(b),
+                old => {
+                    let capacity = (end + KV_STEP - 1) / KV_STEP * KV_STEP;
+                    let kept = old.map(|b| b.index((.., .., ..prev, ..)));
+                    let extra = capacity - kept.as_ref().map_or(0, |b| b.shape()[2]);
+                    let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], extra, s[3]], new.dtype())?;
+                    Ok(match kept {
+                        Some(b) => mlx_rs::ops::concatenate(&[b, zeros], 2)?,
+                        None => zeros,
+                    })
+                }
+            }
         };
-        self.layers[layer] = Some((k.clone(), v.clone()));
-        Ok((k, v))
+        let (old_k, old_v) = match self.layers[layer].take() {
+            Some((bk, bv)) => (Some(bk), Some(bv)),
+            None => (None, None),
+        };
+        let mut keys = grow(old_k, &k)?;
+        let mut values = grow(old_v, &v)?;
+        keys.try_index_mut((.., .., prev..end, ..), &k)?;
+        values.try_index_mut((.., .., prev..end, ..), &v)?;
+        let view = (keys.index((.., .., ..end, ..)), values.index((.., .., ..end, ..)));
+        self.layers[layer] = Some((keys, values));
+        Ok(view)
     }
 
     /// Bytes the cached keys and values take.
@@ -294,4 +330,39 @@ fn llama3_rope_freqs(c: &TextConfig, s: &super::config::Llama3RopeScaling) -> Ar
         })
         .collect();
     Array::from_slice(&freqs, &[freqs.len() as i32])
+}
+
+#[cfg(test)]
+mod kv_cache_tests {
+    use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
+
+    /// The buffered cache returns exactly what concatenating every write
+    /// would, across growths (a prefill of 250 positions, then single steps
+    /// past the 256 boundary), and a clone is not disturbed by later writes.
+    #[test]
+    fn buffered_writes_equal_concatenation_across_growth() {
+        let mut cache = KvCache::new(1);
+        let mut all: Option<Array> = None;
+        let mut snapshot = None;
+        for (i, n) in [250, 1, 1, 1, 1, 1, 1, 1, 1, 300].into_iter().enumerate() {
+            let k = mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
+            let (got, _) = cache.update(0, k.clone(), k.clone()).unwrap();
+            cache.offset += n;
+            let want = match all.take() {
+                None => k,
+                Some(a) => mlx_rs::ops::concatenate(&[a, k], 2).unwrap(),
+            };
+            assert_eq!(got.shape(), want.shape());
+            assert!(got.all_close(&want, 0.0, 0.0, None).unwrap(), "write {i}");
+            if i == 3 {
+                snapshot = Some((cache.clone(), want.clone()));
+            }
+            all = Some(want);
+        }
+        let (old, want) = snapshot.unwrap();
+        let (k, _) = old.layers[0].clone().unwrap();
+        let seen = k.index((.., .., ..old.offset, ..));
+        assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
+    }
 }
