@@ -8,7 +8,7 @@ use super::weights::TensorMap;
 use anyhow::Result;
 use mlx_rs::{
     fast::{self, ScaledDotProductAttentionMask},
-    nn, Array,
+    Array,
 };
 
 /// Positions a layer's key/value buffers grow by (mlx-lm's KVCache.step).
@@ -264,9 +264,19 @@ impl Transformer {
     }
 
     fn mlp(&self, m: &Mlp, x: &Array) -> Result<Array> {
-        let g = nn::silu(m.gate_proj.forward(x)?)?;
-        m.down_proj.forward(&g.multiply(m.up_proj.forward(x)?)?)
+        let h = swiglu(&m.gate_proj.forward(x)?, &m.up_proj.forward(x)?)?;
+        m.down_proj.forward(&h)
     }
+}
+
+/// `silu(gate) * up` as one fused kernel (compiled once, shapeless), as
+/// mlx-lm's `swiglu`: one launch per layer instead of three.
+fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+        g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
+    };
+    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
+    Ok(compiled((gate, up))?)
 }
 
 /// cos/sin `[1, 1, L, head_dim]` of Qwen2-VL's "chunked" multimodal rope, as
