@@ -30,6 +30,27 @@ async fn timed(client: &mut Client, req: GenerateRequest) -> Result<(f64, mlxbc_
     bail!("stream ended without Done")
 }
 
+/// Runs a generation and also measures decode as the client sees it: tokens
+/// after the first, over the time from the first token to `Done`. Against the
+/// engine's own decode rate this is the per-token cost of the socket (framing,
+/// writes, the client's reads).
+async fn timed_decode(client: &mut Client, req: GenerateRequest) -> Result<(mlxbc_client::GenerationStats, f64)> {
+    let mut first = None;
+    let mut stream = client.generate(req).await?;
+    while let Some(ev) = stream.next_event().await? {
+        match ev {
+            Response::Token { .. } if first.is_none() => first = Some(Instant::now()),
+            Response::Done { stats } => {
+                let span = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                let rate = if span > 0.0 { (stats.generated_tokens.saturating_sub(1)) as f64 / span } else { 0.0 };
+                return Ok((stats, rate));
+            }
+            _ => {}
+        }
+    }
+    bail!("stream ended without Done")
+}
+
 fn peak_rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
@@ -188,13 +209,16 @@ async fn main() -> Result<()> {
     for _ in 0..2 {
         prefill.push(timed(&mut client, ask(filler.clone(), 1)).await?.1.prefill_tokens_per_s);
     }
-    let (_, decode) = timed(&mut client, ask(short.clone(), n_decode + 1)).await?;
+    let (decode, client_decode_tps) = timed_decode(&mut client, ask(short.clone(), n_decode + 1)).await?;
+    let ipc_overhead_pct = (decode.decode_tokens_per_s / client_decode_tps - 1.0) * 100.0;
     let out = serde_json::json!({
         "cold_first_request_ms": cold_ms,
         "ttft_ms": median(ttft),
         "prefill_tps": median(prefill),
         "prompt_tokens": long_stats.prompt_tokens,
         "decode_tps": decode.decode_tokens_per_s,
+        "client_decode_tps": client_decode_tps,
+        "ipc_overhead_pct": ipc_overhead_pct,
         "decode_tokens": decode.generated_tokens - 1,
         "peak_rss_bytes": peak_rss(daemon.id()),
         "blas": client.daemon_blas,
