@@ -56,5 +56,13 @@ fn main() -> Result<()> {
     if let Err(e) = &result {
         tracing::error!("{e:#}");
     }
-    result
+    // Everything is stopped and flushed (the engine thread, and with it the
+    // feature store, was joined in `run`). Leave without running static
+    // destructors: MLX's can block process exit now and then (seen here: a
+    // daemon that logged "stopped" and never exited).
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    use std::io::Write;
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process immediately; nothing is left to clean up.
+    unsafe { libc::_exit(if result.is_ok() { 0 } else { 1 }) }
 }

@@ -328,6 +328,7 @@ impl Engine {
                                 tracing::warn!(session = %name, "{e}");
                             }
                         }
+                        self.publish();
                         let _ = events.send(Response::Done { stats });
                     }
                     Ok(generate::Finished::AskedForMedia) => return true,
@@ -377,6 +378,8 @@ impl Engine {
                     }
                     Err((kind, message)) => Response::Error { kind, message },
                 };
+                // Status read right after the reply must already see this load.
+                self.publish();
                 let _ = reply.send(response);
             }
             Job::Unload { model, reply } => {
@@ -387,6 +390,7 @@ impl Engine {
                     }
                     Err(_) => Response::Unloaded { was_loaded: self.residency.unload(&model), model },
                 };
+                self.publish();
                 let _ = reply.send(response);
             }
         }

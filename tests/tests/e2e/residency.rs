@@ -28,7 +28,8 @@ async fn loaded(d: &Daemon) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn loading_beyond_max_loaded_models_unloads_the_least_recently_used() {
-    let d = daemon_with_config("max_loaded_models = 2\n");
+    // low_memory_mib = 0: only the count limit may unload here, not the machine's memory.
+    let d = daemon_with_config("max_loaded_models = 2\nlow_memory_mib = 0\n");
     let mut c = d.client().await;
     for m in ["tiny-qwen2", "tiny-qwen3"] {
         c.load(m, None).await.unwrap();
@@ -36,7 +37,7 @@ async fn loading_beyond_max_loaded_models_unloads_the_least_recently_used() {
     // Use qwen2 again, so qwen3 is now the least recently used.
     ask(&d.socket, greedy(Some("tiny-qwen2"), "hi", 2)).await.unwrap();
     c.load("tiny-gemma3-vlm", None).await.unwrap();
-    assert_eq!(loaded(&d).await, ["tiny-gemma3-vlm", "tiny-qwen2"]);
+    assert_eq!(loaded(&d).await, ["tiny-gemma3-vlm", "tiny-qwen2"], "{}", d.log_text());
     assert!(d.log_text().contains("unloading the least recently used model to make room"));
 }
 
@@ -44,7 +45,7 @@ async fn loading_beyond_max_loaded_models_unloads_the_least_recently_used() {
 async fn the_memory_budget_evicts_unpinned_models_and_refuses_what_cannot_fit() {
     // In f32 tiny-qwen2 takes ~24 MiB (untied head) and tiny-qwen3 ~12 MiB:
     // either fits in 35 MiB, both do not.
-    let d = daemon_with_config("memory_budget_mib = 35\n");
+    let d = daemon_with_config("memory_budget_mib = 35\nlow_memory_mib = 0\n");
     let mut c = d.client().await;
     c.load("tiny-qwen2", None).await.unwrap();
     c.load("tiny-qwen3", None).await.unwrap();
