@@ -19,6 +19,10 @@ use tokio::sync::watch;
 /// service manager passed ([`activation::take_inherited`]); without one the
 /// daemon binds `settings.socket` itself.
 pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -> Result<()> {
+    // Handlers first: from the moment the socket listens, a SIGTERM must
+    // mean a clean stop, never the default kill.
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
     let manager = inherited.as_ref().map(|i| i.manager);
     let (listener, guard) = match inherited {
         Some(i) => (tokio::net::UnixListener::from_std(i.listener)?, None),
@@ -68,8 +72,6 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
         });
     }
     activation::notify_ready(&format!("listening on {}", settings.socket.display()));
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
     let mut tick =
         tokio::time::interval(idle_exit.map_or(Duration::from_secs(3600), |d| (d / 4).max(Duration::from_millis(100))));
     let mut idle_since: Option<Instant> = None;
