@@ -68,11 +68,8 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
         user.images = std::mem::take(&mut images);
         let mut turn = Vec::new();
         if let (Some(system), false) = (&args.system, system_sent) {
-            // A session's first turn stores the system prompt with it.
-            let fresh = args.session.is_none() || conversation.is_empty();
-            if fresh {
-                turn.push(ChatMessage::system(system.clone()));
-            }
+            // Sent with this run's first turn (and so stored in a session's history).
+            turn.push(ChatMessage::system(system.clone()));
             system_sent = true;
         }
         turn.push(user);
