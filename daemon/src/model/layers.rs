@@ -7,7 +7,7 @@ use anyhow::Result;
 use mlx_rs::{ops, Array};
 
 /// MLX affine quantization of a weight matrix (`weight` packed in uint32).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Quantized {
     pub weight: Array,
     pub scales: Array,
@@ -24,7 +24,7 @@ impl Quantized {
 }
 
 /// `y = x W^T (+ b)`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Linear {
     Dense { weight: Array, bias: Option<Array> },
     Quantized { q: Quantized, bias: Option<Array> },
@@ -46,6 +46,24 @@ impl Linear {
         })
     }
 
+    /// The arrays that hold the weights.
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            Linear::Dense { weight, bias } => [Some(weight), bias.as_ref()].into_iter().flatten().collect(),
+            Linear::Quantized { q, bias } => {
+                [Some(&q.weight), Some(&q.scales), Some(&q.biases), bias.as_ref()].into_iter().flatten().collect()
+            }
+        }
+    }
+
+    /// Output features.
+    fn out_features(&self) -> i32 {
+        match self {
+            Linear::Dense { weight, .. } => weight.shape()[0],
+            Linear::Quantized { q, .. } => q.weight.shape()[0],
+        }
+    }
+
     /// Bytes the weights occupy.
     pub fn nbytes(&self) -> usize {
         match self {
@@ -57,8 +75,109 @@ impl Linear {
     }
 }
 
+/// Projections of the same input (q/k/v, or gate/up), stored as one matrix
+/// when their weights share a form so that one matmul computes them all:
+/// each output feature is the same dot product as in its own matrix, so the
+/// results are the separate projections' exactly, for fewer kernel launches
+/// (what bounds small-model decode on a GPU).
+#[derive(Debug, Clone)]
+pub enum FusedLinear {
+    /// One matrix; `splits` are the output offsets where the parts begin (after the first).
+    Fused { linear: Linear, splits: Vec<i32> },
+    /// Forms differ (GGUF files mix quantization types per tensor): one matmul each.
+    Separate(Vec<Linear>),
+}
+
+impl FusedLinear {
+    /// Fuses `parts` when they are all dense or all quantized alike.
+    pub fn new(parts: Vec<Linear>) -> Result<Self> {
+        let sizes: Vec<i32> = parts.iter().map(Linear::out_features).collect();
+        let splits = sizes
+            .iter()
+            .scan(0, |at, n| {
+                *at += n;
+                Some(*at)
+            })
+            .take(sizes.len() - 1)
+            .collect();
+        let biases = |parts: &[Linear]| -> Result<Option<Array>> {
+            let all: Vec<&Array> = parts
+                .iter()
+                .filter_map(|p| match p {
+                    Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+                })
+                .collect();
+            Ok(match all.len() {
+                0 => None,
+                n if n == parts.len() => Some(ops::concatenate(&all, 0)?),
+                _ => return Err(anyhow::anyhow!("some parts have biases")),
+            })
+        };
+        let fused = match parts.as_slice() {
+            [Linear::Dense { weight: first, .. }, ..]
+                if parts.iter().all(|p| matches!(p, Linear::Dense { weight, .. } if weight.dtype() == first.dtype())) =>
+            {
+                let weights: Vec<&Array> =
+                    parts.iter().map(|p| if let Linear::Dense { weight, .. } = p { weight } else { unreachable!() }).collect();
+                biases(&parts).ok().map(|bias| -> Result<Linear> {
+                    Ok(Linear::Dense { weight: ops::concatenate(&weights, 0)?, bias })
+                })
+            }
+            [Linear::Quantized { q: first, .. }, ..]
+                if parts.iter().all(|p| matches!(p, Linear::Quantized { q, .. }
+                    if q.bits == first.bits && q.group_size == first.group_size && q.scales.dtype() == first.scales.dtype())) =>
+            {
+                let quantized: Vec<&Quantized> =
+                    parts.iter().map(|p| if let Linear::Quantized { q, .. } = p { q } else { unreachable!() }).collect();
+                let cat = |f: fn(&Quantized) -> &Array| ops::concatenate(&quantized.iter().map(|q| f(q)).collect::<Vec<_>>(), 0);
+                biases(&parts).ok().map(|bias| -> Result<Linear> {
+                    Ok(Linear::Quantized {
+                        q: Quantized {
+                            weight: cat(|q| &q.weight)?,
+                            scales: cat(|q| &q.scales)?,
+                            biases: cat(|q| &q.biases)?,
+                            group_size: first.group_size,
+                            bits: first.bits,
+                        },
+                        bias,
+                    })
+                })
+            }
+            _ => None,
+        };
+        Ok(match fused {
+            Some(linear) => FusedLinear::Fused { linear: linear?, splits },
+            None => FusedLinear::Separate(parts),
+        })
+    }
+
+    /// Each part's projection of `x`'s last axis, in order.
+    pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+        match self {
+            FusedLinear::Fused { linear, splits } => Ok(linear.forward(x)?.split_at_indices(splits, -1)?),
+            FusedLinear::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+        }
+    }
+
+    /// Arrays that hold the weights (to evaluate after fusing).
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            FusedLinear::Fused { linear, .. } => linear.arrays(),
+            FusedLinear::Separate(parts) => parts.iter().flat_map(Linear::arrays).collect(),
+        }
+    }
+
+    /// Bytes the weights occupy.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            FusedLinear::Fused { linear, .. } => linear.nbytes(),
+            FusedLinear::Separate(parts) => parts.iter().map(Linear::nbytes).sum(),
+        }
+    }
+}
+
 /// Token id → vector lookup; doubles as the output head when embeddings are tied.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Embedding {
     Dense(Array),
     Quantized(Quantized),

@@ -3,7 +3,7 @@
 //! token ids match the reference exactly on the same weights.
 
 use super::config::{Architecture, TextConfig};
-use super::layers::{Embedding, Linear};
+use super::layers::{Embedding, FusedLinear, Linear};
 use super::weights::TensorMap;
 use anyhow::Result;
 use mlx_rs::{
@@ -84,22 +84,24 @@ impl KvCache {
     }
 }
 
+#[derive(Clone)]
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q, k and v projections.
+    qkv: FusedLinear,
     o_proj: Linear,
     /// Qwen3 only.
     q_norm: Option<Array>,
     k_norm: Option<Array>,
 }
 
+#[derive(Clone)]
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// gate and up projections.
+    gate_up: FusedLinear,
     down_proj: Linear,
 }
 
+#[derive(Clone)]
 struct DecoderLayer {
     attn: Attention,
     mlp: Mlp,
@@ -107,7 +109,8 @@ struct DecoderLayer {
     post_attention_layernorm: Array,
 }
 
-/// A loaded text model.
+/// A loaded text model. Cloning shares the weights (MLX arrays are handles).
+#[derive(Clone)]
 pub struct Transformer {
     pub config: TextConfig,
     embed_tokens: Embedding,
@@ -129,21 +132,30 @@ impl Transformer {
             let p = format!("model.layers.{i}");
             layers.push(DecoderLayer {
                 attn: Attention {
-                    q_proj: t.linear(&format!("{p}.self_attn.q_proj"))?,
-                    k_proj: t.linear(&format!("{p}.self_attn.k_proj"))?,
-                    v_proj: t.linear(&format!("{p}.self_attn.v_proj"))?,
+                    qkv: FusedLinear::new(vec![
+                        t.linear(&format!("{p}.self_attn.q_proj"))?,
+                        t.linear(&format!("{p}.self_attn.k_proj"))?,
+                        t.linear(&format!("{p}.self_attn.v_proj"))?,
+                    ])?,
                     o_proj: t.linear(&format!("{p}.self_attn.o_proj"))?,
                     q_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.q_norm.weight"))?) } else { None },
                     k_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.k_norm.weight"))?) } else { None },
                 },
                 mlp: Mlp {
-                    gate_proj: t.linear(&format!("{p}.mlp.gate_proj"))?,
-                    up_proj: t.linear(&format!("{p}.mlp.up_proj"))?,
+                    gate_up: FusedLinear::new(vec![
+                        t.linear(&format!("{p}.mlp.gate_proj"))?,
+                        t.linear(&format!("{p}.mlp.up_proj"))?,
+                    ])?,
                     down_proj: t.linear(&format!("{p}.mlp.down_proj"))?,
                 },
                 input_layernorm: t.float(&format!("{p}.input_layernorm.weight"))?,
                 post_attention_layernorm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,
             });
+            // Materialize layer by layer: the fused matrices replace their
+            // parts now (not at the first request), and the parts' memory is
+            // released before the next layer is read.
+            let l = layers.last().unwrap();
+            mlx_rs::transforms::eval(l.attn.qkv.arrays().into_iter().chain(l.mlp.gate_up.arrays()))?;
         }
         let lm_head =
             if !config.tie_word_embeddings && t.has("lm_head.weight") { Some(t.linear("lm_head")?) } else { None };
@@ -166,18 +178,10 @@ impl Transformer {
             .layers
             .iter()
             .map(|l| {
-                [
-                    &l.attn.q_proj,
-                    &l.attn.k_proj,
-                    &l.attn.v_proj,
-                    &l.attn.o_proj,
-                    &l.mlp.gate_proj,
-                    &l.mlp.up_proj,
-                    &l.mlp.down_proj,
-                ]
-                .iter()
-                .map(|x| x.nbytes())
-                .sum::<usize>()
+                l.attn.qkv.nbytes()
+                    + l.attn.o_proj.nbytes()
+                    + l.mlp.gate_up.nbytes()
+                    + l.mlp.down_proj.nbytes()
                     + l.input_layernorm.nbytes()
                     + l.post_attention_layernorm.nbytes()
             })
@@ -238,9 +242,10 @@ impl Transformer {
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let q = heads(a.q_proj.forward(x)?, c.num_heads, &a.q_norm)?;
-        let k = heads(a.k_proj.forward(x)?, c.num_kv_heads, &a.k_norm)?;
-        let v = heads(a.v_proj.forward(x)?, c.num_kv_heads, &None)?;
+        let [q, k, v]: [Array; 3] = a.qkv.forward(x)?.try_into().expect("three projections");
+        let q = heads(q, c.num_heads, &a.q_norm)?;
+        let k = heads(k, c.num_kv_heads, &a.k_norm)?;
+        let v = heads(v, c.num_kv_heads, &None)?;
         let (q, k) = match &c.mrope_section {
             Some(section) => {
                 let (cos, sin) = mrope_cos_sin(c, section, cache.mrope.as_ref(), offset, l)?;
@@ -264,7 +269,8 @@ impl Transformer {
     }
 
     fn mlp(&self, m: &Mlp, x: &Array) -> Result<Array> {
-        let h = swiglu(&m.gate_proj.forward(x)?, &m.up_proj.forward(x)?)?;
+        let [gate, up]: [Array; 2] = m.gate_up.forward(x)?.try_into().expect("two projections");
+        let h = swiglu(&gate, &up)?;
         m.down_proj.forward(&h)
     }
 }
