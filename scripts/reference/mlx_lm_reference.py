@@ -25,13 +25,27 @@ PROMPTS = [
      {"role": "user", "content": "Name three colors of the rainbow."}],
 ]
 MAX_TOKENS = 40
+# A prompt grown to this many tokens on each model's tokenizer, so that decode
+# crosses the 256-position boundary where the daemon's KV buffers grow (and
+# its compiled decode step is retraced) within the first tokens.
+LONG_PROMPT_TOKENS = 250
+LONG_WORDS = "the quick brown fox jumps over the lazy dog while".split()
+
+
+def long_prompt(tokenizer):
+    words = []
+    while True:
+        messages = [{"role": "user", "content": "Continue this text: " + " ".join(words)}]
+        if len(tokenizer.apply_chat_template(messages, add_generation_prompt=True)) >= LONG_PROMPT_TOKENS:
+            return messages
+        words.append(LONG_WORDS[len(words) % len(LONG_WORDS)])
 
 
 def reference(model_dir):
     model, tokenizer = load(str(model_dir))
     model = dequantize_model(model)
     cases = []
-    for messages in PROMPTS:
+    for messages in PROMPTS + [long_prompt(tokenizer)]:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = []
         for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):

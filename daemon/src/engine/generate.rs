@@ -9,6 +9,7 @@ use super::media::{self, MediaStats, Resolved};
 use super::prefix::PrefixCache;
 use super::sampling::Sampler;
 use super::stop::{Filtered, StopFilter};
+use crate::model::decode_step::DecodeMode;
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::transformer::KvCache;
 use crate::model::{Backbone, TextModel};
@@ -180,18 +181,23 @@ pub fn run(
         return Ok(Finished::Abandoned);
     }
     let last_embed = positions(&embeds, n - 1, n)?;
-    let mut sampler = Sampler::new(request.sampling.clone());
+    let mut sampler = Sampler::new(request.sampling.clone()).map_err(inference)?;
     let h = model.backbone.hidden(&last_embed, &mut cache).map_err(inference)?;
     let mut next = sampler.pick(&model.backbone.logits_last(&h).map_err(inference)?).map_err(inference)?;
     async_eval([&next]).map_err(inference)?;
+    let mode = DecodeMode::from_env();
+    // Host time per token: building and queueing a step, and waiting for a
+    // token to come back; which one dominates says what bounds decode.
+    let (mut queue_s, mut wait_s) = (0.0f64, 0.0f64);
     // One decode step: ids (on the device) -> the next id, queued for
     // evaluation but not waited for. Building step n+1 while step n computes
     // keeps the host out of the way, as mlx-lm's generate_step does.
     let mut step = |ids: &Array, cache: &mut KvCache| -> Result<Array, Failure> {
-        let h = model.backbone.hidden(&model.backbone.embed(ids).map_err(inference)?, cache).map_err(inference)?;
-        let logits = model.backbone.logits_last(&h).map_err(inference)?;
+        let t = Instant::now();
+        let logits = model.decode_logits(ids, cache, mode).map_err(inference)?;
         let next = sampler.pick(&logits).map_err(inference)?;
         async_eval([&next]).map_err(inference)?;
+        queue_s += t.elapsed().as_secs_f64();
         Ok(next)
     };
     let read = |ids: &Array| -> Result<u32, Failure> { Ok(ids.try_item_cast::<u32>().map_err(inference)?) };
@@ -231,7 +237,9 @@ pub fn run(
             return Ok(Finished::Abandoned);
         }
         next = queued.expect("queued while below the limit");
+        let t = Instant::now();
         token = read(&next)?;
+        wait_s += t.elapsed().as_secs_f64();
         decode_steps += 1;
     };
     let tail = stops.finish();
@@ -240,6 +248,17 @@ pub fn run(
         return Ok(Finished::Abandoned);
     }
     let decode_s = t_first.elapsed().as_secs_f64();
+    drop(step);
+    if decode_steps > 0 {
+        let per = |s: f64| s * 1e6 / decode_steps as f64;
+        tracing::info!(
+            "decode ({mode:?}): {decode_steps} steps, {:.0} µs/token: queueing {:.0}, waiting {:.0}, the rest {:.0}",
+            per(decode_s),
+            per(queue_s),
+            per(wait_s),
+            per(decode_s - queue_s - wait_s)
+        );
+    }
     Ok(Finished::Done(GenerationStats {
         model: ctx.model_name.to_string(),
         prompt_tokens: ids.len() as u32,

@@ -157,41 +157,54 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         cancelled: Arc::default(),
         device: device_name.to_string(),
     };
-    let store = match mlxbc_cache::FeatureStore::open(
-        &settings.feature_cache_dir,
-        mlxbc_cache::StoreConfig {
-            ram_bytes: settings.feature_ram_bytes as usize,
-            disk_bytes: settings.feature_cache_bytes,
-        },
-    ) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            // Serving without the store only costs re-encoding.
-            tracing::warn!("{e}; images will be encoded every time");
-            None
-        }
-    };
-    let mut engine = Engine {
-        store,
-        store_path: settings.feature_cache_dir.clone(),
-        prefixes: prefix::PrefixCache::new(settings.prefix_cache_entries),
-        registry: ModelRegistry::new(settings),
-        residency: Residency::new(
-            settings.keep_alive,
-            settings.max_loaded_models,
-            settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
-        ),
-        low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
-        sessions: sessions::SessionStore::new(&sessions_dir(settings)),
-        form: WeightForm::for_device(&device),
-        prefill_chunk: settings.prefill_chunk,
-        snapshot: handle.snapshot.clone(),
-        queued: handle.queued.clone(),
-        served: handle.served.clone(),
-        cancelled: handle.cancelled.clone(),
-        stopping: handle.stopping.clone(),
-    };
-    let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || engine.run(rx))?;
+    let form = WeightForm::for_device(&device);
+    let (snapshot, queued, served, cancelled, stopping) = (
+        handle.snapshot.clone(),
+        handle.queued.clone(),
+        handle.served.clone(),
+        handle.cancelled.clone(),
+        handle.stopping.clone(),
+    );
+    let settings = settings.clone();
+    // The engine is built on its own thread: models hold compiled MLX
+    // functions, which must stay on the thread that made them.
+    let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || {
+        let store = match mlxbc_cache::FeatureStore::open(
+            &settings.feature_cache_dir,
+            mlxbc_cache::StoreConfig {
+                ram_bytes: settings.feature_ram_bytes as usize,
+                disk_bytes: settings.feature_cache_bytes,
+            },
+        ) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                // Serving without the store only costs re-encoding.
+                tracing::warn!("{e}; images will be encoded every time");
+                None
+            }
+        };
+        let mut engine = Engine {
+            store,
+            store_path: settings.feature_cache_dir.clone(),
+            prefixes: prefix::PrefixCache::new(settings.prefix_cache_entries),
+            registry: ModelRegistry::new(&settings),
+            residency: Residency::new(
+                settings.keep_alive,
+                settings.max_loaded_models,
+                settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
+            ),
+            low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
+            sessions: sessions::SessionStore::new(&sessions_dir(&settings)),
+            form,
+            prefill_chunk: settings.prefill_chunk,
+            snapshot,
+            queued,
+            served,
+            cancelled,
+            stopping,
+        };
+        engine.run(rx)
+    })?;
     Ok((handle, thread))
 }
 

@@ -1,75 +1,58 @@
-//! Choosing the next token from logits: greedy on the device (one id comes
-//! back), or temperature / top-k / top-p with a seeded generator on the host.
+//! Choosing the next token from logits, on the device: greedy (argmax), or
+//! temperature / top-k / top-p with a seeded MLX generator. Either way the
+//! pick is a lazy `[1, 1]` array, so the decode loop can queue the next step
+//! before reading this token back; nothing waits for the logits on the host.
 
 use anyhow::Result;
-use mlx_rs::{ops::indexing::argmax_axis, Array};
+use mlx_rs::{ops, ops::indexing::argmax_axis, random, Array};
 use mlxbc_shared::SamplingParams;
-use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// A sampler for one generation.
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
+    /// The generator's state; split once per sampled token.
+    key: Option<Array>,
 }
 
 impl Sampler {
     /// Seeds from `params.seed`, or from entropy when there is none.
-    pub fn new(params: SamplingParams) -> Self {
-        let rng = match params.seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_entropy(),
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        let key = if params.temperature <= 0.0 || params.top_k == 1 {
+            None
+        } else {
+            Some(random::key(params.seed.unwrap_or_else(rand::random))?)
         };
-        Self { params, rng }
-    }
-
-    /// True when no randomness is involved.
-    pub fn is_greedy(&self) -> bool {
-        self.params.temperature <= 0.0 || self.params.top_k == 1
+        Ok(Self { params, key })
     }
 
     /// Picks the next token from `logits` (`[vocab]`) as a `[1, 1]` id array.
-    /// Greedy picks stay lazy on the device, so the caller can queue the next
-    /// step before reading this one back; sampled picks are made on the host.
     pub fn pick(&mut self, logits: &Array) -> Result<Array> {
-        if self.is_greedy() {
+        let Some(key) = self.key.take() else {
             return Ok(argmax_axis(logits, -1, None)?.reshape(&[1, 1])?);
+        };
+        let (next, now) = random::split(&key, 2)?;
+        self.key = Some(next);
+        let p = &self.params;
+        let mut scaled = logits.as_dtype(mlx_rs::Dtype::Float32)?.divide(Array::from_f32(p.temperature))?;
+        let vocab = scaled.shape()[0];
+        let floor = Array::from_f32(f32::NEG_INFINITY);
+        if p.top_k > 0 && (p.top_k as i32) < vocab {
+            // The k-th largest logit is the smallest one kept.
+            let kth = ops::sort_axis(&scaled, -1)?.take_axis(Array::from_int(vocab - p.top_k as i32), -1)?;
+            scaled = ops::select(&scaled.ge(&kth)?, &scaled, &floor)?;
         }
-        let logits = logits.as_dtype(mlx_rs::Dtype::Float32)?;
-        logits.eval()?;
-        let id = self.sample_host(logits.as_slice::<f32>());
-        Ok(Array::from_slice(&[id], &[1, 1]))
-    }
-
-    fn sample_host(&mut self, logits: &[f32]) -> u32 {
-        let t = self.params.temperature;
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        if self.params.top_k > 0 {
-            order.truncate(self.params.top_k as usize);
+        if p.top_p < 1.0 {
+            // Keep the most likely tokens whose probabilities sum to top_p:
+            // in ascending order, drop those whose running sum stays within
+            // 1 - top_p; the first one past it is the smallest one kept.
+            let probs = ops::softmax_axis(&scaled, -1, None)?;
+            let ascending = ops::sort_axis(&probs, -1)?;
+            let running = ops::cumsum(&ascending, -1, None, None)?;
+            let dropped = running.le(Array::from_f32(1.0 - p.top_p))?.sum(None)?.as_dtype(mlx_rs::Dtype::Int32)?;
+            let smallest_kept = ascending.take_axis(&ops::minimum(&dropped, Array::from_int(vocab - 1))?, -1)?;
+            scaled = ops::select(&probs.ge(&smallest_kept)?, &scaled, &floor)?;
         }
-        let max = logits[order[0]];
-        let mut probs: Vec<f64> = order.iter().map(|&i| (((logits[i] - max) / t) as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        if self.params.top_p < 1.0 {
-            let mut acc = 0.0;
-            let keep = probs.iter().position(|p| {
-                acc += p;
-                acc >= self.params.top_p as f64
-            });
-            let keep = keep.map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
-            order.truncate(keep);
-        }
-        let total: f64 = probs.iter().sum();
-        let mut x = self.rng.gen::<f64>() * total;
-        for (p, &i) in probs.iter().zip(&order) {
-            x -= p;
-            if x <= 0.0 {
-                return i as u32;
-            }
-        }
-        *order.last().unwrap() as u32
+        Ok(random::categorical(&scaled, -1, None, Some(&now))?.reshape(&[1, 1])?.as_dtype(mlx_rs::Dtype::Uint32)?)
     }
 }
 
@@ -77,21 +60,43 @@ impl Sampler {
 mod tests {
     use super::*;
 
+    fn logits() -> Array {
+        let v: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32 * 0.03).collect();
+        Array::from_slice(&v, &[100])
+    }
+
+    fn draws(p: &SamplingParams, n: usize) -> Vec<u32> {
+        let mut s = Sampler::new(p.clone()).unwrap();
+        (0..n).map(|_| s.pick(&logits()).unwrap().item::<u32>()).collect()
+    }
+
+    fn ranked() -> Vec<u32> {
+        let l = logits();
+        let v = l.as_slice::<f32>();
+        let mut order: Vec<u32> = (0..100).collect();
+        order.sort_by(|&a, &b| v[b as usize].total_cmp(&v[a as usize]));
+        order
+    }
+
     #[test]
-    fn seeded_sampling_repeats_and_top_k_one_is_greedy() {
-        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32 * 0.03).collect();
-        let p = SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed: Some(7) };
-        let a: Vec<u32> = {
-            let mut s = Sampler::new(p.clone());
-            (0..20).map(|_| s.sample_host(&logits)).collect()
-        };
-        let b: Vec<u32> = {
-            let mut s = Sampler::new(p);
-            (0..20).map(|_| s.sample_host(&logits)).collect()
-        };
-        assert_eq!(a, b);
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, seed: Some(1) });
-        let best = (0..100).max_by(|&x, &y| logits[x].total_cmp(&logits[y])).unwrap() as u32;
-        assert_eq!(s.sample_host(&logits), best);
+    fn seeded_sampling_repeats_and_varies() {
+        let p = SamplingParams { temperature: 0.8, top_k: 0, top_p: 1.0, seed: Some(7) };
+        let a = draws(&p, 40);
+        assert_eq!(a, draws(&p, 40), "same seed, same tokens");
+        assert!(a.iter().collect::<std::collections::BTreeSet<_>>().len() > 5, "draws vary: {a:?}");
+        assert_ne!(a, draws(&SamplingParams { seed: Some(8), ..p }, 40), "another seed, other tokens");
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_candidates() {
+        let order = ranked();
+        let greedy = draws(&SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, seed: Some(1) }, 3);
+        assert_eq!(greedy, vec![order[0]; 3], "top_k 1 is greedy");
+        let top3 = draws(&SamplingParams { temperature: 5.0, top_k: 3, top_p: 1.0, seed: Some(2) }, 60);
+        assert!(top3.iter().all(|t| order[..3].contains(t)), "{top3:?} outside {:?}", &order[..3]);
+        assert!(top3.iter().collect::<std::collections::BTreeSet<_>>().len() == 3, "all three drawn: {top3:?}");
+        // A tiny top_p keeps only the most likely token.
+        let nucleus = draws(&SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.01, seed: Some(3) }, 20);
+        assert_eq!(nucleus, vec![order[0]; 20]);
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod chat_template;
 pub mod config;
+pub mod decode_step;
 pub mod gemma3_text;
 pub mod layers;
 pub mod tokenizer;
@@ -13,6 +14,7 @@ use anyhow::{bail, Context, Result};
 use chat_template::ChatTemplate;
 use config::TextConfig;
 use mlx_rs::io::GgufFile;
+use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::path::Path;
 use tokenizers::Tokenizer;
@@ -163,9 +165,40 @@ pub struct TextModel {
     pub eos_ids: BTreeSet<u32>,
     /// Present for vision-language models.
     pub vision: Option<VisionSpec>,
+    /// The compiled decode step, built on first use (engine thread only).
+    pub compiled_decode: RefCell<Option<decode_step::CompiledDecode>>,
 }
 
 impl TextModel {
+    /// Assembles a loaded model.
+    pub fn new(
+        backbone: Backbone,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        eos_ids: BTreeSet<u32>,
+        vision: Option<VisionSpec>,
+    ) -> Self {
+        Self { backbone, tokenizer, template, eos_ids, vision, compiled_decode: RefCell::new(None) }
+    }
+
+    /// Logits `[vocab]` after decoding token `ids` (`[1, 1]`) at the next
+    /// position of `cache`, lazily. Compiled for text decoders unless `mode`
+    /// says eager; built op by op otherwise.
+    pub fn decode_logits(
+        &self,
+        ids: &mlx_rs::Array,
+        cache: &mut transformer::KvCache,
+        mode: decode_step::DecodeMode,
+    ) -> Result<mlx_rs::Array> {
+        match &self.backbone {
+            Backbone::Decoder(t) if mode == decode_step::DecodeMode::Compiled && t.has_decode_graph() => {
+                let mut slot = self.compiled_decode.borrow_mut();
+                slot.get_or_insert_with(|| decode_step::CompiledDecode::new(t)).step(ids, cache)
+            }
+            b => b.logits_last(&b.hidden(&b.embed(ids)?, cache)?),
+        }
+    }
+
     /// Loads a `.gguf` file or a model directory. `fingerprints` remembers
     /// tower fingerprints per weight-file identity.
     pub fn load(path: &Path, form: WeightForm, fingerprints: Option<&sled::Tree>) -> Result<Self> {
@@ -256,7 +289,7 @@ fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
     let template = ChatTemplate::new(source, token_text(&tokenizer, bos), token_text(&tokenizer, eos))?;
     let eos_ids = [eos, eot].into_iter().flatten().collect();
     let backbone = Backbone::Decoder(Transformer::from_tensors(config, tensors)?);
-    Ok(TextModel { backbone, tokenizer, template, eos_ids, vision: None })
+    Ok(TextModel::new(backbone, tokenizer, template, eos_ids, None))
 }
 
 /// Reads a JSON file; `None` when it does not exist.
@@ -294,7 +327,7 @@ fn load_dir(dir: &Path, form: WeightForm) -> Result<TextModel> {
     let tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
     let (tokenizer, template, eos_ids) = chat_parts(dir, &raw)?;
     let backbone = Backbone::Decoder(Transformer::from_tensors(config, tensors)?);
-    Ok(TextModel { backbone, tokenizer, template, eos_ids, vision: None })
+    Ok(TextModel::new(backbone, tokenizer, template, eos_ids, None))
 }
 
 /// Tokenizer, chat template and stop ids of an HF/MLX model directory.

@@ -7,6 +7,7 @@ use super::layers::{Embedding, FusedLinear, Linear};
 use super::weights::TensorMap;
 use anyhow::Result;
 use mlx_rs::{
+    error::Exception,
     fast::{self, ScaledDotProductAttentionMask},
     Array,
 };
@@ -38,39 +39,52 @@ impl KvCache {
         Self { layers: (0..layers).map(|_| None).collect(), offset: 0, mrope: None }
     }
 
+    /// Makes room for `n` more positions in every layer's buffers (growing
+    /// them `KV_STEP` positions at a time, keeping what is cached).
+    pub fn reserve(&mut self, n: i32) -> Result<()> {
+        let end = self.offset + n;
+        for slot in &mut self.layers {
+            if let Some((k, v)) = slot.take() {
+                *slot = Some((grown(k, self.offset, end)?, grown(v, self.offset, end)?));
+            }
+        }
+        Ok(())
+    }
+
     /// Writes `n` new positions' keys and values (`[batch, heads, n, head_dim]`)
     /// after the `offset` cached ones; returns every cached position's.
     pub(crate) fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
         use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
         let (prev, n) = (self.offset, k.shape()[2]);
         let end = prev + n;
-        let grow = |buf: Option<Array>, new: &Array| -> Result<Array> {
-            let s = new.shape();
-            match buf {
-                Some(b) if b.shape()[2] >= end => Ok(b),
-                old => {
-                    let capacity = (end + KV_STEP - 1) / KV_STEP * KV_STEP;
-                    let kept = old.map(|b| b.index((.., .., ..prev, ..)));
-                    let extra = capacity - kept.as_ref().map_or(0, |b| b.shape()[2]);
-                    let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], extra, s[3]], new.dtype())?;
-                    Ok(match kept {
-                        Some(b) => mlx_rs::ops::concatenate(&[b, zeros], 2)?,
-                        None => zeros,
-                    })
-                }
-            }
+        let (mut keys, mut values) = match self.layers[layer].take() {
+            Some((bk, bv)) => (grown(bk, prev, end)?, grown(bv, prev, end)?),
+            None => (empty_buffer(&k, end)?, empty_buffer(&v, end)?),
         };
-        let (old_k, old_v) = match self.layers[layer].take() {
-            Some((bk, bv)) => (Some(bk), Some(bv)),
-            None => (None, None),
-        };
-        let mut keys = grow(old_k, &k)?;
-        let mut values = grow(old_v, &v)?;
         keys.try_index_mut((.., .., prev..end, ..), &k)?;
         values.try_index_mut((.., .., prev..end, ..), &v)?;
         let view = (keys.index((.., .., ..end, ..)), values.index((.., .., ..end, ..)));
         self.layers[layer] = Some((keys, values));
         Ok(view)
+    }
+
+    /// Every layer's key and value buffers, in order (k0, v0, k1, ...), taken
+    /// out of the cache; `None` unless every layer has them.
+    pub(crate) fn take_buffers(&mut self) -> Option<Vec<Array>> {
+        if self.layers.iter().any(Option::is_none) {
+            return None;
+        }
+        Some(self.layers.iter_mut().flat_map(|slot| <[Array; 2]>::from(slot.take().unwrap())).collect())
+    }
+
+    /// Puts back buffers from `take_buffers` (or their successors) holding
+    /// `added` more positions.
+    pub(crate) fn put_buffers(&mut self, buffers: Vec<Array>, added: i32) {
+        let mut it = buffers.into_iter();
+        for slot in &mut self.layers {
+            *slot = Some((it.next().expect("a key buffer"), it.next().expect("a value buffer")));
+        }
+        self.offset += added;
     }
 
     /// Bytes the cached keys and values take.
@@ -82,6 +96,28 @@ impl KvCache {
     pub fn arrays(&self) -> Vec<&Array> {
         self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
     }
+}
+
+/// A buffer of `KV_STEP`-rounded capacity for `end` positions shaped like `like`.
+fn empty_buffer(like: &Array, end: i32) -> Result<Array> {
+    let s = like.shape();
+    Ok(mlx_rs::ops::zeros_dtype(&[s[0], s[1], round_up(end), s[3]], like.dtype())?)
+}
+
+fn round_up(end: i32) -> i32 {
+    (end + KV_STEP - 1) / KV_STEP * KV_STEP
+}
+
+/// `buf` (holding `kept` positions) with room for `end`: itself when it is
+/// big enough, else its first `kept` positions followed by zeros.
+fn grown(buf: Array, kept: i32, end: i32) -> Result<Array> {
+    use mlx_rs::ops::indexing::IndexOp;
+    if buf.shape()[2] >= end {
+        return Ok(buf);
+    }
+    let s = buf.shape();
+    let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], round_up(end) - kept, s[3]], buf.dtype())?;
+    Ok(mlx_rs::ops::concatenate(&[buf.index((.., .., ..kept, ..)), zeros], 2)?)
 }
 
 #[derive(Clone)]
@@ -232,6 +268,24 @@ impl Transformer {
     }
 
     fn attention(&self, a: &Attention, x: &Array, cache: &mut KvCache, layer: usize, offset: i32) -> Result<Array> {
+        let l = x.shape()[1];
+        let (q, k, v) = match &self.config.mrope_section {
+            Some(section) => {
+                let (q, k, v) = self.project(a, x, Position::Fixed(offset), false)?;
+                let (cos, sin) = mrope_cos_sin(&self.config, section, cache.mrope.as_ref(), offset, l)?;
+                (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?, v)
+            }
+            None => self.project(a, x, Position::Fixed(offset), true)?,
+        };
+        let (k, v) = cache.update(layer, k, v)?;
+        let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+        let o = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?;
+        self.output(a, o)
+    }
+
+    /// q, k, v `[batch, heads, L, head_dim]` of `x`, with rope applied to q
+    /// and k when `rope` (the multimodal rope is applied by the caller).
+    fn project(&self, a: &Attention, x: &Array, at: Position, rope: bool) -> Result<(Array, Array, Array)> {
         let c = &self.config;
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
@@ -246,26 +300,66 @@ impl Transformer {
         let q = heads(q, c.num_heads, &a.q_norm)?;
         let k = heads(k, c.num_kv_heads, &a.k_norm)?;
         let v = heads(v, c.num_kv_heads, &None)?;
-        let (q, k) = match &c.mrope_section {
-            Some(section) => {
-                let (cos, sin) = mrope_cos_sin(c, section, cache.mrope.as_ref(), offset, l)?;
-                (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?)
-            }
-            None => (self.rope(&q, offset)?, self.rope(&k, offset)?),
-        };
-        let (k, v) = cache.update(layer, k, v)?;
-        let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
-        let o = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?;
+        if !rope {
+            return Ok((q, k, v));
+        }
+        Ok((self.rope(&q, at)?, self.rope(&k, at)?, v))
+    }
+
+    /// Attention output `[batch, heads, L, head_dim]` → `[batch, L, hidden]` through o_proj.
+    fn output(&self, a: &Attention, o: Array) -> Result<Array> {
+        let (b, l) = (o.shape()[0], o.shape()[2]);
         let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         a.o_proj.forward(&o)
     }
 
-    fn rope(&self, x: &Array, offset: i32) -> Result<Array> {
-        let d = self.config.head_dim;
-        Ok(match &self.rope_freqs {
-            Some(freqs) => fast::rope(x, d, false, None, 1.0, offset, freqs)?,
-            None => fast::rope(x, d, false, self.config.rope_theta, 1.0, offset, None)?,
+    fn rope(&self, x: &Array, at: Position) -> Result<Array> {
+        let (d, base, freqs) = match &self.rope_freqs {
+            Some(f) => (self.config.head_dim, None, Some(f)),
+            None => (self.config.head_dim, Some(self.config.rope_theta), None),
+        };
+        Ok(match at {
+            Position::Fixed(offset) => fast::rope(x, d, false, base, 1.0, offset, freqs)?,
+            Position::Dynamic(offset) => fast::rope_dynamic(x, d, false, base, 1.0, offset, freqs)?,
         })
+    }
+
+    /// Whether `decode_graph` can run this model (the multimodal rope needs
+    /// host-computed positions).
+    pub fn has_decode_graph(&self) -> bool {
+        self.config.mrope_section.is_none()
+    }
+
+    /// One decode step as a function of arrays only, so it can be compiled
+    /// once and replayed for every token: `inputs` are the token id `[1, 1]`,
+    /// the position `[1]` (int32) and every layer's key and value buffers
+    /// (`KvCache::take_buffers`, capacity C); outputs are the logits `[vocab]`
+    /// and the buffers with this position written. Positions past the token's
+    /// are masked out, so the shapes are the same at every position below C
+    /// (the graph is traced once per capacity, every `KV_STEP` tokens).
+    pub fn decode_graph(&self, inputs: &[Array]) -> Result<Vec<Array>> {
+        let (ids, offset, buffers) = (&inputs[0], &inputs[1], &inputs[2..]);
+        let capacity = buffers[0].shape()[2];
+        let visible = mlx_rs::ops::arange::<_, i32>(0, capacity, 1)?.le(offset)?;
+        let mut outputs = Vec::with_capacity(inputs.len() - 1);
+        let mut h = self.embed(ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let x = fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?;
+            let (q, k, v) = self.project(&layer.attn, &x, Position::Dynamic(offset), true)?;
+            let keys = slice_update_dynamic(&buffers[2 * i], &k, offset, 2)?;
+            let values = slice_update_dynamic(&buffers[2 * i + 1], &v, offset, 2)?;
+            let mask = ScaledDotProductAttentionMask::Array(&visible);
+            let o = fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask, None)?;
+            let h2 = h.add(&self.output(&layer.attn, o)?)?;
+            let r = self.mlp(
+                &layer.mlp,
+                &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
+            )?;
+            h = h2.add(&r)?;
+            outputs.extend([keys, values]);
+        }
+        outputs.insert(0, self.logits_last(&h)?);
+        Ok(outputs)
     }
 
     fn mlp(&self, m: &Mlp, x: &Array) -> Result<Array> {
@@ -275,14 +369,58 @@ impl Transformer {
     }
 }
 
-/// `silu(gate) * up` as one fused kernel (compiled once, shapeless), as
-/// mlx-lm's `swiglu`: one launch per layer instead of three.
+/// Where new positions start: a number fixed in the graph, or an array so
+/// that one compiled graph serves every position.
+#[derive(Clone, Copy)]
+enum Position<'a> {
+    Fixed(i32),
+    Dynamic(&'a Array),
+}
+
+/// `src` with `update` written at `start` (`[1]`, int32) along `axis`: a
+/// slice update whose position is data, not part of the graph. mlx-rs does
+/// not wrap MLX's `slice_update` with an array start; this calls mlx-c's.
+fn slice_update_dynamic(src: &Array, update: &Array, start: &Array, axis: i32) -> Result<Array> {
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    // SAFETY: every handle passed is a live mlx-c array or stream; `res` is a
+    // fresh handle that mlx-c fills on success and that `Array` then owns.
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        let status = mlx_sys::mlx_slice_update_dynamic(
+            &mut res,
+            src.as_ptr(),
+            update.as_ptr(),
+            start.as_ptr(),
+            &axis,
+            1,
+            stream.as_ptr(),
+        );
+        let out = Array::from_ptr(res);
+        anyhow::ensure!(
+            status == 0,
+            "MLX slice_update_dynamic failed on shapes {:?} <- {:?}",
+            src.shape(),
+            update.shape()
+        );
+        Ok(out)
+    }
+}
+
+/// `silu(gate) * up` as one fused kernel (compiled once per thread,
+/// shapeless), as mlx-lm's `swiglu`: one launch per layer instead of three.
 fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
-    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
-    };
-    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
-    Ok(compiled((gate, up))?)
+    type Swiglu = Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
+    thread_local! {
+        static SWIGLU: std::cell::RefCell<Swiglu> = std::cell::RefCell::new(Box::new(
+            mlx_rs::transforms::compile::compile(
+                |(g, u): (&Array, &Array)| -> std::result::Result<Array, Exception> {
+                    g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
+                },
+                true,
+            ),
+        ));
+    }
+    Ok(SWIGLU.with(|f| (f.borrow_mut())((gate, up)))?)
 }
 
 /// cos/sin `[1, 1, L, head_dim]` of Qwen2-VL's "chunked" multimodal rope, as

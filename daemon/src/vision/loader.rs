@@ -75,6 +75,7 @@ pub fn load_gemma3_dir(
         tokenizer,
         template,
         eos_ids,
+        compiled_decode: Default::default(),
         vision: Some(VisionSpec {
             preprocess_key: preprocess.describe(),
             preprocess: Some(preprocess),
@@ -132,6 +133,7 @@ pub fn load_qwen25_vl_dir(
         tokenizer,
         template,
         eos_ids,
+        compiled_decode: Default::default(),
         vision: Some(VisionSpec {
             preprocess_key: key,
             preprocess: None,

@@ -10,6 +10,9 @@ use mlxbc_client::{Client, GenerateRequest, Response};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// The prompt length warm time to first token is measured at.
+const TTFT_PROMPT_TOKENS: u32 = 50;
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -85,7 +88,9 @@ impl Bench {
         let exe = std::env::current_exe()?;
         let daemon = std::process::Command::new(exe.parent().unwrap().join("mlxbcd"))
             .env("MLXBC_HOME", home.path())
-            .env("MLXBC_LOG", "warn")
+            // MLXBC_BENCH_LOG=info shows the daemon's per-request decode
+            // profile (host time queueing steps vs waiting for tokens).
+            .env("MLXBC_LOG", std::env::var("MLXBC_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
             .env_remove("MLXBC_SOCKET")
             .spawn()
             .context("starting mlxbcd")?;
@@ -158,24 +163,9 @@ async fn main() -> Result<()> {
     }
     let model = PathBuf::from(&args[1]).canonicalize().context("model path")?;
     let (n_prompt, n_decode): (u32, u32) = (args[2].parse()?, args[3].parse()?);
-    let home = tempfile::Builder::new().prefix("mlxbc-bench").tempdir_in("/tmp")?;
-    std::fs::create_dir(home.path().join("models"))?;
-    let name = model.file_name().unwrap().to_string_lossy().to_string();
-    std::os::unix::fs::symlink(&model, home.path().join("models").join(&name))?;
-    let exe = std::env::current_exe()?;
-    let mut daemon = std::process::Command::new(exe.parent().unwrap().join("mlxbcd"))
-        .env("MLXBC_HOME", home.path())
-        .env("MLXBC_LOG", "warn")
-        .env_remove("MLXBC_SOCKET")
-        .spawn()
-        .context("starting mlxbcd")?;
-    let socket = home.path().join("mlxbcd.sock");
-    let mut client = loop {
-        match Client::connect(&socket).await {
-            Ok(c) => break c,
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    };
+    let bench = Bench::start(&model, None)?;
+    let mut client = bench.client().await;
+    let name = bench.name.clone();
     let ask = |content: String, max_tokens: u32| {
         let mut r = GenerateRequest::ask(content);
         r.model = Some(name.clone());
@@ -185,26 +175,29 @@ async fn main() -> Result<()> {
     };
     let short = "What is the capital of France?".to_string();
     let (cold_ms, _) = timed(&mut client, ask(short.clone(), 1)).await?; // loads the model
-    let mut ttft = Vec::new();
-    for _ in 0..5 {
-        ttft.push(timed(&mut client, ask(short.clone(), 1)).await?.0);
-    }
-    // Grow filler text until the templated prompt is n_prompt tokens long.
+                                                                         // Grow filler text until the templated prompt is `n` tokens long.
     let (_, probe) = timed(&mut client, ask(short.clone(), 1)).await?;
     let overhead = probe.prompt_tokens - 7; // the 7 tokens of `short`
-    let mut filler = String::new();
-    let mut words = 0;
-    let long_stats = loop {
-        let (_, s) = timed(&mut client, ask(filler.clone(), 1)).await?;
-        if s.prompt_tokens >= n_prompt {
-            break s;
-        }
-        let missing = n_prompt - s.prompt_tokens.max(overhead);
-        for _ in 0..missing.max(1) {
-            filler.push_str(if words % 2 == 0 { " fox" } else { " dog" });
-            words += 1;
+    let prompt_of = async |n: u32, client: &mut Client| -> Result<(String, mlxbc_client::GenerationStats)> {
+        let mut filler = String::new();
+        let mut words = 0;
+        loop {
+            let (_, s) = timed(client, ask(filler.clone(), 1)).await?;
+            if s.prompt_tokens >= n {
+                return Ok((filler, s));
+            }
+            for _ in 0..(n - s.prompt_tokens.max(overhead)).max(1) {
+                filler.push_str(if words % 2 == 0 { " fox" } else { " dog" });
+                words += 1;
+            }
         }
     };
+    let (ttft_prompt, ttft_stats) = prompt_of(TTFT_PROMPT_TOKENS, &mut client).await?;
+    let mut ttft = Vec::new();
+    for _ in 0..5 {
+        ttft.push(timed(&mut client, ask(ttft_prompt.clone(), 1)).await?.0);
+    }
+    let (filler, long_stats) = prompt_of(n_prompt, &mut client).await?;
     let mut prefill = vec![long_stats.prefill_tokens_per_s];
     for _ in 0..2 {
         prefill.push(timed(&mut client, ask(filler.clone(), 1)).await?.1.prefill_tokens_per_s);
@@ -214,17 +207,18 @@ async fn main() -> Result<()> {
     let out = serde_json::json!({
         "cold_first_request_ms": cold_ms,
         "ttft_ms": median(ttft),
+        "ttft_prompt_tokens": ttft_stats.prompt_tokens,
         "prefill_tps": median(prefill),
         "prompt_tokens": long_stats.prompt_tokens,
         "decode_tps": decode.decode_tokens_per_s,
         "client_decode_tps": client_decode_tps,
         "ipc_overhead_pct": ipc_overhead_pct,
         "decode_tokens": decode.generated_tokens - 1,
-        "peak_rss_bytes": peak_rss(daemon.id()),
+        "peak_rss_bytes": peak_rss(bench.daemon.id()),
         "blas": client.daemon_blas,
     });
-    client.shutdown().await.ok();
-    let _ = daemon.wait();
+    drop(client);
+    bench.stop().await;
     println!("{out}");
     Ok(())
 }

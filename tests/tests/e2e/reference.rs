@@ -23,7 +23,18 @@ fn check_weights(dir: &std::path::Path, golden: &serde_json::Value) {
 }
 
 async fn assert_matches_reference(model: &'static str, path: PathBuf, golden: serde_json::Value) {
-    let d = Daemon::start_with(DaemonOptions { models: vec![(model, path)], args: vec![] });
+    assert_matches_reference_in(model, path, golden, "compiled").await
+}
+
+/// Each golden case through a daemon whose decode steps are built `mode`
+/// (MLXBC_DECODE): the compiled step and the eager one must both give the
+/// reference's ids, including the case whose decode crosses the point where
+/// the KV buffers grow (256 positions).
+async fn assert_matches_reference_in(model: &'static str, path: PathBuf, golden: serde_json::Value, mode: &str) {
+    let opts = DaemonOptions { models: vec![(model, path)], args: vec![] };
+    let mut d = Daemon::prepare(&opts);
+    d.extra_env.push(("MLXBC_DECODE".into(), mode.into()));
+    d.spawn(&opts.args);
     for case in golden["cases"].as_array().unwrap() {
         let messages = case["messages"]
             .as_array()
@@ -41,8 +52,15 @@ async fn assert_matches_reference(model: &'static str, path: PathBuf, golden: se
         let want: Vec<u32> =
             case["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(stats.prompt_tokens as usize, case["prompt_ids"].as_array().unwrap().len());
-        assert_eq!(stats.token_ids, want, "{model}: greedy ids differ from mlx-lm for {}", case["messages"]);
+        assert_eq!(
+            stats.token_ids, want,
+            "{model} ({mode} decode): greedy ids differ from mlx-lm for {}",
+            case["messages"]
+        );
     }
+    // The daemon logs which way each generation's steps were built.
+    let logged = if mode == "eager" { "decode (Eager)" } else { "decode (Compiled)" };
+    assert!(d.log_text().contains(logged), "{model}: no {logged:?} in the daemon log");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -50,6 +68,12 @@ async fn smollm2_gguf_matches_mlx_lm() {
     // The GGUF file and the MLX directory made from it hold the same weights,
     // so both paths must reproduce the same reference ids.
     assert_matches_reference(SMOLLM2, fixture(&format!("models/{SMOLLM2}")), golden("smollm2-mlx")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn smollm2_gguf_eager_decode_matches_mlx_lm() {
+    let golden = golden("smollm2-mlx");
+    assert_matches_reference_in(SMOLLM2, fixture(&format!("models/{SMOLLM2}")), golden, "eager").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
