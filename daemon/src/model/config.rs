@@ -1,8 +1,8 @@
 //! Hyper-parameters of the decoder-only text models we serve, read either from
 //! GGUF metadata or from an HF/MLX `config.json`.
 
+use super::gguf::Gguf;
 use anyhow::{bail, Context, Result};
-use mlx_rs::io::GgufFile;
 use serde::Deserialize;
 
 /// Which transformer variant a checkpoint is. They share one implementation
@@ -135,7 +135,7 @@ impl TextConfig {
     }
 
     /// Reads GGUF metadata (`<arch>.block_count`, ...).
-    pub fn from_gguf(file: &GgufFile, has_output_tensor: bool, vocab_from_tensor: i32) -> Result<Self> {
+    pub fn from_gguf(file: &Gguf, has_output_tensor: bool, vocab_from_tensor: i32) -> Result<Self> {
         let arch_name = gguf_string(file, "general.architecture")?;
         let architecture = Architecture::from_name(&arch_name)?;
         let key = |k: &str| format!("{arch_name}.{k}");
@@ -169,19 +169,11 @@ impl TextConfig {
 }
 
 /// A string metadata value.
-pub fn gguf_string(file: &GgufFile, key: &str) -> Result<String> {
-    file.get_metadata_string(key)
-        .with_context(|| format!("reading GGUF metadata {key}"))?
-        .with_context(|| format!("GGUF metadata {key} is missing"))
+pub fn gguf_string(file: &Gguf, key: &str) -> Result<String> {
+    file.string(key).map(str::to_string).with_context(|| format!("GGUF metadata {key} is missing"))
 }
 
 /// A scalar numeric metadata value, as f64.
-pub fn gguf_number(file: &GgufFile, key: &str) -> Result<f64> {
-    let arr = file
-        .get_metadata_array(key)
-        .with_context(|| format!("reading GGUF metadata {key}"))?
-        .with_context(|| format!("GGUF metadata {key} is missing"))?;
-    // Every hyper-parameter GGUF stores is exact in f32 (integers below 2^24).
-    let arr = arr.as_dtype(mlx_rs::Dtype::Float32)?;
-    Ok(arr.item_cast::<f32>() as f64)
+pub fn gguf_number(file: &Gguf, key: &str) -> Result<f64> {
+    file.number(key).with_context(|| format!("GGUF metadata {key} is missing or not a number"))
 }

@@ -5,6 +5,7 @@ pub mod chat_template;
 pub mod config;
 pub mod decode_step;
 pub mod gemma3_text;
+pub mod gguf;
 pub mod layers;
 pub mod tokenizer;
 pub mod transformer;
@@ -13,7 +14,6 @@ pub mod weights;
 use anyhow::{bail, Context, Result};
 use chat_template::ChatTemplate;
 use config::TextConfig;
-use mlx_rs::io::GgufFile;
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -275,9 +275,9 @@ fn with_gguf_extension(path: &Path) -> Result<std::path::PathBuf> {
 
 fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
     let path = &with_gguf_extension(path)?;
-    let file = GgufFile::load(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
-    let has_output = file.get_array("output.weight")?.is_some();
-    let embd_rows = file.get_array("token_embd.weight")?.map(|a| a.shape()[0]).unwrap_or(0);
+    let file = gguf::Gguf::open(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
+    let has_output = file.has_tensor("output.weight");
+    let embd_rows = file.rows("token_embd.weight").unwrap_or(0) as i32;
     let config = TextConfig::from_gguf(&file, has_output, embd_rows)?;
     let tensors = TensorMap::from_gguf(&file, config.architecture, config.num_heads, config.num_kv_heads, form)?;
     let tokenizer = tokenizer::from_gguf(&file)?;
@@ -285,7 +285,7 @@ fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
     let (bos, eos, eot) =
         (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.eot_token_id"));
     let source =
-        file.get_metadata_string("tokenizer.chat_template")?.unwrap_or_else(|| chat_template::CHATML.to_string());
+        file.string("tokenizer.chat_template").map(str::to_string).unwrap_or_else(|| chat_template::CHATML.to_string());
     let template = ChatTemplate::new(source, token_text(&tokenizer, bos), token_text(&tokenizer, eos))?;
     let eos_ids = [eos, eot].into_iter().flatten().collect();
     let backbone = Backbone::Decoder(Transformer::from_tensors(config, tensors)?);

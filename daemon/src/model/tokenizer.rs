@@ -2,8 +2,8 @@
 //! `tokenizers` crate's JSON form, or read from an HF `tokenizer.json`.
 //! Also the streaming detokenizer that never splits a UTF-8 character.
 
+use super::gguf::Gguf;
 use anyhow::{bail, Context, Result};
-use mlx_rs::io::GgufFile;
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
@@ -35,15 +35,15 @@ fn pre_tokenizer_for(pre: &str) -> Result<Value> {
 }
 
 /// Builds the tokenizer a GGUF file describes (BPE models, `tokenizer.ggml.model = gpt2`).
-pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
+pub fn from_gguf(file: &Gguf) -> Result<Tokenizer> {
     let model = super::config::gguf_string(file, "tokenizer.ggml.model")?;
     if model != "gpt2" {
         bail!("unsupported GGUF tokenizer model {model:?} (supported: gpt2 byte-level BPE)");
     }
-    let tokens = file.get_metadata_strings("tokenizer.ggml.tokens")?.context("GGUF has no tokenizer.ggml.tokens")?;
-    let merges = file.get_metadata_strings("tokenizer.ggml.merges")?.context("GGUF has no tokenizer.ggml.merges")?;
-    let types: Vec<i32> = match file.get_metadata_array("tokenizer.ggml.token_type")? {
-        Some(a) => a.as_dtype(mlx_rs::Dtype::Int32)?.as_slice::<i32>().to_vec(),
+    let tokens = file.strings("tokenizer.ggml.tokens").context("GGUF has no tokenizer.ggml.tokens")?;
+    let merges = file.strings("tokenizer.ggml.merges").context("GGUF has no tokenizer.ggml.merges")?;
+    let types: Vec<i32> = match file.ints("tokenizer.ggml.token_type") {
+        Some(t) => t.into_iter().map(|t| t as i32).collect(),
         None => vec![1; tokens.len()],
     };
     let pre = super::config::gguf_string(file, "tokenizer.ggml.pre").unwrap_or_else(|_| "default".into());

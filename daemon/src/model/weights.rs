@@ -3,9 +3,10 @@
 //! compute form chosen for the device ([`WeightForm`]).
 
 use super::config::Architecture;
+use super::gguf::Gguf;
 use super::layers::{Embedding, Linear, Quantized};
 use anyhow::{bail, Context, Result};
-use mlx_rs::{io::GgufFile, Array, Dtype};
+use mlx_rs::{Array, Dtype};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -50,25 +51,21 @@ impl TensorMap {
     /// Tensors from a GGUF file, renamed to HF names. llama.cpp permutes the
     /// rows of Llama's q/k projections for its interleaved rope; that is
     /// undone here so one rope layout serves both formats.
-    pub fn from_gguf(
-        file: &GgufFile,
-        arch: Architecture,
-        n_heads: i32,
-        n_kv_heads: i32,
-        form: WeightForm,
-    ) -> Result<Self> {
+    pub fn from_gguf(file: &Gguf, arch: Architecture, n_heads: i32, n_kv_heads: i32, form: WeightForm) -> Result<Self> {
         let mut tensors = HashMap::new();
-        for (name, array) in file.arrays().context("reading GGUF tensors")? {
-            let (module, suffix) = name.rsplit_once('.').with_context(|| format!("odd GGUF tensor name {name}"))?;
-            let hf = gguf_to_hf_name(module).with_context(|| format!("unknown GGUF tensor {name}"))?;
-            let array = match (arch, module.rsplit('.').next()) {
-                (Architecture::Llama, Some("attn_q")) => unpermute_rows(&array, n_heads)?,
-                (Architecture::Llama, Some("attn_k")) => unpermute_rows(&array, n_kv_heads)?,
-                _ => array,
-            };
-            tensors.insert(format!("{hf}.{suffix}"), array);
+        for converted in file.tensors() {
+            let (module, parts) = converted?;
+            let hf = gguf_to_hf_name(&module).with_context(|| format!("unknown GGUF tensor {module}"))?;
+            for (suffix, array) in parts {
+                let array = match (arch, module.rsplit('.').next()) {
+                    (Architecture::Llama, Some("attn_q")) => unpermute_rows(&array, n_heads)?,
+                    (Architecture::Llama, Some("attn_k")) => unpermute_rows(&array, n_kv_heads)?,
+                    _ => array,
+                };
+                tensors.insert(format!("{hf}.{suffix}"), array);
+            }
         }
-        // Every GGUF block type MLX maps to affine quantization uses groups of 32.
+        // Every GGUF block type that maps to affine quantization uses groups of 32.
         Ok(Self { tensors, default_group: 32, group_overrides: HashMap::new(), form })
     }
 
