@@ -1,5 +1,5 @@
-//! Where the binaries find libmlx at run time, and which BLAS MLX's CPU
-//! matmuls land in.
+// Where the binaries find libmlx at run time, and which BLAS MLX's CPU
+// matmuls land in.
 fn main() {
     let libdir = std::env::var("DEP_MLX_LIBDIR").expect("mlx-sys must publish libdir");
     // First ./mlx/lib next to the executable (the shipped bundle), then the

@@ -7,7 +7,9 @@ load; see README "Compute dtype"), so the reference does the same: mlx-lm's
 own `dequantize_model` on the loaded model. Output is committed under
 tests/fixtures/reference/ so that tests need no Python.
 
-Usage: mlx_lm_reference.py FIXTURES_DIR OUT_DIR
+Usage: mlx_lm_reference.py FIXTURES_DIR OUT_DIR [NAME=MODEL_DIR=SOURCE_SHA256 ...]
+The extra models are directories mlxbc-gguf-to-mlx wrote from a GGUF file
+(float32), identified by the GGUF's sha256.
 """
 import json
 import sys
@@ -69,6 +71,13 @@ def main():
         result = {"model": name, "weights_sha256": hashes[name],
                   "reference": f"mlx-lm {mlx_lm.__version__}, mlx {mx.__version__}, dense f32, CPU",
                   "cases": reference(fixtures / name)}
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    for extra in sys.argv[3:]:
+        name, model_dir, sha = extra.split("=")
+        result = {"model": name, "source_gguf_sha256": sha,
+                  "reference": f"mlx-lm {mlx_lm.__version__}, mlx {mx.__version__}, dense f32, CPU, "
+                               "on the directory mlxbc-gguf-to-mlx wrote from the GGUF",
+                  "cases": reference(Path(model_dir))}
         (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

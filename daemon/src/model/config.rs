@@ -134,6 +134,33 @@ impl TextConfig {
         })
     }
 
+    /// The HF `config.json` that `from_hf_json` reads back as this config
+    /// (mlx-lm reads it too).
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "model_type": self.architecture.name(),
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.context_length,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        });
+        if let Some(s) = &self.rope_scaling {
+            v["rope_scaling"] = serde_json::json!({
+                "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            });
+        }
+        v
+    }
+
     /// Reads GGUF metadata (`<arch>.block_count`, ...).
     pub fn from_gguf(file: &Gguf, has_output_tensor: bool, vocab_from_tensor: i32) -> Result<Self> {
         let arch_name = gguf_string(file, "general.architecture")?;

@@ -4,6 +4,7 @@
 pub mod chat_template;
 pub mod config;
 pub mod decode_step;
+pub mod export;
 pub mod gemma3_text;
 pub mod gguf;
 pub mod layers;
@@ -252,29 +253,12 @@ impl TextModel {
     }
 }
 
-fn token_text(tokenizer: &Tokenizer, id: Option<u32>) -> String {
+pub(crate) fn token_text(tokenizer: &Tokenizer, id: Option<u32>) -> String {
     id.and_then(|id| tokenizer.id_to_token(id)).unwrap_or_default()
 }
 
-/// MLX opens GGUF files only by a `.gguf` name; stores such as ollama's keep
-/// them as content-addressed blobs. Those get a `.gguf` symlink in a private
-/// per-user directory.
-fn with_gguf_extension(path: &Path) -> Result<std::path::PathBuf> {
-    if path.extension().is_some_and(|e| e == "gguf") {
-        return Ok(path.to_path_buf());
-    }
-    // SAFETY: getuid cannot fail.
-    let dir = std::env::temp_dir().join(format!("mlxbc-gguf-links-{}", unsafe { libc::getuid() }));
-    mlxbc_shared::paths::create_private_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let link = dir.join(format!("{name}.gguf"));
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(path, &link).with_context(|| format!("linking {}", link.display()))?;
-    Ok(link)
-}
-
+/// Loads a GGUF file (any name: ollama keeps them as content-addressed blobs).
 fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
-    let path = &with_gguf_extension(path)?;
     let file = gguf::Gguf::open(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
     let has_output = file.has_tensor("output.weight");
     let embd_rows = file.rows("token_embd.weight").unwrap_or(0) as i32;

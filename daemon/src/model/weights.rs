@@ -48,23 +48,9 @@ pub struct TensorMap {
 }
 
 impl TensorMap {
-    /// Tensors from a GGUF file, renamed to HF names. llama.cpp permutes the
-    /// rows of Llama's q/k projections for its interleaved rope; that is
-    /// undone here so one rope layout serves both formats.
+    /// Tensors from a GGUF file under HF names (see [`gguf_tensors`]).
     pub fn from_gguf(file: &Gguf, arch: Architecture, n_heads: i32, n_kv_heads: i32, form: WeightForm) -> Result<Self> {
-        let mut tensors = HashMap::new();
-        for converted in file.tensors() {
-            let (module, parts) = converted?;
-            let hf = gguf_to_hf_name(&module).with_context(|| format!("unknown GGUF tensor {module}"))?;
-            for (suffix, array) in parts {
-                let array = match (arch, module.rsplit('.').next()) {
-                    (Architecture::Llama, Some("attn_q")) => unpermute_rows(&array, n_heads)?,
-                    (Architecture::Llama, Some("attn_k")) => unpermute_rows(&array, n_kv_heads)?,
-                    _ => array,
-                };
-                tensors.insert(format!("{hf}.{suffix}"), array);
-            }
-        }
+        let tensors = gguf_tensors(file, arch, n_heads, n_kv_heads)?;
         // Every GGUF block type that maps to affine quantization uses groups of 32.
         Ok(Self { tensors, default_group: 32, group_overrides: HashMap::new(), form })
     }
@@ -185,6 +171,27 @@ impl TensorMap {
     pub fn rows(&self, name: &str) -> Option<i32> {
         self.tensors.get(name).map(|a| a.shape()[0])
     }
+}
+
+/// A GGUF file's tensors converted for MLX ([`Gguf::tensors`]) under HF
+/// names (`model.layers.0.self_attn.q_proj.scales`). llama.cpp permutes the
+/// rows of Llama's q/k projections for its interleaved rope; that is undone
+/// here so one rope layout serves both formats.
+pub fn gguf_tensors(file: &Gguf, arch: Architecture, n_heads: i32, n_kv_heads: i32) -> Result<HashMap<String, Array>> {
+    let mut tensors = HashMap::new();
+    for converted in file.tensors() {
+        let (module, parts) = converted?;
+        let hf = gguf_to_hf_name(&module).with_context(|| format!("unknown GGUF tensor {module}"))?;
+        for (suffix, array) in parts {
+            let array = match (arch, module.rsplit('.').next()) {
+                (Architecture::Llama, Some("attn_q")) => unpermute_rows(&array, n_heads)?,
+                (Architecture::Llama, Some("attn_k")) => unpermute_rows(&array, n_kv_heads)?,
+                _ => array,
+            };
+            tensors.insert(format!("{hf}.{suffix}"), array);
+        }
+    }
+    Ok(tensors)
 }
 
 /// `blk.3.attn_q` → `model.layers.3.self_attn.q_proj`.

@@ -100,6 +100,30 @@ async fn tiny_qwen3_matches_mlx_lm() {
     assert_matches_reference("tiny-qwen3", dir, g).await;
 }
 
+const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+/// Real Qwen2.5-Coder-0.5B weights in a Q4_K_M GGUF (Q5_0, Q4_K, Q6_K and
+/// Q8_0 blocks, which MLX's own GGUF loader cannot read) through the daemon's
+/// reader: greedy ids equal mlx-lm's on the directory mlxbc-gguf-to-mlx wrote
+/// from the same file (scripts/reference/mlx_lm_reference.py).
+#[tokio::test(flavor = "multi_thread")]
+async fn qwen25_q4_k_m_gguf_matches_mlx_lm() {
+    let g = golden("qwen25-0.5b");
+    let gguf = fixture(&format!("models/{QWEN25}"));
+    assert_matches_reference(QWEN25, gguf, g).await;
+}
+
+/// The exporter's directory, served by the daemon, gives the same ids: what
+/// mlx-lm ran is what the daemon computes with.
+#[tokio::test(flavor = "multi_thread")]
+async fn qwen25_exported_directory_matches_mlx_lm() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("qwen25-mlx");
+    mlxbc_daemon::model::export::gguf_to_mlx_dir(&fixture(&format!("models/{QWEN25}")), &dir, mlx_rs::Dtype::Float32)
+        .unwrap();
+    assert_matches_reference("qwen25-mlx", dir, golden("qwen25-0.5b")).await;
+}
+
 /// Qwen2.5-VL through the real daemon — image bytes over the socket, the
 /// daemon's processor, tower, splice and multimodal positions — against
 /// `mlx_vlm.generate` on the same fixture directory and image
