@@ -18,6 +18,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import dequantize_model
 
 
+TTFT_PROMPT_TOKENS = 50  # as mlxbc-bench
+
+
 def main():
     model_dir, n_prompt, n_decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     form = sys.argv[4] if len(sys.argv) > 4 else "dense"
@@ -27,9 +30,10 @@ def main():
         mx.eval(model.parameters())
     short = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                           add_generation_prompt=True)
-    # a prompt of exactly n_prompt tokens, as mlxbc-bench builds it
+    # prompts of exactly n tokens, as mlxbc-bench builds them
     filler = tokenizer.encode(" the quick brown fox jumps over the lazy dog" * 200)
-    long = (short[:-5] + filler)[: n_prompt - 5] + short[-5:]
+    sized = lambda n: (short[:-5] + filler)[: n - 5] + short[-5:]
+    long, ttft_prompt = sized(n_prompt), sized(TTFT_PROMPT_TOKENS)
 
     def first_token_s(prompt):
         t = time.perf_counter()
@@ -37,8 +41,8 @@ def main():
         int(tok)
         return time.perf_counter() - t
 
-    first_token_s(short)  # warm-up
-    ttft = statistics.median(first_token_s(short) for _ in range(5))
+    first_token_s(ttft_prompt)  # warm-up
+    ttft = statistics.median(first_token_s(ttft_prompt) for _ in range(5))
     # Packed 4-bit prefill runs at ~10 tok/s on CPU: one run is enough to see
     # it there. On a GPU the first run at a new shape compiles kernels: warm up.
     on_gpu = mx.default_device() == mx.gpu
@@ -56,7 +60,8 @@ def main():
         n += 1
     decode = n / (time.perf_counter() - t)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"ttft_ms": ttft * 1000, "prefill_tps": prefill, "prompt_tokens": len(long),
+    print(json.dumps({"ttft_ms": ttft * 1000, "ttft_prompt_tokens": len(ttft_prompt), "prefill_tps": prefill,
+                      "prompt_tokens": len(long), "device": str(mx.default_device()),
                       "decode_tps": decode, "decode_tokens": n, "peak_rss_bytes": peak_rss,
                       "mlx_peak_bytes": mx.get_peak_memory()}))
 

@@ -204,6 +204,7 @@ async fn main() -> Result<()> {
     }
     let (decode, client_decode_tps) = timed_decode(&mut client, ask(short.clone(), n_decode + 1)).await?;
     let ipc_overhead_pct = (decode.decode_tokens_per_s / client_decode_tps - 1.0) * 100.0;
+    let status = client.status().await?;
     let out = serde_json::json!({
         "cold_first_request_ms": cold_ms,
         "ttft_ms": median(ttft),
@@ -216,6 +217,9 @@ async fn main() -> Result<()> {
         "decode_tokens": decode.generated_tokens - 1,
         "peak_rss_bytes": peak_rss(bench.daemon.id()),
         "blas": client.daemon_blas,
+        "device": status.device,
+        "mlx_peak_bytes": status.mlx_peak_bytes,
+        "model_bytes": status.loaded.iter().map(|m| m.memory_bytes).sum::<u64>(),
     });
     drop(client);
     bench.stop().await;
