@@ -80,8 +80,20 @@ def run_json(cmd, env=None, timeout=1800):
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode != 0 or not lines:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"{last} ({pathlib.Path(str(cmd[1])).name} exited {out.returncode})")
-    return json.loads(lines[-1])
+        prog = next((pathlib.Path(str(c)).name for c in cmd if str(c).endswith((".py", "bench"))), str(cmd[0]))
+        raise RuntimeError(f"{last} ({prog} exited {out.returncode})")
+    result = json.loads(lines[-1])
+    # The daemon's profile of its longest decode (MLXBC_BENCH_LOG=info):
+    # host time queueing steps vs waiting for tokens.
+    profiles = [l[l.index("decode ("):] for l in out.stderr.splitlines() if "decode (" in l]
+    if profiles:
+        result["decode_profile"] = max(profiles, key=lambda l: int(l.split("): ")[1].split(" steps")[0]))
+    return result
+
+
+def mlxbcd(bench, path, n_prompt, n_decode, mode):
+    env = dict(os.environ, MLXBC_BENCH_LOG="info", MLXBC_DECODE=mode)
+    return run_json([bench, path, str(n_prompt), str(n_decode)], env=env)
 
 
 def llama_cpp(binary, gguf, n_prompt, n_decode):
@@ -104,6 +116,7 @@ def main():
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--json")
+    p.add_argument("--eager-row", action="store_true", help="also mlxbcd with MLXBC_DECODE=eager")
     p.add_argument("models", nargs="+")
     a = p.parse_args()
     on_gpu = mx.default_device() == mx.gpu
@@ -124,8 +137,10 @@ def main():
                 subprocess.run([a.export, path, mlx_dir, "float16" if on_gpu else "float32"], check=True)
         else:
             mlx_dir = path
-        engines = [("mlxbcd" + (" (GGUF)" if path.suffix == ".gguf" else ""),
-                    lambda: run_json([a.bench, path, str(a.prompt), str(a.decode)]))]
+        label = "mlxbcd" + (" (GGUF)" if path.suffix == ".gguf" else "")
+        engines = [(label, lambda: mlxbcd(a.bench, path, a.prompt, a.decode, "compiled"))]
+        if a.eager_row:
+            engines.append((label + ", eager step", lambda: mlxbcd(a.bench, path, a.prompt, a.decode, "eager")))
         reference = [sys.executable, HERE / "mlx_lm_bench.py", mlx_dir, str(a.prompt), str(a.decode)]
         if not on_gpu:
             engines.append(("mlx-lm, dense f32 (mlxbcd's CPU form)", lambda: run_json(reference + ["dense"])))
@@ -139,7 +154,7 @@ def main():
         print("| engine | run | TTFT, 50-token prompt (ms) | prefill tok/s | decode tok/s | ms/token | "
               "x floor | IPC overhead | peak memory (MiB) |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        decode = {}
+        decode, profiles = {}, []
         for label, measure in engines:
             for run in range(1, a.runs + 1):
                 try:
@@ -155,9 +170,15 @@ def main():
                 mem = f"{peak / 2**20:.0f}" if peak else ""
                 print(f"| {label} | {run} | {ttft} | {r['prefill_tps']:,.0f} | {r['decode_tps']:.1f} | {ms:.2f} | "
                       f"{ms / floor_ms:.1f} | {ipc} | {mem} |", flush=True)
+                if "decode_profile" in r:
+                    profiles.append(f"{label}, run {run}: {r['decode_profile']}")
                 if log:
                     log.write(json.dumps({"model": name, "device": device, "engine": label, "run": run,
                                           "floor_ms": floor_ms, **r}) + "\n")
+        if profiles:
+            print("\nmlxbcd's host time per decoded token (its log):")
+            for line in profiles:
+                print(f"  {line}")
         ours = [v for k, v in decode.items() if k.startswith("mlxbcd")]
         theirs = [v for k, v in decode.items() if k.startswith("mlx-lm, packed")]
         if ours and theirs:
