@@ -28,6 +28,8 @@ pub struct GenerationContext<'a> {
     pub model_name: &'a str,
     pub load_ms: f64,
     pub prefill_chunk: usize,
+    /// The engine computes on a GPU (decides how decode steps are built).
+    pub on_gpu: bool,
     pub received: Instant,
     pub store: Option<&'a mut FeatureStore>,
     pub prefixes: &'a mut PrefixCache,
@@ -185,7 +187,7 @@ pub fn run(
     let h = model.backbone.hidden(&last_embed, &mut cache).map_err(inference)?;
     let mut next = sampler.pick(&model.backbone.logits_last(&h).map_err(inference)?).map_err(inference)?;
     async_eval([&next]).map_err(inference)?;
-    let mode = DecodeMode::from_env();
+    let mode = model.decode_mode(DecodeMode::for_device(ctx.on_gpu));
     // Host time per token: building and queueing a step, and waiting for a
     // token to come back; which one dominates says what bounds decode.
     let (mut queue_s, mut wait_s) = (0.0f64, 0.0f64);

@@ -158,6 +158,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         device: device_name.to_string(),
     };
     let form = WeightForm::for_device(&device);
+    let on_gpu = device_name == "gpu";
     let (snapshot, queued, served, cancelled, stopping) = (
         handle.snapshot.clone(),
         handle.queued.clone(),
@@ -196,6 +197,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
             low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
             sessions: sessions::SessionStore::new(&sessions_dir(&settings)),
             form,
+            on_gpu,
             prefill_chunk: settings.prefill_chunk,
             snapshot,
             queued,
@@ -242,6 +244,8 @@ struct Engine {
     low_memory_bytes: u64,
     sessions: sessions::SessionStore,
     form: WeightForm,
+    /// Computing on a GPU (how decode steps are built depends on it).
+    on_gpu: bool,
     prefill_chunk: usize,
     snapshot: Arc<Mutex<EngineSnapshot>>,
     queued: Arc<AtomicU32>,
@@ -323,6 +327,7 @@ impl Engine {
                             model_name: &name,
                             load_ms,
                             prefill_chunk: self.prefill_chunk,
+                            on_gpu: self.on_gpu,
                             received,
                             store: self.store.as_mut(),
                             prefixes: &mut self.prefixes,

@@ -89,8 +89,17 @@ pub enum FusedLinear {
 }
 
 impl FusedLinear {
-    /// Fuses `parts` when they are all dense or all quantized alike.
+    /// Fuses `parts` when they are all dense alike (`MLXBC_FUSE=0` keeps
+    /// them separate). Quantized parts stay separate: on MLX 0.32.2's CUDA
+    /// backend the concatenated packed matrix gives wrong answers (measured on
+    /// an H200: SmolLM2 answered nonsense fused, "Paris" separate), while on
+    /// CPU it is exact; `MLXBC_FUSE=quantized` fuses them anyway, for testing.
     pub fn new(parts: Vec<Linear>) -> Result<Self> {
+        let setting = std::env::var("MLXBC_FUSE");
+        let quantized = parts.iter().any(|p| matches!(p, Linear::Quantized { .. }));
+        if setting.as_deref() == Ok("0") || (quantized && setting.as_deref() != Ok("quantized")) {
+            return Ok(FusedLinear::Separate(parts));
+        }
         let sizes: Vec<i32> = parts.iter().map(Linear::out_features).collect();
         let splits = sizes
             .iter()

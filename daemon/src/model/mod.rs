@@ -182,9 +182,17 @@ impl TextModel {
         Self { backbone, tokenizer, template, eos_ids, vision, compiled_decode: RefCell::new(None) }
     }
 
+    /// How this model's decode steps are built when `wanted`: compiled only
+    /// for text decoders (VLM backbones build theirs op by op).
+    pub fn decode_mode(&self, wanted: decode_step::DecodeMode) -> decode_step::DecodeMode {
+        match &self.backbone {
+            Backbone::Decoder(t) if t.has_decode_graph() => wanted,
+            _ => decode_step::DecodeMode::Eager,
+        }
+    }
+
     /// Logits `[vocab]` after decoding token `ids` (`[1, 1]`) at the next
-    /// position of `cache`, lazily. Compiled for text decoders unless `mode`
-    /// says eager; built op by op otherwise.
+    /// position of `cache`, lazily, built as `decode_mode(mode)` says.
     pub fn decode_logits(
         &self,
         ids: &mlx_rs::Array,
@@ -192,7 +200,7 @@ impl TextModel {
         mode: decode_step::DecodeMode,
     ) -> Result<mlx_rs::Array> {
         match &self.backbone {
-            Backbone::Decoder(t) if mode == decode_step::DecodeMode::Compiled && t.has_decode_graph() => {
+            Backbone::Decoder(t) if self.decode_mode(mode) == decode_step::DecodeMode::Compiled => {
                 let mut slot = self.compiled_decode.borrow_mut();
                 slot.get_or_insert_with(|| decode_step::CompiledDecode::new(t)).step(ids, cache)
             }

@@ -22,10 +22,13 @@ pub enum WeightForm {
 }
 
 impl WeightForm {
-    /// The fastest form for the default device.
+    /// The fastest form for the default device; `MLXBC_WEIGHTS=dense|packed`
+    /// overrides it (packed on a CPU runs the GPU's arithmetic, slowly: tests).
     pub fn for_device(device: &mlx_rs::Device) -> Self {
-        match device.get_type() {
-            Ok(mlx_rs::DeviceType::Gpu) => WeightForm::Packed(Dtype::Float16),
+        match (std::env::var("MLXBC_WEIGHTS").as_deref(), device.get_type()) {
+            (Ok("packed"), _) => WeightForm::Packed(Dtype::Float16),
+            (Ok("dense"), _) => WeightForm::DenseF32,
+            (_, Ok(mlx_rs::DeviceType::Gpu)) => WeightForm::Packed(Dtype::Float16),
             _ => WeightForm::DenseF32,
         }
     }
