@@ -12,11 +12,11 @@ SP=$($PY -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
 mkdir -p /tmp/stage; [[ -d .dev/gpub/c$step ]] && cp -r ".dev/gpub/c$step/." /tmp/stage/
 B=$(ls -d /tmp/mlxbc-*-cuda13 2>/dev/null)
 repo=$PWD
-bench() { # models...
+bench() { # models... (BENCH_FLAGS: more text_bench.py flags, e.g. --eager-row)
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
   export LD_LIBRARY_PATH=$(ls -d "$SP"/nvidia/*/lib | tr '\n' ':')
   timeout 560 $PY $repo/scripts/bench.d/text_bench.py --bench "$B/bin/mlxbc-bench" --export "$B/bin/mlxbc-gguf-to-mlx" \
-    --work /tmp/bench-models --prompt 512 --decode 256 --runs 2 --eager-row --json $OUT/bench.jsonl "$@" 2>&1 | tee -a $OUT/bench.md
+    --work /tmp/bench-models --prompt 512 --decode 256 --runs 2 ${BENCH_FLAGS:-} --json $OUT/bench.jsonl "$@" 2>&1 | tee -a $OUT/bench.md
 }
 case $step in
 1|2) echo "STEP${step}_DONE" ;;

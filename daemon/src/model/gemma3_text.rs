@@ -5,7 +5,7 @@
 //! every `sliding_window_pattern`-th global layer.
 
 use super::layers::{Embedding, Linear};
-use super::transformer::KvCache;
+use super::transformer::{from_heads, to_heads, KvCache};
 use super::weights::TensorMap;
 use anyhow::Result;
 use mlx_rs::{
@@ -188,12 +188,11 @@ impl Gemma3Text {
         for (i, b) in self.blocks.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&b.input_norm), c.rms_norm_eps)?;
             let split = |y: Array, n: i32, w: &Array| -> Result<Array> {
-                let y = y.reshape(&[1, l, n, -1])?.transpose_axes(&[0, 2, 1, 3])?;
-                Ok(fast::rms_norm(&y, Some(w), c.rms_norm_eps)?)
+                Ok(fast::rms_norm(to_heads(&y, 1, l, n)?, Some(w), c.rms_norm_eps)?)
             };
             let q = split(b.q.forward(&x)?, c.num_attention_heads, &b.q_norm)?;
             let k = split(b.k.forward(&x)?, c.num_key_value_heads, &b.k_norm)?;
-            let v = b.v.forward(&x)?.reshape(&[1, l, c.num_key_value_heads, -1])?.transpose_axes(&[0, 2, 1, 3])?;
+            let v = to_heads(&b.v.forward(&x)?, 1, l, c.num_key_value_heads)?;
             let (base, scale) = if b.sliding {
                 (c.rope_local_base_freq, 1.0)
             } else {
@@ -203,7 +202,7 @@ impl Gemma3Text {
             let k = fast::rope(&k, c.head_dim, false, base, scale, offset, None)?;
             let (k, v) = cache.update(i, k, v)?;
             let o = self.attend(&q, k, v, b.sliding, offset, blocks)?;
-            let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, l, -1])?;
+            let o = from_heads(&o)?;
             let r = fast::rms_norm(b.o.forward(&o)?, Some(&b.post_attn_norm), c.rms_norm_eps)?;
             let h2 = h.add(&r)?;
             let x = fast::rms_norm(&h2, Some(&b.pre_ff_norm), c.rms_norm_eps)?;
