@@ -91,8 +91,11 @@ def run_json(cmd, env=None, timeout=1800):
     return result
 
 
-def mlxbcd(bench, path, n_prompt, n_decode, mode):
-    env = dict(os.environ, MLXBC_BENCH_LOG="info", MLXBC_DECODE=mode)
+def mlxbcd(bench, path, n_prompt, n_decode, mode=None):
+    """mlxbc-bench on `path`; `mode` sets MLXBC_DECODE (else the daemon's default for the device)."""
+    env = dict(os.environ, MLXBC_BENCH_LOG="info")
+    if mode:
+        env["MLXBC_DECODE"] = mode
     return run_json([bench, path, str(n_prompt), str(n_decode)], env=env)
 
 
@@ -116,7 +119,8 @@ def main():
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--json")
-    p.add_argument("--eager-row", action="store_true", help="also mlxbcd with MLXBC_DECODE=eager")
+    p.add_argument("--step-rows", action="store_true",
+                   help="also mlxbcd with each decode step forced (MLXBC_DECODE=compiled, =eager)")
     p.add_argument("models", nargs="+")
     a = p.parse_args()
     on_gpu = mx.default_device() == mx.gpu
@@ -138,8 +142,9 @@ def main():
         else:
             mlx_dir = path
         label = "mlxbcd" + (" (GGUF)" if path.suffix == ".gguf" else "")
-        engines = [(label, lambda: mlxbcd(a.bench, path, a.prompt, a.decode, "compiled"))]
-        if a.eager_row:
+        engines = [(label, lambda: mlxbcd(a.bench, path, a.prompt, a.decode))]
+        if a.step_rows:
+            engines.append((label + ", compiled step", lambda: mlxbcd(a.bench, path, a.prompt, a.decode, "compiled")))
             engines.append((label + ", eager step", lambda: mlxbcd(a.bench, path, a.prompt, a.decode, "eager")))
         reference = [sys.executable, HERE / "mlx_lm_bench.py", mlx_dir, str(a.prompt), str(a.decode)]
         if not on_gpu:

@@ -12,7 +12,7 @@ SP=$($PY -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
 mkdir -p /tmp/stage; [[ -d .dev/gpub/c$step ]] && cp -r ".dev/gpub/c$step/." /tmp/stage/
 B=$(ls -d /tmp/mlxbc-*-cuda13 2>/dev/null)
 repo=$PWD
-bench() { # models... (BENCH_FLAGS: more text_bench.py flags, e.g. --eager-row)
+bench() { # models... (BENCH_FLAGS: more text_bench.py flags, e.g. --step-rows)
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
   export LD_LIBRARY_PATH=$(ls -d "$SP"/nvidia/*/lib | tr '\n' ':')
   timeout 560 $PY $repo/scripts/bench.d/text_bench.py --bench "$B/bin/mlxbc-bench" --export "$B/bin/mlxbc-gguf-to-mlx" \
