@@ -29,7 +29,7 @@ const CORPUS: &[&str] = &[
 
 #[test]
 fn gguf_tokenizer_matches_the_hf_reference_on_a_varied_corpus() {
-    let file = mlx_rs::io::GgufFile::load(smollm2_gguf()).unwrap();
+    let file = mlxbc_daemon::model::gguf::Gguf::open(&smollm2_gguf()).unwrap();
     let ours = tokenizer::from_gguf(&file).unwrap();
     let reference =
         tokenizer::from_file(&workspace().join("tests/fixtures/tokenizers/smollm2-135m-instruct/tokenizer.json"))
@@ -44,7 +44,7 @@ fn gguf_tokenizer_matches_the_hf_reference_on_a_varied_corpus() {
 
 #[test]
 fn stream_decoder_never_splits_a_character() {
-    let file = mlx_rs::io::GgufFile::load(smollm2_gguf()).unwrap();
+    let file = mlxbc_daemon::model::gguf::Gguf::open(&smollm2_gguf()).unwrap();
     let tok = tokenizer::from_gguf(&file).unwrap();
     let text = "東京 🦀 déjà";
     let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
