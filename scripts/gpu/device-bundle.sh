@@ -51,12 +51,12 @@ case $step in
   bench "tiny Qwen3 (f32)=/tmp/models/tiny/tiny-qwen3" "tiny Gemma 3 VLM, text only (4-bit)=/tmp/models/tiny/tiny-gemma3-vlm-4bit"
   echo STEP6_DONE ;;
 esac
-# diag: which of the fused projections, the compiled swiglu and the compiled
-# decode step changes the answer on this device (same prompt, greedy).
+# diag: whether the fused projections (MLXBC_FUSE) or the decode step
+# (MLXBC_DECODE) change the answer on this device (same prompt, greedy).
 if [[ $step == diag ]]; then
   export MLXBC_HOME=/tmp/mlxbc-home; mkdir -p $MLXBC_HOME/models
   ln -sf /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf $MLXBC_HOME/models/
-  for env in "" "MLXBC_FUSE=0" "MLXBC_SWIGLU=plain" "MLXBC_DECODE=eager" "MLXBC_FUSE=0 MLXBC_SWIGLU=plain MLXBC_DECODE=eager"; do
+  for env in "" "MLXBC_FUSE=0" "MLXBC_DECODE=eager" "MLXBC_DECODE=compiled"; do
     echo "=== ${env:-defaults}"
     env $env timeout 200 "$B/bin/mlxbc" ask -v -n 12 "What is the capital of France?" 2>&1 | tail -2
     "$B/bin/mlxbc" stop >/dev/null 2>&1; sleep 1

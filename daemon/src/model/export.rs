@@ -30,7 +30,8 @@ pub fn gguf_to_mlx_dir(gguf: &Path, out: &Path, dtype: Dtype) -> Result<()> {
     for (name, w) in &tensors {
         if let Some(module) = name.strip_suffix(".scales") {
             let packed = tensors[&format!("{module}.weight")].shape()[1];
-            bits.insert(module.to_string(), packed * 32 / (w.shape()[1] * 32));
+            // Groups of 32: 32 * bits / 32 packed words per group.
+            bits.insert(module.to_string(), packed / w.shape()[1]);
         }
     }
     let mut counts: BTreeMap<i32, usize> = BTreeMap::new();

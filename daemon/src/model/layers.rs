@@ -56,14 +56,6 @@ impl Linear {
         }
     }
 
-    /// Output features.
-    fn out_features(&self) -> i32 {
-        match self {
-            Linear::Dense { weight, .. } => weight.shape()[0],
-            Linear::Quantized { q, .. } => q.weight.shape()[0],
-        }
-    }
-
     /// Bytes the weights occupy.
     pub fn nbytes(&self) -> usize {
         match self {
@@ -76,88 +68,50 @@ impl Linear {
 }
 
 /// Projections of the same input (q/k/v, or gate/up), stored as one matrix
-/// when their weights share a form so that one matmul computes them all:
+/// when their weights are dense alike, so that one matmul computes them all:
 /// each output feature is the same dot product as in its own matrix, so the
-/// results are the separate projections' exactly, for fewer kernel launches
-/// (what bounds small-model decode on a GPU).
+/// results are the separate projections' exactly, for fewer operations.
+/// Quantized parts stay separate: on MLX 0.32.2's CUDA backend the
+/// concatenated packed matrix gave wrong answers (an H200: SmolLM2 answered
+/// nonsense fused, "Paris" separate), though it was exact on CPU.
 #[derive(Debug, Clone)]
 pub enum FusedLinear {
     /// One matrix; `splits` are the output offsets where the parts begin (after the first).
     Fused { linear: Linear, splits: Vec<i32> },
-    /// Forms differ (GGUF files mix quantization types per tensor): one matmul each.
+    /// Quantized, or forms that differ: one matmul each.
     Separate(Vec<Linear>),
 }
 
 impl FusedLinear {
-    /// Fuses `parts` when they are all dense alike (`MLXBC_FUSE=0` keeps
-    /// them separate). Quantized parts stay separate: on MLX 0.32.2's CUDA
-    /// backend the concatenated packed matrix gives wrong answers (measured on
-    /// an H200: SmolLM2 answered nonsense fused, "Paris" separate), while on
-    /// CPU it is exact; `MLXBC_FUSE=quantized` fuses them anyway, for testing.
+    /// Fuses `parts` when all are dense of one dtype, with biases on all or
+    /// none (`MLXBC_FUSE=0` keeps them separate).
     pub fn new(parts: Vec<Linear>) -> Result<Self> {
-        let setting = std::env::var("MLXBC_FUSE");
-        let quantized = parts.iter().any(|p| matches!(p, Linear::Quantized { .. }));
-        if setting.as_deref() == Ok("0") || (quantized && setting.as_deref() != Ok("quantized")) {
-            return Ok(FusedLinear::Separate(parts));
-        }
-        let sizes: Vec<i32> = parts.iter().map(Linear::out_features).collect();
-        let splits = sizes
+        let dense: Option<Vec<(&Array, Option<&Array>)>> = parts
             .iter()
-            .scan(0, |at, n| {
-                *at += n;
-                Some(*at)
+            .map(|p| match p {
+                Linear::Dense { weight, bias } => Some((weight, bias.as_ref())),
+                Linear::Quantized { .. } => None,
             })
-            .take(sizes.len() - 1)
             .collect();
-        let biases = |parts: &[Linear]| -> Result<Option<Array>> {
-            let all: Vec<&Array> = parts
-                .iter()
-                .filter_map(|p| match p {
-                    Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
-                })
-                .collect();
-            Ok(match all.len() {
-                0 => None,
-                n if n == parts.len() => Some(ops::concatenate(&all, 0)?),
-                _ => return Err(anyhow::anyhow!("some parts have biases")),
+        let alike = |d: &[(&Array, Option<&Array>)]| {
+            d.iter().all(|(w, b)| w.dtype() == d[0].0.dtype() && b.is_some() == d[0].1.is_some())
+        };
+        let dense = match dense {
+            Some(d) if alike(&d) && std::env::var("MLXBC_FUSE").as_deref() != Ok("0") => d,
+            _ => return Ok(FusedLinear::Separate(parts)),
+        };
+        let weights: Vec<&Array> = dense.iter().map(|(w, _)| *w).collect();
+        let biases: Option<Vec<&Array>> = dense.iter().map(|(_, b)| *b).collect();
+        let bias = biases.map(|b| ops::concatenate(&b, 0)).transpose()?;
+        let mut at = 0;
+        let splits = weights[..weights.len() - 1]
+            .iter()
+            .map(|w| {
+                at += w.shape()[0];
+                at
             })
-        };
-        let fused = match parts.as_slice() {
-            [Linear::Dense { weight: first, .. }, ..]
-                if parts.iter().all(|p| matches!(p, Linear::Dense { weight, .. } if weight.dtype() == first.dtype())) =>
-            {
-                let weights: Vec<&Array> =
-                    parts.iter().map(|p| if let Linear::Dense { weight, .. } = p { weight } else { unreachable!() }).collect();
-                biases(&parts).ok().map(|bias| -> Result<Linear> {
-                    Ok(Linear::Dense { weight: ops::concatenate(&weights, 0)?, bias })
-                })
-            }
-            [Linear::Quantized { q: first, .. }, ..]
-                if parts.iter().all(|p| matches!(p, Linear::Quantized { q, .. }
-                    if q.bits == first.bits && q.group_size == first.group_size && q.scales.dtype() == first.scales.dtype())) =>
-            {
-                let quantized: Vec<&Quantized> =
-                    parts.iter().map(|p| if let Linear::Quantized { q, .. } = p { q } else { unreachable!() }).collect();
-                let cat = |f: fn(&Quantized) -> &Array| ops::concatenate(&quantized.iter().map(|q| f(q)).collect::<Vec<_>>(), 0);
-                biases(&parts).ok().map(|bias| -> Result<Linear> {
-                    Ok(Linear::Quantized {
-                        q: Quantized {
-                            weight: cat(|q| &q.weight)?,
-                            scales: cat(|q| &q.scales)?,
-                            biases: cat(|q| &q.biases)?,
-                            group_size: first.group_size,
-                            bits: first.bits,
-                        },
-                        bias,
-                    })
-                })
-            }
-            _ => None,
-        };
-        Ok(match fused {
-            Some(linear) => FusedLinear::Fused { linear: linear?, splits },
-            None => FusedLinear::Separate(parts),
-        })
+            .collect();
+        Ok(FusedLinear::Fused { linear: Linear::Dense { weight: ops::concatenate(&weights, 0)?, bias }, splits })
     }
 
     /// Each part's projection of `x`'s last axis, in order.
