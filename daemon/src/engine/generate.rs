@@ -160,12 +160,17 @@ pub fn run(
             v.tower.config.spatial_merge_size as u32,
         ));
     }
-    let prefill = |from: usize, to: usize, cache: &mut KvCache| -> Result<bool, Failure> {
+    // `sync_last`: wait for the last chunk too. The prompt's final chunk is
+    // not waited for: the host builds the last position's step while the
+    // device is still computing it.
+    let prefill = |from: usize, to: usize, cache: &mut KvCache, sync_last: bool| -> Result<bool, Failure> {
         let mut at = from;
         while at < to {
             let end = model.backbone.chunk_end(&ids, at, to, ctx.prefill_chunk);
             model.backbone.prefill(&positions(&embeds, at, end)?, cache, &ids).map_err(inference)?;
-            eval(cache.arrays()).map_err(inference)?;
+            if end < to || sync_last {
+                eval(cache.arrays()).map_err(inference)?;
+            }
             if gone() {
                 return Ok(false);
             }
@@ -174,12 +179,12 @@ pub fn run(
         Ok(true)
     };
     if let (Some(p), Some(id), 0) = (prefix, identity, reused) {
-        if !prefill(0, p, &mut cache)? {
+        if !prefill(0, p, &mut cache, true)? {
             return Ok(Finished::Abandoned);
         }
         ctx.prefixes.put(id, &cache);
     }
-    if !prefill(prefix.unwrap_or(0).max(reused), n - 1, &mut cache)? {
+    if !prefill(prefix.unwrap_or(0).max(reused), n - 1, &mut cache, false)? {
         return Ok(Finished::Abandoned);
     }
     let last_embed = positions(&embeds, n - 1, n)?;
@@ -213,9 +218,11 @@ pub fn run(
     let mut decoder = StreamDecoder::new();
     let mut stops = StopFilter::new(&request.stop);
     let mut decode_steps = 0usize;
+    // The step computing the token after `next`, when already queued.
+    let mut queued: Option<Array> = None;
     let stop_reason = loop {
-        // Queue the step after `token` before handling it.
-        let queued = if generated.len() + 1 < limit { Some(step(&next, &mut cache)?) } else { None };
+        // `token` (the value of `next`) is handled first, so the first token
+        // reaches the client before any decode step is built.
         if !request.ignore_eos && model.eos_ids.contains(&token) {
             break StopReason::Eos;
         }
@@ -238,10 +245,20 @@ pub fn run(
         if gone() {
             return Ok(Finished::Abandoned);
         }
-        next = queued.expect("queued while below the limit");
+        let current = match queued.take() {
+            Some(q) => q,
+            None => step(&next, &mut cache)?,
+        };
+        // Queue the step after `current` before waiting for it: the host
+        // builds step n+1 while the device computes step n, as mlx-lm's
+        // generate_step does, so the device never waits for the host.
+        if generated.len() + 1 < limit {
+            queued = Some(step(&current, &mut cache)?);
+        }
         let t = Instant::now();
-        token = read(&next)?;
+        token = read(&current)?;
         wait_s += t.elapsed().as_secs_f64();
+        next = current;
         decode_steps += 1;
     };
     let tail = stops.finish();
