@@ -91,11 +91,14 @@ def run_json(cmd, env=None, timeout=1800):
     return result
 
 
-def mlxbcd(bench, path, n_prompt, n_decode, mode=None):
-    """mlxbc-bench on `path`; `mode` sets MLXBC_DECODE (else the daemon's default for the device)."""
+def mlxbcd(bench, path, n_prompt, n_decode, mode=None, chunk=None):
+    """mlxbc-bench on `path`; `mode` sets MLXBC_DECODE and `chunk` the prefill
+    chunk (else the daemon's defaults for the device)."""
     env = dict(os.environ, MLXBC_BENCH_LOG="info")
     if mode:
         env["MLXBC_DECODE"] = mode
+    if chunk:
+        env["MLXBC_BENCH_PREFILL_CHUNK"] = str(chunk)
     return run_json([bench, path, str(n_prompt), str(n_decode)], env=env)
 
 
@@ -121,6 +124,8 @@ def main():
     p.add_argument("--json")
     p.add_argument("--step-rows", action="store_true",
                    help="also mlxbcd with each decode step forced (MLXBC_DECODE=compiled, =eager)")
+    p.add_argument("--chunks", help="prefill chunk sweep, e.g. 256,512,1024,2048: mlxbcd alone, one row per "
+                   "chunk size (run it with a --prompt longer than the largest chunk)")
     p.add_argument("models", nargs="+")
     a = p.parse_args()
     on_gpu = mx.default_device() == mx.gpu
@@ -146,11 +151,15 @@ def main():
         if a.step_rows:
             engines.append((label + ", compiled step", lambda: mlxbcd(a.bench, path, a.prompt, a.decode, "compiled")))
             engines.append((label + ", eager step", lambda: mlxbcd(a.bench, path, a.prompt, a.decode, "eager")))
+        if a.chunks:
+            engines = [(f"mlxbcd, prefill chunk {c}", lambda c=c: mlxbcd(a.bench, path, a.prompt, a.decode, chunk=c))
+                       for c in map(int, a.chunks.split(","))]
         reference = [sys.executable, HERE / "mlx_lm_bench.py", mlx_dir, str(a.prompt), str(a.decode)]
-        if not on_gpu:
+        if not on_gpu and not a.chunks:
             engines.append(("mlx-lm, dense f32 (mlxbcd's CPU form)", lambda: run_json(reference + ["dense"])))
-        engines.append(("mlx-lm, packed" + (" f16" if on_gpu else ""), lambda: run_json(reference + ["packed"])))
-        if a.llama_bench and path.suffix == ".gguf" and not on_gpu:
+        if not a.chunks:
+            engines.append(("mlx-lm, packed" + (" f16" if on_gpu else ""), lambda: run_json(reference + ["packed"])))
+        if a.llama_bench and path.suffix == ".gguf" and not on_gpu and not a.chunks:
             engines.append(("llama.cpp (same GGUF)", lambda: llama_cpp(a.llama_bench, str(path), a.prompt, a.decode)))
         floor_bytes = weight_bytes_per_token(mlx_dir, dense_f32=not on_gpu)
         floor_ms = floor_bytes / bandwidth * 1000

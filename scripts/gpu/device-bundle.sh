@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Device side of scripts/gpu/stage-bundle: `device-bundle.sh N` in call N
-# (1-6, back to back: the machine keeps /tmp while warm). Installs the CUDA
+# (1-7, back to back: the machine keeps /tmp while warm). Installs the CUDA
 # bundle as a user would (extract, point bin/nvidia at the machine's CUDA 13
-# libraries), runs the smoke test, then the benchmark (scripts/bench.d/
-# text_bench.py: mlxbcd through its socket, mlx-lm in process on the same
-# weights) — call 5: SmolLM2 and Qwen2.5-0.5B; call 6: the tiny models.
+# libraries); call 4: the smoke test, then correctness on the device (greedy
+# ids against mlx-lm on the same arrays: check_ids.py; the fused quantized
+# matmul check); call 5: the MLX CUDA graph settings sweep; call 6: the benchmark (scripts/bench.d/text_bench.py: mlxbcd
+# through its socket, mlx-lm in process on the same weights) with RUN_ENV
+# (e.g. "MLX_MAX_OPS_PER_BUFFER=100") applied to both; call 7: the tiny
+# models' benchmark and the prefill chunk sweep.
 set -u
 step=$1
 PY=/opt/torch/.venv/bin/python3
@@ -12,12 +15,15 @@ SP=$($PY -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
 mkdir -p /tmp/stage; [[ -d .dev/gpub/c$step ]] && cp -r ".dev/gpub/c$step/." /tmp/stage/
 B=$(ls -d /tmp/mlxbc-*-cuda13 2>/dev/null)
 repo=$PWD
-bench() { # models... (BENCH_FLAGS: more text_bench.py flags, e.g. --step-rows)
-  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-  export LD_LIBRARY_PATH=$(ls -d "$SP"/nvidia/*/lib | tr '\n' ':')
-  timeout 560 $PY $repo/scripts/bench.d/text_bench.py --bench "$B/bin/mlxbc-bench" --export "$B/bin/mlxbc-gguf-to-mlx" \
-    --work /tmp/bench-models --prompt 512 --decode 256 --runs 2 ${BENCH_FLAGS:-} --json $OUT/bench.jsonl "$@" 2>&1 | tee -a $OUT/bench.md
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export LD_LIBRARY_PATH=$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
+smol="SmolLM2-135M-Instruct Q4_1=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+qwen="Qwen2.5-Coder-0.5B shape, Q4_K_M blocks=/tmp/models/qwen2.5-coder-0.5b-shape.gguf"
+bench() { # text_bench.py flags and models (BENCH_FLAGS: more flags)
+  timeout ${BENCH_TIMEOUT:-560} $PY $repo/scripts/bench.d/text_bench.py --bench "$B/bin/mlxbc-bench" \
+    --export "$B/bin/mlxbc-gguf-to-mlx" --work /tmp/bench-models ${BENCH_FLAGS:-} "$@" 2>&1
 }
+
 case $step in
 1|2) echo "STEP${step}_DONE" ;;
 3)
@@ -41,24 +47,41 @@ case $step in
   timeout 300 "$B/bin/mlxbc" ask -v -n 24 "What is the capital of France?" 2>&1 | tee $OUT/smoke.txt
   timeout 60 "$B/bin/mlxbc" ask -v -n 24 --temperature 0.7 --seed 1 "Name a colour." 2>&1 | tee -a $OUT/smoke.txt
   "$B/bin/mlxbc" ps 2>&1 | tee -a $OUT/smoke.txt; "$B/bin/mlxbc" status 2>&1 | tee -a $OUT/smoke.txt; "$B/bin/mlxbc" stop
+  echo "=== fused quantized matmul on this device"
+  timeout 60 $PY scripts/gpu/fused_qmm_check.py 2>&1 | tee $OUT/fused-qmm.txt
+  echo "=== greedy ids: mlxbcd vs mlx-lm on the same arrays (f16, packed)"
+  for g in SmolLM2-135M-Instruct.Q4_1 qwen2.5-coder-0.5b-shape; do
+    "$B/bin/mlxbc-gguf-to-mlx" /tmp/models/$g.gguf /tmp/bench-models/$g-f16 float16 >/dev/null
+  done
+  timeout 400 $PY scripts/gpu/check_ids.py "$B/bin/mlxbc" \
+    "SmolLM2-135M Q4_1=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf=/tmp/bench-models/SmolLM2-135M-Instruct.Q4_1-f16" \
+    "Qwen2.5-0.5B shape Q4_K_M=/tmp/models/qwen2.5-coder-0.5b-shape.gguf=/tmp/bench-models/qwen2.5-coder-0.5b-shape-f16" \
+    2>&1 | tee $OUT/ids.txt
+  "$B/bin/mlxbc" stop >/dev/null 2>&1
   echo STEP4_DONE ;;
 5)
-  bench "SmolLM2-135M-Instruct Q4_1=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf" \
-        "Qwen2.5-Coder-0.5B shape, Q4_K_M blocks=/tmp/models/qwen2.5-coder-0.5b-shape.gguf"
+  mkdir -p /tmp/models/tiny && tar -C /tmp/models/tiny -xf /tmp/stage/tiny.tar
+  # MLX's CUDA backend records operations into CUDA graphs of at most
+  # MLX_MAX_OPS_PER_BUFFER nodes (default 20) before launching them; both
+  # engines run under each setting.
+  for env in "" "MLX_MAX_OPS_PER_BUFFER=60" "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=1000" \
+             "MLX_MAX_OPS_PER_BUFFER=250 MLX_MAX_MB_PER_BUFFER=4000" "MLX_USE_CUDA_GRAPHS=0"; do
+    echo "=== ${env:-MLX defaults}" | tee -a $OUT/sweep.md
+    ( [[ -n $env ]] && export $env; BENCH_TIMEOUT=100 bench --prompt 512 --decode 256 --runs 1 "$smol" ) | tee -a $OUT/sweep.md
+  done
   echo STEP5_DONE ;;
 6)
-  mkdir -p /tmp/models/tiny && tar -C /tmp/models/tiny -xf /tmp/stage/tiny.tar
-  bench "tiny Qwen3 (f32)=/tmp/models/tiny/tiny-qwen3" "tiny Gemma 3 VLM, text only (4-bit)=/tmp/models/tiny/tiny-gemma3-vlm-4bit"
+  echo "=== RUN_ENV: ${RUN_ENV:-none}" | tee $OUT/bench.md
+  [[ -n ${RUN_ENV:-} ]] && export $RUN_ENV
+  BENCH_TIMEOUT=420 bench --prompt 512 --decode 256 --runs 2 --json $OUT/bench.jsonl "$smol" "$qwen" | tee -a $OUT/bench.md
   echo STEP6_DONE ;;
+7)
+  [[ -n ${RUN_ENV:-} ]] && export $RUN_ENV
+  echo "=== RUN_ENV: ${RUN_ENV:-none}" | tee $OUT/bench-tiny.md $OUT/chunks.md
+  BENCH_TIMEOUT=150 bench --prompt 512 --decode 256 --runs 1 --json $OUT/bench-tiny.jsonl \
+    "tiny Qwen3 (f32)=/tmp/models/tiny/tiny-qwen3" "tiny Gemma 3 VLM, text only (4-bit)=/tmp/models/tiny/tiny-gemma3-vlm-4bit" \
+    | tee -a $OUT/bench-tiny.md
+  echo "=== prefill chunk sweep (4096-token prompt)" | tee -a $OUT/chunks.md
+  BENCH_TIMEOUT=300 bench --prompt 4096 --decode 8 --chunks 256,512,1024,2048,4096 "$smol" "$qwen" | tee -a $OUT/chunks.md
+  echo STEP7_DONE ;;
 esac
-# diag: whether the fused projections (MLXBC_FUSE) or the decode step
-# (MLXBC_DECODE) change the answer on this device (same prompt, greedy).
-if [[ $step == diag ]]; then
-  export MLXBC_HOME=/tmp/mlxbc-home; mkdir -p $MLXBC_HOME/models
-  ln -sf /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf $MLXBC_HOME/models/
-  for env in "" "MLXBC_FUSE=0" "MLXBC_DECODE=eager" "MLXBC_DECODE=compiled"; do
-    echo "=== ${env:-defaults}"
-    env $env timeout 200 "$B/bin/mlxbc" ask -v -n 12 "What is the capital of France?" 2>&1 | tail -2
-    "$B/bin/mlxbc" stop >/dev/null 2>&1; sleep 1
-  done
-fi

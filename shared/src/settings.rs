@@ -24,7 +24,8 @@ pub struct SettingsFile {
     pub default_model: Option<String>,
     /// Idle time before a model is unloaded: "30m", "forever", "0".
     pub keep_alive: Option<String>,
-    /// Largest prompt chunk fed to the model at once.
+    /// Largest prompt chunk fed to the model at once (default: measured
+    /// per device, see the daemon's `engine::prefill_chunk_for`).
     pub prefill_chunk: Option<usize>,
     /// Where encoder features are stored (default: <data dir>/cache/features).
     pub feature_cache_dir: Option<PathBuf>,
@@ -61,7 +62,8 @@ pub struct Settings {
     pub models_dir: PathBuf,
     pub default_model: String,
     pub keep_alive: KeepAlive,
-    pub prefill_chunk: usize,
+    /// None: the engine's default for the device it computes on.
+    pub prefill_chunk: Option<usize>,
     pub aliases: BTreeMap<String, String>,
     pub feature_cache_dir: PathBuf,
     pub feature_cache_bytes: u64,
@@ -117,7 +119,7 @@ impl Settings {
             models_dir: file.models_dir.unwrap_or_else(|| paths.home.join("models")),
             default_model: file.default_model.unwrap_or_else(|| "smollm2".to_string()),
             keep_alive,
-            prefill_chunk: file.prefill_chunk.unwrap_or(512).max(1),
+            prefill_chunk: file.prefill_chunk.map(|c| c.max(1)),
             aliases,
             feature_cache_dir: file.feature_cache_dir.unwrap_or_else(|| paths.home.join("cache/features")),
             feature_cache_bytes: file.feature_cache_mib.unwrap_or(4096) << 20,

@@ -198,7 +198,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
             sessions: sessions::SessionStore::new(&sessions_dir(&settings)),
             form,
             on_gpu,
-            prefill_chunk: settings.prefill_chunk,
+            prefill_chunk: settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu)),
             snapshot,
             queued,
             served,
@@ -233,6 +233,21 @@ fn refuse(job: Job) {
         }
     }
 }
+
+/// Prompt tokens per forward pass when the settings name none, by device.
+/// Measured with `scripts/bench --chunks` (README "Benchmarks"): larger
+/// chunks amortize the per-pass host cost on a GPU; on CPU the matrix
+/// products are already at BLAS speed by 512 rows and larger chunks only
+/// grow the attention scores' memory.
+pub fn prefill_chunk_for(on_gpu: bool) -> usize {
+    if on_gpu {
+        PREFILL_CHUNK_GPU
+    } else {
+        PREFILL_CHUNK_CPU
+    }
+}
+const PREFILL_CHUNK_CPU: usize = 512;
+const PREFILL_CHUNK_GPU: usize = 512;
 
 struct Engine {
     store: Option<mlxbc_cache::FeatureStore>,
