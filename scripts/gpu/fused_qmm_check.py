@@ -43,6 +43,15 @@ def main():
             rope = lambda y: mx.fast.rope(heads(y), HEAD, traditional=False, base=100000.0, scale=1.0, offset=7)
             print(f"  {name}: slice {diff(a, b):.3g}, heads {diff(heads(a), heads(b)):.3g}, "
                   f"rope {diff(rope(a), rope(b)):.3g}")
+        # The daemon's prefill: the projection and rope in one lazy graph,
+        # nothing evaluated in between (the lines above evaluate `together`
+        # before roping its slices).
+        x2 = (mx.random.normal((1, length, HIDDEN)) * 0.5).astype(mx.float16)
+        k_view = mx.split(qmm(x2, fused), cut, axis=-1)[1]
+        k_heads = lambda y: y.reshape(1, length, KV_HEADS, HEAD).transpose(0, 2, 1, 3)
+        roped = mx.fast.rope(k_heads(k_view), HEAD, traditional=False, base=100000.0, scale=1.0, offset=7)
+        expected = mx.fast.rope(k_heads(qmm(x2, parts[1])), HEAD, traditional=False, base=100000.0, scale=1.0, offset=7)
+        print(f"  k, rope of the slice in one lazy graph: {diff(roped, expected):.3g}")
         gate_up = qmm(x, mlp_fused)
         print(f"L={length} gate/up: fused vs separate: "
               f"{diff(gate_up, mx.concatenate([qmm(x, p) for p in mlp], axis=-1)):.3g}")

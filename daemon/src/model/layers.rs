@@ -56,6 +56,14 @@ impl Linear {
         }
     }
 
+    /// Output features.
+    fn out_features(&self) -> i32 {
+        match self {
+            Linear::Dense { weight, .. } => weight.shape()[0],
+            Linear::Quantized { q, .. } => q.weight.shape()[0],
+        }
+    }
+
     /// Bytes the weights occupy.
     pub fn nbytes(&self) -> usize {
         match self {
@@ -68,56 +76,52 @@ impl Linear {
 }
 
 /// Projections of the same input (q/k/v, or gate/up), stored as one matrix
-/// when their weights are dense alike, so that one matmul computes them all:
+/// when their weights share a form, so that one matmul computes them all:
 /// each output feature is the same dot product as in its own matrix, so the
-/// results are the separate projections' exactly, for fewer operations.
-/// Quantized parts stay separate: on MLX 0.32.2's CUDA backend the
-/// concatenated packed matrix gave wrong answers (an H200: SmolLM2 answered
-/// nonsense fused, "Paris" separate), though it was exact on CPU.
+/// results are the separate projections' exactly, for fewer operations
+/// (what bounds small-model decode on a GPU: README "NVIDIA").
 #[derive(Debug, Clone)]
 pub enum FusedLinear {
     /// One matrix; `splits` are the output offsets where the parts begin (after the first).
     Fused { linear: Linear, splits: Vec<i32> },
-    /// Quantized, or forms that differ: one matmul each.
+    /// Forms that differ (GGUF files mix quantization types per tensor): one matmul each.
     Separate(Vec<Linear>),
 }
 
 impl FusedLinear {
-    /// Fuses `parts` when all are dense of one dtype, with biases on all or
-    /// none (`MLXBC_FUSE=0` keeps them separate).
+    /// Fuses `parts` when all are dense of one dtype, or all quantized alike
+    /// (bits, group size, scales' dtype), with biases on all or none.
+    /// `MLXBC_FUSE=0` keeps them separate; `MLXBC_FUSE=dense` fuses dense
+    /// parts only.
     pub fn new(parts: Vec<Linear>) -> Result<Self> {
-        let dense: Option<Vec<(&Array, Option<&Array>)>> = parts
-            .iter()
-            .map(|p| match p {
-                Linear::Dense { weight, bias } => Some((weight, bias.as_ref())),
-                Linear::Quantized { .. } => None,
-            })
-            .collect();
-        let alike = |d: &[(&Array, Option<&Array>)]| {
-            d.iter().all(|(w, b)| w.dtype() == d[0].0.dtype() && b.is_some() == d[0].1.is_some())
-        };
-        let dense = match dense {
-            Some(d) if alike(&d) && std::env::var("MLXBC_FUSE").as_deref() != Ok("0") => d,
-            _ => return Ok(FusedLinear::Separate(parts)),
-        };
-        let weights: Vec<&Array> = dense.iter().map(|(w, _)| *w).collect();
-        let biases: Option<Vec<&Array>> = dense.iter().map(|(_, b)| *b).collect();
-        let bias = biases.map(|b| ops::concatenate(&b, 0)).transpose()?;
-        let mut at = 0;
-        let splits = weights[..weights.len() - 1]
-            .iter()
-            .map(|w| {
-                at += w.shape()[0];
-                at
-            })
-            .collect();
-        Ok(FusedLinear::Fused { linear: Linear::Dense { weight: ops::concatenate(&weights, 0)?, bias }, splits })
+        let setting = std::env::var("MLXBC_FUSE");
+        let quantized = parts.iter().any(|p| matches!(p, Linear::Quantized { .. }));
+        if setting.as_deref() == Ok("0") || (quantized && setting.as_deref() == Ok("dense")) {
+            return Ok(FusedLinear::Separate(parts));
+        }
+        match fuse(&parts)? {
+            Some(fused) => Ok(fused),
+            None => Ok(FusedLinear::Separate(parts)),
+        }
     }
 
     /// Each part's projection of `x`'s last axis, in order.
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
-            FusedLinear::Fused { linear, splits } => Ok(linear.forward(x)?.split_at_indices(splits, -1)?),
+            FusedLinear::Fused { linear, splits } => {
+                let parts = linear.forward(x)?.split_at_indices(splits, -1)?;
+                // For more than one position each part is a strided view into
+                // one buffer, and MLX 0.32.2's CUDA rope misreads such a view
+                // that starts past the buffer's beginning (an H200: wrong
+                // keys in prefill, garbage answers; exact at one position:
+                // scripts/gpu/fused_qmm_check.py). A copy per part is little
+                // next to a prefill's matmuls; decode keeps the views.
+                if x.shape().len() >= 2 && x.shape()[x.shape().len() - 2] > 1 {
+                    Ok(parts.iter().map(Array::contiguous).collect::<std::result::Result<_, _>>()?)
+                } else {
+                    Ok(parts)
+                }
+            }
             FusedLinear::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
         }
     }
@@ -137,6 +141,68 @@ impl FusedLinear {
             FusedLinear::Separate(parts) => parts.iter().map(Linear::nbytes).sum(),
         }
     }
+}
+
+/// `parts` as one matrix, or `None` when their forms differ.
+fn fuse(parts: &[Linear]) -> Result<Option<FusedLinear>> {
+    let biases: Vec<&Array> = parts
+        .iter()
+        .filter_map(|p| match p {
+            Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+        })
+        .collect();
+    if !biases.is_empty() && biases.len() != parts.len() {
+        return Ok(None);
+    }
+    let bias = if biases.is_empty() { None } else { Some(ops::concatenate(&biases, 0)?) };
+    let linear = match parts {
+        [Linear::Dense { weight: first, .. }, ..] => {
+            let weights: Option<Vec<&Array>> = parts
+                .iter()
+                .map(|p| match p {
+                    Linear::Dense { weight, .. } if weight.dtype() == first.dtype() => Some(weight),
+                    _ => None,
+                })
+                .collect();
+            let Some(weights) = weights else { return Ok(None) };
+            Linear::Dense { weight: ops::concatenate(&weights, 0)?, bias }
+        }
+        [Linear::Quantized { q: first, .. }, ..] => {
+            let qs: Option<Vec<&Quantized>> = parts
+                .iter()
+                .map(|p| match p {
+                    Linear::Quantized { q, .. }
+                        if q.bits == first.bits
+                            && q.group_size == first.group_size
+                            && q.scales.dtype() == first.scales.dtype() =>
+                    {
+                        Some(q)
+                    }
+                    _ => None,
+                })
+                .collect();
+            let Some(qs) = qs else { return Ok(None) };
+            let cat = |f: fn(&Quantized) -> &Array| ops::concatenate(&qs.iter().map(|q| f(q)).collect::<Vec<_>>(), 0);
+            let q = Quantized {
+                weight: cat(|q| &q.weight)?,
+                scales: cat(|q| &q.scales)?,
+                biases: cat(|q| &q.biases)?,
+                group_size: first.group_size,
+                bits: first.bits,
+            };
+            Linear::Quantized { q, bias }
+        }
+        [] => return Ok(None),
+    };
+    let mut at = 0;
+    let splits = parts[..parts.len() - 1]
+        .iter()
+        .map(|p| {
+            at += p.out_features();
+            at
+        })
+        .collect();
+    Ok(Some(FusedLinear::Fused { linear, splits }))
 }
 
 /// Token id → vector lookup; doubles as the output head when embeddings are tied.
