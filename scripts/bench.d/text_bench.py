@@ -169,35 +169,37 @@ def main():
               "x floor | IPC overhead | peak memory (MiB) |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         decode, profiles = {}, []
-        for label, measure in engines:
-            for run in range(1, a.runs + 1):
-                try:
-                    r = measure()
-                except Exception as e:  # a failed engine is a row that says so, not a lost table
-                    print(f"| {label} | {run} | failed: {str(e).splitlines()[0][:160]} | | | | | | |", flush=True)
-                    continue
-                ms = 1000 / r["decode_tps"] if r.get("decode_tps") else float("nan")
-                decode.setdefault(label, []).append(r["decode_tps"])
-                peak = r.get("mlx_peak_bytes") if on_gpu else r.get("peak_rss_bytes")
-                ipc = f"{r['ipc_overhead_pct']:+.2f}%" if "ipc_overhead_pct" in r else ""
-                ttft = f"{r['ttft_ms']:.1f}" if "ttft_ms" in r else ""
-                mem = f"{peak / 2**20:.0f}" if peak else ""
-                print(f"| {label} | {run} | {ttft} | {r['prefill_tps']:,.0f} | {r['decode_tps']:.1f} | {ms:.2f} | "
-                      f"{ms / floor_ms:.1f} | {ipc} | {mem} |", flush=True)
-                if "decode_profile" in r:
-                    profiles.append(f"{label}, run {run}: {r['decode_profile']}")
-                if log:
-                    log.write(json.dumps({"model": name, "device": device, "engine": label, "run": run,
-                                          "floor_ms": floor_ms, **r}) + "\n")
+        # Runs are interleaved (every engine once, then again): the lent
+        # GPU's speed drifts within a lease, and rows of one round share it.
+        for run, (label, measure) in ((r, e) for r in range(1, a.runs + 1) for e in engines):
+            try:
+                r = measure()
+            except Exception as e:  # a failed engine is a row that says so, not a lost table
+                print(f"| {label} | {run} | failed: {str(e).splitlines()[0][:160]} | | | | | | |", flush=True)
+                continue
+            ms = 1000 / r["decode_tps"] if r.get("decode_tps") else float("nan")
+            decode.setdefault(label, []).append(r["decode_tps"])
+            peak = r.get("mlx_peak_bytes") if on_gpu else r.get("peak_rss_bytes")
+            ipc = f"{r['ipc_overhead_pct']:+.2f}%" if "ipc_overhead_pct" in r else ""
+            ttft = f"{r['ttft_ms']:.1f}" if "ttft_ms" in r else ""
+            mem = f"{peak / 2**20:.0f}" if peak else ""
+            print(f"| {label} | {run} | {ttft} | {r['prefill_tps']:,.0f} | {r['decode_tps']:.1f} | {ms:.2f} | "
+                  f"{ms / floor_ms:.1f} | {ipc} | {mem} |", flush=True)
+            if "decode_profile" in r:
+                profiles.append(f"{label}, run {run}: {r['decode_profile']}")
+            if log:
+                log.write(json.dumps({"model": name, "device": device, "engine": label, "run": run,
+                                      "floor_ms": floor_ms, **r}) + "\n")
         if profiles:
             print("\nmlxbcd's host time per decoded token (its log):")
             for line in profiles:
                 print(f"  {line}")
         ours = [v for k, v in decode.items() if k.startswith("mlxbcd")]
-        theirs = [v for k, v in decode.items() if k.startswith("mlx-lm, packed")]
-        if ours and theirs:
-            ratio = statistics.median(ours[0]) / statistics.median(theirs[0])
-            print(f"\ndecode, mlxbcd / mlx-lm packed (medians): {ratio:.2f}x")
+        for form in ("dense", "packed"):
+            theirs = [v for k, v in decode.items() if k.startswith(f"mlx-lm, {form}")]
+            if ours and theirs:
+                ratio = statistics.median(ours[0]) / statistics.median(theirs[0])
+                print(f"\ndecode, mlxbcd / mlx-lm {form} (medians of {len(ours[0])} and {len(theirs[0])}): {ratio:.2f}x")
         print(flush=True)
 
 

@@ -248,3 +248,58 @@ impl Embedding {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quantized(rows: i32, cols: i32, bits: i32, bias: bool) -> Linear {
+        let w = mlx_rs::random::normal::<f32>(&[rows, cols], None, None, None).unwrap();
+        let (weight, scales, biases) = ops::quantize(&w, 32, bits).unwrap();
+        let bias = bias.then(|| mlx_rs::random::normal::<f32>(&[rows], None, None, None).unwrap());
+        Linear::Quantized { q: Quantized { weight, scales, biases, group_size: 32, bits }, bias }
+    }
+
+    fn dense(rows: i32, cols: i32) -> Linear {
+        Linear::Dense { weight: mlx_rs::random::normal::<f32>(&[rows, cols], None, None, None).unwrap(), bias: None }
+    }
+
+    /// The fused matmul's parts are the separate projections exactly, at one
+    /// position (views) and at several (copies).
+    fn assert_fused_equals_separate(parts: Vec<Linear>, expect_fused: bool) {
+        let fused = FusedLinear::new(parts.clone()).unwrap();
+        assert_eq!(matches!(fused, FusedLinear::Fused { .. }), expect_fused);
+        for len in [1, 5] {
+            let x = mlx_rs::random::normal::<f32>(&[1, len, 64], None, None, None).unwrap();
+            let got = fused.forward(&x).unwrap();
+            assert_eq!(got.len(), parts.len());
+            for (g, p) in got.iter().zip(&parts) {
+                let want = p.forward(&x).unwrap();
+                assert_eq!(g.shape(), want.shape());
+                assert!(g.array_eq(&want, None).unwrap().item::<bool>(), "part differs at {len} positions");
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_projections_fuse_exactly() {
+        assert_fused_equals_separate(
+            vec![quantized(96, 64, 4, false), quantized(32, 64, 4, false), quantized(32, 64, 4, false)],
+            true,
+        );
+        assert_fused_equals_separate(vec![quantized(64, 64, 8, true), quantized(64, 64, 8, true)], true);
+    }
+
+    #[test]
+    fn dense_projections_fuse_exactly() {
+        assert_fused_equals_separate(vec![dense(96, 64), dense(32, 64), dense(32, 64)], true);
+    }
+
+    #[test]
+    fn mixed_forms_stay_separate() {
+        // GGUF files mix block types per tensor (Q4_K_M: Q5_0 q/k, Q8_0 v, ...).
+        assert_fused_equals_separate(vec![quantized(32, 64, 4, false), quantized(32, 64, 8, false)], false);
+        assert_fused_equals_separate(vec![quantized(32, 64, 4, false), dense(32, 64)], false);
+        assert_fused_equals_separate(vec![quantized(32, 64, 4, true), quantized(32, 64, 4, false)], false);
+    }
+}
