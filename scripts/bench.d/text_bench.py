@@ -126,6 +126,8 @@ def main():
                    help="also mlxbcd with each decode step forced (MLXBC_DECODE=compiled, =eager)")
     p.add_argument("--chunks", help="prefill chunk sweep, e.g. 256,512,1024,2048: mlxbcd alone, one row per "
                    "chunk size (run it with a --prompt longer than the largest chunk)")
+    p.add_argument("--engines", help="keep only engines whose label starts with one of these "
+                   "(separated by ';', e.g. 'mlxbcd;mlx-lm, dense')")
     p.add_argument("models", nargs="+")
     a = p.parse_args()
     on_gpu = mx.default_device() == mx.gpu
@@ -161,6 +163,9 @@ def main():
             engines.append(("mlx-lm, packed" + (" f16" if on_gpu else ""), lambda: run_json(reference + ["packed"])))
         if a.llama_bench and path.suffix == ".gguf" and not on_gpu and not a.chunks:
             engines.append(("llama.cpp (same GGUF)", lambda: llama_cpp(a.llama_bench, str(path), a.prompt, a.decode)))
+        if a.engines:
+            keep = tuple(e.strip() for e in a.engines.split(";") if e.strip())
+            engines = [(label, m) for label, m in engines if label.startswith(keep)]
         floor_bytes = weight_bytes_per_token(mlx_dir, dense_f32=not on_gpu)
         floor_ms = floor_bytes / bandwidth * 1000
         print(f"{name} | {device} | prompt {a.prompt} tokens, decode {a.decode} tokens | "

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Device side of scripts/gpu/stage-bundle: `device-bundle.sh N` in call N
-# (1-7, back to back: the machine keeps /tmp while warm). Installs the CUDA
-# bundle as a user would (extract, point bin/nvidia at the machine's CUDA 13
-# libraries); call 4: the smoke test, then correctness on the device (greedy
-# ids against mlx-lm on the same arrays: check_ids.py; the fused quantized
-# matmul check); call 5: the MLX CUDA graph settings sweep; call 6: the benchmark (scripts/bench.d/text_bench.py: mlxbcd
-# through its socket, mlx-lm in process on the same weights) with RUN_ENV
-# (e.g. "MLX_MAX_OPS_PER_BUFFER=100") applied to both; call 7: the tiny
-# models' benchmark and the prefill chunk sweep.
+# (1-7, back to back: the machine keeps /tmp while warm). 1-3: install the
+# CUDA bundle as a user would (extract, point bin/nvidia at the machine's
+# CUDA 13 libraries); 4: the smoke test, the fused quantized matmul check and
+# greedy ids against mlx-lm on the same arrays (check_ids.py); 5: MLX's CUDA
+# graph settings, both engines under each; 6: the benchmark
+# (scripts/bench.d/text_bench.py: mlxbcd through its socket, mlx-lm in
+# process on the same weights) with RUN_ENV (e.g. "MLX_MAX_OPS_PER_BUFFER=100")
+# applied to both; 7: the tiny models' benchmark and the prefill chunk sweep.
 set -u
 step=$1
 PY=/opt/torch/.venv/bin/python3
