@@ -5,52 +5,32 @@ same GGUF, packed weights with f16 floats: the daemon's GPU form).
 
 The CPU suite's goldens (tests/fixtures/reference/*.json) are dense-f32 ids;
 on the GPU both sides compute in f16 with packed weights, so the reference is
-computed here, on the device, with the pinned mlx-lm. Same prompts as
-scripts/reference/mlx_lm_reference.py (the single-turn ones, plus one grown
-to 250 tokens so that decode crosses the daemon's KV buffer growth).
+computed here, on the device, with the pinned mlx-lm, on the CPU suite's
+prompts (scripts/reference/mlx_lm_reference.py: three chat prompts and one
+grown to 250 tokens, whose decode crosses the daemon's KV buffer growth).
 
 Usage: check_ids.py MLXBC_BINARY NAME=GGUF=MLX_DIR ...
 Prints one line per prompt and exits 1 if any differ.
 """
 import json
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
-PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string."]
-MAX_TOKENS = 40
-LONG_PROMPT_TOKENS = 250
-LONG_WORDS = "the quick brown fox jumps over the lazy dog while".split()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from mlx_lm_reference import MAX_TOKENS, PROMPTS, greedy_ids, long_prompt  # noqa: E402
 
 
-def long_prompt(tokenizer):
-    words = []
-    while True:
-        content = "Continue this text: " + " ".join(words)
-        messages = [{"role": "user", "content": content}]
-        if len(tokenizer.apply_chat_template(messages, add_generation_prompt=True)) >= LONG_PROMPT_TOKENS:
-            return content
-        words.append(LONG_WORDS[len(words) % len(LONG_WORDS)])
-
-
-def reference_ids(model, tokenizer, content):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    ids = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
-        token = int(token)
-        if token in tokenizer.eos_token_ids:
-            break
-        ids.append(token)
-    return len(prompt), ids
-
-
-def daemon_ids(mlxbc, gguf, content):
-    out = subprocess.run([mlxbc, "ask", "--json", "-m", gguf, "-n", str(MAX_TOKENS), content],
-                         capture_output=True, text=True, timeout=300)
+def daemon_ids(mlxbc, gguf, messages):
+    """The prompt's length and mlxbcd's greedy ids for a (system +) user turn."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    user = [m["content"] for m in messages if m["role"] == "user"]
+    cmd = [mlxbc, "ask", "--json", "-m", gguf, "-n", str(MAX_TOKENS)] + \
+        (["--system", system[0]] if system else []) + user
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     for line in out.stdout.splitlines():
         event = json.loads(line)
         if event.get("event") == "done":
@@ -65,14 +45,14 @@ def main():
     for spec in specs:
         name, gguf, mlx_dir = spec.split("=")
         model, tokenizer = load(mlx_dir)
-        for content in PROMPTS + [long_prompt(tokenizer)]:
-            n_ref, ref = reference_ids(model, tokenizer, content)
-            n_ours, ours = daemon_ids(mlxbc, gguf, content)
-            same = ref == ours and n_ref == n_ours
+        for messages in PROMPTS + [long_prompt(tokenizer)]:
+            prompt, ref = greedy_ids(model, tokenizer, messages)
+            n_ours, ours = daemon_ids(mlxbc, gguf, messages)
+            same = ref == ours and len(prompt) == n_ours
             diverge = next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), min(len(ref), len(ours)))
             failures += not same
-            verdict = "equal" if same else f"DIFFER at token {diverge} (prompt tokens {n_ours} vs {n_ref})"
-            print(f"{name} | prompt {n_ref} tokens | {len(ref)} ids | {verdict}", flush=True)
+            verdict = "equal" if same else f"DIFFER at token {diverge} (prompt tokens {n_ours} vs {len(prompt)})"
+            print(f"{name} | prompt {len(prompt)} tokens | {len(ref)} ids | {verdict}", flush=True)
             if not same:
                 print(f"  mlx-lm: {tokenizer.decode(ref)!r}\n  mlxbcd: {tokenizer.decode(ours)!r}")
         subprocess.run([mlxbc, "stop"], capture_output=True)

@@ -43,18 +43,25 @@ def long_prompt(tokenizer):
         words.append(LONG_WORDS[len(words) % len(LONG_WORDS)])
 
 
+def greedy_ids(model, tokenizer, messages):
+    """The templated prompt's ids and mlx-lm's greedy continuation (up to
+    MAX_TOKENS, without the end-of-sequence token)."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
+        token = int(token)
+        if token in tokenizer.eos_token_ids:
+            break
+        ids.append(token)
+    return prompt, ids
+
+
 def reference(model_dir):
     model, tokenizer = load(str(model_dir))
     model = dequantize_model(model)
     cases = []
     for messages in PROMPTS + [long_prompt(tokenizer)]:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = []
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
-            token = int(token)
-            if token in tokenizer.eos_token_ids:
-                break
-            ids.append(token)
+        prompt, ids = greedy_ids(model, tokenizer, messages)
         cases.append({"messages": messages, "prompt_ids": list(map(int, prompt)),
                       "max_tokens": MAX_TOKENS, "generated_ids": ids,
                       "text": tokenizer.decode(ids)})

@@ -201,8 +201,7 @@ pub fn run(
     // it (MLX's per-operation work in evaluation).
     let (mut queue_s, mut build_s, mut wait_s) = (0.0f64, 0.0f64, 0.0f64);
     // One decode step: ids (on the device) -> the next id, queued for
-    // evaluation but not waited for. Building step n+1 while step n computes
-    // keeps the host out of the way, as mlx-lm's generate_step does.
+    // evaluation but not waited for.
     let mut step = |ids: &Array, cache: &mut KvCache| -> Result<Array, Failure> {
         let t = Instant::now();
         let logits = model.decode_logits(ids, cache, mode).map_err(inference)?;
