@@ -24,6 +24,13 @@ pub enum ClientError {
     /// A frame could not be read or written.
     #[error(transparent)]
     Frame(#[from] FrameError),
+    /// Something accepted the connection but never answered the Hello.
+    #[error(
+        "{socket} accepted the connection but sent no answer within {after:?}: is the process listening there mlxbcd? \
+         A service that failed to start leaves its socket listening: check `mlxbc service status` and `mlxbc service logs`, \
+         or `mlxbc stop` and retry"
+    )]
+    HandshakeTimeout { socket: PathBuf, after: std::time::Duration },
     /// The daemon closed the connection.
     #[error("mlxbcd closed the connection")]
     Disconnected,

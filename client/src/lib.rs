@@ -26,7 +26,11 @@ pub use mlxbc_shared::*;
 use futures::{SinkExt, StreamExt};
 use mlxbc_shared::codec::ClientCodec;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use tokio::net::UnixStream;
+
+/// How long [`Client::connect`] waits for the daemon's Hello.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 use tokio_util::codec::Framed;
 
 /// A connection to mlxbcd, past the Hello handshake.
@@ -37,20 +41,37 @@ pub struct Client {
     /// Which BLAS the daemon's MLX uses on CPU.
     pub daemon_blas: String,
     socket: PathBuf,
+    /// A generation's events are still due (its stream was dropped early):
+    /// the connection is out of step and is replaced before the next call.
+    mid_stream: bool,
 }
 
 impl Client {
-    /// Connects to a daemon already listening on `socket`.
+    /// Connects to a daemon already listening on `socket`. The handshake
+    /// times out after [`HANDSHAKE_TIMEOUT`]: something that accepts
+    /// connections there but never answers is an error, not a hang.
     pub async fn connect(socket: &Path) -> Result<Self, ClientError> {
+        let timeout = || ClientError::HandshakeTimeout { socket: socket.to_owned(), after: HANDSHAKE_TIMEOUT };
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, Self::handshake(socket)).await.map_err(|_| timeout())?
+    }
+
+    async fn handshake(socket: &Path) -> Result<Self, ClientError> {
         let stream = UnixStream::connect(socket)
             .await
             .map_err(|source| ClientError::Unreachable { socket: socket.to_owned(), source })?;
         let mut conn = Framed::new(stream, ClientCodec::default());
-        conn.send(Request::Hello { protocol: PROTOCOL_VERSION, client_version: env!("CARGO_PKG_VERSION").into() })
-            .await?;
-        match conn.next().await.transpose()? {
+        let hello = Request::Hello { protocol: PROTOCOL_VERSION, client_version: env!("CARGO_PKG_VERSION").into() };
+        // A daemon that refuses us (another user's, or one with no room)
+        // answers without reading: its answer is still there to read when
+        // our Hello could not be written.
+        let sent = conn.send(hello).await;
+        let answer = conn.next().await.transpose();
+        if answer.as_ref().is_ok_and(|a| a.is_none()) {
+            sent?;
+        }
+        match answer? {
             Some(Response::Hello { daemon_version, blas, .. }) => {
-                Ok(Self { conn, daemon_version, daemon_blas: blas, socket: socket.to_owned() })
+                Ok(Self { conn, daemon_version, daemon_blas: blas, socket: socket.to_owned(), mid_stream: false })
             }
             Some(Response::Error { kind: ErrorKind::ProtocolMismatch, message }) => {
                 Err(ClientError::ProtocolMismatch(message))
@@ -98,6 +119,22 @@ impl Client {
         &self.socket
     }
 
+    /// Before a request: if the daemon closed this connection while it idled
+    /// (it does after `connection_idle_timeout`, or to make room), connect
+    /// again, so callers never see it. The daemon sends nothing unasked, so
+    /// a readable socket between requests means it was closed.
+    async fn reconnect_if_closed(&mut self) -> Result<(), ClientError> {
+        use std::os::unix::io::AsRawFd;
+        let mut fds = libc::pollfd { fd: self.conn.get_ref().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: poll on one valid descriptor with a zero timeout.
+        let closed = unsafe { libc::poll(&mut fds, 1, 0) } > 0;
+        if closed || self.mid_stream || !self.conn.read_buffer().is_empty() {
+            let fresh = Self::connect(&self.socket).await?;
+            *self = fresh;
+        }
+        Ok(())
+    }
+
     /// Starts a generation; read its events from the returned stream.
     ///
     /// Images go by content hash first; their bytes are sent only when the
@@ -105,6 +142,7 @@ impl Client {
     pub async fn generate(&mut self, request: GenerateRequest) -> Result<GenerationStream<'_>, ClientError> {
         let mut first_try = request.clone();
         first_try.messages.iter_mut().flat_map(|m| m.images.iter_mut()).for_each(|m| m.bytes = None);
+        self.reconnect_if_closed().await?;
         self.conn.send(Request::Generate(first_try)).await?;
         let first = self.conn.next().await.transpose()?;
         let pending = match first {
@@ -121,6 +159,7 @@ impl Client {
             }
             other => other,
         };
+        self.mid_stream = true;
         Ok(GenerationStream { client: self, finished: false, pending })
     }
 
@@ -207,6 +246,7 @@ impl Client {
     }
 
     async fn call(&mut self, request: Request) -> Result<Response, ClientError> {
+        self.reconnect_if_closed().await?;
         self.conn.send(request).await?;
         match self.conn.next().await.transpose()? {
             Some(Response::Error { kind, message }) => Err(ClientError::Daemon { kind, message }),
@@ -220,8 +260,9 @@ fn unexpected(r: Response) -> ClientError {
     ClientError::Unexpected(format!("{r:?}"))
 }
 
-/// The events of one generation. Dropping it (or the client) mid-stream
-/// closes nothing by itself; drop the [`Client`] to cancel the generation.
+/// The events of one generation. Dropping it mid-stream leaves the
+/// connection out of step: the client's next call replaces the connection
+/// (which cancels the generation); drop the [`Client`] to cancel at once.
 pub struct GenerationStream<'a> {
     client: &'a mut Client,
     finished: bool,
@@ -243,10 +284,12 @@ impl GenerationStream<'_> {
         match event {
             Some(Response::Error { kind, message }) => {
                 self.finished = true;
+                self.client.mid_stream = false;
                 Err(ClientError::Daemon { kind, message })
             }
             Some(event) => {
                 self.finished = matches!(event, Response::Done { .. });
+                self.client.mid_stream = !self.finished;
                 Ok(Some(event))
             }
             None => Err(ClientError::Disconnected),

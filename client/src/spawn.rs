@@ -30,9 +30,11 @@ pub fn start_daemon(settings: &Settings) -> Result<Child, ClientError> {
     let program = daemon_program();
     let log = log_path(settings);
     let _ = mlxbc_shared::paths::create_private_dir(&settings.paths.log_dir);
+    use std::os::unix::fs::OpenOptionsExt;
     let stderr = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
+        .mode(0o600)
         .open(&log)
         .map(Stdio::from)
         .unwrap_or_else(|_| Stdio::null());

@@ -4,6 +4,12 @@
 //! A frame is a 4-byte big-endian length and a bincode 2 payload (serde, the
 //! standard config). Frames above [`MAX_FRAME_BYTES`] are refused before any
 //! allocation, by tokio-util's `LengthDelimitedCodec`.
+//!
+//! Inside a frame, every length the peer declares (a string's, a vector's)
+//! is bounded too: bincode decodes under a byte limit of the smallest tier
+//! that holds the payload ([`decode_limit`]), and refuses a declared length
+//! above it *before* allocating. Without the limit a 15-byte frame declaring
+//! a 2^62-byte string made the decoder allocate it and abort the daemon.
 
 use bytes::{Bytes, BytesMut};
 use serde::{de::DeserializeOwned, Serialize};
@@ -44,19 +50,41 @@ fn config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
+/// The byte limit a payload of `len` bytes is decoded under: the smallest of
+/// 4 KiB, 64 KiB, 1 MiB and [`MAX_FRAME_BYTES`] that holds it. A valid
+/// payload never reads more than its own length, so the limit only ever
+/// refuses lies; and what a lying frame can make the decoder allocate is
+/// at most 16 times its own size (4 KiB for a tiny one).
+pub fn decode_limit(len: usize) -> usize {
+    [4 << 10, 64 << 10, 1 << 20, MAX_FRAME_BYTES].into_iter().find(|&t| len <= t).unwrap_or(MAX_FRAME_BYTES)
+}
+
+fn decode_with<T: DeserializeOwned, C: bincode::config::Config>(bytes: &[u8], c: C) -> Result<T, FrameError> {
+    let (value, used) = bincode::serde::decode_from_slice(bytes, c).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    if used != bytes.len() {
+        return Err(FrameError::Malformed(format!("{} trailing bytes", bytes.len() - used)));
+    }
+    Ok(value)
+}
+
 /// Encodes a value to a payload (no length prefix).
 pub fn to_payload<T: Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
     bincode::serde::encode_to_vec(value, config()).map_err(|e| FrameError::Malformed(e.to_string()))
 }
 
-/// Decodes a payload; trailing bytes are an error.
+/// Decodes a payload; trailing bytes are an error, and so is any declared
+/// length beyond [`decode_limit`] of the payload's size (refused before
+/// anything is allocated for it).
 pub fn from_payload<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FrameError> {
-    let (value, used) =
-        bincode::serde::decode_from_slice(bytes, config()).map_err(|e| FrameError::Malformed(e.to_string()))?;
-    if used != bytes.len() {
-        return Err(FrameError::Malformed(format!("{} trailing bytes", bytes.len() - used)));
+    if bytes.len() > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge { len: bytes.len(), max: MAX_FRAME_BYTES });
     }
-    Ok(value)
+    match decode_limit(bytes.len()) {
+        l if l == 4 << 10 => decode_with(bytes, config().with_limit::<{ 4 << 10 }>()),
+        l if l == 64 << 10 => decode_with(bytes, config().with_limit::<{ 64 << 10 }>()),
+        l if l == 1 << 20 => decode_with(bytes, config().with_limit::<{ 1 << 20 }>()),
+        _ => decode_with(bytes, config().with_limit::<MAX_FRAME_BYTES>()),
+    }
 }
 
 /// A tokio-util codec that reads `In` frames and writes `Out` frames.

@@ -3,6 +3,8 @@
 //! that editors and shells embed stays thin and builds in seconds.
 
 pub mod codec;
+#[cfg(feature = "fuzz")]
+pub mod fuzz;
 pub mod paths;
 pub mod protocol;
 pub mod settings;

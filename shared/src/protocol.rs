@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -334,6 +334,10 @@ pub struct GenerationStats {
     pub prefix_tokens_reused: u32,
     /// Time spent in prefill proper (time to first token = queue + load + lookup + encode + prefill).
     pub prefill_ms: f64,
+    /// What went wrong after the answer was complete, e.g. a session turn
+    /// that could not be saved (the disk is full). Empty when all is well;
+    /// clients show these and exit non-zero.
+    pub warnings: Vec<String>,
 }
 
 /// What went wrong, for callers that branch on it.
@@ -364,6 +368,8 @@ pub enum ErrorKind {
     PermissionDenied,
     /// The model does not fit the memory budget, even after unloading others.
     OutOfMemory,
+    /// Every connection slot is taken by a request in flight; retry shortly.
+    Busy,
 }
 
 /// A model the daemon can serve.

@@ -50,6 +50,24 @@ pub struct SettingsFile {
     /// Serve the OpenAI-compatible HTTP API here too, e.g. "127.0.0.1:11435"
     /// (loopback only; off by default).
     pub http: Option<std::net::SocketAddr>,
+    /// A bearer token the HTTP gateway requires (`Authorization: Bearer …`).
+    /// Any local user can reach a TCP port; this is what keeps them out.
+    pub http_token: Option<String>,
+    /// Web origins (e.g. "http://localhost:3000") allowed to call the HTTP
+    /// gateway from a browser; any other cross-site `Origin` is refused.
+    pub http_allowed_origins: Vec<String>,
+    /// Most client connections open at once (default 512, and never more
+    /// than the descriptor limit allows). When full, the longest-idle
+    /// connection is closed to make room; with none idle, the new one is refused.
+    pub max_connections: Option<usize>,
+    /// A connection with no request in flight is closed after this long
+    /// (default "5m"; clients reconnect transparently).
+    pub connection_idle_timeout: Option<String>,
+    /// Largest prompt accepted, in bytes of message text (default 8 MiB),
+    /// checked before anything is tokenized.
+    pub max_prompt_bytes: Option<usize>,
+    /// Ceiling on `max_tokens` (default: none beyond the model's context).
+    pub max_tokens_limit: Option<u32>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
 }
@@ -78,6 +96,17 @@ pub struct Settings {
     pub low_memory_bytes: Option<u64>,
     /// The HTTP gateway's address, if on.
     pub http: Option<std::net::SocketAddr>,
+    /// The gateway's bearer token, if one is required.
+    pub http_token: Option<String>,
+    /// Cross-site origins the gateway accepts.
+    pub http_allowed_origins: Vec<String>,
+    /// Most connections at once (before the descriptor limit is applied).
+    pub max_connections: usize,
+    /// Idle connections are closed after this long (None: never).
+    pub connection_idle_timeout: Option<std::time::Duration>,
+    pub max_prompt_bytes: usize,
+    /// None: only the model's context bounds `max_tokens`.
+    pub max_tokens_limit: Option<u32>,
 }
 
 /// Why settings could not be loaded.
@@ -129,6 +158,15 @@ impl Settings {
             memory_budget_bytes: file.memory_budget_mib.map(|m| m << 20),
             low_memory_bytes: file.low_memory_mib.map(|m| m << 20),
             http: file.http,
+            http_token: file.http_token.filter(|t| !t.is_empty()),
+            http_allowed_origins: file.http_allowed_origins,
+            max_connections: file.max_connections.unwrap_or(512).max(1),
+            connection_idle_timeout: match KeepAlive::parse(file.connection_idle_timeout.as_deref().unwrap_or("5m"))? {
+                KeepAlive::Forever => None,
+                KeepAlive::Seconds(s) => Some(std::time::Duration::from_secs(s.max(1))),
+            },
+            max_prompt_bytes: file.max_prompt_bytes.unwrap_or(8 << 20),
+            max_tokens_limit: file.max_tokens_limit,
             idle_exit: match &file.idle_exit {
                 Some(text) => KeepAlive::parse(text)?,
                 None => KeepAlive::Seconds(10 * 60),

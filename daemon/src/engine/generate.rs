@@ -33,7 +33,14 @@ pub struct GenerationContext<'a> {
     pub received: Instant,
     pub store: Option<&'a mut FeatureStore>,
     pub prefixes: &'a mut PrefixCache,
+    /// The settings' ceiling on `max_tokens`, if any (the context always bounds it).
+    pub max_tokens_limit: Option<u32>,
 }
+
+/// No tokenizer here averages more than this many bytes of text per token,
+/// so a prompt with more bytes than this times the context cannot fit, and
+/// is refused before the tokenizer spends time on it.
+const MAX_BYTES_PER_TOKEN: usize = 32;
 
 /// Positions `from..to` of `[1, L, hidden]` embeddings.
 fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, Failure> {
@@ -77,6 +84,17 @@ pub fn run(
             format!("model {} is text-only and cannot take images; use a vision-language model", ctx.model_name),
         ));
     }
+    let context = model.backbone.context_length() as usize;
+    let text_bytes: usize = request.messages.iter().map(|m| m.content.len()).sum();
+    if text_bytes > context.saturating_mul(MAX_BYTES_PER_TOKEN) {
+        return Err((
+            ErrorKind::ContextOverflow,
+            format!(
+                "the prompt is {text_bytes} bytes, more than model {} can hold in its context of {context} tokens; shorten it",
+                ctx.model_name
+            ),
+        ));
+    }
     let mut prompt = model.template.render(&request.messages).map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
     if let Some(v) = &model.vision {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
@@ -106,7 +124,6 @@ pub fn run(
         prompt = v.expand(&prompt, &rows);
     }
     let ids = model.encode(&prompt).map_err(inference)?;
-    let context = model.backbone.context_length() as usize;
     if ids.is_empty() {
         return Err((ErrorKind::BadRequest, "the prompt is empty".into()));
     }
@@ -123,6 +140,27 @@ pub fn run(
     let gone = || cancel.load(Ordering::Relaxed) || events.is_closed();
     if events.send(Response::Started { model: ctx.model_name.to_string(), prompt_tokens: ids.len() as u32 }).is_err() {
         return Ok(Finished::Abandoned);
+    }
+    if request.max_tokens == 0 {
+        // Asked for nothing: the prompt was checked, nothing is computed.
+        return Ok(Finished::Done(GenerationStats {
+            model: ctx.model_name.to_string(),
+            prompt_tokens: ids.len() as u32,
+            generated_tokens: 0,
+            time_to_first_token_ms: 0.0,
+            load_ms: ctx.load_ms,
+            prefill_tokens_per_s: 0.0,
+            decode_tokens_per_s: 0.0,
+            stop_reason: StopReason::MaxTokens,
+            token_ids: vec![],
+            encoder_hits: media_stats.hits,
+            encoder_misses: media_stats.misses,
+            encode_ms: media_stats.encode_ms,
+            lookup_ms: media_stats.lookup_ms,
+            prefix_tokens_reused: 0,
+            prefill_ms: 0.0,
+            warnings: vec![],
+        }));
     }
 
     let t_prefill = Instant::now();
@@ -217,7 +255,8 @@ pub fn run(
     let prefill_s = t_first.duration_since(t_prefill).as_secs_f64();
 
     let room = context - ids.len();
-    let limit = (request.max_tokens as usize).min(room);
+    let asked = request.max_tokens.min(ctx.max_tokens_limit.unwrap_or(u32::MAX)) as usize;
+    let limit = asked.min(room);
     let mut generated: Vec<u32> = Vec::new();
     let mut decoder = StreamDecoder::new();
     let mut stops = StopFilter::new(&request.stop);
@@ -244,7 +283,7 @@ pub fn run(
             }
         }
         if generated.len() >= limit {
-            break if limit < request.max_tokens as usize { StopReason::ContextFull } else { StopReason::MaxTokens };
+            break if limit < asked { StopReason::ContextFull } else { StopReason::MaxTokens };
         }
         if gone() {
             return Ok(Finished::Abandoned);
@@ -299,5 +338,6 @@ pub fn run(
         lookup_ms: media_stats.lookup_ms,
         prefix_tokens_reused: reused as u32,
         prefill_ms: t_first.duration_since(t_prefill).as_secs_f64() * 1000.0,
+        warnings: vec![],
     }))
 }

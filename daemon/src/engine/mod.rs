@@ -199,6 +199,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
             form,
             on_gpu,
             prefill_chunk: settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu)),
+            max_tokens_limit: settings.max_tokens_limit,
             snapshot,
             queued,
             served,
@@ -263,6 +264,7 @@ struct Engine {
     /// Computing on a GPU (how decode steps are built depends on it).
     on_gpu: bool,
     prefill_chunk: usize,
+    max_tokens_limit: Option<u32>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
     queued: Arc<AtomicU32>,
     served: Arc<AtomicU64>,
@@ -282,7 +284,21 @@ impl Engine {
                         refuse(job);
                         continue;
                     }
-                    let pending = self.handle(job);
+                    // A bug that panics in one job (a hostile model file the
+                    // checks missed) fails that job, not the engine: its reply
+                    // channels drop, so its client hears "dropped the request".
+                    let pending = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(job))) {
+                        Ok(pending) => pending,
+                        Err(panic) => {
+                            let what = panic
+                                .downcast_ref::<String>()
+                                .map(String::as_str)
+                                .or_else(|| panic.downcast_ref::<&str>().copied())
+                                .unwrap_or("?");
+                            tracing::error!("a job panicked ({what}); its client was answered with an error");
+                            false
+                        }
+                    };
                     self.served.fetch_add(1, Ordering::SeqCst);
                     if pending {
                         // Its client is sending the image bytes: keep its model for the resend.
@@ -347,6 +363,7 @@ impl Engine {
                             received,
                             store: self.store.as_mut(),
                             prefixes: &mut self.prefixes,
+                            max_tokens_limit: self.max_tokens_limit,
                         };
                         let result = generate::run(model, &mut ctx, &request, &events, &cancel);
                         self.residency.touch(&name, keep_alive);
@@ -354,12 +371,14 @@ impl Engine {
                     }
                 };
                 match outcome {
-                    Ok(generate::Finished::Done(stats)) => {
+                    Ok(generate::Finished::Done(mut stats)) => {
                         if let Some((name, mut messages)) = turn {
                             messages
                                 .push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, &request.stop)));
                             if let Err(e) = self.sessions.append(&name, &messages) {
+                                // The answer stands, but the client must know the turn is lost.
                                 tracing::warn!(session = %name, "{e}");
+                                stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));
                             }
                         }
                         self.publish();

@@ -52,7 +52,7 @@ impl SessionStore {
             .map_err(|e| format!("creating {}: {e}", self.dir.display()))?;
         let tmp = self.dir.join(format!(".{name}.json.tmp"));
         let json = serde_json::to_vec_pretty(&all).map_err(|e| e.to_string())?;
-        std::fs::write(&tmp, json).and_then(|_| std::fs::rename(&tmp, self.path(name))).map_err(|e| {
+        write_durably(&tmp, &self.path(name), &json).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             format!("saving session {name}: {e}")
         })
@@ -81,6 +81,24 @@ impl SessionStore {
             Err(e) => Err(format!("deleting session {name}: {e}")),
         }
     }
+}
+
+/// Writes `bytes` to `tmp` (0600), flushes it to the disk, renames it over
+/// `path` and flushes the directory, so that after a crash or power loss the
+/// file is either the old one or the new one, whole. A full disk fails here
+/// (at the write or the fsync), never silently.
+fn write_durably(tmp: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

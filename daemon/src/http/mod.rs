@@ -2,7 +2,11 @@
 //! (`mlxbcd --http 127.0.0.1:PORT`; off by default, loopback only):
 //! `POST /v1/chat/completions` (streaming as server-sent events, images as
 //! `data:` URLs) and `GET /v1/models`, on the same engine as the socket.
+//! Every request passes [`guard`] first; model names resolve only to what
+//! `GET /v1/models` lists, never to a path (the socket, which only its owner
+//! can reach, still takes paths).
 
+mod guard;
 mod openai;
 
 use crate::engine::Job;
@@ -38,11 +42,16 @@ pub async fn serve(
     state: Arc<ServerState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<()> {
+    let addr = listener.local_addr()?;
+    let guard = Arc::new(guard::Guard::new(addr, state.http_token.clone(), state.http_allowed_origins.clone()));
     let app = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
-        .with_state(state);
-    tracing::info!(addr = %listener.local_addr()?, "OpenAI-compatible HTTP gateway listening");
+        // Bodies carry base64 images: the socket's frame cap, no more.
+        .layer(axum::extract::DefaultBodyLimit::max(mlxbc_shared::MAX_FRAME_BYTES))
+        .layer(axum::middleware::from_fn_with_state(guard, guard::check))
+        .with_state(state.clone());
+    tracing::info!(%addr, token = state.http_token.is_some(), "OpenAI-compatible HTTP gateway listening");
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             let _ = stop.wait_for(|s| *s).await;
@@ -95,6 +104,18 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: axum::bod
         Ok(r) => r,
         Err(e) => return error_response(ErrorKind::BadRequest, e.0),
     };
+    if let Err(e) = crate::server::validate::generate(&request, state.limits) {
+        return error_response(ErrorKind::BadRequest, e.0);
+    }
+    if let Some(name) = &request.model {
+        let listed = state.registry.list().iter().any(|m| &m.name == name || m.aliases.contains(name));
+        if !listed {
+            return error_response(
+                ErrorKind::UnknownModel,
+                format!("model {name:?} is not one of those GET /v1/models lists (paths are accepted on the socket only)"),
+            );
+        }
+    }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received: Instant::now() };

@@ -83,9 +83,14 @@ impl<'a> Cursor<'a> {
             7 => MetaValue::Bool(self.take(1)?[0] != 0),
             8 => MetaValue::Str(self.string()?),
             9 => {
-                let (inner, n) = (self.u32()?, self.u64()? as usize);
-                ensure!(n < 1 << 28, "GGUF array of {n} items");
-                MetaValue::Array((0..n).map(|_| self.value(inner)).collect::<Result<_>>()?)
+                let (inner, n) = (self.u32()?, self.u64()?);
+                // Every item takes at least one byte: a count beyond the bytes left is a lie.
+                ensure!(n <= (self.bytes.len() - self.at) as u64, "GGUF array of {n} items runs past the end of the file");
+                let mut items = Vec::new();
+                for _ in 0..n {
+                    items.push(self.value(inner)?);
+                }
+                MetaValue::Array(items)
             }
             10 => MetaValue::Int(self.u64()? as i64),
             11 => MetaValue::Int(self.u64()? as i64),
@@ -113,6 +118,9 @@ impl Gguf {
             let kind = c.u32()?;
             metadata.insert(key, c.value(kind)?);
         }
+        // Declared counts are bounded by the bytes that could hold them
+        // before anything is reserved: a hostile header can claim 2^62.
+        ensure!(n_tensors <= (map.len() / 24) as u64, "GGUF header declares {n_tensors} tensors; the file cannot hold them");
         let mut tensors = Vec::with_capacity(n_tensors as usize);
         for _ in 0..n_tensors {
             let name = c.string()?;
@@ -200,15 +208,26 @@ impl Gguf {
     }
 
     fn convert(&self, t: &TensorInfo) -> Result<Vec<(&'static str, Array)>> {
+        // Shapes come from the file: checked before any arithmetic or
+        // allocation depends on them (MLX shapes are i32 per axis).
+        ensure!(
+            !t.dims.is_empty() && t.dims.iter().all(|&d| d > 0 && d <= i32::MAX as u64),
+            "tensor shape {:?} is not valid",
+            t.dims
+        );
+        let count = t.dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&c| c <= self.map.len() as u64 * 8);
+        let count = count.with_context(|| format!("tensor shape {:?} is larger than the file", t.dims))?;
         let cols = t.dims[0] as usize;
-        let count: u64 = t.dims.iter().product();
         // MLX shape: outermost first.
         let shape: Vec<i32> = t.dims.iter().rev().map(|&d| d as i32).collect();
         let format = BlockFormat::of(t.kind)?;
         ensure!(cols % format.block == 0, "row of {cols} values is not whole blocks of {}", format.block);
         let bytes = (count as usize / format.block) * format.bytes;
-        let start = self.data_start + t.offset as usize;
-        let data = self.map.get(start..start + bytes).context("tensor data runs past the end of the file")?;
+        let data = (self.data_start as u64)
+            .checked_add(t.offset)
+            .and_then(|start| Some((start as usize, (start as usize).checked_add(bytes)?)))
+            .and_then(|(start, end)| self.map.get(start..end))
+            .context("tensor data runs past the end of the file")?;
         let rows = count as usize / cols;
         Ok(match format.kind {
             Kind::F32 => {

@@ -76,6 +76,7 @@ impl TensorMap {
         }
         let mut tensors = HashMap::new();
         for f in &files {
+            check_safetensors(f).with_context(|| format!("reading weights at {}", f.display()))?;
             let loaded = Array::load_safetensors(f).with_context(|| format!("reading weights at {}", f.display()))?;
             tensors.extend(loaded);
         }
@@ -235,4 +236,53 @@ fn unpermute_rows(a: &Array, heads: i32) -> Result<Array> {
     let mut split = vec![heads, rows / heads / 2, 2];
     split.extend_from_slice(&shape[1..]);
     Ok(a.reshape(&split)?.swap_axes(1, 2)?.reshape(&shape)?)
+}
+
+/// The safetensors format's own limit on its JSON header.
+const MAX_SAFETENSORS_HEADER: u64 = 100 << 20;
+
+/// Checks a safetensors file's header before MLX reads it: the declared
+/// header length fits the file (and the format's 100 MB limit), and every
+/// tensor's byte range lies inside the file and matches its shape and
+/// dtype. MLX trusts these numbers; a hostile or truncated file must not
+/// make it allocate or read past the end.
+pub fn check_safetensors(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).context("no safetensors header")?;
+    let n = u64::from_le_bytes(len);
+    anyhow::ensure!(
+        n >= 2 && n <= MAX_SAFETENSORS_HEADER && n <= size - 8,
+        "safetensors header declares {n} bytes in a file of {size}"
+    );
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header)?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).context("safetensors header is not a JSON object")?;
+    let data_len = size - 8 - n;
+    for (name, t) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+        let bad = || anyhow::anyhow!("safetensors tensor {name} has a bad entry");
+        let dtype = t.get("dtype").and_then(|d| d.as_str()).ok_or_else(bad)?;
+        let width: u64 = match dtype {
+            "F64" | "I64" | "U64" => 8,
+            "F32" | "I32" | "U32" => 4,
+            "F16" | "BF16" | "I16" | "U16" => 2,
+            "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+            other => anyhow::bail!("safetensors tensor {name} has unsupported dtype {other}"),
+        };
+        let shape = t.get("shape").and_then(|s| s.as_array()).ok_or_else(bad)?;
+        let elements = shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.as_u64()?)).ok_or_else(bad)?;
+        let offsets = t.get("data_offsets").and_then(|o| o.as_array()).ok_or_else(bad)?;
+        let (Some(a), Some(b)) = (offsets.first().and_then(|v| v.as_u64()), offsets.get(1).and_then(|v| v.as_u64()))
+        else {
+            return Err(bad());
+        };
+        anyhow::ensure!(
+            a <= b && b <= data_len && elements.checked_mul(width) == Some(b - a),
+            "safetensors tensor {name}: bytes {a}..{b} do not fit the file's {data_len} data bytes or its shape"
+        );
+    }
+    Ok(())
 }

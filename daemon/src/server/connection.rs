@@ -1,11 +1,16 @@
-//! One client connection: the Hello handshake, then requests until the client
-//! hangs up. A client that disconnects during a generation cancels it.
+//! One client connection: the peer check before anything is read, the Hello
+//! handshake, then requests until the client hangs up or idles out. A client
+//! that closes its socket during a generation cancels it; one that only
+//! closes its writing half still gets its answer.
 
+use super::limits::{ConnectionTable, RateLimitedLog};
+use super::validate;
 use crate::engine::{EngineHandle, Job};
 use futures::{SinkExt, StreamExt};
 use mlxbc_shared::codec::DaemonCodec;
 use mlxbc_shared::{ErrorKind, FrameError, Request, Response, PROTOCOL_VERSION};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::UnixStream;
@@ -21,66 +26,97 @@ pub struct ServerState {
     pub started: Instant,
     /// Set to true to stop the daemon.
     pub shutdown: watch::Sender<bool>,
-    /// Open client connections.
-    pub connections: AtomicUsize,
+    /// Open client connections, under a cap.
+    pub connections: Arc<ConnectionTable>,
+    /// A connection with no request in flight is closed after this long.
+    pub idle_timeout: Option<Duration>,
+    /// Bounds checked before a request is queued.
+    pub limits: validate::Limits,
+    /// The HTTP gateway's bearer token and allowed cross-site origins.
+    pub http_token: Option<String>,
+    pub http_allowed_origins: Vec<String>,
     /// The only uid allowed to connect: the daemon's own.
     pub owner_uid: u32,
     /// Named conversations (read here; the engine appends to them).
     pub sessions: crate::engine::sessions::SessionStore,
 }
 
-/// Counts a connection for as long as it lives.
-struct Counted<'a>(&'a AtomicUsize);
-
-impl<'a> Counted<'a> {
-    fn new(n: &'a AtomicUsize) -> Self {
-        n.fetch_add(1, Ordering::SeqCst);
-        Self(n)
-    }
-}
-
-impl Drop for Counted<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// How long a client may take to say Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a refusal may take to write before the connection is dropped.
+const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often a generation whose client half-closed its socket checks that
+/// the client is still there to read the answer.
+const HANGUP_POLL: Duration = Duration::from_millis(50);
 
-/// Serves one connection to its end.
+/// Refusals of other users, logged at most once a minute.
+static FOREIGN_LOG: RateLimitedLog = RateLimitedLog::new(Duration::from_secs(60));
+/// Refusals for lack of room, logged at most once every 10 s.
+static FULL_LOG: RateLimitedLog = RateLimitedLog::new(Duration::from_secs(10));
+
+/// Writes one response frame straight to a stream that has not been read
+/// from, with a timeout, then closes it.
+async fn refuse(mut stream: UnixStream, response: Response) {
+    use tokio::io::AsyncWriteExt;
+    let Ok(payload) = mlxbc_shared::codec::to_payload(&response) else { return };
+    let mut frame = (payload.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&payload);
+    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
+        stream.write_all(&frame).await?;
+        stream.shutdown().await
+    })
+    .await;
+}
+
+/// Serves one connection to its end. The peer's uid is checked before a
+/// single byte is read from it: the socket's file modes already keep others
+/// out, but a service manager's socket or a user's `chmod` may not, and a
+/// frame from another user must never reach the decoder.
 pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
-    let _counted = Counted::new(&state.connections);
-    let peer = stream.peer_cred();
-    let mut conn = Framed::new(stream, DaemonCodec::default());
-    // The socket's file modes already keep others out; the peer's uid is
-    // checked as well, for sockets a service manager created or a user relaxed.
-    // The refusal answers the client's first frame, so that it is read and
-    // not lost to a client still writing its Hello.
-    let refused = match peer {
-        Ok(cred) if cred.uid() == state.owner_uid => None,
+    match stream.peer_cred() {
+        Ok(cred) if cred.uid() == state.owner_uid => {}
         Ok(cred) => {
-            tracing::warn!(uid = cred.uid(), pid = cred.pid(), "refused a connection from another user");
-            Some(format!(
+            FOREIGN_LOG.log(|suppressed| {
+                tracing::warn!(uid = cred.uid(), pid = cred.pid(), suppressed, "refused a connection from another user")
+            });
+            let msg = format!(
                 "permission denied: this mlxbcd serves uid {} only, and you are uid {}; run your own daemon",
                 state.owner_uid,
                 cred.uid()
-            ))
+            );
+            return refuse(stream, error(ErrorKind::PermissionDenied, msg)).await;
         }
         Err(e) => {
             tracing::warn!(error = %e, "could not read the peer's credentials; closing");
             return;
         }
+    }
+    let Some(slot) = state.connections.admit(state.owner_uid) else {
+        let cap = state.connections.cap();
+        FULL_LOG.log(|suppressed| tracing::warn!(cap, suppressed, "refused a connection: every slot is busy"));
+        let msg = format!(
+            "mlxbcd is busy: all {cap} connections have a request in flight (max_connections in config.toml); retry shortly"
+        );
+        return refuse(stream, error(ErrorKind::Busy, msg)).await;
     };
-    if let Some(msg) = refused {
-        let _ = tokio::time::timeout(HELLO_TIMEOUT, conn.next()).await;
-        let _ = conn.send(error(ErrorKind::PermissionDenied, msg)).await;
+    let mut conn = Framed::new(stream, DaemonCodec::default());
+    let handshook = tokio::select! {
+        ok = handshake(&mut conn) => ok,
+        _ = slot.close.notified() => false,
+    };
+    if !handshook {
         return;
     }
-    if !handshake(&mut conn).await {
-        return;
-    }
-    while let Some(frame) = conn.next().await {
+    loop {
+        slot.idle();
+        // An idle connection is closed after the timeout (clients reconnect
+        // transparently), or at once when its slot is needed for a new one.
+        let next = tokio::select! {
+            next = next_or_idle(&mut conn, state.idle_timeout) => next,
+            _ = slot.close.notified() => return,
+        };
+        let Some(frame) = next else { return };
+        slot.busy();
         let request = match frame {
             Ok(r) => r,
             Err(e) => {
@@ -88,6 +124,12 @@ pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
                 return;
             }
         };
+        if let Err(e) = validate::request(&request, state.limits) {
+            if conn.send(error(ErrorKind::BadRequest, e.0)).await.is_err() {
+                return;
+            }
+            continue;
+        }
         let keep_going = match request {
             Request::Generate(req) => stream_generation(&mut conn, &state, req).await,
             other => {
@@ -99,6 +141,24 @@ pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
             return;
         }
     }
+}
+
+/// The next frame; `None` at end of stream or after `idle` without one.
+async fn next_or_idle(conn: &mut Conn, idle: Option<Duration>) -> Option<Result<Request, FrameError>> {
+    match idle {
+        None => conn.next().await,
+        Some(idle) => tokio::time::timeout(idle, conn.next()).await.ok().flatten(),
+    }
+}
+
+/// True once the client has closed its socket entirely (not just its
+/// writing half): POLLHUP is set on a Unix stream socket only when both
+/// directions are shut.
+fn client_hung_up(conn: &Conn) -> bool {
+    let mut fds = libc::pollfd { fd: conn.get_ref().as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+    // SAFETY: poll on one valid descriptor with a zero timeout.
+    let n = unsafe { libc::poll(&mut fds, 1, 0) };
+    n > 0 && fds.revents & (libc::POLLHUP | libc::POLLERR) != 0
 }
 
 async fn handshake(conn: &mut Conn) -> bool {
@@ -162,6 +222,10 @@ async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_
     if let Err((kind, msg)) = state.engine.submit(job) {
         return conn.send(error(kind, msg)).await.is_ok();
     }
+    // After the client shuts its writing half (EOF on read), it may still be
+    // reading: keep streaming, and watch for a full hang-up instead.
+    let mut read_closed = false;
+    let mut hangup = tokio::time::interval(HANGUP_POLL);
     loop {
         tokio::select! {
             event = rx.recv() => {
@@ -174,13 +238,13 @@ async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_
                     return false;
                 }
                 if last {
-                    return true;
+                    return !read_closed;
                 }
             }
-            incoming = conn.next() => {
-                // Clients send nothing mid-stream; EOF or an error means they left.
+            incoming = conn.next(), if !read_closed => {
                 match incoming {
-                    None | Some(Err(_)) => {
+                    None => read_closed = true,
+                    Some(Err(_)) => {
                         cancel.store(true, Ordering::Relaxed);
                         return false;
                     }
@@ -189,6 +253,12 @@ async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_
                         let _ = conn.send(error(ErrorKind::BadRequest, "a request arrived while a generation was streaming; one at a time per connection")).await;
                         return false;
                     }
+                }
+            }
+            _ = hangup.tick(), if read_closed => {
+                if client_hung_up(conn) {
+                    cancel.store(true, Ordering::Relaxed);
+                    return false;
                 }
             }
         }

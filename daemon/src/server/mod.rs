@@ -3,13 +3,14 @@
 
 pub mod activation;
 pub mod connection;
+pub mod limits;
 mod socket;
+pub mod validate;
 
 use anyhow::{Context, Result};
 use connection::ServerState;
 use mlxbc_shared::settings::Settings;
 use mlxbc_shared::KeepAlive;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::signal::unix::{signal, SignalKind};
@@ -19,6 +20,7 @@ use tokio::sync::watch;
 /// service manager passed ([`activation::take_inherited`]); without one the
 /// daemon binds `settings.socket` itself.
 pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -> Result<()> {
+    private_files(&settings);
     // Handlers first: from the moment the socket listens, a SIGTERM must
     // mean a clean stop, never the default kill.
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -53,12 +55,19 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
         env!("CARGO_PKG_VERSION")
     );
     let (shutdown, mut shutdown_rx) = watch::channel(false);
+    let fd_limit = limits::raise_fd_limit();
+    let cap = limits::connection_cap(settings.max_connections, fd_limit);
+    tracing::info!(fd_limit, max_connections = cap, "connection limits");
     let state = Arc::new(ServerState {
         engine,
         registry: crate::engine::registry::ModelRegistry::new(&settings),
         started: Instant::now(),
         shutdown,
-        connections: Default::default(),
+        connections: limits::ConnectionTable::new(cap),
+        idle_timeout: settings.connection_idle_timeout,
+        limits: validate::Limits { max_prompt_bytes: settings.max_prompt_bytes },
+        http_token: settings.http_token.clone(),
+        http_allowed_origins: settings.http_allowed_origins.clone(),
         // SAFETY: geteuid cannot fail.
         owner_uid: unsafe { libc::geteuid() },
         sessions: crate::engine::sessions::SessionStore::new(&crate::engine::sessions_dir(&settings)),
@@ -75,17 +84,31 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
     let mut tick =
         tokio::time::interval(idle_exit.map_or(Duration::from_secs(3600), |d| (d / 4).max(Duration::from_millis(100))));
     let mut idle_since: Option<Instant> = None;
+    let mut backoff = limits::AcceptBackoff::default();
+    let accept_log = limits::RateLimitedLog::new(Duration::from_secs(10));
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     idle_since = None;
+                    backoff.succeeded();
                     tokio::spawn(connection::serve(stream, state.clone()));
                 }
-                Err(e) => tracing::warn!(error = %e, "accept failed"),
+                Err(e) => {
+                    // Out of descriptors: close the longest-idle connection so
+                    // the next accept can succeed; every failure backs off, so
+                    // a persistent one cannot spin a core or flood the log.
+                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE));
+                    let freed = out_of_fds && state.connections.evict_idle();
+                    let wait = backoff.failed();
+                    accept_log.log(|suppressed| {
+                        tracing::warn!(error = %e, freed_an_idle_connection = freed, retry_ms = wait.as_millis() as u64, suppressed, "accept failed")
+                    });
+                    tokio::time::sleep(wait).await;
+                }
             },
             _ = tick.tick(), if idle_exit.is_some() => {
-                let idle = state.connections.load(Ordering::SeqCst) == 0 && state.engine.is_idle();
+                let idle = state.connections.is_empty() && state.engine.is_idle();
                 let since = *idle_since.get_or_insert_with(Instant::now);
                 if !idle {
                     idle_since = None;
@@ -109,4 +132,30 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
     tokio::task::spawn_blocking(move || engine_thread.join()).await.ok();
     tracing::info!("mlxbcd stopped");
     Ok(())
+}
+
+/// Everything the daemon writes is the user's alone: files 0600 and
+/// directories 0700 from here on (umask), and the data directory and feature
+/// store of an older install, once 0755 with 0644 files, tightened now.
+fn private_files(settings: &Settings) {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: umask only changes this process's file creation mask.
+    unsafe { libc::umask(0o077) };
+    let tighten = |path: &std::path::Path, mode: u32| {
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if !meta.file_type().is_symlink() && meta.permissions().mode() & 0o077 != 0 {
+                let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode));
+            }
+        }
+    };
+    let home = &settings.paths.home;
+    for dir in [home.clone(), home.join("sessions"), home.join("cache"), settings.feature_cache_dir.clone()] {
+        tighten(&dir, 0o700);
+    }
+    for dir in [home.join("sessions"), settings.feature_cache_dir.clone(), settings.feature_cache_dir.join("blobs")] {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+            tighten(&entry.path(), if is_dir { 0o700 } else { 0o600 });
+        }
+    }
 }

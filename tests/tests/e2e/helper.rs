@@ -140,6 +140,28 @@ impl Daemon {
         self.wait_ready();
     }
 
+    /// Starts the process with its descriptor limit (soft and hard) at `nofile`.
+    pub fn spawn_limited(&mut self, args: &[String], nofile: u64) {
+        use std::os::unix::process::CommandExt;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut cmd = Command::new(binary("mlxbcd"));
+        self.env(&mut cmd);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+        // SAFETY: setrlimit is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                let lim = libc::rlimit { rlim_cur: nofile, rlim_max: nofile };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        self.child = Some(cmd.spawn().unwrap());
+        self.wait_ready();
+    }
+
     fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {

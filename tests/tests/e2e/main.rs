@@ -5,8 +5,12 @@
 mod bad_input;
 mod cli;
 mod clients;
+mod crash_soak;
+mod faults;
 mod generation;
 mod helper;
+mod hostile;
+mod hostile_gateway;
 mod http;
 mod lifecycle;
 mod pull;

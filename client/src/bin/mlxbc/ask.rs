@@ -70,6 +70,7 @@ pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) 
     let mut spinner = crate::progress::Spinner::start("thinking");
     let mut stream = client.generate(request).await?;
     let mut out = std::io::stdout().lock();
+    let mut warnings = Vec::new();
     loop {
         let event = match stream.next_event().await {
             Ok(Some(Response::Started { .. })) if !args.json => {
@@ -91,6 +92,9 @@ pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) 
             }
             Err(e) => return Err(e.into()),
         };
+        if let Response::Done { stats } = &event {
+            warnings.extend(stats.warnings.iter().cloned());
+        }
         if args.json {
             writeln!(out, "{}", event_json(&event))?;
             out.flush()?;
@@ -120,7 +124,11 @@ pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) 
             _ => {}
         }
     }
-    Ok(())
+    if warnings.is_empty() {
+        Ok(())
+    } else {
+        Err(crate::Warned(warnings).into())
+    }
 }
 
 pub fn event_json(event: &Response) -> serde_json::Value {
@@ -136,7 +144,8 @@ pub fn event_json(event: &Response) -> serde_json::Value {
             "prefill_tokens_per_s": stats.prefill_tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
             "stop_reason": format!("{:?}", stats.stop_reason), "token_ids": stats.token_ids,
             "encoder_hits": stats.encoder_hits, "encoder_misses": stats.encoder_misses, "encode_ms": stats.encode_ms,
-            "lookup_ms": stats.lookup_ms, "prefix_tokens_reused": stats.prefix_tokens_reused, "prefill_ms": stats.prefill_ms}}),
+            "lookup_ms": stats.lookup_ms, "prefix_tokens_reused": stats.prefix_tokens_reused, "prefill_ms": stats.prefill_ms,
+            "warnings": stats.warnings}}),
         other => json!({"event": "other", "debug": format!("{other:?}")}),
     }
 }

@@ -94,10 +94,19 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
         let mut answer = String::new();
         let mut out = std::io::stdout().lock();
         while let Some(event) = stream.next_event().await? {
-            if let Response::Token { text } = event {
-                out.write_all(text.as_bytes())?;
-                out.flush()?;
-                answer.push_str(&text);
+            match event {
+                Response::Token { text } => {
+                    out.write_all(text.as_bytes())?;
+                    out.flush()?;
+                    answer.push_str(&text);
+                }
+                Response::Done { stats } => {
+                    // The conversation goes on; the user must know this turn was not kept.
+                    for w in &stats.warnings {
+                        eprintln!("\nmlxbc: warning: {w}");
+                    }
+                }
+                _ => {}
             }
         }
         writeln!(out)?;

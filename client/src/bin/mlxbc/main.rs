@@ -206,6 +206,7 @@ pub(crate) struct AskArgs {
 
 const EXIT_UNREACHABLE: u8 = 3;
 const EXIT_REFUSED: u8 = 4;
+const EXIT_WARNED: u8 = 5;
 const EXIT_INTERRUPTED: u8 = 130;
 
 fn main() -> ExitCode {
@@ -233,6 +234,12 @@ fn main() -> ExitCode {
 #[error("interrupted")]
 struct Interrupted;
 
+/// The answer was given, but something after it failed (e.g. the session
+/// turn could not be saved): each warning is printed and the exit code is 5.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", .0.iter().map(|w| format!("warning: {w}")).collect::<Vec<_>>().join("\nmlxbc: "))]
+pub struct Warned(pub Vec<String>);
+
 fn exit_for(e: &anyhow::Error) -> ExitCode {
     if e.downcast_ref::<Interrupted>().is_some() {
         // Dropping the connection (the runtime is gone) cancels the generation.
@@ -245,10 +252,16 @@ fn exit_for(e: &anyhow::Error) -> ExitCode {
     }
     eprintln!("mlxbc: {e:#}");
     match e.downcast_ref::<ClientError>() {
-        Some(ClientError::Unreachable { .. } | ClientError::Spawn { .. } | ClientError::DaemonExited { .. }) => {
+        Some(
+            ClientError::Unreachable { .. }
+            | ClientError::Spawn { .. }
+            | ClientError::DaemonExited { .. }
+            | ClientError::HandshakeTimeout { .. },
+        ) => {
             ExitCode::from(EXIT_UNREACHABLE)
         }
         Some(ClientError::Daemon { .. } | ClientError::ProtocolMismatch(_)) => ExitCode::from(EXIT_REFUSED),
+        _ if e.downcast_ref::<Warned>().is_some() => ExitCode::from(EXIT_WARNED),
         _ => ExitCode::FAILURE,
     }
 }

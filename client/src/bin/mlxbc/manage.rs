@@ -81,7 +81,11 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 gib(s.rss_bytes)
             )?;
             writeln!(out, "loaded:   {}", s.loaded.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "))?;
-            writeln!(out, "queue:    {} waiting; {} requests served", s.queued_jobs, s.requests_served)?;
+            writeln!(
+                out,
+                "queue:    {} waiting; {} requests served, {} generations cancelled (client went away)",
+                s.queued_jobs, s.requests_served, s.generations_cancelled
+            )?;
         }
         Command::Load { model, keep_alive: ka } => {
             let mut spinner = crate::progress::Spinner::start(format!("loading {model}"));

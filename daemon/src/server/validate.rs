@@ -1,0 +1,157 @@
+//! Requests are checked here, before they reach the engine's queue, so that
+//! nonsense costs nothing and gets a clear `BadRequest`: sampling parameters
+//! (NaN, infinite or negative ones used to be accepted; a NaN temperature
+//! answered nothing), the prompt's size in bytes (a 60 MB prompt was
+//! tokenized in full on the engine thread, 28.7 s for everyone, before it
+//! was refused), and the sizes of names, stop strings and media lists.
+
+use mlxbc_shared::{GenerateRequest, Request};
+
+/// Bounds from the settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Message text, in bytes, over all messages.
+    pub max_prompt_bytes: usize,
+}
+
+/// Longest model name or path accepted (PATH_MAX).
+const MAX_NAME_BYTES: usize = 4096;
+/// Stop strings per request and bytes per stop string.
+const MAX_STOPS: usize = 64;
+const MAX_STOP_BYTES: usize = 1024;
+/// Messages per request, and images over all of them.
+const MAX_MESSAGES: usize = 100_000;
+const MAX_MEDIA: usize = 256;
+/// Above this temperature every distribution is uniform for practical purposes.
+const MAX_TEMPERATURE: f32 = 100.0;
+
+/// Why a request was refused before it was queued.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct Invalid(pub String);
+
+fn bad(message: String) -> Result<(), Invalid> {
+    Err(Invalid(message))
+}
+
+fn check_name(what: &str, name: &str) -> Result<(), Invalid> {
+    if name.len() > MAX_NAME_BYTES {
+        return bad(format!("{what} is {} bytes long; at most {MAX_NAME_BYTES}", name.len()));
+    }
+    if name.contains('\0') {
+        return bad(format!("{what} contains a NUL byte"));
+    }
+    Ok(())
+}
+
+/// Checks a generation request.
+pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid> {
+    let s = &request.sampling;
+    if !s.temperature.is_finite() || !(0.0..=MAX_TEMPERATURE).contains(&s.temperature) {
+        return bad(format!(
+            "temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE}, not {}",
+            s.temperature
+        ));
+    }
+    if !s.top_p.is_finite() || s.top_p <= 0.0 || s.top_p > 1.0 {
+        return bad(format!("top_p must be above 0 and at most 1 (1 disables it), not {}", s.top_p));
+    }
+    if request.messages.is_empty() {
+        return bad("the request has no messages".into());
+    }
+    if request.messages.len() > MAX_MESSAGES {
+        return bad(format!("{} messages; at most {MAX_MESSAGES}", request.messages.len()));
+    }
+    let bytes: usize = request.messages.iter().map(|m| m.content.len()).sum();
+    if bytes > limits.max_prompt_bytes {
+        return bad(format!(
+            "the prompt is {bytes} bytes; this daemon accepts at most {} (max_prompt_bytes in config.toml)",
+            limits.max_prompt_bytes
+        ));
+    }
+    let media = request.messages.iter().map(|m| m.images.len()).sum::<usize>();
+    if media > MAX_MEDIA {
+        return bad(format!("{media} images in one request; at most {MAX_MEDIA}"));
+    }
+    if request.stop.len() > MAX_STOPS || request.stop.iter().any(|s| s.len() > MAX_STOP_BYTES || s.is_empty()) {
+        return bad(format!("stop strings: at most {MAX_STOPS}, each 1 to {MAX_STOP_BYTES} bytes"));
+    }
+    if let Some(m) = &request.model {
+        check_name("the model name", m)?;
+    }
+    if let Some(name) = &request.session {
+        crate::engine::sessions::check_name(name).map_err(Invalid)?;
+    }
+    Ok(())
+}
+
+/// Checks any request (the parts that are not the engine's to judge).
+pub fn request(request: &Request, limits: Limits) -> Result<(), Invalid> {
+    match request {
+        Request::Generate(g) => generate(g, limits),
+        Request::Load { model, .. } | Request::Unload { model } => check_name("the model name", model),
+        Request::Prefetch { model, media } => {
+            if media.len() > MAX_MEDIA {
+                return bad(format!("{} images in one request; at most {MAX_MEDIA}", media.len()));
+            }
+            model.as_deref().map_or(Ok(()), |m| check_name("the model name", m))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlxbc_shared::fuzz::{arbitrary_request, Rng};
+
+    const LIMITS: Limits = Limits { max_prompt_bytes: 1 << 20 };
+
+    #[test]
+    fn bad_sampling_is_refused_with_the_value() {
+        for (t, p) in [(f32::NAN, 1.0), (-1.0, 1.0), (f32::INFINITY, 1.0), (0.7, f32::NAN), (0.7, 0.0), (0.7, 1.5)] {
+            let mut r = GenerateRequest::ask("hi");
+            r.sampling.temperature = t;
+            r.sampling.top_p = p;
+            let err = generate(&r, LIMITS).unwrap_err();
+            assert!(err.0.contains("temperature") || err.0.contains("top_p"), "{err}");
+        }
+        assert!(generate(&GenerateRequest::ask("hi"), LIMITS).is_ok());
+    }
+
+    #[test]
+    fn oversized_prompts_names_and_stops_are_refused() {
+        let big = GenerateRequest::ask("x".repeat((1 << 20) + 1));
+        assert!(generate(&big, LIMITS).unwrap_err().0.contains("max_prompt_bytes"));
+        let mut r = GenerateRequest::ask("hi");
+        r.stop = vec![String::new()];
+        assert!(generate(&r, LIMITS).is_err());
+        r.stop = vec!["x".repeat(2000)];
+        assert!(generate(&r, LIMITS).is_err());
+        assert!(request(&Request::Load { model: "m".repeat(5000), keep_alive: None }, LIMITS).is_err());
+        assert!(request(&Request::Unload { model: "a\0b".into() }, LIMITS).is_err());
+    }
+
+    /// A million arbitrary requests of every variant: the checks never
+    /// panic, and whatever they let through is within the bounds.
+    #[test]
+    fn fuzzed_requests_never_panic_and_what_passes_is_bounded() {
+        let mut rng = Rng::new(11);
+        let (mut passed, mut refused) = (0u32, 0u32);
+        for _ in 0..1_000_000 {
+            let r = arbitrary_request(&mut rng, true);
+            match request(&r, LIMITS) {
+                Ok(()) => {
+                    passed += 1;
+                    if let Request::Generate(g) = &r {
+                        assert!(g.sampling.temperature.is_finite() && g.sampling.temperature >= 0.0);
+                        assert!(g.sampling.top_p > 0.0 && g.sampling.top_p <= 1.0);
+                        assert!(!g.messages.is_empty());
+                    }
+                }
+                Err(_) => refused += 1,
+            }
+        }
+        assert!(passed > 100_000 && refused > 100_000, "{passed} passed, {refused} refused");
+    }
+}

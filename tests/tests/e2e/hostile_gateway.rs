@@ -1,0 +1,114 @@
+//! The HTTP gateway against a web page and other local users: Host and
+//! Origin checks (DNS rebinding, cross-site pages), JSON bodies only, the
+//! bearer token, model names limited to the listed ones; and 32 concurrent
+//! streams all served.
+
+use crate::helper::*;
+use serde_json::{json, Value};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn gateway_with(config: &str) -> (Daemon, String, u16) {
+    let port = free_port();
+    let opts = DaemonOptions { args: vec!["--http".into(), format!("127.0.0.1:{port}")], ..Default::default() };
+    let mut d = Daemon::prepare(&opts);
+    std::fs::write(d.home.path().join("config.toml"), config).unwrap();
+    d.spawn(&opts.args);
+    (d, format!("http://127.0.0.1:{port}"), port)
+}
+
+fn body(max_tokens: u32) -> Value {
+    json!({"model": SMOLLM2, "temperature": 0, "max_tokens": max_tokens,
+           "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn host_origin_content_type_and_token_are_enforced() {
+    let (_d, base, port) =
+        gateway_with("http_token = \"s3cret\"\nhttp_allowed_origins = [\"http://localhost:5173\"]\n");
+    let http = reqwest::Client::new();
+    let url = format!("{base}/v1/chat/completions");
+    let post = |host: Option<String>| {
+        let mut r = http.post(&url).bearer_auth("s3cret").json(&body(3));
+        if let Some(h) = host {
+            r = r.header("Host", h);
+        }
+        r
+    };
+    // DNS rebinding: the page's own name arrives in Host.
+    let r = post(Some(format!("attacker.example:{port}"))).send().await.unwrap();
+    assert_eq!(r.status(), 403);
+    assert!(r.text().await.unwrap().contains("Host"));
+    // A cross-site page.
+    let r = post(None).header("Origin", "https://attacker.example").send().await.unwrap();
+    assert_eq!(r.status(), 403);
+    // A "simple" request a page can send without a preflight.
+    let r = http.post(&url).bearer_auth("s3cret").header("Content-Type", "text/plain").body(body(3).to_string());
+    assert_eq!(r.send().await.unwrap().status(), 415);
+    // Another local user without the token.
+    let r = http.post(&url).json(&body(3)).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = http.get(format!("{base}/v1/models")).bearer_auth("wrong").send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    // Paths are not model names over HTTP: no probing which files exist.
+    for model in ["/etc/passwd", "/nonexistent/x.gguf", "../models/x.gguf"] {
+        let mut b = body(3);
+        b["model"] = json!(model);
+        let r = http.post(&url).bearer_auth("s3cret").json(&b).send().await.unwrap();
+        assert_eq!(r.status(), 404, "{model}");
+    }
+    // Bad sampling over HTTP is a 400 too.
+    let mut b = body(3);
+    b["top_p"] = json!(-1);
+    assert_eq!(http.post(&url).bearer_auth("s3cret").json(&b).send().await.unwrap().status(), 400);
+    // The allowed origin: preflight and request, with CORS headers.
+    let pre = http
+        .request(reqwest::Method::OPTIONS, &url)
+        .header("Origin", "http://localhost:5173")
+        .header("Access-Control-Request-Method", "POST")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(pre.status(), 204);
+    assert_eq!(pre.headers()["access-control-allow-origin"], "http://localhost:5173");
+    let r = post(None).header("Origin", "http://localhost:5173").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["access-control-allow-origin"], "http://localhost:5173");
+    // The owner with the token, as the openai SDK sends it.
+    let r = post(Some(format!("localhost:{port}"))).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().len() > 0);
+}
+
+/// 32 concurrent streaming requests through the gateway: all complete, and
+/// all give the greedy answer the socket gives.
+#[tokio::test(flavor = "multi_thread")]
+async fn thirty_two_concurrent_http_streams_complete_and_agree() {
+    let (d, base, _) = gateway_with("");
+    let (want, _) = ask(&d.socket, greedy(None, "What is the capital of France?", 8)).await.unwrap();
+    let http = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (http, url) = (http.clone(), format!("{base}/v1/chat/completions"));
+        tasks.push(tokio::spawn(async move {
+            let mut b = body(8);
+            b["stream"] = json!(true);
+            let text = http.post(url).json(&b).send().await.unwrap().text().await.unwrap();
+            let mut out = String::new();
+            for data in text.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+                let v: Value = serde_json::from_str(data).unwrap();
+                if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                    out.push_str(c);
+                }
+            }
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+            out
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), want);
+    }
+}
