@@ -93,3 +93,59 @@ fn bad_files_are_refused_clearly() {
     };
     assert!(err.contains("truncated") || err.contains("past the end"), "{err}");
 }
+
+/// Hostile GGUF headers: structure-aware mutations (huge declared counts,
+/// lengths and shapes, flips, cuts) of a real file's header. Opening and
+/// converting never panics or aborts; it succeeds or names the problem.
+#[test]
+fn fuzzed_gguf_headers_are_refused_not_crashed_on() {
+    use mlxbc_shared::fuzz::{mutate, Rng};
+    let real = std::fs::read(reference_path("gguf-blocks.gguf")).unwrap();
+    let header = 2048.min(real.len());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("hostile.gguf");
+    let mut rng = Rng::new(0x6767);
+    let (mut opened, mut refused) = (0, 0);
+    for _ in 0..1_000 {
+        let mut head = real[..header].to_vec();
+        mutate(&mut rng, &mut head, &real[..header]);
+        head.extend_from_slice(&real[header..]);
+        std::fs::write(&path, &head).unwrap();
+        let result = std::panic::catch_unwind(|| match Gguf::open(&path) {
+            Ok(file) => file.tensors().map(|t| t.map(|_| ())).collect::<anyhow::Result<()>>(),
+            Err(e) => Err(e),
+        });
+        match result.expect("the reader panicked on a mutated header") {
+            Ok(()) => opened += 1,
+            Err(_) => refused += 1,
+        }
+    }
+    assert!(refused > 100, "{opened} opened, {refused} refused");
+}
+
+/// Safetensors headers are checked before MLX reads them.
+#[test]
+fn hostile_safetensors_headers_are_refused() {
+    use mlxbc_daemon::model::weights::check_safetensors;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("x.safetensors");
+    let file = |header: &[u8], declared: u64, data: usize| {
+        let mut b = declared.to_le_bytes().to_vec();
+        b.extend_from_slice(header);
+        b.extend(std::iter::repeat(0u8).take(data));
+        std::fs::write(&path, b).unwrap();
+    };
+    let ok = br#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#;
+    file(ok, ok.len() as u64, 16);
+    check_safetensors(&path).unwrap();
+    file(ok, 1 << 62, 16);
+    assert!(check_safetensors(&path).is_err(), "a 2^62-byte header");
+    let past = br#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,1600000]}}"#;
+    file(past, past.len() as u64, 16);
+    assert!(check_safetensors(&path).is_err(), "data past the end");
+    let shape = br#"{"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}}"#;
+    file(shape, shape.len() as u64, 16);
+    assert!(check_safetensors(&path).is_err(), "a shape that overflows");
+    // A real tower file passes.
+    check_safetensors(&reference_path("gemma3-tower.safetensors")).unwrap();
+}

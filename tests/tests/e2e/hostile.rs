@@ -302,3 +302,64 @@ async fn the_data_dir_and_every_file_written_are_private() {
         assert_eq!(m & 0o077, 0, "{} is {m:o}", e.path().display());
     }
 }
+
+/// The dispatcher under fuzzing: requests of every variant (but Shutdown)
+/// with arbitrary field values, from 8 connections at once, through the real
+/// daemon. Each gets exactly one well-formed answer (a generation: a stream
+/// ending in Done or Error), and ordinary clients are served afterwards.
+/// `MLXBC_DISPATCH_FUZZ` sets the count (default 2,000).
+#[tokio::test(flavor = "multi_thread")]
+async fn fuzzed_requests_through_the_real_dispatcher() {
+    use mlxbc_shared::fuzz::{arbitrary_request, Rng};
+    let total: u64 = std::env::var("MLXBC_DISPATCH_FUZZ").ok().and_then(|s| s.parse().ok()).unwrap_or(2_000);
+    let opts = DaemonOptions {
+        models: vec![("tiny-qwen3", fixture("mlx/tiny-qwen3")), (SMOLLM2, fixture(&format!("models/{SMOLLM2}")))],
+        args: vec![],
+    };
+    let mut d = Daemon::prepare(&opts);
+    std::fs::write(d.home.path().join("config.toml"), "default_model = \"tiny-qwen3\"\nmax_tokens_limit = 4\n").unwrap();
+    d.spawn(&opts.args);
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for worker in 0..8u64 {
+        let socket = d.socket.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng::new(0xd15 + worker);
+            let mut conn = Framed::new(UnixStream::connect(&socket).await.unwrap(), LengthDelimitedCodec::new());
+            hello(&mut conn).await;
+            let mut answered = std::collections::BTreeMap::<String, u64>::new();
+            for _ in 0..total / 8 {
+                let request = arbitrary_request(&mut rng, false);
+                let generation = matches!(request, Request::Generate(_));
+                let hello_again = matches!(request, Request::Hello { .. });
+                send(&mut conn, &request).await;
+                let last = loop {
+                    let r = recv(&mut conn).await.expect("an answer, not a closed connection");
+                    let end = !generation
+                        || matches!(r, Response::Done { .. } | Response::Error { .. } | Response::NeedMedia { .. });
+                    if end {
+                        break r;
+                    }
+                };
+                let name = match &last {
+                    Response::Error { kind, .. } => format!("{kind:?}"),
+                    other => format!("{other:?}").split([' ', '(', '{']).next().unwrap().to_string(),
+                };
+                *answered.entry(name).or_default() += 1;
+                assert!(!hello_again || matches!(last, Response::Error { kind: ErrorKind::BadRequest, .. }));
+            }
+            answered
+        }));
+    }
+    let mut seen = std::collections::BTreeMap::<String, u64>::new();
+    for task in tasks {
+        for (k, v) in task.await.unwrap() {
+            *seen.entry(k).or_default() += v;
+        }
+    }
+    println!("dispatcher fuzz: {} requests in {:.1} s: {seen:?}", total / 8 * 8, t.elapsed().as_secs_f64());
+    assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none(), "mlxbcd is still running");
+    assert!(seen.get("Done").copied().unwrap_or(0) > 0 && seen.get("BadRequest").copied().unwrap_or(0) > 0, "{seen:?}");
+    let (text, _) = ask(&d.socket, greedy(Some(SMOLLM2), "What is the capital of France?", 24)).await.unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+}

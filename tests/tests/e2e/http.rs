@@ -92,8 +92,11 @@ async fn images_as_data_urls_and_errors_as_openai_bodies() {
     let remote = json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]});
     let r = http.post(format!("{base}/v1/chat/completions")).json(&remote).send().await.unwrap();
     assert_eq!(r.status(), 400);
-    let r = http.post(format!("{base}/v1/chat/completions")).body("{not json").send().await.unwrap();
+    let url = format!("{base}/v1/chat/completions");
+    let r = http.post(&url).header("Content-Type", "application/json").body("{not json").send().await.unwrap();
     assert_eq!(r.status(), 400);
+    // Without the JSON content type (what a web page can send with no preflight): 415.
+    assert_eq!(http.post(&url).body("{not json").send().await.unwrap().status(), 415);
     // The daemon keeps serving.
     let (again, _) = ask(&d.socket, greedy(None, "What is the capital of France?", 4)).await.unwrap();
     assert!(!again.is_empty());
