@@ -282,7 +282,7 @@ impl KeepAlive {
             "d" => 86400,
             _ => return Err(format!("bad keep-alive unit in {text:?}: use s, m, h, d or forever")),
         };
-        Ok(KeepAlive::Seconds(n * mult))
+        n.checked_mul(mult).map(KeepAlive::Seconds).ok_or_else(|| format!("keep-alive {text:?} is too long"))
     }
 }
 

@@ -21,7 +21,7 @@ use mlxbc_shared::{
 use registry::ModelRegistry;
 use residency::Residency;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -95,7 +95,7 @@ impl EngineHandle {
 
     /// Status, built from the last snapshot plus live counters.
     pub fn status(&self, started: Instant) -> DaemonStatus {
-        let snap = self.snapshot.lock().unwrap().clone();
+        let snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).clone();
         DaemonStatus {
             daemon_version: env!("CARGO_PKG_VERSION").to_string(),
             protocol: mlxbc_shared::PROTOCOL_VERSION,
@@ -130,12 +130,12 @@ impl EngineHandle {
 
     /// No model resident and no job queued.
     pub fn is_idle(&self) -> bool {
-        self.queued.load(Ordering::SeqCst) == 0 && self.snapshot.lock().unwrap().loaded.is_empty()
+        self.queued.load(Ordering::SeqCst) == 0 && self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.is_empty()
     }
 
     /// Names of resident models.
     pub fn loaded_names(&self) -> Vec<String> {
-        self.snapshot.lock().unwrap().loaded.iter().map(|m| m.name.clone()).collect()
+        self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.iter().map(|m| m.name.clone()).collect()
     }
 }
 
@@ -494,7 +494,7 @@ impl Engine {
             let _ = mlx_rs::memory::clear_cache();
             let (tier, what, freed_bytes) = shed;
             tracing::warn!(tier, %what, freed_bytes, available, threshold = self.low_memory_bytes, "memory pressure: shed");
-            let mut snap = self.snapshot.lock().unwrap();
+            let mut snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
             snap.sheds.push((
                 Instant::now(),
                 ShedEvent { ago_s: 0, tier: tier.into(), what, freed_bytes, available_bytes: available },
@@ -505,7 +505,7 @@ impl Engine {
     }
 
     fn publish(&self) {
-        let mut snap = self.snapshot.lock().unwrap();
+        let mut snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
         snap.memory_budget_bytes = self.residency.budget_bytes();
         snap.loaded = self.residency.describe();
         snap.mlx_active_bytes = mlx_rs::memory::active_memory().unwrap_or(0) as u64;

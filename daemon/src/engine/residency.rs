@@ -28,7 +28,9 @@ impl Resident {
     fn expires_at(&self) -> Option<Instant> {
         match self.keep_alive {
             KeepAlive::Forever => None,
-            KeepAlive::Seconds(s) => Some(self.last_used + Duration::from_secs(s)),
+            // A keep-alive past what an Instant can hold (a client may send
+            // u64::MAX seconds) never expires; `+` would panic.
+            KeepAlive::Seconds(s) => self.last_used.checked_add(Duration::from_secs(s)),
         }
     }
 }

@@ -303,15 +303,19 @@ async fn the_data_dir_and_every_file_written_are_private() {
     }
 }
 
+fn tail(text: &str, n: usize) -> &str {
+    &text[text.len().saturating_sub(n)..]
+}
+
 /// The dispatcher under fuzzing: requests of every variant (but Shutdown)
 /// with arbitrary field values, from 8 connections at once, through the real
 /// daemon. Each gets exactly one well-formed answer (a generation: a stream
 /// ending in Done or Error), and ordinary clients are served afterwards.
-/// `MLXBC_DISPATCH_FUZZ` sets the count (default 2,000).
+/// `MLXBC_DISPATCH_FUZZ` sets the count (default 20,000; scripts/fuzz: 200,000).
 #[tokio::test(flavor = "multi_thread")]
 async fn fuzzed_requests_through_the_real_dispatcher() {
     use mlxbc_shared::fuzz::{arbitrary_request, Rng};
-    let total: u64 = std::env::var("MLXBC_DISPATCH_FUZZ").ok().and_then(|s| s.parse().ok()).unwrap_or(2_000);
+    let total: u64 = std::env::var("MLXBC_DISPATCH_FUZZ").ok().and_then(|s| s.parse().ok()).unwrap_or(20_000);
     let opts = DaemonOptions {
         models: vec![("tiny-qwen3", fixture("mlx/tiny-qwen3")), (SMOLLM2, fixture(&format!("models/{SMOLLM2}")))],
         args: vec![],
@@ -329,7 +333,11 @@ async fn fuzzed_requests_through_the_real_dispatcher() {
             hello(&mut conn).await;
             let mut answered = std::collections::BTreeMap::<String, u64>::new();
             for _ in 0..total / 8 {
-                let request = arbitrary_request(&mut rng, false);
+                let mut request = arbitrary_request(&mut rng, false);
+                // Half the generations get sane sampling, so they reach the model.
+                if let (Request::Generate(g), true) = (&mut request, rng.one_in(2)) {
+                    g.sampling = mlxbc_client::SamplingParams { temperature: 0.0, top_p: 1.0, ..g.sampling.clone() };
+                }
                 let generation = matches!(request, Request::Generate(_));
                 let hello_again = matches!(request, Request::Hello { .. });
                 send(&mut conn, &request).await;
@@ -353,13 +361,17 @@ async fn fuzzed_requests_through_the_real_dispatcher() {
     }
     let mut seen = std::collections::BTreeMap::<String, u64>::new();
     for task in tasks {
-        for (k, v) in task.await.unwrap() {
+        let answered = task.await;
+        if answered.is_err() { std::fs::write("/tmp/fuzzlog.txt", d.log_text()).unwrap(); }
+        assert!(answered.is_ok(), "a connection failed; the daemon's log ends:\n{}", tail(&d.log_text(), 3000));
+        for (k, v) in answered.unwrap() {
             *seen.entry(k).or_default() += v;
         }
     }
     println!("dispatcher fuzz: {} requests in {:.1} s: {seen:?}", total / 8 * 8, t.elapsed().as_secs_f64());
     assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none(), "mlxbcd is still running");
     assert!(seen.get("Done").copied().unwrap_or(0) > 0 && seen.get("BadRequest").copied().unwrap_or(0) > 0, "{seen:?}");
+    // max_tokens_limit = 4: the start of the usual answer.
     let (text, _) = ask(&d.socket, greedy(Some(SMOLLM2), "What is the capital of France?", 24)).await.unwrap();
-    assert!(text.contains("Paris"), "{text:?}");
+    assert!(text.starts_with("The capital of France"), "{text:?}");
 }
