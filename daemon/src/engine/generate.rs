@@ -35,12 +35,14 @@ pub struct GenerationContext<'a> {
     pub prefixes: &'a mut PrefixCache,
     /// The settings' ceiling on `max_tokens`, if any (the context always bounds it).
     pub max_tokens_limit: Option<u32>,
+    /// The prompt's ids, if they were made before the job reached the engine.
+    pub prepared: Option<super::PreparedPrompt>,
 }
 
 /// No tokenizer here averages more than this many bytes of text per token,
 /// so a prompt with more bytes than this times the context cannot fit, and
 /// is refused before the tokenizer spends time on it.
-const MAX_BYTES_PER_TOKEN: usize = 32;
+pub const MAX_BYTES_PER_TOKEN: usize = 32;
 
 /// Positions `from..to` of `[1, L, hidden]` embeddings.
 fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, Failure> {
@@ -64,6 +66,48 @@ pub enum Finished {
     Abandoned,
     /// `NeedMedia` was sent: the client will resend with the bytes.
     AskedForMedia,
+}
+
+/// The prompt's ids, made here on the engine thread: the template rendered,
+/// placeholders checked against the media, the media's features looked up or
+/// encoded, placeholders expanded, the text tokenized. `None`: `NeedMedia`
+/// was sent.
+fn prompt_here(
+    model: &TextModel,
+    ctx: &mut GenerationContext,
+    request: &GenerateRequest,
+    media: &[&MediaRef],
+    events: &UnboundedSender<Response>,
+) -> Result<Option<(Vec<u32>, Vec<Array>, MediaStats)>, Failure> {
+    let mut prompt = model.prompter.template.render(&request.messages).map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
+    if let Some(v) = &model.vision {
+        let placeholders = prompt.matches(v.placeholder.as_str()).count();
+        if placeholders != media.len() {
+            return Err((
+                ErrorKind::BadMedia,
+                format!("the prompt has {placeholders} image placeholders but {} images were sent", media.len()),
+            ));
+        }
+    }
+    // Placeholders are checked before any media is decoded or stored.
+    let (features, media_stats) = if media.is_empty() {
+        (Vec::new(), MediaStats::default())
+    } else {
+        match media::resolve(model, ctx.model_name, media, ctx.store.as_deref_mut())? {
+            Resolved::Ready(f, s) => (f, s),
+            Resolved::Missing(missing) => {
+                let _ = events.send(Response::NeedMedia { missing });
+                return Ok(None);
+            }
+        }
+    };
+    if let Some(v) = &model.vision {
+        // Each placeholder becomes as many image tokens as its image has feature rows.
+        let rows: Vec<usize> =
+            features.iter().map(|f| f.shape()[..f.shape().len() - 1].iter().product::<i32>() as usize).collect();
+        prompt = v.expand(&prompt, &rows);
+    }
+    Ok(Some((model.encode(&prompt).map_err(inference)?, features, media_stats)))
 }
 
 /// Runs the generation, streaming events into `events`.
@@ -95,35 +139,17 @@ pub fn run(
             ),
         ));
     }
-    let mut prompt = model.template.render(&request.messages).map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
-    if let Some(v) = &model.vision {
-        let placeholders = prompt.matches(v.placeholder.as_str()).count();
-        if placeholders != media.len() {
-            return Err((
-                ErrorKind::BadMedia,
-                format!("the prompt has {placeholders} image placeholders but {} images were sent", media.len()),
-            ));
-        }
-    }
-    // Placeholders are checked before any media is decoded or stored.
-    let (features, media_stats) = if media.is_empty() {
-        (Vec::new(), MediaStats::default())
-    } else {
-        match media::resolve(model, ctx.model_name, &media, ctx.store.as_deref_mut())? {
-            Resolved::Ready(f, s) => (f, s),
-            Resolved::Missing(missing) => {
-                let _ = events.send(Response::NeedMedia { missing });
-                return Ok(Finished::AskedForMedia);
-            }
-        }
+    // A text prompt may have been rendered and tokenized before the job
+    // reached the engine (off this thread); it is used when it was made by
+    // this very model's prompter.
+    let prepared = ctx.prepared.take().filter(|p| media.is_empty() && p.is_for(ctx.model_name, &model.prompter));
+    let (ids, features, media_stats) = match prepared {
+        Some(p) => (p.ids, Vec::new(), MediaStats::default()),
+        None => match prompt_here(model, ctx, request, &media, events)? {
+            Some(made) => made,
+            None => return Ok(Finished::AskedForMedia),
+        },
     };
-    if let Some(v) = &model.vision {
-        // Each placeholder becomes as many image tokens as its image has feature rows.
-        let rows: Vec<usize> =
-            features.iter().map(|f| f.shape()[..f.shape().len() - 1].iter().product::<i32>() as usize).collect();
-        prompt = v.expand(&prompt, &rows);
-    }
-    let ids = model.encode(&prompt).map_err(inference)?;
     if ids.is_empty() {
         return Err((ErrorKind::BadRequest, "the prompt is empty".into()));
     }
@@ -270,7 +296,7 @@ pub fn run(
             break StopReason::Eos;
         }
         generated.push(token);
-        if let Some(piece) = decoder.push(&model.tokenizer, token).map_err(inference)? {
+        if let Some(piece) = decoder.push(&model.prompter.tokenizer, token).map_err(inference)? {
             let (text, stop) = match stops.push(&piece) {
                 Filtered::Emit(t) => (t, false),
                 Filtered::Stop(t) => (t, true),

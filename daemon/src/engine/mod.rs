@@ -4,7 +4,7 @@
 
 mod cache_report;
 pub mod discovery;
-mod generate;
+pub mod generate;
 mod media;
 pub mod memory;
 mod prefix;
@@ -14,7 +14,9 @@ pub mod sampling;
 pub mod sessions;
 mod stop;
 
+use crate::model::prompt::Prompter;
 use crate::model::weights::WeightForm;
+use std::collections::HashMap;
 use mlxbc_shared::{
     settings::Settings, DaemonStatus, ErrorKind, GenerateRequest, KeepAlive, LoadedModel, Response, ShedEvent,
 };
@@ -35,6 +37,8 @@ pub enum Job {
         cancel: Arc<AtomicBool>,
         /// When the daemon received the request (time to first token starts here).
         received: Instant,
+        /// The prompt's ids, when a connection made them off the engine thread.
+        prepared: Option<PreparedPrompt>,
     },
     /// Make a model resident.
     Load { model: String, keep_alive: Option<KeepAlive>, reply: oneshot::Sender<Response> },
@@ -44,6 +48,38 @@ pub enum Job {
     Prefetch { model: Option<String>, media: Vec<mlxbc_shared::MediaRef>, reply: oneshot::Sender<Response> },
     /// Feature-store maintenance.
     Cache { command: mlxbc_shared::CacheCommand, reply: oneshot::Sender<Response> },
+}
+
+/// A text prompt rendered and tokenized before its job reached the engine.
+pub struct PreparedPrompt {
+    /// The resident model it was made for (its canonical name).
+    pub model: String,
+    /// That model's prompter: if the model was reloaded meanwhile, the ids
+    /// are not trusted and the engine tokenizes again.
+    pub prompter: Arc<Prompter>,
+    pub ids: Vec<u32>,
+}
+
+impl PreparedPrompt {
+    /// Made by this model's own prompter.
+    pub fn is_for(&self, model: &str, prompter: &Arc<Prompter>) -> bool {
+        self.model == model && Arc::ptr_eq(&self.prompter, prompter)
+    }
+}
+
+/// What a connection needs to tokenize for a resident model: its canonical
+/// name, its prompter, its context length.
+#[derive(Clone)]
+pub struct PromptRoute {
+    pub model: String,
+    pub prompter: Arc<Prompter>,
+    pub context: usize,
+}
+
+impl std::fmt::Debug for PromptRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptRoute").field("model", &self.model).field("context", &self.context).finish()
+    }
 }
 
 /// Control messages, kept apart from jobs so a stop is never stuck behind them.
@@ -62,7 +98,13 @@ pub struct EngineSnapshot {
     pub memory_budget_bytes: u64,
     /// Memory-pressure sheds (newest last), with when they happened.
     pub sheds: Vec<(Instant, ShedEvent)>,
+    /// For each model name a request used (`None`: the default model) that
+    /// resolved to a resident model: how to tokenize for it.
+    pub routes: HashMap<Option<String>, PromptRoute>,
 }
+
+/// Requested model names remembered for tokenizing off the engine thread.
+const MAX_ROUTES: usize = 64;
 
 /// How many shed events status keeps.
 const SHED_HISTORY: usize = 32;
@@ -133,6 +175,17 @@ impl EngineHandle {
         self.queued.load(Ordering::SeqCst) == 0 && self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.is_empty()
     }
 
+    /// How to tokenize a text-only request for the model it names, when
+    /// that model is resident (and the request is not a session's, whose
+    /// history the engine reads); `None` leaves tokenizing to the engine.
+    pub fn prompt_route(&self, request: &GenerateRequest) -> Option<PromptRoute> {
+        let text_only = request.messages.iter().all(|m| m.images.is_empty());
+        if !text_only || request.session.is_some() {
+            return None;
+        }
+        self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).routes.get(&request.model).cloned()
+    }
+
     /// Names of resident models.
     pub fn loaded_names(&self) -> Vec<String> {
         self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.iter().map(|m| m.name.clone()).collect()
@@ -200,6 +253,7 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
             on_gpu,
             prefill_chunk: settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu)),
             max_tokens_limit: settings.max_tokens_limit,
+            routes: HashMap::new(),
             snapshot,
             queued,
             served,
@@ -265,6 +319,8 @@ struct Engine {
     on_gpu: bool,
     prefill_chunk: usize,
     max_tokens_limit: Option<u32>,
+    /// Requested model names (None: the default) and what they resolved to.
+    routes: HashMap<Option<String>, String>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
     queued: Arc<AtomicU32>,
     served: Arc<AtomicU64>,
@@ -332,7 +388,7 @@ impl Engine {
     /// asked the client for media bytes and the model is about to be needed).
     fn handle(&mut self, job: Job) -> bool {
         match job {
-            Job::Generate { mut request, events, cancel, received } => {
+            Job::Generate { mut request, events, cancel, received, prepared } => {
                 // A named session: its history goes first; this turn is saved when it completes.
                 let turn = match &request.session {
                     None => None,
@@ -353,6 +409,11 @@ impl Engine {
                 let outcome = match self.load(request.model.as_deref(), keep_alive) {
                     Err(e) => Err(e),
                     Ok((name, load_ms)) => {
+                        if self.routes.len() >= MAX_ROUTES {
+                            // Many spellings of paths can name one model: keep the table small.
+                            self.routes.clear();
+                        }
+                        self.routes.insert(request.model.clone(), name.clone());
                         self.publish();
                         let model = self.residency.get(&name).expect("just loaded");
                         let mut ctx = generate::GenerationContext {
@@ -364,6 +425,7 @@ impl Engine {
                             store: self.store.as_mut(),
                             prefixes: &mut self.prefixes,
                             max_tokens_limit: self.max_tokens_limit,
+                            prepared,
                         };
                         let result = generate::run(model, &mut ctx, &request, &events, &cancel);
                         self.residency.touch(&name, keep_alive);
@@ -464,7 +526,7 @@ impl Engine {
     /// before the first stop string (the stream held those back).
     fn answer_text(&self, stats: &mlxbc_shared::GenerationStats, stop: &[String]) -> String {
         let Some(model) = self.residency.get(&stats.model) else { return String::new() };
-        let mut text = model.tokenizer.decode(&stats.token_ids, true).unwrap_or_default();
+        let mut text = model.prompter.tokenizer.decode(&stats.token_ids, true).unwrap_or_default();
         if let Some(cut) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
             text.truncate(cut);
         }
@@ -508,6 +570,19 @@ impl Engine {
         let mut snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
         snap.memory_budget_bytes = self.residency.budget_bytes();
         snap.loaded = self.residency.describe();
+        snap.routes = self
+            .routes
+            .iter()
+            .filter_map(|(asked, name)| {
+                let m = self.residency.get(name)?;
+                let route = PromptRoute {
+                    model: name.clone(),
+                    prompter: m.prompter.clone(),
+                    context: m.backbone.context_length() as usize,
+                };
+                Some((asked.clone(), route))
+            })
+            .collect();
         snap.mlx_active_bytes = mlx_rs::memory::active_memory().unwrap_or(0) as u64;
         snap.mlx_peak_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
     }

@@ -118,7 +118,12 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: axum::bod
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received: Instant::now() };
+    let received = Instant::now();
+    let prepared = match crate::server::prepare::prepare(&state.engine, &request).await {
+        Ok(p) => p,
+        Err((kind, msg)) => return error_response(kind, msg),
+    };
+    let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received, prepared };
     if let Err((kind, msg)) = state.engine.submit(job) {
         return error_response(kind, msg);
     }

@@ -8,6 +8,7 @@ pub mod export;
 pub mod gemma3_text;
 pub mod gguf;
 pub mod layers;
+pub mod prompt;
 pub mod tokenizer;
 pub mod transformer;
 pub mod weights;
@@ -160,8 +161,8 @@ impl VisionSpec {
 /// Everything needed to answer a chat request with one model.
 pub struct TextModel {
     pub backbone: Backbone,
-    pub tokenizer: Tokenizer,
-    pub template: ChatTemplate,
+    /// Template and tokenizer, shareable off the engine thread.
+    pub prompter: std::sync::Arc<prompt::Prompter>,
     /// Token ids that end a generation.
     pub eos_ids: BTreeSet<u32>,
     /// Present for vision-language models.
@@ -179,7 +180,8 @@ impl TextModel {
         eos_ids: BTreeSet<u32>,
         vision: Option<VisionSpec>,
     ) -> Self {
-        Self { backbone, tokenizer, template, eos_ids, vision, compiled_decode: RefCell::new(None) }
+        let prompter = std::sync::Arc::new(prompt::Prompter { tokenizer, template });
+        Self { backbone, prompter, eos_ids, vision, compiled_decode: RefCell::new(None) }
     }
 
     /// How this model's decode steps are built when `wanted`: compiled only
@@ -256,8 +258,7 @@ impl TextModel {
     /// Token ids of a prompt text (special tokens in the text are honoured,
     /// no BOS added: chat templates write it themselves).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        self.prompter.encode(text)
     }
 }
 

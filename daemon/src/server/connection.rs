@@ -218,7 +218,12 @@ fn error(kind: ErrorKind, message: impl Into<String>) -> Response {
 async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_shared::GenerateRequest) -> bool {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received: Instant::now() };
+    let received = Instant::now();
+    let prepared = match super::prepare::prepare(&state.engine, &request).await {
+        Ok(p) => p,
+        Err((kind, msg)) => return conn.send(error(kind, msg)).await.is_ok(),
+    };
+    let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received, prepared };
     if let Err((kind, msg)) = state.engine.submit(job) {
         return conn.send(error(kind, msg)).await.is_ok();
     }

@@ -4,6 +4,7 @@
 pub mod activation;
 pub mod connection;
 pub mod limits;
+pub mod prepare;
 mod socket;
 pub mod validate;
 

@@ -72,8 +72,7 @@ pub fn load_gemma3_dir(
     let soft = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<image_soft_token>".into());
     Ok(TextModel {
         backbone: Backbone::Gemma3(Box::new(vlm)),
-        tokenizer,
-        template,
+        prompter: std::sync::Arc::new(crate::model::prompt::Prompter { tokenizer, template }),
         eos_ids,
         compiled_decode: Default::default(),
         vision: Some(VisionSpec {
@@ -130,8 +129,7 @@ pub fn load_qwen25_vl_dir(
     let key = preprocess.describe();
     Ok(TextModel {
         backbone: Backbone::Qwen25Vl(Box::new(Qwen25Vlm { text, tower, image_token_id, preprocess })),
-        tokenizer,
-        template,
+        prompter: std::sync::Arc::new(crate::model::prompt::Prompter { tokenizer, template }),
         eos_ids,
         compiled_decode: Default::default(),
         vision: Some(VisionSpec {

@@ -375,3 +375,59 @@ async fn fuzzed_requests_through_the_real_dispatcher() {
     let (text, _) = ask(&d.socket, greedy(Some(SMOLLM2), "What is the capital of France?", 24)).await.unwrap();
     assert!(text.starts_with("The capital of France"), "{text:?}");
 }
+
+/// 64 socket clients at once: every one gets the whole greedy answer, the
+/// same as a lone client's.
+#[tokio::test(flavor = "multi_thread")]
+async fn sixty_four_concurrent_socket_clients_all_complete_and_agree() {
+    let d = Daemon::start();
+    let q = "What is the capital of France?";
+    let (want, _) = ask(&d.socket, greedy(None, q, 6)).await.unwrap();
+    let tasks: Vec<_> = (0..64).map(|_| tokio::spawn(ask(d.socket.clone(), greedy(None, q, 6)))).collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().0, want);
+    }
+}
+
+/// A long prompt is tokenized off the engine thread: while it is, another
+/// client's stream keeps flowing. Prints the stream's largest gap between
+/// tokens with and without the long prompt (README, Reliability).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_long_prompt_is_tokenized_while_others_stream() {
+    let d = Daemon::start();
+    served(&d).await; // resident, so the long prompt is tokenized by its connection
+    async fn largest_gap(socket: std::path::PathBuf) -> (Duration, u32) {
+        let mut c = Client::connect(&socket).await.unwrap();
+        let mut r = greedy(None, "Tell me a long story.", 120);
+        r.ignore_eos = true;
+        let mut s = c.generate(r).await.unwrap();
+        let (mut last, mut gap, mut n) = (None::<Instant>, Duration::ZERO, 0);
+        while let Some(e) = s.next_event().await.unwrap() {
+            if let Response::Token { .. } = e {
+                if let Some(t) = last {
+                    gap = gap.max(t.elapsed());
+                }
+                last = Some(Instant::now());
+                n += 1;
+            }
+        }
+        (gap, n)
+    }
+    let (alone, _) = largest_gap(d.socket.clone()).await;
+    let streaming = tokio::spawn(largest_gap(d.socket.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ~250 KB: under the byte bound (8192 tokens x 32), over the context once tokenized.
+    let long = "lorem ipsum dolor sit amet ".repeat(9_500);
+    let t = Instant::now();
+    expect_error(&d, greedy(None, &long, 8), ErrorKind::ContextOverflow, "tokens").await;
+    let tokenized = t.elapsed();
+    let (during, n) = streaming.await.unwrap();
+    assert!(n >= 100, "the other stream completed ({n} tokens)");
+    eprintln!(
+        "long prompt ({} bytes) tokenized and refused in {:.0} ms; the other stream's largest token gap: {:.0} ms during it, {:.0} ms alone",
+        long.len(),
+        tokenized.as_secs_f64() * 1e3,
+        during.as_secs_f64() * 1e3,
+        alone.as_secs_f64() * 1e3
+    );
+}
