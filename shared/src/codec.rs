@@ -102,6 +102,15 @@ impl<In, Out> Default for WireCodec<In, Out> {
     }
 }
 
+impl<In, Out> WireCodec<In, Out> {
+    /// Lowers (or restores) the largest frame accepted, at most
+    /// [`MAX_FRAME_BYTES`]: the daemon reads a Hello under a small cap, so a
+    /// connection that has not said who it is cannot make it buffer 64 MiB.
+    pub fn set_max_frame_bytes(&mut self, max: usize) {
+        self.frames.set_max_frame_length(max.min(MAX_FRAME_BYTES));
+    }
+}
+
 impl<In: DeserializeOwned, Out> Decoder for WireCodec<In, Out> {
     type Item = In;
     type Error = FrameError;
@@ -111,7 +120,7 @@ impl<In: DeserializeOwned, Out> Decoder for WireCodec<In, Out> {
             Ok(Some(frame)) => from_payload(&frame).map(Some),
             Ok(None) => Ok(None),
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                Err(FrameError::TooLarge { len: peek_len(src), max: MAX_FRAME_BYTES })
+                Err(FrameError::TooLarge { len: peek_len(src), max: self.frames.max_frame_length() })
             }
             Err(e) => Err(e.into()),
         }

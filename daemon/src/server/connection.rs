@@ -43,6 +43,8 @@ pub struct ServerState {
 
 /// How long a client may take to say Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest first frame: a Hello is a few dozen bytes.
+const HELLO_MAX_BYTES: usize = 4096;
 /// How long a refusal may take to write before the connection is dropped.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a generation whose client half-closed its socket checks that
@@ -100,6 +102,7 @@ pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
         return refuse(stream, error(ErrorKind::Busy, msg)).await;
     };
     let mut conn = Framed::new(stream, DaemonCodec::default());
+    conn.codec_mut().set_max_frame_bytes(HELLO_MAX_BYTES);
     let handshook = tokio::select! {
         ok = handshake(&mut conn) => ok,
         _ = slot.close.notified() => false,
@@ -107,6 +110,7 @@ pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
     if !handshook {
         return;
     }
+    conn.codec_mut().set_max_frame_bytes(mlxbc_shared::MAX_FRAME_BYTES);
     loop {
         slot.idle();
         // An idle connection is closed after the timeout (clients reconnect

@@ -74,6 +74,22 @@ async fn the_15_byte_frame_gets_bad_frame_and_the_daemon_lives() {
     served(&d).await;
 }
 
+/// Before Hello, a connection may send at most 4 KiB: ten connections
+/// declaring 64 MiB frames cannot make the daemon buffer 640 MiB.
+#[tokio::test(flavor = "multi_thread")]
+async fn before_hello_a_frame_is_capped_at_4_kib() {
+    let d = Daemon::start();
+    let mut s = UnixStream::connect(&d.socket).await.unwrap();
+    // The length alone is refused: no byte of the body is waited for.
+    s.write_all(&(60u32 << 20).to_be_bytes()).await.unwrap();
+    let mut conn = Framed::new(s, LengthDelimitedCodec::new());
+    match recv(&mut conn).await {
+        Some(Response::Error { kind: ErrorKind::BadFrame, message }) => assert!(message.contains("4096"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    served(&d).await;
+}
+
 /// Another user's connection is answered and closed before a byte of it is
 /// read, so even with the socket opened to everyone (`chmod 777`) their
 /// crash frame never reaches the decoder.
