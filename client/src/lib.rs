@@ -21,7 +21,14 @@ pub use spawn::{daemon_program, log_path};
 
 pub use error::ClientError;
 pub use mlxbc_shared::settings::Settings;
-pub use mlxbc_shared::*;
+/// The wire types a caller builds requests from and reads events as.
+pub use mlxbc_shared::protocol::{
+    CacheCommand, CacheEntry, CacheReport, ChatMessage, DaemonStatus, ErrorKind, GenerateRequest, GenerationStats,
+    KeepAlive, LoadedModel, MediaRef, ModelInfo, Request, Response, Role, SamplingParams, SessionCommand, SessionInfo,
+    ShedEvent, StopReason, PROTOCOL_VERSION,
+};
+/// Framing errors a [`ClientError::Frame`] carries.
+pub use mlxbc_shared::FrameError;
 
 use futures::{SinkExt, StreamExt};
 use mlxbc_shared::codec::ClientCodec;
@@ -260,14 +267,24 @@ fn unexpected(r: Response) -> ClientError {
     ClientError::Unexpected(format!("{r:?}"))
 }
 
-/// The events of one generation. Dropping it mid-stream leaves the
-/// connection out of step: the client's next call replaces the connection
-/// (which cancels the generation); drop the [`Client`] to cancel at once.
+/// The events of one generation. Dropping it before `Done` cancels the
+/// generation (the connection is shut, which the daemon sees at once) and
+/// the [`Client`]'s next call connects afresh, so it stays usable.
 pub struct GenerationStream<'a> {
     client: &'a mut Client,
     finished: bool,
     /// The first event, read while settling which media to send.
     pending: Option<Response>,
+}
+
+impl Drop for GenerationStream<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            use std::os::unix::io::AsRawFd;
+            // SAFETY: shutdown on the connection's own open descriptor.
+            unsafe { libc::shutdown(self.client.conn.get_ref().as_raw_fd(), libc::SHUT_RDWR) };
+        }
+    }
 }
 
 impl GenerationStream<'_> {

@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod http;
 pub mod model;
+pub mod options;
 pub mod server;
 pub mod vision;
 

@@ -85,7 +85,7 @@ fn chat_prompts_tokenize_exactly_like_mlx_lm() {
     for path in [smollm2_gguf(), fixture("mlx/smollm2-mlx")] {
         let model = TextModel::load(&path, WeightForm::DenseF32, None).unwrap();
         for case in golden["cases"].as_array().unwrap() {
-            let prompt = model.template.render(&messages(case)).unwrap();
+            let prompt = model.prompter.template.render(&messages(case)).unwrap();
             let ids = model.encode(&prompt).unwrap();
             let want: Vec<u32> =
                 case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();

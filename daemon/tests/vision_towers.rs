@@ -311,7 +311,7 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
             content: question.into(),
             images: vec![mlxbc_shared::MediaRef::from_bytes(bytes.clone())],
         }];
-        let prompt = vision.expand(&model.template.render(&messages).unwrap(), &[rows as usize]);
+        let prompt = vision.expand(&model.prompter.template.render(&messages).unwrap(), &[rows as usize]);
         let ours = model.encode(&prompt).unwrap();
         let mut theirs: Vec<u32> = serde_json::from_value(g["prompt_ids"].clone()).unwrap();
         if family.starts_with("tiny-gemma3") {

@@ -32,7 +32,51 @@ pub fn hf_hub_cache() -> Option<PathBuf> {
     home().map(|h| h.join(".cache/huggingface/hub"))
 }
 
-/// Every model the three stores hold.
+/// The folders a scan starts from.
+fn roots() -> Vec<PathBuf> {
+    let mut roots: Vec<PathBuf> = hf_hub_cache().into_iter().collect();
+    roots.extend(std::env::var_os("OLLAMA_MODELS").map(PathBuf::from).or_else(|| home().map(|h| h.join(".ollama/models"))));
+    if let Some(h) = home() {
+        roots.extend([h.join(".lmstudio/models"), h.join(".cache/lm-studio/models")]);
+    }
+    roots
+}
+
+/// A scan kept for reuse: scanning walks the HF cache and ollama's
+/// manifests, far too slow to repeat for every request that names a model.
+/// It is redone when a scanned root's modification time changes (a model
+/// added or removed at its top) or after [`RESCAN_AFTER`].
+#[derive(Default)]
+pub struct Discovery {
+    last: std::sync::Mutex<Option<Scanned>>,
+}
+
+struct Scanned {
+    at: std::time::Instant,
+    stamps: Vec<Option<std::time::SystemTime>>,
+    found: Vec<Found>,
+}
+
+/// How long a scan is trusted when no root has changed.
+pub const RESCAN_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Discovery {
+    /// Every model the three stores hold, from the last scan while it is fresh.
+    pub fn models(&self) -> Vec<Found> {
+        let stamps: Vec<_> = roots().iter().map(|r| std::fs::metadata(r).and_then(|m| m.modified()).ok()).collect();
+        let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*last {
+            Some(s) if s.stamps == stamps && s.at.elapsed() < RESCAN_AFTER => s.found.clone(),
+            _ => {
+                let found = scan();
+                *last = Some(Scanned { at: std::time::Instant::now(), stamps, found: found.clone() });
+                found
+            }
+        }
+    }
+}
+
+/// Every model the three stores hold (a fresh scan; see [`Discovery`]).
 pub fn scan() -> Vec<Found> {
     let mut out = Vec::new();
     if let Some(hub) = hf_hub_cache() {

@@ -28,8 +28,8 @@ pub struct GenerationContext<'a> {
     pub model_name: &'a str,
     pub load_ms: f64,
     pub prefill_chunk: usize,
-    /// The engine computes on a GPU (decides how decode steps are built).
-    pub on_gpu: bool,
+    /// How decode steps are built on this device (options and measurements).
+    pub decode: DecodeMode,
     pub received: Instant,
     pub store: Option<&'a mut FeatureStore>,
     pub prefixes: &'a mut PrefixCache,
@@ -56,8 +56,6 @@ fn inference<E: std::fmt::Display>(e: E) -> Failure {
     (ErrorKind::Inference, format!("{e:#}"))
 }
 
-/// Runs the generation. `Ok(None)` means the client went away and the work
-/// was abandoned; nothing more should be sent.
 /// How a generation ended, when it did not fail.
 pub enum Finished {
     /// Answered; `Done` is to be sent with these statistics.
@@ -258,7 +256,7 @@ pub fn run(
     let h = model.backbone.hidden(&last_embed, &mut cache).map_err(inference)?;
     let mut next = sampler.pick(&model.backbone.logits_last(&h).map_err(inference)?).map_err(inference)?;
     async_eval([&next]).map_err(inference)?;
-    let mode = model.decode_mode(DecodeMode::for_device(ctx.on_gpu));
+    let mode = model.decode_mode(ctx.decode);
     // Host time per token: building and queueing a step, and waiting for a
     // token to come back; which one dominates says what bounds decode.
     // Queueing is building the graph (MLX operations called) plus dispatching

@@ -194,7 +194,12 @@ impl EngineHandle {
 
 /// Starts the engine thread. It exits when every handle is dropped, after
 /// finishing the job in hand.
-pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+pub fn spawn(
+    settings: &Settings,
+    options: crate::options::EngineOptions,
+    sessions: Arc<sessions::SessionStore>,
+    registry: Arc<ModelRegistry>,
+) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel();
     let device = mlx_rs::Device::default();
     let device_name = match device.get_type() {
@@ -210,7 +215,11 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
         cancelled: Arc::default(),
         device: device_name.to_string(),
     };
-    let form = WeightForm::for_device(&device);
+    let form = crate::options::ModelOptions {
+        form: WeightForm::for_device(&device, options.weights),
+        fusion: options.fusion,
+    };
+    let decode = crate::model::decode_step::DecodeMode::for_device(device_name == "gpu", options.decode);
     let on_gpu = device_name == "gpu";
     let (snapshot, queued, served, cancelled, stopping) = (
         handle.snapshot.clone(),
@@ -241,16 +250,16 @@ pub fn spawn(settings: &Settings) -> std::io::Result<(EngineHandle, std::thread:
             store,
             store_path: settings.feature_cache_dir.clone(),
             prefixes: prefix::PrefixCache::new(settings.prefix_cache_entries),
-            registry: ModelRegistry::new(&settings),
+            registry,
             residency: Residency::new(
                 settings.keep_alive,
                 settings.max_loaded_models,
                 settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
             ),
             low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
-            sessions: sessions::SessionStore::new(&sessions_dir(&settings)),
+            sessions,
             form,
-            on_gpu,
+            decode,
             prefill_chunk: settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu)),
             max_tokens_limit: settings.max_tokens_limit,
             routes: HashMap::new(),
@@ -309,14 +318,14 @@ struct Engine {
     store: Option<mlxbc_cache::FeatureStore>,
     store_path: std::path::PathBuf,
     prefixes: prefix::PrefixCache,
-    registry: ModelRegistry,
+    registry: Arc<ModelRegistry>,
     residency: Residency,
     /// Below this much available memory, shed.
     low_memory_bytes: u64,
-    sessions: sessions::SessionStore,
-    form: WeightForm,
-    /// Computing on a GPU (how decode steps are built depends on it).
-    on_gpu: bool,
+    sessions: Arc<sessions::SessionStore>,
+    form: crate::options::ModelOptions,
+    /// How decode steps are built.
+    decode: crate::model::decode_step::DecodeMode,
     prefill_chunk: usize,
     max_tokens_limit: Option<u32>,
     /// Requested model names (None: the default) and what they resolved to.
@@ -392,9 +401,10 @@ impl Engine {
                 // A named session: its history goes first; this turn is saved when it completes.
                 let turn = match &request.session {
                     None => None,
-                    Some(name) => match self.sessions.load(name) {
-                        Ok(mut history) => {
-                            let turn = (name.clone(), request.messages.clone());
+                    Some(name) => match self.sessions.begin(name) {
+                        Ok(mut started) => {
+                            let mut history = std::mem::take(&mut started.history);
+                            let turn = (name.clone(), request.messages.clone(), started);
                             history.append(&mut request.messages);
                             request.messages = history;
                             Some(turn)
@@ -420,7 +430,7 @@ impl Engine {
                             model_name: &name,
                             load_ms,
                             prefill_chunk: self.prefill_chunk,
-                            on_gpu: self.on_gpu,
+                            decode: self.decode,
                             received,
                             store: self.store.as_mut(),
                             prefixes: &mut self.prefixes,
@@ -434,10 +444,10 @@ impl Engine {
                 };
                 match outcome {
                     Ok(generate::Finished::Done(mut stats)) => {
-                        if let Some((name, mut messages)) = turn {
+                        if let Some((name, mut messages, started)) = turn {
                             messages
                                 .push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, &request.stop)));
-                            if let Err(e) = self.sessions.append(&name, &messages) {
+                            if let Err(e) = self.sessions.finish(&name, &started, &messages) {
                                 // The answer stands, but the client must know the turn is lost.
                                 tracing::warn!(session = %name, "{e}");
                                 stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));
@@ -518,6 +528,11 @@ impl Engine {
         model: Option<&str>,
         keep_alive: Option<KeepAlive>,
     ) -> Result<(String, f64), (ErrorKind, String)> {
+        // A name that already led to a resident model needs no resolving
+        // (which may scan other tools' stores).
+        if let Some(name) = self.routes.get(&model.map(String::from)).filter(|n| self.residency.get(n).is_some()) {
+            return Ok((name.clone(), 0.0));
+        }
         let memo = self.store.as_ref().and_then(|s| s.tree("tower-fingerprints").ok());
         self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())
     }

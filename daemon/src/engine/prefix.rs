@@ -2,8 +2,9 @@
 //! (bounded, least recently used first out) so a second question about the
 //! same images skips both the tower and the prefix's prefill.
 //!
-//! MLX arrays are immutable and the KV cache only ever grows by
-//! concatenation into new arrays, so a stored state can be shared by any
+//! The KV cache writes each step into fixed-capacity buffers with
+//! `slice_update`, which (MLX arrays being immutable) yields new arrays and
+//! leaves the old ones as they were, so a stored state can be shared by any
 //! number of later generations without copying.
 
 use crate::model::transformer::KvCache;

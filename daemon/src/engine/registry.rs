@@ -18,6 +18,8 @@ pub struct ModelRegistry {
     models_dir: PathBuf,
     aliases: std::collections::BTreeMap<String, String>,
     default_model: String,
+    /// Other tools' models, scanned at most every few seconds.
+    discovery: super::discovery::Discovery,
 }
 
 impl ModelRegistry {
@@ -27,6 +29,7 @@ impl ModelRegistry {
             models_dir: settings.models_dir.clone(),
             aliases: settings.aliases.clone(),
             default_model: settings.default_model.clone(),
+            discovery: Default::default(),
         }
     }
 
@@ -40,7 +43,7 @@ impl ModelRegistry {
             let name = if candidate.is_absolute() { target.to_string() } else { file_name(&path) };
             return Ok(ResolvedModel { name, path });
         }
-        if let Some(found) = super::discovery::scan().into_iter().find(|f| f.name == target) {
+        if let Some(found) = self.discovery.models().into_iter().find(|f| f.name == target) {
             return Ok(ResolvedModel { name: found.name, path: found.path });
         }
         let known: Vec<String> =
@@ -87,7 +90,7 @@ impl ModelRegistry {
                 source: "store".into(),
             });
         }
-        for f in super::discovery::scan() {
+        for f in self.discovery.models() {
             let (format, size_bytes) = if f.path.is_dir() {
                 ("mlx", dir_size(&f.path))
             } else {

@@ -156,7 +156,7 @@ impl Residency {
         &mut self,
         registry: &ModelRegistry,
         name: Option<&str>,
-        form: WeightForm,
+        form: crate::options::ModelOptions,
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
     ) -> Result<(String, f64), (ErrorKind, String)> {
@@ -164,7 +164,7 @@ impl Residency {
         if self.models.contains_key(&resolved.name) {
             return Ok((resolved.name, 0.0));
         }
-        self.make_room(&resolved.name, estimated_bytes(&resolved.path, form))?;
+        self.make_room(&resolved.name, estimated_bytes(&resolved.path, form.form))?;
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);

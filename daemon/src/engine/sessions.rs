@@ -3,13 +3,29 @@
 //! `<data dir>/sessions/`, written atomically, so a conversation survives
 //! daemon restarts. History is text: images of earlier turns are not kept
 //! (their features stay in the feature store; ask about them again by sending them).
+//!
+//! One `SessionStore` serves the whole daemon (engine and connections share
+//! it), and it is the only writer of these files: appends and deletes of one
+//! session are serialized, and a turn that began before its session was
+//! deleted is not written back (which used to resurrect the file).
 
 use mlxbc_shared::{ChatMessage, SessionInfo};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
 /// The session directory.
 pub struct SessionStore {
     dir: PathBuf,
+    /// Per session name, how many times it was deleted; held while a file is
+    /// written or removed, so those never interleave.
+    epochs: Mutex<HashMap<String, u64>>,
+}
+
+/// A session's history as a turn starts, and the epoch to append against.
+pub struct Turn {
+    pub history: Vec<ChatMessage>,
+    epoch: u64,
 }
 
 /// Names are file names: letters, digits, `.`, `_`, `-`; 1 to 64 of them.
@@ -27,7 +43,23 @@ pub fn check_name(name: &str) -> Result<(), String> {
 
 impl SessionStore {
     pub fn new(dir: &Path) -> Self {
-        Self { dir: dir.to_owned() }
+        Self { dir: dir.to_owned(), epochs: Mutex::default() }
+    }
+
+    /// The history a new turn of `name` starts from.
+    pub fn begin(&self, name: &str) -> Result<Turn, String> {
+        let epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        let epoch = epochs.get(name).copied().unwrap_or(0);
+        Ok(Turn { history: self.load(name)?, epoch })
+    }
+
+    /// Appends a finished turn, unless the session was deleted since it began.
+    pub fn finish(&self, name: &str, turn: &Turn, new: &[ChatMessage]) -> Result<(), String> {
+        let epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        if epochs.get(name).copied().unwrap_or(0) != turn.epoch {
+            return Err(format!("session {name} was deleted while this turn was being answered"));
+        }
+        self.write_appended(name, new)
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -46,6 +78,11 @@ impl SessionStore {
 
     /// Appends messages (their text; images are dropped).
     pub fn append(&self, name: &str, new: &[ChatMessage]) -> Result<(), String> {
+        let _writing = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        self.write_appended(name, new)
+    }
+
+    fn write_appended(&self, name: &str, new: &[ChatMessage]) -> Result<(), String> {
         let mut all = self.load(name)?;
         all.extend(new.iter().map(|m| ChatMessage { images: vec![], ..m.clone() }));
         mlxbc_shared::paths::create_private_dir(&self.dir)
@@ -74,6 +111,9 @@ impl SessionStore {
 
     /// Forgets a session; returns it if it existed.
     pub fn delete(&self, name: &str) -> Result<Option<SessionInfo>, String> {
+        let mut epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        check_name(name)?;
+        *epochs.entry(name.to_string()).or_default() += 1;
         let messages = self.load(name)?;
         match std::fs::remove_file(self.path(name)) {
             Ok(()) => Ok(Some(SessionInfo { name: name.into(), messages })),
@@ -115,7 +155,11 @@ mod tests {
         let again = SessionStore::new(&dir.path().join("sessions"));
         assert_eq!(again.load("work").unwrap().len(), 3);
         assert_eq!(again.list().iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["work"]);
+        let turn = again.begin("work").unwrap();
+        assert_eq!(turn.history.len(), 3);
         assert!(again.delete("work").unwrap().is_some());
+        assert!(again.finish("work", &turn, &[ChatMessage::user("late")]).is_err(), "no resurrection");
+        assert!(again.load("work").unwrap().is_empty());
         assert!(again.delete("work").unwrap().is_none());
         for bad in ["", "../x", "a/b", ".hidden", &"x".repeat(65)] {
             assert!(again.load(bad).is_err(), "{bad:?}");

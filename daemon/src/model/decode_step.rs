@@ -23,19 +23,18 @@ pub enum DecodeMode {
 }
 
 impl DecodeMode {
-    /// `MLXBC_DECODE=eager|compiled`; otherwise what measured faster on the
+    /// `forced` (`MLXBC_DECODE=eager|compiled`, crate::options); otherwise what measured faster on the
     /// device: compiled on CPU (1.4x eager on a tiny Qwen3, equal on
     /// SmolLM2), eager on a GPU. There MLX's per-operation host work in
     /// evaluation, not graph building, bounds the step (an H200 spent 99% of
     /// each token queueing it), the masked attention over the whole buffer
     /// leaves CUDA's fused decode kernel for the unfused one, and every new
     /// buffer capacity compiles new kernels (docs/measurements/h200-2026-11-29-decode-step.md).
-    pub fn for_device(gpu: bool) -> Self {
-        match std::env::var("MLXBC_DECODE").as_deref() {
-            Ok("eager") => DecodeMode::Eager,
-            Ok("compiled") => DecodeMode::Compiled,
-            _ if gpu => DecodeMode::Eager,
-            _ => DecodeMode::Compiled,
+    pub fn for_device(gpu: bool, forced: Option<DecodeMode>) -> Self {
+        match forced {
+            Some(mode) => mode,
+            None if gpu => DecodeMode::Eager,
+            None => DecodeMode::Compiled,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! Their arithmetic mirrors mlx-lm's `nn.Linear`, `nn.QuantizedLinear`,
 //! `nn.Embedding` and `nn.QuantizedEmbedding`, so greedy ids match it exactly.
 
+use crate::options::Fusion;
 use anyhow::Result;
 use mlx_rs::{ops, Array};
 
@@ -90,13 +91,11 @@ pub enum FusedLinear {
 
 impl FusedLinear {
     /// Fuses `parts` when all are dense of one dtype, or all quantized alike
-    /// (bits, group size, scales' dtype), with biases on all or none.
-    /// `MLXBC_FUSE=0` keeps them separate; `MLXBC_FUSE=dense` fuses dense
-    /// parts only.
-    pub fn new(parts: Vec<Linear>) -> Result<Self> {
-        let setting = std::env::var("MLXBC_FUSE");
+    /// (bits, group size, scales' dtype), with biases on all or none, as
+    /// `fusion` allows (`MLXBC_FUSE`, read once at start: crate::options).
+    pub fn new(parts: Vec<Linear>, fusion: Fusion) -> Result<Self> {
         let quantized = parts.iter().any(|p| matches!(p, Linear::Quantized { .. }));
-        if setting.as_deref() == Ok("0") || (quantized && setting.as_deref() == Ok("dense")) {
+        if fusion == Fusion::Off || (quantized && fusion == Fusion::DenseOnly) {
             return Ok(FusedLinear::Separate(parts));
         }
         match fuse(&parts)? {
@@ -267,7 +266,7 @@ mod tests {
     /// The fused matmul's parts are the separate projections exactly, at one
     /// position (views) and at several (copies).
     fn assert_fused_equals_separate(parts: Vec<Linear>, expect_fused: bool) {
-        let fused = FusedLinear::new(parts.clone()).unwrap();
+        let fused = FusedLinear::new(parts.clone(), Fusion::All).unwrap();
         assert_eq!(matches!(fused, FusedLinear::Fused { .. }), expect_fused);
         for len in [1, 5] {
             let x = mlx_rs::random::normal::<f32>(&[1, len, 64], None, None, None).unwrap();

@@ -13,6 +13,7 @@ pub mod tokenizer;
 pub mod transformer;
 pub mod weights;
 
+use crate::options::ModelOptions;
 use anyhow::{bail, Context, Result};
 use chat_template::ChatTemplate;
 use config::TextConfig;
@@ -21,7 +22,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use tokenizers::Tokenizer;
 use transformer::Transformer;
-use weights::{TensorMap, WeightForm};
+use weights::TensorMap;
 
 /// The network that turns prompt embeddings into next-token logits.
 pub enum Backbone {
@@ -212,7 +213,8 @@ impl TextModel {
 
     /// Loads a `.gguf` file or a model directory. `fingerprints` remembers
     /// tower fingerprints per weight-file identity.
-    pub fn load(path: &Path, form: WeightForm, fingerprints: Option<&sled::Tree>) -> Result<Self> {
+    pub fn load(path: &Path, options: impl Into<ModelOptions>, fingerprints: Option<&sled::Tree>) -> Result<Self> {
+        let form = options.into();
         if path.is_dir() {
             let config_text = std::fs::read_to_string(path.join("config.json"))
                 .with_context(|| format!("reading {}/config.json", path.display()))?;
@@ -267,12 +269,13 @@ pub(crate) fn token_text(tokenizer: &Tokenizer, id: Option<u32>) -> String {
 }
 
 /// Loads a GGUF file (any name: ollama keeps them as content-addressed blobs).
-fn load_gguf(path: &Path, form: WeightForm) -> Result<TextModel> {
+fn load_gguf(path: &Path, form: ModelOptions) -> Result<TextModel> {
     let file = gguf::Gguf::open(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
     let has_output = file.has_tensor("output.weight");
     let embd_rows = file.rows("token_embd.weight").unwrap_or(0) as i32;
     let config = TextConfig::from_gguf(&file, has_output, embd_rows)?;
-    let tensors = TensorMap::from_gguf(&file, config.architecture, config.num_heads, config.num_kv_heads, form)?;
+    let tensors = TensorMap::from_gguf(&file, config.architecture, config.num_heads, config.num_kv_heads, form.form)?
+        .with_fusion(form.fusion);
     let tokenizer = tokenizer::from_gguf(&file)?;
     let id = |key: &str| config::gguf_number(&file, key).ok().map(|v| v as u32);
     let (bos, eos, eot) =
@@ -311,13 +314,13 @@ pub fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
     }
 }
 
-fn load_dir(dir: &Path, form: WeightForm) -> Result<TextModel> {
+fn load_dir(dir: &Path, form: ModelOptions) -> Result<TextModel> {
     let config_text = std::fs::read_to_string(dir.join("config.json"))
         .with_context(|| format!("reading {}/config.json", dir.display()))?;
     let config = TextConfig::from_hf_json(&config_text)?;
     let raw: serde_json::Value = serde_json::from_str(&config_text)?;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
-    let tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
+    let tensors = TensorMap::from_safetensors_dir(dir, quantization, form.form)?.with_fusion(form.fusion);
     let (tokenizer, template, eos_ids) = chat_parts(dir, &raw)?;
     let backbone = Backbone::Decoder(Transformer::from_tensors(config, tensors)?);
     Ok(TextModel::new(backbone, tokenizer, template, eos_ids, None))

@@ -172,7 +172,7 @@ impl Transformer {
                         t.linear(&format!("{p}.self_attn.q_proj"))?,
                         t.linear(&format!("{p}.self_attn.k_proj"))?,
                         t.linear(&format!("{p}.self_attn.v_proj"))?,
-                    ])?,
+                    ], t.fusion)?,
                     o_proj: t.linear(&format!("{p}.self_attn.o_proj"))?,
                     q_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.q_norm.weight"))?) } else { None },
                     k_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.k_norm.weight"))?) } else { None },
@@ -181,7 +181,7 @@ impl Transformer {
                     gate_up: FusedLinear::new(vec![
                         t.linear(&format!("{p}.mlp.gate_proj"))?,
                         t.linear(&format!("{p}.mlp.up_proj"))?,
-                    ])?,
+                    ], t.fusion)?,
                     down_proj: t.linear(&format!("{p}.mlp.down_proj"))?,
                 },
                 input_layernorm: t.float(&format!("{p}.input_layernorm.weight"))?,

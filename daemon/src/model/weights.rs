@@ -5,6 +5,7 @@
 use super::config::Architecture;
 use super::gguf::Gguf;
 use super::layers::{Embedding, Linear, Quantized};
+use crate::options::Fusion;
 use anyhow::{bail, Context, Result};
 use mlx_rs::{Array, Dtype};
 use std::collections::HashMap;
@@ -22,13 +23,13 @@ pub enum WeightForm {
 }
 
 impl WeightForm {
-    /// The fastest form for the default device; `MLXBC_WEIGHTS=dense|packed`
-    /// overrides it (packed on a CPU runs the GPU's arithmetic, slowly: tests).
-    pub fn for_device(device: &mlx_rs::Device) -> Self {
-        match (std::env::var("MLXBC_WEIGHTS").as_deref(), device.get_type()) {
-            (Ok("packed"), _) => WeightForm::Packed(Dtype::Float16),
-            (Ok("dense"), _) => WeightForm::DenseF32,
-            (_, Ok(mlx_rs::DeviceType::Gpu)) => WeightForm::Packed(Dtype::Float16),
+    /// The fastest form for the default device, unless `forced`
+    /// (`MLXBC_WEIGHTS=dense|packed`, crate::options; packed on a CPU runs
+    /// the GPU's arithmetic, slowly: tests).
+    pub fn for_device(device: &mlx_rs::Device, forced: Option<WeightForm>) -> Self {
+        match (forced, device.get_type()) {
+            (Some(form), _) => form,
+            (None, Ok(mlx_rs::DeviceType::Gpu)) => WeightForm::Packed(Dtype::Float16),
             _ => WeightForm::DenseF32,
         }
     }
@@ -48,6 +49,8 @@ pub struct TensorMap {
     default_group: i32,
     group_overrides: HashMap<String, i32>,
     form: WeightForm,
+    /// Which projections may share one matmul ([`TensorMap::with_fusion`]).
+    pub fusion: Fusion,
 }
 
 impl TensorMap {
@@ -55,7 +58,7 @@ impl TensorMap {
     pub fn from_gguf(file: &Gguf, arch: Architecture, n_heads: i32, n_kv_heads: i32, form: WeightForm) -> Result<Self> {
         let tensors = gguf_tensors(file, arch, n_heads, n_kv_heads)?;
         // Every GGUF block type that maps to affine quantization uses groups of 32.
-        Ok(Self { tensors, default_group: 32, group_overrides: HashMap::new(), form })
+        Ok(Self { tensors, default_group: 32, group_overrides: HashMap::new(), form, fusion: Fusion::All })
     }
 
     /// Tensors from `*.safetensors` in `dir`; `quantization` is config.json's
@@ -90,16 +93,21 @@ impl TensorMap {
                 }
             }
         }
-        Ok(Self { tensors, default_group, group_overrides, form })
+        Ok(Self { tensors, default_group, group_overrides, form, fusion: Fusion::All })
     }
 
     /// Tensors already in memory (dense or MLX-quantized with `group_size`).
     pub fn from_arrays(tensors: HashMap<String, Array>, group_size: i32, form: WeightForm) -> Self {
-        Self { tensors, default_group: group_size, group_overrides: HashMap::new(), form }
+        Self { tensors, default_group: group_size, group_overrides: HashMap::new(), form, fusion: Fusion::All }
     }
 
     /// The remaining tensors under `prefix`, renamed without it (e.g. a VLM's
     /// `language_model.` part for the text decoder).
+    /// The same tensors, with projections fused as `fusion` allows.
+    pub fn with_fusion(self, fusion: Fusion) -> Self {
+        Self { fusion, ..self }
+    }
+
     pub fn strip_prefix(self, prefix: &str) -> Self {
         let tensors =
             self.tensors.into_iter().filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v))).collect();

@@ -22,7 +22,7 @@ type Conn = Framed<UnixStream, DaemonCodec>;
 /// Shared state every connection sees.
 pub struct ServerState {
     pub engine: EngineHandle,
-    pub registry: crate::engine::registry::ModelRegistry,
+    pub registry: Arc<crate::engine::registry::ModelRegistry>,
     pub started: Instant,
     /// Set to true to stop the daemon.
     pub shutdown: watch::Sender<bool>,
@@ -37,8 +37,8 @@ pub struct ServerState {
     pub http_allowed_origins: Vec<String>,
     /// The only uid allowed to connect: the daemon's own.
     pub owner_uid: u32,
-    /// Named conversations (read here; the engine appends to them).
-    pub sessions: crate::engine::sessions::SessionStore,
+    /// Named conversations: the one store the engine appends to and connections list and delete.
+    pub sessions: Arc<crate::engine::sessions::SessionStore>,
 }
 
 /// How long a client may take to say Hello.

@@ -17,10 +17,15 @@ use std::time::{Duration, Instant};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
-/// Runs the daemon until it is told to stop. `inherited` is the socket a
+/// Runs the daemon until it is told to stop. `options` are the diagnostic
+/// switches read once at start. `inherited` is the socket a
 /// service manager passed ([`activation::take_inherited`]); without one the
 /// daemon binds `settings.socket` itself.
-pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -> Result<()> {
+pub async fn run(
+    settings: Settings,
+    options: crate::options::EngineOptions,
+    inherited: Option<activation::Inherited>,
+) -> Result<()> {
     private_files(&settings);
     // Handlers first: from the moment the socket listens, a SIGTERM must
     // mean a clean stop, never the default kill.
@@ -38,7 +43,11 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
         Some(addr) => Some(crate::http::bind(addr).await?),
         None => None,
     };
-    let (engine, engine_thread) = crate::engine::spawn(&settings).context("starting the engine thread")?;
+    // One session store for the engine (which appends) and the connections
+    // (which list and delete): the single writer of those files.
+    let sessions = Arc::new(crate::engine::sessions::SessionStore::new(&crate::engine::sessions_dir(&settings)));
+    let registry = Arc::new(crate::engine::registry::ModelRegistry::new(&settings));
+    let (engine, engine_thread) = crate::engine::spawn(&settings, options, sessions.clone(), registry.clone()).context("starting the engine thread")?;
     // Only a socket-activated daemon may leave: its manager keeps listening
     // and starts it again on the next connection.
     let idle_exit = match (manager, settings.idle_exit) {
@@ -61,7 +70,7 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
     tracing::info!(fd_limit, max_connections = cap, "connection limits");
     let state = Arc::new(ServerState {
         engine,
-        registry: crate::engine::registry::ModelRegistry::new(&settings),
+        registry,
         started: Instant::now(),
         shutdown,
         connections: limits::ConnectionTable::new(cap),
@@ -71,7 +80,7 @@ pub async fn run(settings: Settings, inherited: Option<activation::Inherited>) -
         http_allowed_origins: settings.http_allowed_origins.clone(),
         // SAFETY: geteuid cannot fail.
         owner_uid: unsafe { libc::geteuid() },
-        sessions: crate::engine::sessions::SessionStore::new(&crate::engine::sessions_dir(&settings)),
+        sessions,
     });
     if let Some(listener) = http {
         let (state, stop) = (state.clone(), shutdown_rx.clone());

@@ -2,11 +2,12 @@
 //! `config.json` (text_config, vision_config, image token ids),
 //! `preprocessor_config.json`, `*.safetensors`, tokenizer and chat template.
 
+use crate::options::ModelOptions;
 use super::gemma3_vlm::Gemma3Vlm;
 use super::image::{Preprocess, Resample};
 use super::siglip::SiglipConfig;
 use crate::model::gemma3_text::Gemma3TextConfig;
-use crate::model::weights::{TensorMap, WeightForm};
+use crate::model::weights::TensorMap;
 use crate::model::{chat_parts, read_json, Backbone, TextModel, VisionSpec};
 use anyhow::{Context, Result};
 use mlxbc_cache::TowerFingerprint;
@@ -43,7 +44,7 @@ fn tower_fingerprint(
 pub fn load_gemma3_dir(
     dir: &Path,
     raw: &serde_json::Value,
-    form: WeightForm,
+    form: ModelOptions,
     memo: Option<&sled::Tree>,
 ) -> Result<TextModel> {
     let text: Gemma3TextConfig =
@@ -52,7 +53,7 @@ pub fn load_gemma3_dir(
         serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = raw.get("image_token_index").and_then(|v| v.as_u64()).unwrap_or(262144) as u32;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
-    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form.form)?.with_fusion(form.fusion);
     let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
     let side =
         pre.get("size").and_then(|s| s.get("height")).and_then(|h| h.as_u64()).unwrap_or(vision.image_size as u64)
@@ -98,7 +99,7 @@ const QWEN25_TOWER: &[&str] = &["vision_tower."];
 pub fn load_qwen25_vl_dir(
     dir: &Path,
     raw: &serde_json::Value,
-    form: WeightForm,
+    form: ModelOptions,
     memo: Option<&sled::Tree>,
 ) -> Result<TextModel> {
     use super::qwen25_vl::{Qwen25Preprocess, Qwen25Vlm};
@@ -112,7 +113,7 @@ pub fn load_qwen25_vl_dir(
         serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = raw.get("image_token_id").and_then(|v| v.as_u64()).unwrap_or(151655) as u32;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
-    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form)?;
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization, form.form)?.with_fusion(form.fusion);
     let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
     let preprocess = Qwen25Preprocess {
         min_pixels: pre.get("min_pixels").and_then(|v| v.as_u64()).unwrap_or(56 * 56),

@@ -1,8 +1,8 @@
 //! Multimodal rotary positions for Qwen2-VL / Qwen2.5-VL (HF and mlx-vlm's
 //! `get_rope_index`, images only): text advances all three axes (time,
 //! height, width) together; an image's tokens share one time index and take
-//! their row and column in the merged patch grid. Not wired into the language
-//! model yet (see the Qwen2.5-VL tower's module doc).
+//! their row and column in the merged patch grid. The Qwen2 decoder of
+//! Qwen2.5-VL rotates with these (engine/generate.rs sets them on the cache).
 
 /// Positions `[len][t, h, w]` for `ids`, and the delta that decode steps add
 /// to their plain offset (`max position + 1 - len`).

@@ -3,8 +3,9 @@
 //! window attention (full attention in `fullatt_block_indexes`), RMS-norm
 //! SwiGLU blocks, and a 2x2 patch merger into the language model's width.
 //!
-//! The language side (multimodal rotary positions) is not wired yet; this
-//! tower is verified on its own against mlx-vlm.
+//! Verified on its own against mlx-vlm (daemon/tests/vision_towers.rs) and,
+//! with the language model's multimodal rotary positions (vision/mrope.rs),
+//! end to end against mlx-vlm's generate.
 
 use crate::model::layers::Linear;
 use crate::model::weights::TensorMap;

@@ -3,7 +3,8 @@
 use crate::helper::*;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
-use mlxbc_client::{codec, ClientError, ErrorKind, Request, Response};
+use mlxbc_client::{ClientError, ErrorKind, Request, Response};
+use mlxbc_shared::codec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};

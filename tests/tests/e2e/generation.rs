@@ -99,3 +99,50 @@ async fn stop_strings_end_the_answer_before_the_match() {
     assert_eq!(stats.stop_reason, StopReason::StopString);
     assert_eq!(text, full[..full.find("Paris").unwrap()]);
 }
+
+/// A stream dropped before `Done` cancels its generation at once, and the
+/// same `Client` answers the next call (it reconnects; before, it read the
+/// old stream's tokens and the daemon closed the connection).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_dropped_early_cancels_and_the_client_stays_usable() {
+    let d = Daemon::start();
+    let mut client = d.client().await;
+    let mut long = greedy(None, "Write a long story about a dragon.", 400);
+    long.ignore_eos = true;
+    let mut stream = client.generate(long).await.unwrap();
+    until_first_token(&mut stream).await;
+    drop(stream);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while client.status().await.unwrap().generations_cancelled == 0 {
+        assert!(std::time::Instant::now() < deadline, "the dropped stream's generation was not cancelled");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (text, _) = client.ask(greedy(None, "What is the capital of France?", 24)).await.unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+}
+
+/// `sessions rm` while a turn of that session is being answered: the file is
+/// never left half-written and is not resurrected by the late turn, which
+/// comes back with a warning instead.
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_a_session_during_its_turn_neither_corrupts_nor_resurrects_it() {
+    use mlxbc_client::SessionCommand;
+    let d = Daemon::start();
+    let mut first = greedy(None, "hi", 4);
+    first.session = Some("race".into());
+    ask(&d.socket, first).await.unwrap();
+    let mut long = greedy(None, "Tell me a long story.", 120);
+    long.ignore_eos = true;
+    long.session = Some("race".into());
+    let mut c = d.client().await;
+    let mut stream = c.generate(long).await.unwrap();
+    until_first_token(&mut stream).await;
+    let mut other = d.client().await;
+    let deleted = other.sessions(SessionCommand::Delete { name: "race".into() }).await.unwrap();
+    assert_eq!(deleted.len(), 1, "it existed");
+    let (_, stats) = stream.collect_text().await.unwrap();
+    assert!(stats.warnings.iter().any(|w| w.contains("deleted")), "{:?}", stats.warnings);
+    assert!(!d.home.path().join("sessions/race.json").exists(), "the late turn did not resurrect it");
+    let listed = other.sessions(SessionCommand::List).await.unwrap();
+    assert!(listed.iter().all(|s| s.name != "race"), "{listed:?}");
+}

@@ -239,7 +239,8 @@ pub async fn ask(
     request: GenerateRequest,
 ) -> Result<(String, GenerationStats), mlxbc_client::ClientError> {
     let mut c = Client::connect(socket.as_ref()).await?;
-    c.generate(request).await?.collect_text().await
+    let answer = c.generate(request).await?.collect_text().await;
+    answer
 }
 
 /// Reads events until the first token arrives.

@@ -6,7 +6,8 @@
 use crate::helper::*;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
-use mlxbc_client::{codec, Client, ClientError, ErrorKind, GenerateRequest, Request, Response, StopReason};
+use mlxbc_client::{Client, ClientError, ErrorKind, GenerateRequest, Request, Response, StopReason};
+use mlxbc_shared::codec;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
