@@ -86,6 +86,11 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 "queue:    {} waiting; {} requests served, {} generations cancelled (client went away)",
                 s.queued_jobs, s.requests_served, s.generations_cancelled
             )?;
+            writeln!(
+                out,
+                "clients:  {} connections open (cap {}); {} idle ones closed for room, {} refused (all busy)",
+                s.connections_open, s.connections_cap, s.connections_evicted, s.connections_refused
+            )?;
         }
         Command::Load { model, keep_alive: ka } => {
             let mut spinner = crate::progress::Spinner::start(format!("loading {model}"));

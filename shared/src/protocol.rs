@@ -446,4 +446,11 @@ pub struct DaemonStatus {
     pub available_bytes: Option<u64>,
     /// Recent memory-pressure sheds, newest last.
     pub memory_sheds: Vec<ShedEvent>,
+    /// Client connections open now, and the cap in force.
+    pub connections_open: u32,
+    pub connections_cap: u32,
+    /// Idle connections closed to make room for new ones, and connections
+    /// refused because every slot had a request in flight.
+    pub connections_evicted: u64,
+    pub connections_refused: u64,
 }

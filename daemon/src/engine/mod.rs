@@ -159,6 +159,11 @@ impl EngineHandle {
                 .iter()
                 .map(|(at, e)| ShedEvent { ago_s: at.elapsed().as_secs(), ..e.clone() })
                 .collect(),
+            // Filled in by the server, which owns the connections.
+            connections_open: 0,
+            connections_cap: 0,
+            connections_evicted: 0,
+            connections_refused: 0,
         }
     }
 

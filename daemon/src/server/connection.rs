@@ -286,7 +286,16 @@ async fn answer(state: &ServerState, request: Request) -> Response {
             }
             Response::Models { models }
         }
-        Request::Status => Response::Status(state.engine.status(state.started)),
+        Request::Status => {
+            let c = &state.connections;
+            Response::Status(mlxbc_shared::DaemonStatus {
+                connections_open: c.len() as u32,
+                connections_cap: c.cap() as u32,
+                connections_evicted: c.evicted_count(),
+                connections_refused: c.refused.load(Ordering::Relaxed),
+                ..state.engine.status(state.started)
+            })
+        }
         Request::Load { model, keep_alive } => round_trip(state, |reply| Job::Load { model, keep_alive, reply }).await,
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
         Request::Prefetch { model, media } => round_trip(state, |reply| Job::Prefetch { model, media, reply }).await,

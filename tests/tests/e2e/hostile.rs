@@ -186,6 +186,9 @@ async fn out_of_descriptors_the_daemon_serves_and_the_log_stays_bounded() {
         }
     }
     assert!(evicted > 0 || closed > 0, "the cap took effect");
+    let s = d.client().await.status().await.unwrap();
+    assert_eq!(s.connections_cap, 192, "the cap fitted to 256 descriptors");
+    assert!(s.connections_evicted >= 100 && s.connections_open <= 192, "status: {s:?}");
     let log = std::fs::metadata(&d.log).unwrap().len();
     assert!(log < 256 << 10, "log is {log} bytes");
     assert!(d.log_text().contains("max_connections=192"), "cap fitted to 256 descriptors:\n{}", d.log_text());
