@@ -257,9 +257,7 @@ fn exit_for(e: &anyhow::Error) -> ExitCode {
             | ClientError::Spawn { .. }
             | ClientError::DaemonExited { .. }
             | ClientError::HandshakeTimeout { .. },
-        ) => {
-            ExitCode::from(EXIT_UNREACHABLE)
-        }
+        ) => ExitCode::from(EXIT_UNREACHABLE),
         Some(ClientError::Daemon { .. } | ClientError::ProtocolMismatch(_)) => ExitCode::from(EXIT_REFUSED),
         _ if e.downcast_ref::<Warned>().is_some() => ExitCode::from(EXIT_WARNED),
         _ => ExitCode::FAILURE,

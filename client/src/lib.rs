@@ -20,13 +20,13 @@ mod spawn;
 pub use spawn::{daemon_program, log_path};
 
 pub use error::ClientError;
-pub use mlxbc_shared::settings::Settings;
 /// The wire types a caller builds requests from and reads events as.
 pub use mlxbc_shared::protocol::{
     CacheCommand, CacheEntry, CacheReport, ChatMessage, DaemonStatus, ErrorKind, GenerateRequest, GenerationStats,
     KeepAlive, LoadedModel, MediaRef, ModelInfo, Request, Response, Role, SamplingParams, SessionCommand, SessionInfo,
     ShedEvent, StopReason, PROTOCOL_VERSION,
 };
+pub use mlxbc_shared::settings::Settings;
 /// Framing errors a [`ClientError::Frame`] carries.
 pub use mlxbc_shared::FrameError;
 

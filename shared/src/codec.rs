@@ -60,7 +60,8 @@ pub fn decode_limit(len: usize) -> usize {
 }
 
 fn decode_with<T: DeserializeOwned, C: bincode::config::Config>(bytes: &[u8], c: C) -> Result<T, FrameError> {
-    let (value, used) = bincode::serde::decode_from_slice(bytes, c).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    let (value, used) =
+        bincode::serde::decode_from_slice(bytes, c).map_err(|e| FrameError::Malformed(e.to_string()))?;
     if used != bytes.len() {
         return Err(FrameError::Malformed(format!("{} trailing bytes", bytes.len() - used)));
     }

@@ -35,7 +35,9 @@ pub fn hf_hub_cache() -> Option<PathBuf> {
 /// The folders a scan starts from.
 fn roots() -> Vec<PathBuf> {
     let mut roots: Vec<PathBuf> = hf_hub_cache().into_iter().collect();
-    roots.extend(std::env::var_os("OLLAMA_MODELS").map(PathBuf::from).or_else(|| home().map(|h| h.join(".ollama/models"))));
+    roots.extend(
+        std::env::var_os("OLLAMA_MODELS").map(PathBuf::from).or_else(|| home().map(|h| h.join(".ollama/models"))),
+    );
     if let Some(h) = home() {
         roots.extend([h.join(".lmstudio/models"), h.join(".cache/lm-studio/models")]);
     }

@@ -5,6 +5,7 @@
 //! the last token in chunks, then the last token alone), so the computation,
 //! and therefore the greedy token ids, are the reference's.
 
+use super::error::EngineError;
 use super::media::{self, MediaStats, Resolved};
 use super::prefix::PrefixCache;
 use super::sampling::Sampler;
@@ -17,7 +18,7 @@ use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::Array;
 use mlxbc_cache::FeatureStore;
 use mlxbc_shared::MediaRef;
-use mlxbc_shared::{ErrorKind, GenerateRequest, GenerationStats, Response, StopReason};
+use mlxbc_shared::{GenerateRequest, GenerationStats, Response, StopReason};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
@@ -50,10 +51,10 @@ fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, Failure> {
     embeds.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 1).map_err(inference)
 }
 
-type Failure = (ErrorKind, String);
+type Failure = EngineError;
 
 fn inference<E: std::fmt::Display>(e: E) -> Failure {
-    (ErrorKind::Inference, format!("{e:#}"))
+    EngineError::Inference(format!("{e:#}"))
 }
 
 /// How a generation ended, when it did not fail.
@@ -77,14 +78,15 @@ fn prompt_here(
     media: &[&MediaRef],
     events: &UnboundedSender<Response>,
 ) -> Result<Option<(Vec<u32>, Vec<Array>, MediaStats)>, Failure> {
-    let mut prompt = model.prompter.template.render(&request.messages).map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
+    let mut prompt =
+        model.prompter.template.render(&request.messages).map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
     if let Some(v) = &model.vision {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
         if placeholders != media.len() {
-            return Err((
-                ErrorKind::BadMedia,
-                format!("the prompt has {placeholders} image placeholders but {} images were sent", media.len()),
-            ));
+            return Err(EngineError::BadMedia(format!(
+                "the prompt has {placeholders} image placeholders but {} images were sent",
+                media.len()
+            )));
         }
     }
     // Placeholders are checked before any media is decoded or stored.
@@ -117,21 +119,19 @@ pub fn run(
     cancel: &AtomicBool,
 ) -> Result<Finished, Failure> {
     if request.messages.is_empty() {
-        return Err((ErrorKind::BadRequest, "the request has no messages".into()));
+        return Err(EngineError::BadRequest("the request has no messages".into()));
     }
     let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
     if !media.is_empty() && model.vision.is_none() {
-        return Err((
-            ErrorKind::BadMedia,
-            format!("model {} is text-only and cannot take images; use a vision-language model", ctx.model_name),
-        ));
+        return Err(EngineError::BadMedia(format!(
+            "model {} is text-only and cannot take images; use a vision-language model",
+            ctx.model_name
+        )));
     }
     let context = model.backbone.context_length() as usize;
     let text_bytes: usize = request.messages.iter().map(|m| m.content.len()).sum();
     if text_bytes > context.saturating_mul(MAX_BYTES_PER_TOKEN) {
-        return Err((
-            ErrorKind::ContextOverflow,
-            format!(
+        return Err(EngineError::ContextOverflow(format!(
                 "the prompt is {text_bytes} bytes, more than model {} can hold in its context of {context} tokens; shorten it",
                 ctx.model_name
             ),
@@ -149,17 +149,14 @@ pub fn run(
         },
     };
     if ids.is_empty() {
-        return Err((ErrorKind::BadRequest, "the prompt is empty".into()));
+        return Err(EngineError::BadRequest("the prompt is empty".into()));
     }
     if ids.len() >= context {
-        return Err((
-            ErrorKind::ContextOverflow,
-            format!(
-                "the prompt is {} tokens but model {} has a context of {context} tokens; shorten it",
-                ids.len(),
-                ctx.model_name
-            ),
-        ));
+        return Err(EngineError::ContextOverflow(format!(
+            "the prompt is {} tokens but model {} has a context of {context} tokens; shorten it",
+            ids.len(),
+            ctx.model_name
+        )));
     }
     let gone = || cancel.load(Ordering::Relaxed) || events.is_closed();
     if events.send(Response::Started { model: ctx.model_name.to_string(), prompt_tokens: ids.len() as u32 }).is_err() {
@@ -194,7 +191,7 @@ pub fn run(
         (Backbone::Qwen25Vl(v), false) => v.prompt_embeddings(&ids, &features),
         (Backbone::Decoder(_), false) => unreachable!("media::resolve refuses text-only models"),
     }
-    .map_err(|e| (ErrorKind::BadMedia, format!("{e:#}")))?;
+    .map_err(|e| EngineError::BadMedia(format!("{e:#}")))?;
     let n = ids.len();
     // The prefix that ends after the last image has an identity; its KV state
     // is kept so the next question about the same images skips it.

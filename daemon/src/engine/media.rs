@@ -4,11 +4,12 @@
 //! engine is one thread, so two requests for the same new image encode it
 //! once: the second finds the first one's entry.
 
+use super::error::EngineError;
 use crate::model::TextModel;
 use crate::vision::image;
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality};
-use mlxbc_shared::{ErrorKind, MediaRef};
+use mlxbc_shared::MediaRef;
 use std::time::Instant;
 
 /// Outcome of resolving a request's media.
@@ -28,10 +29,10 @@ pub struct MediaStats {
     pub lookup_ms: f64,
 }
 
-type Failure = (ErrorKind, String);
+type Failure = EngineError;
 
 fn bad(msg: impl Into<String>) -> Failure {
-    (ErrorKind::BadMedia, msg.into())
+    EngineError::BadMedia(msg.into())
 }
 
 /// The store key of `media` for `model`.
@@ -94,9 +95,9 @@ pub fn resolve(
         let t = Instant::now();
         let img = image::decode(bytes).map_err(|e| bad(format!("image {}: {e}", &m.hex()[..12])))?;
         let features =
-            model.encode_image(&img).map_err(|e| (ErrorKind::Inference, format!("encoding image: {e:#}")))?;
-        let features = features.as_dtype(Dtype::Float32).map_err(|e| (ErrorKind::Inference, e.to_string()))?;
-        features.eval().map_err(|e| (ErrorKind::Inference, e.to_string()))?;
+            model.encode_image(&img).map_err(|e| EngineError::Inference(format!("encoding image: {e:#}")))?;
+        let features = features.as_dtype(Dtype::Float32).map_err(|e| EngineError::Inference(e.to_string()))?;
+        features.eval().map_err(|e| EngineError::Inference(e.to_string()))?;
         stats.encode_ms += t.elapsed().as_secs_f64() * 1000.0;
         stats.misses += 1;
         if let Some(s) = store.as_deref_mut() {

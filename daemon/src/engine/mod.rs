@@ -4,6 +4,7 @@
 
 mod cache_report;
 pub mod discovery;
+pub mod error;
 pub mod generate;
 mod media;
 pub mod memory;
@@ -16,12 +17,13 @@ mod stop;
 
 use crate::model::prompt::Prompter;
 use crate::model::weights::WeightForm;
-use std::collections::HashMap;
+pub use error::EngineError;
 use mlxbc_shared::{
     settings::Settings, DaemonStatus, ErrorKind, GenerateRequest, KeepAlive, LoadedModel, Response, ShedEvent,
 };
 use registry::ModelRegistry;
 use residency::Residency;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -124,14 +126,14 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queues a job. Fails only when the engine thread is gone.
-    pub fn submit(&self, job: Job) -> Result<(), (ErrorKind, String)> {
+    pub fn submit(&self, job: Job) -> Result<(), EngineError> {
         if self.stopping.load(Ordering::SeqCst) {
-            return Err((ErrorKind::ShuttingDown, "mlxbcd is shutting down".to_string()));
+            return Err(EngineError::ShuttingDown("mlxbcd is shutting down".to_string()));
         }
         self.queued.fetch_add(1, Ordering::SeqCst);
         self.jobs.send(Control::Job(job)).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::SeqCst);
-            (ErrorKind::ShuttingDown, "the engine has stopped".to_string())
+            EngineError::ShuttingDown("the engine has stopped".to_string())
         })
     }
 
@@ -177,7 +179,8 @@ impl EngineHandle {
 
     /// No model resident and no job queued.
     pub fn is_idle(&self) -> bool {
-        self.queued.load(Ordering::SeqCst) == 0 && self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.is_empty()
+        self.queued.load(Ordering::SeqCst) == 0
+            && self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.is_empty()
     }
 
     /// How to tokenize a text-only request for the model it names, when
@@ -220,10 +223,8 @@ pub fn spawn(
         cancelled: Arc::default(),
         device: device_name.to_string(),
     };
-    let form = crate::options::ModelOptions {
-        form: WeightForm::for_device(&device, options.weights),
-        fusion: options.fusion,
-    };
+    let form =
+        crate::options::ModelOptions { form: WeightForm::for_device(&device, options.weights), fusion: options.fusion };
     let decode = crate::model::decode_step::DecodeMode::for_device(device_name == "gpu", options.decode);
     let on_gpu = device_name == "gpu";
     let (snapshot, queued, served, cancelled, stopping) = (
@@ -455,7 +456,9 @@ impl Engine {
                             if let Err(e) = self.sessions.finish(&name, &started, &messages) {
                                 // The answer stands, but the client must know the turn is lost.
                                 tracing::warn!(session = %name, "{e}");
-                                stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));
+                                stats
+                                    .warnings
+                                    .push(format!("this turn was answered but not saved to session {name}: {e}"));
                             }
                         }
                         self.publish();
@@ -466,15 +469,15 @@ impl Engine {
                         self.cancelled.fetch_add(1, Ordering::SeqCst);
                         tracing::info!("generation cancelled: the client went away");
                     }
-                    Err((kind, message)) => {
-                        tracing::warn!(?kind, %message, "generation failed");
-                        let _ = events.send(Response::Error { kind, message });
+                    Err(e) => {
+                        tracing::warn!(kind = ?e.kind(), message = %e, "generation failed");
+                        let _ = events.send(e.into_response());
                     }
                 }
             }
             Job::Prefetch { model, media, reply } => {
                 let response = match self.load(model.as_deref(), None) {
-                    Err((kind, message)) => Response::Error { kind, message },
+                    Err(e) => e.into_response(),
                     Ok((name, _)) => {
                         let m = self.residency.get(&name).expect("just loaded");
                         let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
@@ -486,7 +489,7 @@ impl Engine {
                             Ok(media::Resolved::Ready(_, s)) => {
                                 Response::Prefetched { encoded: s.misses, cached: s.hits }
                             }
-                            Err((kind, message)) => Response::Error { kind, message },
+                            Err(e) => e.into_response(),
                         }
                     }
                 };
@@ -506,7 +509,7 @@ impl Engine {
                         let memory_bytes = self.residency.memory_of(&name);
                         Response::Loaded { model: name, load_ms: t.elapsed().as_millis() as u64, memory_bytes }
                     }
-                    Err((kind, message)) => Response::Error { kind, message },
+                    Err(e) => e.into_response(),
                 };
                 // Status read right after the reply must already see this load.
                 self.publish();
@@ -528,11 +531,7 @@ impl Engine {
     }
 
     /// Makes a model resident (fingerprinting its tower through the store's memo).
-    fn load(
-        &mut self,
-        model: Option<&str>,
-        keep_alive: Option<KeepAlive>,
-    ) -> Result<(String, f64), (ErrorKind, String)> {
+    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<(String, f64), EngineError> {
         // A name that already led to a resident model needs no resolving
         // (which may scan other tools' stores).
         if let Some(name) = self.routes.get(&model.map(String::from)).filter(|n| self.residency.get(n).is_some()) {

@@ -3,9 +3,10 @@
 //! Loading beyond either unloads the least recently used unpinned model
 //! first; a model that cannot fit even then is refused before it is loaded.
 
+use super::error::EngineError;
 use super::registry::ModelRegistry;
 use crate::model::{weights::WeightForm, TextModel};
-use mlxbc_shared::{ErrorKind, KeepAlive, LoadedModel};
+use mlxbc_shared::{KeepAlive, LoadedModel};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -101,33 +102,27 @@ impl Residency {
 
     /// Unloads least recently used unpinned models until one more model of
     /// `need` bytes fits both limits.
-    fn make_room(&mut self, name: &str, need: u64) -> Result<(), (ErrorKind, String)> {
+    fn make_room(&mut self, name: &str, need: u64) -> Result<(), EngineError> {
         if need > self.budget_bytes {
-            return Err((
-                ErrorKind::OutOfMemory,
-                format!(
-                    "model {name} needs about {} MiB, more than the memory budget of {} MiB; \
+            return Err(EngineError::OutOfMemory(format!(
+                "model {name} needs about {} MiB, more than the memory budget of {} MiB; \
                      raise memory_budget_mib in config.toml or use a smaller (quantized) model",
-                    need / MIB,
-                    self.budget_bytes / MIB
-                ),
-            ));
+                need / MIB,
+                self.budget_bytes / MIB
+            )));
         }
         while self.models.len() >= self.max_loaded || self.used_bytes() + need > self.budget_bytes {
             let Some(victim) = self.least_recent_unpinned() else {
                 let pinned: Vec<&str> = self.models.keys().map(String::as_str).collect();
-                return Err((
-                    ErrorKind::OutOfMemory,
-                    format!(
-                        "model {name} (about {} MiB) does not fit next to the pinned models {} ({} of {} MiB used, \
+                return Err(EngineError::OutOfMemory(format!(
+                    "model {name} (about {} MiB) does not fit next to the pinned models {} ({} of {} MiB used, \
                          at most {} loaded); unload one with `mlxbc unload NAME`",
-                        need / MIB,
-                        pinned.join(", "),
-                        self.used_bytes() / MIB,
-                        self.budget_bytes / MIB,
-                        self.max_loaded
-                    ),
-                ));
+                    need / MIB,
+                    pinned.join(", "),
+                    self.used_bytes() / MIB,
+                    self.budget_bytes / MIB,
+                    self.max_loaded
+                )));
             };
             tracing::info!(model = %victim, to_load = %name, "unloading the least recently used model to make room");
             self.unload(&victim);
@@ -159,8 +154,8 @@ impl Residency {
         form: crate::options::ModelOptions,
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
-    ) -> Result<(String, f64), (ErrorKind, String)> {
-        let resolved = registry.resolve(name).map_err(|m| (ErrorKind::UnknownModel, m))?;
+    ) -> Result<(String, f64), EngineError> {
+        let resolved = registry.resolve(name).map_err(|m| EngineError::UnknownModel(m))?;
         if self.models.contains_key(&resolved.name) {
             return Ok((resolved.name, 0.0));
         }
@@ -169,10 +164,10 @@ impl Residency {
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
         let model = TextModel::load(&resolved.path, form, fingerprints).map_err(|e| {
-            (ErrorKind::ModelLoad, format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
+            EngineError::ModelLoad(format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
         })?;
         model.warm_up().map_err(|e| {
-            (ErrorKind::ModelLoad, format!("running model {} for the first time: {e:#}", resolved.name))
+            EngineError::ModelLoad(format!("running model {} for the first time: {e:#}", resolved.name))
         })?;
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;

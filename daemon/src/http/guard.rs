@@ -41,7 +41,8 @@ impl Guard {
         if !hosts.contains(&own) {
             hosts.push(own);
         }
-        let allowed_origins = allowed_origins.into_iter().map(|o| o.trim_end_matches('/').to_ascii_lowercase()).collect();
+        let allowed_origins =
+            allowed_origins.into_iter().map(|o| o.trim_end_matches('/').to_ascii_lowercase()).collect();
         Self { hosts, allowed_origins, token }
     }
 
@@ -137,7 +138,10 @@ pub async fn check(State(guard): State<Arc<Guard>>, request: Request<Body>, next
             .and_then(|v| v.split(';').next())
             .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
         if !json {
-            return cors(refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "request bodies must be Content-Type: application/json"));
+            return cors(refuse(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "request bodies must be Content-Type: application/json",
+            ));
         }
     }
     cors(next.run(request).await)
@@ -157,7 +161,11 @@ mod tests {
 
     #[test]
     fn hosts_origins_and_tokens() {
-        let g = Guard::new("127.0.0.1:11435".parse().unwrap(), Some("s3cret".into()), vec!["http://localhost:3000/".into()]);
+        let g = Guard::new(
+            "127.0.0.1:11435".parse().unwrap(),
+            Some("s3cret".into()),
+            vec!["http://localhost:3000/".into()],
+        );
         assert!(g.host_ok(&headers(&[(header::HOST, "127.0.0.1:11435")])));
         assert!(g.host_ok(&headers(&[(header::HOST, "LOCALHOST:11435")])));
         assert!(!g.host_ok(&headers(&[(header::HOST, "evil.example:11435")])), "a rebound name");

@@ -112,7 +112,9 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: axum::bod
         if !listed {
             return error_response(
                 ErrorKind::UnknownModel,
-                format!("model {name:?} is not one of those GET /v1/models lists (paths are accepted on the socket only)"),
+                format!(
+                    "model {name:?} is not one of those GET /v1/models lists (paths are accepted on the socket only)"
+                ),
             );
         }
     }
@@ -121,11 +123,11 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: axum::bod
     let received = Instant::now();
     let prepared = match crate::server::prepare::prepare(&state.engine, &request).await {
         Ok(p) => p,
-        Err((kind, msg)) => return error_response(kind, msg),
+        Err(e) => return error_response(e.kind(), e.to_string()),
     };
     let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received, prepared };
-    if let Err((kind, msg)) = state.engine.submit(job) {
-        return error_response(kind, msg);
+    if let Err(e) = state.engine.submit(job) {
+        return error_response(e.kind(), e.to_string());
     }
     let guard = CancelOnDrop(cancel);
     // The first event decides the status: an error before any output is an HTTP error.

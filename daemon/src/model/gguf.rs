@@ -85,7 +85,10 @@ impl<'a> Cursor<'a> {
             9 => {
                 let (inner, n) = (self.u32()?, self.u64()?);
                 // Every item takes at least one byte: a count beyond the bytes left is a lie.
-                ensure!(n <= (self.bytes.len() - self.at) as u64, "GGUF array of {n} items runs past the end of the file");
+                ensure!(
+                    n <= (self.bytes.len() - self.at) as u64,
+                    "GGUF array of {n} items runs past the end of the file"
+                );
                 let mut items = Vec::new();
                 for _ in 0..n {
                     items.push(self.value(inner)?);
@@ -120,7 +123,10 @@ impl Gguf {
         }
         // Declared counts are bounded by the bytes that could hold them
         // before anything is reserved: a hostile header can claim 2^62.
-        ensure!(n_tensors <= (map.len() / 24) as u64, "GGUF header declares {n_tensors} tensors; the file cannot hold them");
+        ensure!(
+            n_tensors <= (map.len() / 24) as u64,
+            "GGUF header declares {n_tensors} tensors; the file cannot hold them"
+        );
         let mut tensors = Vec::with_capacity(n_tensors as usize);
         for _ in 0..n_tensors {
             let name = c.string()?;
@@ -215,7 +221,8 @@ impl Gguf {
             "tensor shape {:?} is not valid",
             t.dims
         );
-        let count = t.dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&c| c <= self.map.len() as u64 * 8);
+        let count =
+            t.dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&c| c <= self.map.len() as u64 * 8);
         let count = count.with_context(|| format!("tensor shape {:?} is larger than the file", t.dims))?;
         let cols = t.dims[0] as usize;
         // MLX shape: outermost first.

@@ -168,20 +168,23 @@ impl Transformer {
             let p = format!("model.layers.{i}");
             layers.push(DecoderLayer {
                 attn: Attention {
-                    qkv: FusedLinear::new(vec![
-                        t.linear(&format!("{p}.self_attn.q_proj"))?,
-                        t.linear(&format!("{p}.self_attn.k_proj"))?,
-                        t.linear(&format!("{p}.self_attn.v_proj"))?,
-                    ], t.fusion)?,
+                    qkv: FusedLinear::new(
+                        vec![
+                            t.linear(&format!("{p}.self_attn.q_proj"))?,
+                            t.linear(&format!("{p}.self_attn.k_proj"))?,
+                            t.linear(&format!("{p}.self_attn.v_proj"))?,
+                        ],
+                        t.fusion,
+                    )?,
                     o_proj: t.linear(&format!("{p}.self_attn.o_proj"))?,
                     q_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.q_norm.weight"))?) } else { None },
                     k_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.k_norm.weight"))?) } else { None },
                 },
                 mlp: Mlp {
-                    gate_up: FusedLinear::new(vec![
-                        t.linear(&format!("{p}.mlp.gate_proj"))?,
-                        t.linear(&format!("{p}.mlp.up_proj"))?,
-                    ], t.fusion)?,
+                    gate_up: FusedLinear::new(
+                        vec![t.linear(&format!("{p}.mlp.gate_proj"))?, t.linear(&format!("{p}.mlp.up_proj"))?],
+                        t.fusion,
+                    )?,
                     down_proj: t.linear(&format!("{p}.mlp.down_proj"))?,
                 },
                 input_layernorm: t.float(&format!("{p}.input_layernorm.weight"))?,

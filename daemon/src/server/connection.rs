@@ -225,11 +225,11 @@ async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_
     let received = Instant::now();
     let prepared = match super::prepare::prepare(&state.engine, &request).await {
         Ok(p) => p,
-        Err((kind, msg)) => return conn.send(error(kind, msg)).await.is_ok(),
+        Err(e) => return conn.send(e.into_response()).await.is_ok(),
     };
     let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received, prepared };
-    if let Err((kind, msg)) = state.engine.submit(job) {
-        return conn.send(error(kind, msg)).await.is_ok();
+    if let Err(e) = state.engine.submit(job) {
+        return conn.send(e.into_response()).await.is_ok();
     }
     // After the client shuts its writing half (EOF on read), it may still be
     // reading: keep streaming, and watch for a full hang-up instead.
@@ -324,8 +324,8 @@ async fn answer(state: &ServerState, request: Request) -> Response {
 
 async fn round_trip(state: &ServerState, job: impl FnOnce(oneshot::Sender<Response>) -> Job) -> Response {
     let (tx, rx) = oneshot::channel();
-    if let Err((kind, msg)) = state.engine.submit(job(tx)) {
-        return error(kind, msg);
+    if let Err(e) = state.engine.submit(job(tx)) {
+        return e.into_response();
     }
     rx.await.unwrap_or_else(|_| error(ErrorKind::Internal, "the engine dropped the request"))
 }

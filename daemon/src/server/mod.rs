@@ -47,7 +47,8 @@ pub async fn run(
     // (which list and delete): the single writer of those files.
     let sessions = Arc::new(crate::engine::sessions::SessionStore::new(&crate::engine::sessions_dir(&settings)));
     let registry = Arc::new(crate::engine::registry::ModelRegistry::new(&settings));
-    let (engine, engine_thread) = crate::engine::spawn(&settings, options, sessions.clone(), registry.clone()).context("starting the engine thread")?;
+    let (engine, engine_thread) = crate::engine::spawn(&settings, options, sessions.clone(), registry.clone())
+        .context("starting the engine thread")?;
     // Only a socket-activated daemon may leave: its manager keeps listening
     // and starts it again on the next connection.
     let idle_exit = match (manager, settings.idle_exit) {

@@ -7,21 +7,18 @@
 //! are still tokenized by the engine.
 
 use crate::engine::generate::MAX_BYTES_PER_TOKEN;
-use crate::engine::{EngineHandle, PreparedPrompt};
-use mlxbc_shared::{ErrorKind, GenerateRequest};
-
-/// Why a prompt was refused before it was queued.
-pub type Refusal = (ErrorKind, String);
+use crate::engine::{EngineError, EngineHandle, PreparedPrompt};
+use mlxbc_shared::GenerateRequest;
 
 /// The prompt's ids if they could be made off the engine thread.
-pub async fn prepare(engine: &EngineHandle, request: &GenerateRequest) -> Result<Option<PreparedPrompt>, Refusal> {
+pub async fn prepare(engine: &EngineHandle, request: &GenerateRequest) -> Result<Option<PreparedPrompt>, EngineError> {
     let Some(route) = engine.prompt_route(request) else { return Ok(None) };
     let bytes: usize = request.messages.iter().map(|m| m.content.len()).sum();
     let too_long = |what: String| {
-        Err((
-            ErrorKind::ContextOverflow,
-            format!("the prompt is {what} but model {} has a context of {} tokens; shorten it", route.model, route.context),
-        ))
+        Err(EngineError::ContextOverflow(format!(
+            "the prompt is {what} but model {} has a context of {} tokens; shorten it",
+            route.model, route.context
+        )))
     };
     if bytes > route.context.saturating_mul(MAX_BYTES_PER_TOKEN) {
         return too_long(format!("{bytes} bytes, more than fit"));
@@ -29,8 +26,8 @@ pub async fn prepare(engine: &EngineHandle, request: &GenerateRequest) -> Result
     let (prompter, messages) = (route.prompter.clone(), request.messages.clone());
     let ids = tokio::task::spawn_blocking(move || prompter.prompt_ids(&messages))
         .await
-        .map_err(|e| (ErrorKind::Internal, format!("tokenizing the prompt: {e}")))?
-        .map_err(|e| (ErrorKind::BadRequest, format!("{e:#}")))?;
+        .map_err(|e| EngineError::Internal(format!("tokenizing the prompt: {e}")))?
+        .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
     if ids.len() >= route.context {
         return too_long(format!("{} tokens", ids.len()));
     }

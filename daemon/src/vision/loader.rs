@@ -2,13 +2,13 @@
 //! `config.json` (text_config, vision_config, image token ids),
 //! `preprocessor_config.json`, `*.safetensors`, tokenizer and chat template.
 
-use crate::options::ModelOptions;
 use super::gemma3_vlm::Gemma3Vlm;
 use super::image::{Preprocess, Resample};
 use super::siglip::SiglipConfig;
 use crate::model::gemma3_text::Gemma3TextConfig;
 use crate::model::weights::TensorMap;
 use crate::model::{chat_parts, read_json, Backbone, TextModel, VisionSpec};
+use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use mlxbc_cache::TowerFingerprint;
 use std::path::Path;

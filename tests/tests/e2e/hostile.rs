@@ -59,7 +59,9 @@ async fn the_15_byte_frame_gets_bad_frame_and_the_daemon_lives() {
         s.write_all(&CRASH_FRAME).await.unwrap();
         let mut conn = Framed::new(s, LengthDelimitedCodec::new());
         match recv(&mut conn).await {
-            Some(Response::Error { kind: ErrorKind::BadFrame, message }) => assert!(message.contains("Limit"), "{message}"),
+            Some(Response::Error { kind: ErrorKind::BadFrame, message }) => {
+                assert!(message.contains("Limit"), "{message}")
+            }
             other => panic!("expected BadFrame, got {other:?}"),
         }
     }
@@ -257,7 +259,10 @@ async fn a_socket_that_never_answers_times_out_with_a_message() {
     let t = Instant::now();
     let err = Client::connect(&path).await.err().expect("a timeout");
     assert!(matches!(err, ClientError::HandshakeTimeout { .. }), "{err:?}");
-    assert!(err.to_string().contains(&path.display().to_string()) && err.to_string().contains("mlxbc service"), "{err}");
+    assert!(
+        err.to_string().contains(&path.display().to_string()) && err.to_string().contains("mlxbc service"),
+        "{err}"
+    );
     assert!(t.elapsed() < Duration::from_secs(15));
     drop(listener);
 }
@@ -276,7 +281,13 @@ async fn expect_error(d: &Daemon, r: GenerateRequest, kind: ErrorKind, needle: &
 async fn bounds_on_sampling_prompts_and_max_tokens() {
     let d = daemon_with_config("max_tokens_limit = 6\n");
     let q = "What is the capital of France?";
-    for (t, p, needle) in [(f32::NAN, 1.0, "temperature"), (-1.0, 1.0, "temperature"), (f32::INFINITY, 1.0, "temperature"), (0.5, f32::NAN, "top_p"), (0.5, 0.0, "top_p")] {
+    for (t, p, needle) in [
+        (f32::NAN, 1.0, "temperature"),
+        (-1.0, 1.0, "temperature"),
+        (f32::INFINITY, 1.0, "temperature"),
+        (0.5, f32::NAN, "top_p"),
+        (0.5, 0.0, "top_p"),
+    ] {
         let mut r = greedy(None, q, 8);
         r.sampling.temperature = t;
         r.sampling.top_p = p;
@@ -341,7 +352,8 @@ async fn fuzzed_requests_through_the_real_dispatcher() {
         args: vec![],
     };
     let mut d = Daemon::prepare(&opts);
-    std::fs::write(d.home.path().join("config.toml"), "default_model = \"tiny-qwen3\"\nmax_tokens_limit = 4\n").unwrap();
+    std::fs::write(d.home.path().join("config.toml"), "default_model = \"tiny-qwen3\"\nmax_tokens_limit = 4\n")
+        .unwrap();
     d.spawn(&opts.args);
     let t = Instant::now();
     let mut tasks = Vec::new();
@@ -382,7 +394,9 @@ async fn fuzzed_requests_through_the_real_dispatcher() {
     let mut seen = std::collections::BTreeMap::<String, u64>::new();
     for task in tasks {
         let answered = task.await;
-        if answered.is_err() { std::fs::write("/tmp/fuzzlog.txt", d.log_text()).unwrap(); }
+        if answered.is_err() {
+            std::fs::write("/tmp/fuzzlog.txt", d.log_text()).unwrap();
+        }
         assert!(answered.is_ok(), "a connection failed; the daemon's log ends:\n{}", tail(&d.log_text(), 3000));
         for (k, v) in answered.unwrap() {
             *seen.entry(k).or_default() += v;
@@ -418,7 +432,7 @@ async fn sixty_four_concurrent_socket_clients_all_complete_and_agree() {
 async fn a_long_prompt_is_tokenized_off_the_engine_thread() {
     let d = Daemon::start();
     served(&d).await; // resident, so prompts are tokenized by their connections
-    // ~250 KB: under the byte bound (8192 tokens x 32), over the context once tokenized.
+                      // ~250 KB: under the byte bound (8192 tokens x 32), over the context once tokenized.
     let long = "lorem ipsum dolor sit amet ".repeat(9_500);
     async fn first_token_behind(d: &Daemon, long: GenerateRequest) -> (Duration, Duration) {
         let socket = d.socket.clone();
