@@ -76,6 +76,9 @@ pub struct PromptRoute {
     pub model: String,
     pub prompter: Arc<Prompter>,
     pub context: usize,
+    /// A vision model's image placeholder: a prompt whose text holds one
+    /// (with no image sent) is left to the engine, which refuses it.
+    pub placeholder: Option<String>,
 }
 
 impl std::fmt::Debug for PromptRoute {
@@ -598,6 +601,7 @@ impl Engine {
                     model: name.clone(),
                     prompter: m.prompter.clone(),
                     context: m.backbone.context_length() as usize,
+                    placeholder: m.vision.as_ref().map(|v| v.placeholder.clone()),
                 };
                 Some((asked.clone(), route))
             })

@@ -6,7 +6,6 @@
 
 use super::chat_template::ChatTemplate;
 use anyhow::Result;
-use mlxbc_shared::ChatMessage;
 use tokenizers::Tokenizer;
 
 /// Messages to prompt text to token ids.
@@ -21,10 +20,5 @@ impl Prompter {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
         Ok(enc.get_ids().to_vec())
-    }
-
-    /// The rendered and tokenized prompt of text-only messages.
-    pub fn prompt_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        self.encode(&self.template.render(messages)?)
     }
 }

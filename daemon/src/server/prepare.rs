@@ -24,10 +24,18 @@ pub async fn prepare(engine: &EngineHandle, request: &GenerateRequest) -> Result
         return too_long(format!("{bytes} bytes, more than fit"));
     }
     let (prompter, messages) = (route.prompter.clone(), request.messages.clone());
-    let ids = tokio::task::spawn_blocking(move || prompter.prompt_ids(&messages))
-        .await
-        .map_err(|e| EngineError::Internal(format!("tokenizing the prompt: {e}")))?
-        .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
+    let placeholder = route.placeholder.clone();
+    let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Vec<u32>>> {
+        let text = prompter.template.render(&messages)?;
+        if placeholder.is_some_and(|p| text.contains(p.as_str())) {
+            return Ok(None);
+        }
+        prompter.encode(&text).map(Some)
+    })
+    .await
+    .map_err(|e| EngineError::Internal(format!("tokenizing the prompt: {e}")))?
+    .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
+    let Some(ids) = made else { return Ok(None) };
     if ids.len() >= route.context {
         return too_long(format!("{} tokens", ids.len()));
     }
