@@ -138,14 +138,8 @@ pub fn event_json(event: &Response) -> serde_json::Value {
             json!({"event": "start", "model": model, "prompt_tokens": prompt_tokens})
         }
         Response::Token { text } => json!({"event": "token", "text": text}),
-        Response::Done { stats } => json!({"event": "done", "stats": {
-            "model": stats.model, "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
-            "time_to_first_token_ms": stats.time_to_first_token_ms, "load_ms": stats.load_ms,
-            "prefill_tokens_per_s": stats.prefill_tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
-            "stop_reason": format!("{:?}", stats.stop_reason), "token_ids": stats.token_ids,
-            "encoder_hits": stats.encoder_hits, "encoder_misses": stats.encoder_misses, "encode_ms": stats.encode_ms,
-            "lookup_ms": stats.lookup_ms, "prefix_tokens_reused": stats.prefix_tokens_reused, "prefill_ms": stats.prefill_ms,
-            "warnings": stats.warnings}}),
+        // GenerationStats derives Serialize: every field, under its own name.
+        Response::Done { stats } => json!({"event": "done", "stats": stats}),
         other => json!({"event": "other", "debug": format!("{other:?}")}),
     }
 }
