@@ -7,6 +7,7 @@ pub mod http;
 pub mod model;
 pub mod options;
 pub mod server;
+pub mod state;
 pub mod vision;
 
 pub use server::run;

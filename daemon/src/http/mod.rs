@@ -9,8 +9,7 @@
 mod guard;
 mod openai;
 
-use crate::engine::Job;
-use crate::server::connection::ServerState;
+use crate::state::AppState;
 use anyhow::{bail, Context, Result};
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -25,8 +24,6 @@ use serde_json::json;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
-use tokio::sync::mpsc;
 
 /// Binds the gateway's address; only loopback addresses are accepted.
 pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
@@ -39,7 +36,7 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
 /// Serves HTTP on `listener` until `stop` turns true.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    state: Arc<ServerState>,
+    state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<()> {
     let addr = listener.local_addr()?;
@@ -74,7 +71,7 @@ fn error_response(kind: ErrorKind, message: String) -> Response {
         .into_response()
 }
 
-async fn models(State(state): State<Arc<ServerState>>) -> Json<serde_json::Value> {
+async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let data: Vec<_> = state
         .registry
         .list()
@@ -94,7 +91,7 @@ impl Drop for CancelOnDrop {
     }
 }
 
-async fn chat_completions(State(state): State<Arc<ServerState>>, body: axum::body::Bytes) -> Response {
+async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
     let parsed: ChatCompletionRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return error_response(ErrorKind::BadRequest, format!("request body: {e}")),
@@ -118,17 +115,10 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: axum::bod
             );
         }
     }
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let cancel = Arc::new(AtomicBool::new(false));
-    let received = Instant::now();
-    let prepared = match crate::server::prepare::prepare(&state.engine, &request).await {
-        Ok(p) => p,
+    let (mut rx, cancel) = match state.start_generation(request).await {
+        Ok(started) => started,
         Err(e) => return error_response(e.kind(), e.to_string()),
     };
-    let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received, prepared };
-    if let Err(e) = state.engine.submit(job) {
-        return error_response(e.kind(), e.to_string());
-    }
     let guard = CancelOnDrop(cancel);
     // The first event decides the status: an error before any output is an HTTP error.
     let model = match rx.recv().await {

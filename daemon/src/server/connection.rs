@@ -3,43 +3,22 @@
 //! that closes its socket during a generation cancels it; one that only
 //! closes its writing half still gets its answer.
 
-use super::limits::{ConnectionTable, RateLimitedLog};
+use super::limits::RateLimitedLog;
 use super::validate;
-use crate::engine::{EngineHandle, Job};
+use crate::engine::Job;
+use crate::state::AppState;
 use futures::{SinkExt, StreamExt};
 use mlxbc_shared::codec::DaemonCodec;
 use mlxbc_shared::{ErrorKind, FrameError, Request, Response, PROTOCOL_VERSION};
 use std::os::unix::io::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::oneshot;
 use tokio_util::codec::Framed;
 
 type Conn = Framed<UnixStream, DaemonCodec>;
-
-/// Shared state every connection sees.
-pub struct ServerState {
-    pub engine: EngineHandle,
-    pub registry: Arc<crate::engine::registry::ModelRegistry>,
-    pub started: Instant,
-    /// Set to true to stop the daemon.
-    pub shutdown: watch::Sender<bool>,
-    /// Open client connections, under a cap.
-    pub connections: Arc<ConnectionTable>,
-    /// A connection with no request in flight is closed after this long.
-    pub idle_timeout: Option<Duration>,
-    /// Bounds checked before a request is queued.
-    pub limits: validate::Limits,
-    /// The HTTP gateway's bearer token and allowed cross-site origins.
-    pub http_token: Option<String>,
-    pub http_allowed_origins: Vec<String>,
-    /// The only uid allowed to connect: the daemon's own.
-    pub owner_uid: u32,
-    /// Named conversations: the one store the engine appends to and connections list and delete.
-    pub sessions: Arc<crate::engine::sessions::SessionStore>,
-}
 
 /// How long a client may take to say Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -74,7 +53,7 @@ async fn refuse(mut stream: UnixStream, response: Response) {
 /// single byte is read from it: the socket's file modes already keep others
 /// out, but a service manager's socket or a user's `chmod` may not, and a
 /// frame from another user must never reach the decoder.
-pub async fn serve(stream: UnixStream, state: Arc<ServerState>) {
+pub async fn serve(stream: UnixStream, state: Arc<AppState>) {
     match stream.peer_cred() {
         Ok(cred) if cred.uid() == state.owner_uid => {}
         Ok(cred) => {
@@ -219,18 +198,11 @@ fn error(kind: ErrorKind, message: impl Into<String>) -> Response {
 }
 
 /// Streams a generation; returns false when the connection is finished.
-async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_shared::GenerateRequest) -> bool {
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let cancel = Arc::new(AtomicBool::new(false));
-    let received = Instant::now();
-    let prepared = match super::prepare::prepare(&state.engine, &request).await {
-        Ok(p) => p,
+async fn stream_generation(conn: &mut Conn, state: &AppState, request: mlxbc_shared::GenerateRequest) -> bool {
+    let (mut rx, cancel) = match state.start_generation(request).await {
+        Ok(started) => started,
         Err(e) => return conn.send(e.into_response()).await.is_ok(),
     };
-    let job = Job::Generate { request, events: tx, cancel: cancel.clone(), received, prepared };
-    if let Err(e) = state.engine.submit(job) {
-        return conn.send(e.into_response()).await.is_ok();
-    }
     // After the client shuts its writing half (EOF on read), it may still be
     // reading: keep streaming, and watch for a full hang-up instead.
     let mut read_closed = false;
@@ -274,7 +246,7 @@ async fn stream_generation(conn: &mut Conn, state: &ServerState, request: mlxbc_
     }
 }
 
-async fn answer(state: &ServerState, request: Request) -> Response {
+async fn answer(state: &AppState, request: Request) -> Response {
     match request {
         Request::Hello { .. } => error(ErrorKind::BadRequest, "Hello was already received"),
         Request::Generate(_) => unreachable!("handled by stream_generation"),
@@ -322,7 +294,7 @@ async fn answer(state: &ServerState, request: Request) -> Response {
     }
 }
 
-async fn round_trip(state: &ServerState, job: impl FnOnce(oneshot::Sender<Response>) -> Job) -> Response {
+async fn round_trip(state: &AppState, job: impl FnOnce(oneshot::Sender<Response>) -> Job) -> Response {
     let (tx, rx) = oneshot::channel();
     if let Err(e) = state.engine.submit(job(tx)) {
         return e.into_response();

@@ -8,8 +8,8 @@ pub mod prepare;
 mod socket;
 pub mod validate;
 
+use crate::state::AppState;
 use anyhow::{Context, Result};
-use connection::ServerState;
 use mlxbc_shared::settings::Settings;
 use mlxbc_shared::KeepAlive;
 use std::sync::Arc;
@@ -69,7 +69,7 @@ pub async fn run(
     let fd_limit = limits::raise_fd_limit();
     let cap = limits::connection_cap(settings.max_connections, fd_limit);
     tracing::info!(fd_limit, max_connections = cap, "connection limits");
-    let state = Arc::new(ServerState {
+    let state = Arc::new(AppState {
         engine,
         registry,
         started: Instant::now(),

@@ -1,0 +1,53 @@
+//! The application state: what the socket server and the HTTP gateway
+//! share — the engine handle, the model registry, the session store, the
+//! connection table and the request bounds. Each on-disk store here has one
+//! owner (one `SessionStore`, one `ModelRegistry`), built once at start.
+
+use crate::engine::{EngineError, EngineHandle, Job};
+use crate::server::limits::ConnectionTable;
+use crate::server::validate;
+use mlxbc_shared::{GenerateRequest, Response};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio::sync::watch;
+
+/// Shared by every connection, socket or HTTP.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub registry: Arc<crate::engine::registry::ModelRegistry>,
+    pub started: Instant,
+    /// Set to true to stop the daemon.
+    pub shutdown: watch::Sender<bool>,
+    /// Open client connections, under a cap.
+    pub connections: Arc<ConnectionTable>,
+    /// A connection with no request in flight is closed after this long.
+    pub idle_timeout: Option<Duration>,
+    /// Bounds checked before a request is queued.
+    pub limits: validate::Limits,
+    /// The HTTP gateway's bearer token and allowed cross-site origins.
+    pub http_token: Option<String>,
+    pub http_allowed_origins: Vec<String>,
+    /// The only uid allowed to connect: the daemon's own.
+    pub owner_uid: u32,
+    /// Named conversations: the one store the engine appends to and connections list and delete.
+    pub sessions: Arc<crate::engine::sessions::SessionStore>,
+}
+
+impl AppState {
+    /// Queues a generation (its prompt tokenized first when that can be done
+    /// off the engine thread): its events, and the flag that cancels it.
+    /// The one place a `Job::Generate` is built, for the socket and HTTP alike.
+    pub async fn start_generation(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<(mpsc::UnboundedReceiver<Response>, Arc<AtomicBool>), EngineError> {
+        let received = Instant::now();
+        let prepared = crate::server::prepare::prepare(&self.engine, &request).await?;
+        let (events, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        self.engine.submit(Job::Generate { request, events, cancel: cancel.clone(), received, prepared })?;
+        Ok((rx, cancel))
+    }
+}
