@@ -45,6 +45,27 @@ pub struct GenerationContext<'a> {
 /// is refused before the tokenizer spends time on it.
 pub const MAX_BYTES_PER_TOKEN: usize = 32;
 
+/// Refuses, before anything is tokenized, a prompt of more text than
+/// `model`'s context could hold at [`MAX_BYTES_PER_TOKEN`].
+pub fn fits_by_bytes(model: &str, context: usize, bytes: usize) -> Result<(), EngineError> {
+    if bytes > context.saturating_mul(MAX_BYTES_PER_TOKEN) {
+        return Err(EngineError::ContextOverflow(format!(
+            "the prompt is {bytes} bytes, more than model {model} can hold in its context of {context} tokens; shorten it"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a tokenized prompt that leaves no room in `model`'s context.
+pub fn fits_by_tokens(model: &str, context: usize, tokens: usize) -> Result<(), EngineError> {
+    if tokens >= context {
+        return Err(EngineError::ContextOverflow(format!(
+            "the prompt is {tokens} tokens but model {model} has a context of {context} tokens; shorten it"
+        )));
+    }
+    Ok(())
+}
+
 /// Positions `from..to` of `[1, L, hidden]` embeddings.
 fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, Failure> {
     let idx: Vec<i32> = (from as i32..to as i32).collect();
@@ -129,14 +150,7 @@ pub fn run(
         )));
     }
     let context = model.backbone.context_length() as usize;
-    let text_bytes: usize = request.messages.iter().map(|m| m.content.len()).sum();
-    if text_bytes > context.saturating_mul(MAX_BYTES_PER_TOKEN) {
-        return Err(EngineError::ContextOverflow(format!(
-                "the prompt is {text_bytes} bytes, more than model {} can hold in its context of {context} tokens; shorten it",
-                ctx.model_name
-            ),
-        ));
-    }
+    fits_by_bytes(ctx.model_name, context, request.messages.iter().map(|m| m.content.len()).sum())?;
     // A text prompt may have been rendered and tokenized before the job
     // reached the engine (off this thread); it is used when it was made by
     // this very model's prompter.
@@ -151,13 +165,7 @@ pub fn run(
     if ids.is_empty() {
         return Err(EngineError::BadRequest("the prompt is empty".into()));
     }
-    if ids.len() >= context {
-        return Err(EngineError::ContextOverflow(format!(
-            "the prompt is {} tokens but model {} has a context of {context} tokens; shorten it",
-            ids.len(),
-            ctx.model_name
-        )));
-    }
+    fits_by_tokens(ctx.model_name, context, ids.len())?;
     let gone = || cancel.load(Ordering::Relaxed) || events.is_closed();
     if events.send(Response::Started { model: ctx.model_name.to_string(), prompt_tokens: ids.len() as u32 }).is_err() {
         return Ok(Finished::Abandoned);

@@ -111,6 +111,15 @@ impl ModelRegistry {
     }
 }
 
+/// A name, not a path: neither absolute nor climbing out with `..`. Such a
+/// name can only resolve to an alias, the models directory or another tool's
+/// store, which is what `mlxbc models` lists; the HTTP gateway accepts only
+/// these (the socket, which only its owner reaches, also takes paths).
+pub fn is_plain_name(name: &str) -> bool {
+    let p = Path::new(name);
+    !p.is_absolute() && !name.starts_with('~') && p.components().all(|c| matches!(c, std::path::Component::Normal(_)))
+}
+
 fn file_name(path: &Path) -> String {
     path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
@@ -124,4 +133,17 @@ fn dir_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|it| it.filter_map(|e| std::fs::metadata(e.ok()?.path()).ok()).map(|m| m.len()).sum())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn plain_names_and_paths() {
+        for ok in ["smollm2", "SmolLM2.Q4_1.gguf", "org/name", "org/name/file.gguf", "ollama:qwen:0.5b"] {
+            assert!(super::is_plain_name(ok), "{ok}");
+        }
+        for bad in ["/etc/passwd", "../x.gguf", "a/../../b", "~/models/x.gguf", "./x"] {
+            assert!(!super::is_plain_name(bad), "{bad}");
+        }
+    }
 }

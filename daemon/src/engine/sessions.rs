@@ -112,11 +112,15 @@ impl SessionStore {
     /// Forgets a session; returns it if it existed.
     pub fn delete(&self, name: &str) -> Result<Option<SessionInfo>, String> {
         let mut epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
-        check_name(name)?;
-        *epochs.entry(name.to_string()).or_default() += 1;
         let messages = self.load(name)?;
         match std::fs::remove_file(self.path(name)) {
-            Ok(()) => Ok(Some(SessionInfo { name: name.into(), messages })),
+            Ok(()) => {
+                // Only sessions that existed are remembered (a turn in flight
+                // must not write them back), so deleting made-up names
+                // cannot grow this map.
+                *epochs.entry(name.to_string()).or_default() += 1;
+                Ok(Some(SessionInfo { name: name.into(), messages }))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(format!("deleting session {name}: {e}")),
         }

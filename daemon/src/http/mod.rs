@@ -2,9 +2,9 @@
 //! (`mlxbcd --http 127.0.0.1:PORT`; off by default, loopback only):
 //! `POST /v1/chat/completions` (streaming as server-sent events, images as
 //! `data:` URLs) and `GET /v1/models`, on the same engine as the socket.
-//! Every request passes [`guard`] first; model names resolve only to what
-//! `GET /v1/models` lists, never to a path (the socket, which only its owner
-//! can reach, still takes paths).
+//! Every request passes [`guard`] first; a model must be a plain name
+//! (`registry::is_plain_name`), never a path (the socket, which only its
+//! owner can reach, still takes paths).
 
 mod guard;
 mod openai;
@@ -105,12 +105,11 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
         return error_response(ErrorKind::BadRequest, e.0);
     }
     if let Some(name) = &request.model {
-        let listed = state.registry.list().iter().any(|m| &m.name == name || m.aliases.contains(name));
-        if !listed {
+        if !crate::engine::registry::is_plain_name(name) {
             return error_response(
                 ErrorKind::UnknownModel,
                 format!(
-                    "model {name:?} is not one of those GET /v1/models lists (paths are accepted on the socket only)"
+                    "model {name:?} is a path; over HTTP name a model that GET /v1/models lists (paths are accepted on the socket only)"
                 ),
             );
         }

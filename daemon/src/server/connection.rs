@@ -72,7 +72,7 @@ pub async fn serve(stream: UnixStream, state: Arc<AppState>) {
             return;
         }
     }
-    let Some(slot) = state.connections.admit(state.owner_uid) else {
+    let Some(slot) = state.connections.admit() else {
         let cap = state.connections.cap();
         FULL_LOG.log(|suppressed| tracing::warn!(cap, suppressed, "refused a connection: every slot is busy"));
         let msg = format!(
@@ -264,7 +264,7 @@ async fn answer(state: &AppState, request: Request) -> Response {
                 connections_open: c.len() as u32,
                 connections_cap: c.cap() as u32,
                 connections_evicted: c.evicted_count(),
-                connections_refused: c.refused.load(Ordering::Relaxed),
+                connections_refused: c.refused_count(),
                 ..state.engine.status(state.started)
             })
         }

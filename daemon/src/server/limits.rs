@@ -46,7 +46,6 @@ pub fn connection_cap(configured: usize, fd_limit: u64) -> usize {
 }
 
 struct Entry {
-    uid: u32,
     /// Since when it has had no request in flight (None: busy).
     idle_since: Option<Instant>,
     /// Notified to make the connection close itself.
@@ -59,9 +58,9 @@ pub struct ConnectionTable {
     next_id: AtomicU64,
     open: Mutex<HashMap<u64, Entry>>,
     /// Connections closed to make room for new ones.
-    pub evicted: AtomicU64,
+    evicted: AtomicU64,
     /// Connections refused because every slot was busy.
-    pub refused: AtomicU64,
+    refused: AtomicU64,
 }
 
 /// A connection's place in the table; leaves it on drop.
@@ -98,10 +97,10 @@ impl ConnectionTable {
         self.len() == 0
     }
 
-    /// Takes a slot for a new connection of `uid`. When the table is full,
+    /// Takes a slot for a new connection. When the table is full,
     /// the longest-idle connection is told to close and the new one takes its
     /// place; when every connection is busy, `None`.
-    pub fn admit(self: &Arc<Self>, uid: u32) -> Option<Slot> {
+    pub fn admit(self: &Arc<Self>) -> Option<Slot> {
         let mut open = self.open.lock().unwrap();
         if open.len() >= self.cap && !Self::evict_one(&mut open) {
             self.refused.fetch_add(1, Ordering::Relaxed);
@@ -109,7 +108,7 @@ impl ConnectionTable {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let close = Arc::new(Notify::new());
-        open.insert(id, Entry { uid, idle_since: Some(Instant::now()), close: close.clone() });
+        open.insert(id, Entry { idle_since: Some(Instant::now()), close: close.clone() });
         Some(Slot { table: self.clone(), id, close })
     }
 
@@ -123,7 +122,7 @@ impl ConnectionTable {
         match oldest {
             Some((_, id)) => {
                 let e = open.remove(&id).expect("just found");
-                tracing::debug!(uid = e.uid, "closing the longest-idle connection to make room");
+                tracing::debug!("closing the longest-idle connection to make room");
                 e.close.notify_one();
                 true
             }
@@ -131,8 +130,14 @@ impl ConnectionTable {
         }
     }
 
+    /// Idle connections closed to make room so far.
     pub fn evicted_count(&self) -> u64 {
         self.evicted.load(Ordering::Relaxed)
+    }
+
+    /// Connections refused (every slot busy) so far.
+    pub fn refused_count(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
     }
 }
 
@@ -216,18 +221,18 @@ mod tests {
     #[test]
     fn full_table_evicts_the_longest_idle_and_refuses_when_all_are_busy() {
         let t = ConnectionTable::new(2);
-        let a = t.admit(1).unwrap();
+        let a = t.admit().unwrap();
         std::thread::sleep(Duration::from_millis(2));
-        let b = t.admit(1).unwrap();
+        let b = t.admit().unwrap();
         b.busy();
-        let c = t.admit(1).expect("room made by closing `a`, the idle one");
+        let c = t.admit().expect("room made by closing `a`, the idle one");
         assert_eq!(t.len(), 2);
         drop(a);
         assert_eq!(t.evicted_count(), 1);
         c.busy();
-        assert!(t.admit(1).is_none(), "everyone busy: refused");
+        assert!(t.admit().is_none(), "everyone busy: refused");
         c.idle();
-        assert!(t.admit(1).is_some());
+        assert!(t.admit().is_some());
     }
 
     #[test]

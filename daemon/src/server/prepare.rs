@@ -6,23 +6,14 @@
 //! session turns (the engine owns the history) and models not yet loaded
 //! are still tokenized by the engine.
 
-use crate::engine::generate::MAX_BYTES_PER_TOKEN;
+use crate::engine::generate::{fits_by_bytes, fits_by_tokens};
 use crate::engine::{EngineError, EngineHandle, PreparedPrompt};
 use mlxbc_shared::GenerateRequest;
 
 /// The prompt's ids if they could be made off the engine thread.
 pub async fn prepare(engine: &EngineHandle, request: &GenerateRequest) -> Result<Option<PreparedPrompt>, EngineError> {
     let Some(route) = engine.prompt_route(request) else { return Ok(None) };
-    let bytes: usize = request.messages.iter().map(|m| m.content.len()).sum();
-    let too_long = |what: String| {
-        Err(EngineError::ContextOverflow(format!(
-            "the prompt is {what} but model {} has a context of {} tokens; shorten it",
-            route.model, route.context
-        )))
-    };
-    if bytes > route.context.saturating_mul(MAX_BYTES_PER_TOKEN) {
-        return too_long(format!("{bytes} bytes, more than fit"));
-    }
+    fits_by_bytes(&route.model, route.context, request.messages.iter().map(|m| m.content.len()).sum())?;
     let (prompter, messages) = (route.prompter.clone(), request.messages.clone());
     let placeholder = route.placeholder.clone();
     let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Vec<u32>>> {
@@ -36,8 +27,6 @@ pub async fn prepare(engine: &EngineHandle, request: &GenerateRequest) -> Result
     .map_err(|e| EngineError::Internal(format!("tokenizing the prompt: {e}")))?
     .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
     let Some(ids) = made else { return Ok(None) };
-    if ids.len() >= route.context {
-        return too_long(format!("{} tokens", ids.len()));
-    }
+    fits_by_tokens(&route.model, route.context, ids.len())?;
     Ok(Some(PreparedPrompt { model: route.model, prompter: route.prompter, ids }))
 }
