@@ -4,6 +4,7 @@
 //!
 //! Usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS
 //!        mlxbc-bench --image VLM_DIR IMAGE_FILE
+//!        mlxbc-bench --queued-images VLM_DIR [N=8]
 
 use anyhow::{bail, Context, Result};
 use mlxbc_client::{Client, GenerateRequest, Response};
@@ -157,9 +158,94 @@ async fn image_bench(model: &std::path::Path, image: &std::path::Path) -> Result
     Ok(())
 }
 
-#[tokio::main(flavor = "current_thread")]
+/// A `side`x`side` PNG no store has seen: smooth gradients plus a seeded
+/// pattern, so it compresses like a photo-sized screenshot, not like noise.
+fn fresh_png(side: u32, seed: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(side, side, |x, y| {
+        let v = (x.wrapping_mul(7) ^ y.wrapping_mul(13)).wrapping_add(seed.wrapping_mul(2_654_435_761));
+        image::Rgb([(x * 255 / side) as u8, (y * 255 / side) as u8, (v >> 3) as u8])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).expect("PNG encoding in memory");
+    out.into_inner()
+}
+
+/// `n` requests with new 1024x1024 images sent while another client's long
+/// generation runs: what the engine spends per image request (the daemon's
+/// own stats: decode and resize, tower, prefill), how long the running
+/// generation's decode took, and the wall time until every image answered.
+async fn queued_images_bench(model: &std::path::Path, n: usize) -> Result<()> {
+    let model = model.canonicalize()?;
+    let images: Vec<Vec<u8>> = (0..n).map(|i| fresh_png(1024, i as u32 + std::process::id())).collect();
+    let b = Bench::start(&model, None)?;
+    let name = b.name.clone();
+    let mut c = b.client().await;
+    // Warm up the model, the tower and MLX's kernels with an image of the same size.
+    let warm = mlxbc_client::MediaRef::from_bytes(fresh_png(1024, u32::MAX));
+    let ask_image = |media: mlxbc_client::MediaRef| {
+        let mut r = GenerateRequest::ask("What is in this picture?");
+        r.messages[0].images = vec![media];
+        r.model = Some(name.clone());
+        r.max_tokens = 1;
+        r
+    };
+    timed(&mut c, ask_image(warm)).await?;
+    let mut long = GenerateRequest::ask("Write a long story about a fox.");
+    long.model = Some(name.clone());
+    long.max_tokens = 600;
+    long.ignore_eos = true;
+    let (_, alone) = timed(&mut c, long.clone()).await?;
+    let mut runner = b.client().await;
+    let mut stream = runner.generate(long).await?;
+    // Wait for the long generation's first token, then queue the images behind it.
+    while !matches!(stream.next_event().await?, Some(Response::Token { .. })) {}
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for bytes in images {
+        let mut client = b.client().await;
+        let req = ask_image(mlxbc_client::MediaRef::from_bytes(bytes));
+        tasks.push(tokio::spawn(async move {
+            let r = timed(&mut client, req).await;
+            (r, Instant::now())
+        }));
+    }
+    let running = loop {
+        match stream.next_event().await? {
+            Some(Response::Done { stats }) => break stats,
+            Some(_) => {}
+            None => bail!("the long generation ended without Done"),
+        }
+    };
+    let mut rows = Vec::new();
+    let mut last = t;
+    for task in tasks {
+        let (r, done_at) = task.await?;
+        let (ttft, s) = r?;
+        last = last.max(done_at);
+        rows.push(serde_json::json!({"ttft_ms": ttft, "encode_ms": s.encode_ms, "lookup_ms": s.lookup_ms,
+            "prefill_ms": s.prefill_ms, "misses": s.encoder_misses}));
+    }
+    let out = serde_json::json!({
+        "images": n,
+        "requests": rows,
+        "all_answered_ms": last.duration_since(t).as_secs_f64() * 1000.0,
+        "running_decode_tps": running.decode_tokens_per_s,
+        "alone_decode_tps": alone.decode_tokens_per_s,
+    });
+    drop(stream);
+    drop((c, runner));
+    b.stop().await;
+    println!("{out}");
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() >= 3 && args[1] == "--queued-images" {
+        let n = args.get(3).map(|n| n.parse()).transpose()?.unwrap_or(8);
+        return queued_images_bench(std::path::Path::new(&args[2]), n).await;
+    }
     if args.len() == 4 && args[1] == "--image" {
         return image_bench(std::path::Path::new(&args[2]), std::path::Path::new(&args[3])).await;
     }
