@@ -18,5 +18,5 @@ mod value;
 
 pub use fingerprint::{TowerFingerprint, WeightFileIdentity};
 pub use key::{content_hash, hex, FeatureKey, Modality, SCHEMA_VERSION};
-pub use store::{FeatureStore, StoreConfig, StoreError, StoreStats, Tier};
+pub use store::{scan_for_damage, FeatureStore, StoreConfig, StoreError, StoreStats, Tier};
 pub use value::{FeatureDtype, Features};

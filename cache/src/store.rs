@@ -71,6 +71,20 @@ pub struct FeatureStore {
     stats: StoreStats,
 }
 
+/// Reads every entry of a features tree: how many are sound, and the keys
+/// of the damaged ones (an unreadable key or value).
+pub fn scan_for_damage(features: &sled::Tree) -> (u64, Vec<Vec<u8>>) {
+    let (mut ok, mut damaged) = (0, Vec::new());
+    for entry in features.iter() {
+        match entry {
+            Ok((k, v)) if FeatureKey::from_bytes(&k).is_some() && Features::decode(&v).is_some() => ok += 1,
+            Ok((k, _)) => damaged.push(k.to_vec()),
+            Err(_) => {}
+        }
+    }
+    (ok, damaged)
+}
+
 fn ram_key(key: &FeatureKey) -> [u8; 99] {
     key.to_bytes().try_into().expect("99-byte key")
 }
@@ -270,20 +284,24 @@ impl FeatureStore {
 
     /// Reads every disk entry, removing damaged ones; returns (ok, removed).
     pub fn verify(&mut self) -> (u64, u64) {
-        let keys: Vec<Vec<u8>> = self.features.iter().keys().filter_map(Result::ok).map(|k| k.to_vec()).collect();
-        let (mut ok, mut bad) = (0, 0);
+        let (ok, damaged) = scan_for_damage(&self.features);
+        let removed = damaged.len() as u64;
+        self.remove_damaged(damaged);
+        (ok, removed)
+    }
+
+    /// Removes entries [`scan_for_damage`] found, counting them as corrupt.
+    pub fn remove_damaged(&mut self, keys: Vec<Vec<u8>>) {
         for k in keys {
-            let good = FeatureKey::from_bytes(&k).is_some()
-                && self.features.get(&k).ok().flatten().is_some_and(|v| Features::decode(&v).is_some());
-            if good {
-                ok += 1;
-            } else {
-                bad += 1;
-                self.stats.corrupt += 1;
-                self.remove_raw(&k);
-            }
+            self.stats.corrupt += 1;
+            self.remove_raw(&k);
         }
-        (ok, bad)
+    }
+
+    /// The features tree, for scans that run without holding the store
+    /// (sled trees are shared handles, safe to read from any thread).
+    pub fn features_tree(&self) -> sled::Tree {
+        self.features.clone()
     }
 
     /// Writes everything to disk now.

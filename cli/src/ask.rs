@@ -109,8 +109,8 @@ pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) 
                 writeln!(out)?;
                 if args.verbose && stats.encoder_hits + stats.encoder_misses > 0 {
                     eprintln!(
-                        "images: {} hit, {} encoded | lookup {:.1} ms, encode {:.0} ms | prefix tokens reused {} | prefill {:.0} ms",
-                        stats.encoder_hits, stats.encoder_misses, stats.lookup_ms, stats.encode_ms, stats.prefix_tokens_reused, stats.prefill_ms
+                        "images: {} hit, {} encoded | lookup {:.1} ms, preprocess {:.0} ms, encode {:.0} ms | prefix tokens reused {} | prefill {:.0} ms",
+                        stats.encoder_hits, stats.encoder_misses, stats.lookup_ms, stats.preprocess_ms, stats.encode_ms, stats.prefix_tokens_reused, stats.prefill_ms
                     );
                 }
                 if args.verbose {

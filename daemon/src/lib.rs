@@ -3,12 +3,12 @@
 //! [`run`], so tests can also boot the daemon in-process.
 
 pub mod engine;
+pub mod families;
 pub mod http;
 pub mod model;
 pub mod options;
 pub mod server;
 pub mod state;
-pub mod vision;
 
 pub use server::run;
 

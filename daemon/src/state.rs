@@ -5,6 +5,7 @@
 
 use crate::engine::{EngineError, EngineHandle, Job};
 use crate::server::limits::ConnectionTable;
+use crate::server::prepare::{Prepared, Ready};
 use crate::server::validate;
 use mlxbc_shared::{GenerateRequest, Response};
 use std::sync::atomic::AtomicBool;
@@ -36,18 +37,36 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Queues a generation (its prompt tokenized first when that can be done
-    /// off the engine thread): its events, and the flag that cancels it.
-    /// The one place a `Job::Generate` is built, for the socket and HTTP alike.
+    /// Queues a generation, prepared first as far as it can be off the
+    /// engine thread (`server::prepare`): its events, and the flag that
+    /// cancels it. The one place a `Job::Generate` is built, for the socket
+    /// and HTTP alike.
     pub async fn start_generation(
         &self,
         request: GenerateRequest,
     ) -> Result<(mpsc::UnboundedReceiver<Response>, Arc<AtomicBool>), EngineError> {
         let received = Instant::now();
-        let prepared = crate::server::prepare::prepare(&self.engine, &request).await?;
         let (events, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        self.engine.submit(Job::Generate { request, events, cancel: cancel.clone(), received, prepared })?;
+        match crate::server::prepare::prepare(self, request).await? {
+            Prepared::NeedMedia(missing) => {
+                let _ = events.send(Response::NeedMedia { missing });
+            }
+            Prepared::Ready(ready) => {
+                let Ready { request, prepared, media, turn, load_ms } = *ready;
+                let cancel = cancel.clone();
+                self.engine.submit(Job::Generate {
+                    request,
+                    events,
+                    cancel,
+                    received,
+                    prepared,
+                    media,
+                    turn,
+                    load_ms,
+                })?;
+            }
+        }
         Ok((rx, cancel))
     }
 }

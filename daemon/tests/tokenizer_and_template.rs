@@ -3,7 +3,7 @@
 //! `transformers` rebuilt from the same GGUF (tests/fixtures/tokenizers), and
 //! the prompt ids mlx-lm produced (tests/fixtures/reference).
 
-use mlxbc_daemon::model::{tokenizer, weights::WeightForm, TextModel};
+use mlxbc_daemon::model::{tokenizer, weights::WeightForm};
 use mlxbc_shared::{ChatMessage, Role};
 use std::path::PathBuf;
 
@@ -83,7 +83,7 @@ fn chat_prompts_tokenize_exactly_like_mlx_lm() {
     )
     .unwrap();
     for path in [smollm2_gguf(), fixture("mlx/smollm2-mlx")] {
-        let model = TextModel::load(&path, WeightForm::DenseF32, None).unwrap();
+        let model = mlxbc_daemon::families::load(&path, WeightForm::DenseF32, None).unwrap();
         for case in golden["cases"].as_array().unwrap() {
             let prompt = model.prompter.template.render(&messages(case)).unwrap();
             let ids = model.encode(&prompt).unwrap();

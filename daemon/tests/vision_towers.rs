@@ -7,9 +7,11 @@
 //! only where MLX 0.32.2 and 0.32.4 round reductions differently.
 
 use mlx_rs::{ops, Array};
+use mlxbc_daemon::families::gemma3::projector::Gemma3Projector;
+use mlxbc_daemon::families::gemma3::siglip::{SiglipConfig, SiglipTower};
+use mlxbc_daemon::model::family::{LanguageModel, VisionTower};
+use mlxbc_daemon::model::kv_cache::KvCache;
 use mlxbc_daemon::model::weights::{TensorMap, WeightForm};
-use mlxbc_daemon::vision::gemma3_projector::Gemma3Projector;
-use mlxbc_daemon::vision::siglip::{SiglipConfig, SiglipTower};
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -80,7 +82,7 @@ fn assert_greedy_matches(
     let (body, last) = split_last(embeds);
     forward(&body);
     let mut logits = forward(&last);
-    let err = relative_error(&logits, &rec.first_logits);
+    let err = relative_error(&logits.reshape(&[-1]).unwrap(), &rec.first_logits);
     eprintln!("{label} first logits: relative error {err:e}");
     assert!(err < TOLERANCE, "{label}: prefill logits differ from mlx-vlm: {err:e}");
     let mut got = Vec::new();
@@ -118,9 +120,8 @@ fn gemma3_siglip_tower_and_projector_match_mlx_vlm() {
 
 #[test]
 fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
-    use mlxbc_daemon::model::gemma3_text::Gemma3TextConfig;
-    use mlxbc_daemon::model::transformer::KvCache;
-    use mlxbc_daemon::vision::gemma3_vlm::Gemma3Vlm;
+    use mlxbc_daemon::families::gemma3::text::{Gemma3Text, Gemma3TextConfig};
+    use mlxbc_daemon::families::gemma3::vision::Gemma3Tower;
     let mut tensors = reference("gemma3-vlm-tiny.safetensors");
     let pixels = tensors.remove("test.pixels").unwrap();
     let rec = take_recorded(&mut tensors);
@@ -133,36 +134,53 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
     }))
     .unwrap();
     let vision = tiny_siglip();
-    let mut vlm = Gemma3Vlm::load(text, vision, 250, &mut t).unwrap();
-    // mlx-vlm 0.7.10 attends causally over image tokens (see Gemma3Vlm).
-    vlm.bidirectional_images = false;
-    let features = vlm.encode_image(&pixels).unwrap();
-    let embeds = vlm.prompt_embeddings(&prompt, &[features]).unwrap();
-    let mut cache = KvCache::new(vlm.text.num_layers());
-    let forward = |e: &Array| vlm.text.logits_last(&vlm.text.hidden(e, &mut cache).unwrap()).unwrap();
-    let embed = |y: u32| vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
+    let tower = Gemma3Tower::load(vision, text.mm_tokens_per_image, text.hidden_size, 250, &mut t).unwrap();
+    let mut lm = Gemma3Text::load(text, &mut t, "language_model").unwrap();
+    // mlx-vlm 0.7.10 attends causally over image tokens (see Gemma3Text).
+    lm.bidirectional_images = false;
+    let features = tower.encode_pixels(&pixels).unwrap();
+    let embeds = tower.splice(&lm, &prompt, &[features]).unwrap();
+    let mut cache = KvCache::new(lm.num_layers());
+    let forward = |e: &Array| lm.logits(&lm.forward(e, &mut cache, None).unwrap()).unwrap();
+    let embed = |y: u32| LanguageModel::embed(&lm, &Array::from_slice(&[y], &[1, 1])).unwrap();
     assert_greedy_matches("gemma3 vlm", &rec, &embeds, forward, embed);
     // HF's mask (bidirectional within the image) changes the prefill — this
     // is where and why ids part from mlx-vlm when it is on.
-    let blocks = vlm.image_blocks(&prompt);
+    let blocks: Vec<i32> = {
+        let mut block = -1;
+        prompt
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                if t != 250 {
+                    -1
+                } else {
+                    if i == 0 || prompt[i - 1] != 250 {
+                        block += 1
+                    }
+                    block
+                }
+            })
+            .collect()
+    };
     assert_eq!(blocks.iter().filter(|&&b| b == 0).count(), 16);
     let (body, last) = split_last(&embeds);
-    let mut c2 = KvCache::new(vlm.text.num_layers());
-    vlm.text.hidden_with_blocks(&body, &mut c2, Some(&blocks)).unwrap();
-    let h2 = vlm.text.hidden_with_blocks(&last, &mut c2, Some(&blocks)).unwrap();
-    let bidir = vlm.text.logits_last(&h2).unwrap();
-    let moved = relative_error(&bidir, &rec.first_logits);
+    let mut c2 = KvCache::new(lm.num_layers());
+    lm.hidden(&body, &mut c2, Some(&blocks)).unwrap();
+    let h2 = lm.hidden(&last, &mut c2, Some(&blocks)).unwrap();
+    let bidir = lm.logits_last(&h2).unwrap();
+    let moved = relative_error(&bidir.reshape(&[-1]).unwrap(), &rec.first_logits);
     eprintln!("gemma3 vlm, bidirectional image attention vs mlx-vlm's causal: relative logit change {moved:e}");
     assert!(moved > 1e-4, "bidirectional image attention must change the result");
     // Too many or too few images are errors, not silent misalignment.
-    assert!(vlm.prompt_embeddings(&prompt, &[]).is_err());
-    let f = vlm.encode_image(&pixels).unwrap();
-    assert!(vlm.prompt_embeddings(&prompt, &[f.clone(), f]).is_err());
+    assert!(tower.splice(&lm, &prompt, &[]).is_err());
+    let f = tower.encode_pixels(&pixels).unwrap();
+    assert!(tower.splice(&lm, &prompt, &[f.clone(), f]).is_err());
 }
 
 #[test]
 fn qwen25_vl_tower_matches_mlx_vlm() {
-    use mlxbc_daemon::vision::qwen25_vl_tower::{Qwen25VisionConfig, Qwen25VisionTower};
+    use mlxbc_daemon::families::qwen2_5_vl::tower::{Qwen25VisionConfig, Qwen25VisionTower};
     let mut tensors = reference("qwen25-vl-tower.safetensors");
     let patches = tensors.remove("test.patches").unwrap();
     let want = tensors.remove("test.features").unwrap();
@@ -182,7 +200,7 @@ fn qwen25_vl_tower_matches_mlx_vlm() {
 
 #[test]
 fn qwen25_vl_patchify_matches_the_hf_processor() {
-    use mlxbc_daemon::vision::qwen25_vl_tower::patchify;
+    use mlxbc_daemon::families::qwen2_5_vl::tower::patchify;
     let mut tensors = reference("qwen25-vl-tower.safetensors");
     let pixels = tensors.remove("test.qwen_pixels").unwrap();
     let want = tensors.remove("test.qwen_patchified").unwrap();
@@ -193,8 +211,8 @@ fn qwen25_vl_patchify_matches_the_hf_processor() {
 
 #[test]
 fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
-    use mlxbc_daemon::model::transformer::{KvCache, Transformer};
-    use mlxbc_daemon::vision::mrope;
+    use mlxbc_daemon::families::llama::model::Transformer;
+    use mlxbc_daemon::families::qwen2_5_vl::mrope;
     let mut tensors = reference("qwen25-vl-language.safetensors");
     let rec = take_recorded(&mut tensors);
     let tensors = tensors.into_iter().map(|(k, v)| (k.trim_start_matches("language_model.").to_string(), v)).collect();
@@ -210,10 +228,9 @@ fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
 
 #[test]
 fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
-    use mlxbc_daemon::model::transformer::{KvCache, Transformer};
-    use mlxbc_daemon::vision::mrope;
-    use mlxbc_daemon::vision::qwen25_vl::{Qwen25Preprocess, Qwen25Vlm};
-    use mlxbc_daemon::vision::qwen25_vl_tower::{Qwen25VisionConfig, Qwen25VisionTower};
+    use mlxbc_daemon::families::llama::model::Transformer;
+    use mlxbc_daemon::families::qwen2_5_vl::tower::{Qwen25VisionConfig, Qwen25VisionTower};
+    use mlxbc_daemon::families::qwen2_5_vl::vision::Qwen25Tower;
     let mut tensors = reference("qwen25-vl-tiny.safetensors");
     let patches = tensors.remove("test.patches").unwrap();
     let rec = take_recorded(&mut tensors);
@@ -226,26 +243,20 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
     .unwrap();
     let tower = Qwen25VisionTower::load(vision, &mut t, "vision_tower").unwrap();
     let text = Transformer::from_tensors(tiny_qwen_text(), t.strip_prefix("language_model.")).unwrap();
-    let preprocess = Qwen25Preprocess {
-        min_pixels: 0,
-        resample: mlxbc_daemon::vision::image::Resample::BICUBIC,
-        max_pixels: 0,
-        mean: [0.0; 3],
-        std: [1.0; 3],
-    };
-    let vlm = Qwen25Vlm { text, tower, image_token_id: 250, preprocess };
-    let features = vlm.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
-    let embeds = vlm.prompt_embeddings(&rec.prompt, &[features.clone()]).unwrap();
+    let tower = Qwen25Tower { tower, image_token_id: 250 };
+    let features = tower.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
+    assert_eq!(tower.grid_of(&features), (1, 8, 12));
+    let embeds = tower.splice(&text, &rec.prompt, &[features.clone()]).unwrap();
     let mut cache = KvCache::new(2);
-    cache.mrope = Some(mrope::positions(&rec.prompt, 250, &[vlm.grid_of(&features)], 2));
-    let forward = |e: &Array| vlm.text.logits_last(&vlm.text.hidden(e, &mut cache).unwrap()).unwrap();
-    let embed = |y: u32| vlm.text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
+    cache.mrope = tower.rope_positions(&rec.prompt, &[features]);
+    let forward = |e: &Array| text.logits(&text.forward(e, &mut cache, None).unwrap()).unwrap();
+    let embed = |y: u32| text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
     assert_greedy_matches("qwen2.5-vl whole model", &rec, &embeds, forward, embed);
 }
 
 /// The Qwen2.5-VL text shape scripts/reference/mlx_vlm_towers.py builds (QWEN_TEXT there).
-fn tiny_qwen_text() -> mlxbc_daemon::model::config::TextConfig {
-    mlxbc_daemon::model::config::TextConfig::from_hf_json(
+fn tiny_qwen_text() -> mlxbc_daemon::families::llama::config::TextConfig {
+    mlxbc_daemon::families::llama::config::TextConfig::from_hf_json(
         &serde_json::json!({
             "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
             "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
@@ -265,12 +276,11 @@ fn tiny_qwen_text() -> mlxbc_daemon::model::config::TextConfig {
 /// are checked in tests/tests/e2e/reference.rs.
 #[test]
 fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
-    use mlxbc_daemon::model::TextModel;
     use mlxbc_shared::{ChatMessage, Role};
     let golden = reference_json("vlm-pipeline.json");
     let mut want_features = reference("vlm-pipeline.safetensors");
     let bytes = std::fs::read(reference_path(golden["image"].as_str().unwrap())).unwrap();
-    let img = mlxbc_daemon::vision::image::decode(&bytes).unwrap();
+    let img = mlxbc_daemon::model::image::decode(&bytes).unwrap();
     for family in ["tiny-gemma3-vlm", "tiny-qwen25-vl"] {
         let dir = fixture(&format!("mlx/{family}"));
         let g = &golden[family];
@@ -279,24 +289,27 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
             g["weights_sha256"].as_str().unwrap(),
             "{family}: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
         );
-        let model = TextModel::load(&dir, WeightForm::DenseF32, None).unwrap();
+        let model = mlxbc_daemon::families::load(&dir, WeightForm::DenseF32, None).unwrap();
         let vision = model.vision.as_ref().unwrap();
 
-        if let Some(pre) = &vision.preprocess {
-            // Fixed-size processors: the resized, normalized pixels themselves.
+        let prepared = vision.preprocessor.prepare(&img);
+        if prepared.grid.is_none() {
+            // Fixed-size processors ([1, H, W, 3]): the resized, normalized pixels themselves.
             let nchw = want_features.remove(&format!("{family}.pixels")).unwrap();
-            let (h, w) = (pre.height as usize, pre.width as usize);
+            let (h, w) = (prepared.shape[1] as usize, prepared.shape[2] as usize);
             let nchw = nchw.as_slice::<f32>();
             let theirs = (0..h * w * 3).map(|i| nchw[(i % 3) * h * w + i / 3]); // channels last, as ours
-            let level = pre.rescale / pre.std[0];
-            let levels: Vec<f32> = pre.apply(&img).iter().zip(theirs).map(|(a, b)| ((a - b) / level).abs()).collect();
+            let pre: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("preprocessor_config.json")).unwrap()).unwrap();
+            let level = (pre["rescale_factor"].as_f64().unwrap() / pre["image_std"][0].as_f64().unwrap()) as f32;
+            let levels: Vec<f32> = prepared.values.iter().zip(theirs).map(|(a, b)| ((a - b) / level).abs()).collect();
             let worst = levels.iter().copied().fold(0.0, f32::max);
             let off = levels.iter().filter(|d| **d > 0.5).count();
             let ours = &levels;
             eprintln!("{family}: pixels vs PIL: {off} of {} values differ, by at most {worst:.2} levels", ours.len());
             assert!(worst <= 1.01, "{family}: resized pixels differ from PIL's by {worst} levels");
         }
-        let features = model.encode_image(&img).unwrap();
+        let features = vision.tower.encode(&prepared).unwrap();
         let hidden = *features.shape().last().unwrap();
         let rows = features.size() as i32 / hidden;
         let want = want_features.remove(&format!("{family}.features")).unwrap();
@@ -311,7 +324,7 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
             content: question.into(),
             images: vec![mlxbc_shared::MediaRef::from_bytes(bytes.clone())],
         }];
-        let prompt = vision.expand(&model.prompter.template.render(&messages).unwrap(), &[rows as usize]);
+        let prompt = vision.expand(&model.prompter.template.render(&messages).unwrap(), &[rows as usize]).unwrap();
         let ours = model.encode(&prompt).unwrap();
         let mut theirs: Vec<u32> = serde_json::from_value(g["prompt_ids"].clone()).unwrap();
         if family.starts_with("tiny-gemma3") {

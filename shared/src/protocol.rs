@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -326,10 +326,14 @@ pub struct GenerationStats {
     /// Media answered from the feature store (RAM or disk) / encoded now.
     pub encoder_hits: u32,
     pub encoder_misses: u32,
-    /// Time in the vision tower (0 when every image was a hit).
+    /// Time in the vision tower, on the engine (0 when every image was a hit).
     pub encode_ms: f64,
     /// Time looking features up in the store.
     pub lookup_ms: f64,
+    /// Time hashing, decoding and preprocessing new media (resizing,
+    /// normalizing, patchifying), off the engine thread: other clients'
+    /// tokens keep flowing meanwhile.
+    pub preprocess_ms: f64,
     /// Prompt tokens whose KV state was reused from an earlier request.
     pub prefix_tokens_reused: u32,
     /// Time spent in prefill proper (time to first token = queue + load + lookup + encode + prefill).

@@ -1,12 +1,15 @@
 //! `mlxbc cache stats|ls|clear|verify`: the daemon owns the sled database
-//! (sled allows one process), so maintenance goes through it.
+//! (sled allows one process), so maintenance goes through it. These run on
+//! tokio's blocking pool, never on the engine thread; `verify` reads every
+//! entry without holding the store, so lookups and writes go on meanwhile.
 
-use mlxbc_cache::{hex, FeatureStore};
+use super::media::SharedStore;
+use mlxbc_cache::hex;
 use mlxbc_shared::{CacheCommand, CacheEntry, CacheReport, ErrorKind, Response};
 use std::path::Path;
 
 /// Runs a cache command and reports the store's state afterwards.
-pub fn run(store: Option<&mut FeatureStore>, path: &Path, command: CacheCommand) -> Response {
+pub fn run(store: Option<&SharedStore>, path: &Path, command: CacheCommand) -> Response {
     let Some(store) = store else {
         return Response::Error {
             kind: ErrorKind::Internal,
@@ -15,6 +18,13 @@ pub fn run(store: Option<&mut FeatureStore>, path: &Path, command: CacheCommand)
     };
     let mut removed = 0;
     let mut listing = Vec::new();
+    if command == CacheCommand::Verify {
+        let tree = store.lock().features_tree();
+        let (_, damaged) = mlxbc_cache::scan_for_damage(&tree);
+        removed = damaged.len() as u64;
+        store.lock().remove_damaged(damaged);
+    }
+    let mut store = store.lock();
     match command {
         CacheCommand::Stats => {}
         CacheCommand::List => {
@@ -28,7 +38,7 @@ pub fn run(store: Option<&mut FeatureStore>, path: &Path, command: CacheCommand)
             Ok(n) => removed = n,
             Err(e) => return Response::Error { kind: ErrorKind::Internal, message: e.to_string() },
         },
-        CacheCommand::Verify => removed = store.verify().1,
+        CacheCommand::Verify => {}
     }
     let s = store.stats();
     Response::Cache(CacheReport {

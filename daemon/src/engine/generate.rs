@@ -6,17 +6,16 @@
 //! and therefore the greedy token ids, are the reference's.
 
 use super::error::EngineError;
-use super::media::{self, MediaStats, Resolved};
+use super::media::{self, MediaStats, PreparedMedia, Resolved, SharedStore};
 use super::prefix::PrefixCache;
 use super::sampling::Sampler;
 use super::stop::{Filtered, StopFilter};
 use crate::model::decode_step::DecodeMode;
-use crate::model::tokenizer::StreamDecoder;
-use crate::model::transformer::KvCache;
-use crate::model::{Backbone, TextModel};
+use crate::model::family::MediaAttention;
+use crate::model::kv_cache::KvCache;
+use crate::model::Model;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::Array;
-use mlxbc_cache::FeatureStore;
 use mlxbc_shared::MediaRef;
 use mlxbc_shared::{GenerateRequest, GenerationStats, Response, StopReason};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,12 +31,14 @@ pub struct GenerationContext<'a> {
     /// How decode steps are built on this device (options and measurements).
     pub decode: DecodeMode,
     pub received: Instant,
-    pub store: Option<&'a mut FeatureStore>,
+    pub store: Option<&'a SharedStore>,
     pub prefixes: &'a mut PrefixCache,
     /// The settings' ceiling on `max_tokens`, if any (the context always bounds it).
     pub max_tokens_limit: Option<u32>,
     /// The prompt's ids, if they were made before the job reached the engine.
     pub prepared: Option<super::PreparedPrompt>,
+    /// The media, if it was prepared before the job reached the engine.
+    pub media: Option<PreparedMedia>,
 }
 
 /// No tokenizer here averages more than this many bytes of text per token,
@@ -66,6 +67,19 @@ pub fn fits_by_tokens(model: &str, context: usize, tokens: usize) -> Result<(), 
     Ok(())
 }
 
+/// Where a prefill chunk starting at `from` may end: at most `to`, and
+/// never inside an image whose positions must see each other (`blocks`,
+/// present only for such models, names each position's image or -1).
+fn chunk_end(blocks: Option<&[i32]>, from: usize, to: usize, chunk: usize) -> usize {
+    let mut end = (from + chunk).min(to);
+    if let Some(b) = blocks {
+        while end < to && end > 0 && b[end] >= 0 && b[end] == b[end - 1] {
+            end += 1;
+        }
+    }
+    end
+}
+
 /// Positions `from..to` of `[1, L, hidden]` embeddings.
 fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, Failure> {
     let idx: Vec<i32> = (from as i32..to as i32).collect();
@@ -89,11 +103,12 @@ pub enum Finished {
 }
 
 /// The prompt's ids, made here on the engine thread: the template rendered,
-/// placeholders checked against the media, the media's features looked up or
+/// placeholders checked against the media, the media's features taken from
+/// what was prepared (or looked up and prepared here when nothing was) and
 /// encoded, placeholders expanded, the text tokenized. `None`: `NeedMedia`
 /// was sent.
 fn prompt_here(
-    model: &TextModel,
+    model: &Model,
     ctx: &mut GenerationContext,
     request: &GenerateRequest,
     media: &[&MediaRef],
@@ -114,8 +129,12 @@ fn prompt_here(
     let (features, media_stats) = if media.is_empty() {
         (Vec::new(), MediaStats::default())
     } else {
-        match media::resolve(model, ctx.model_name, media, ctx.store.as_deref_mut())? {
-            Resolved::Ready(f, s) => (f, s),
+        let resolved = match ctx.media.take() {
+            Some(prepared) => media::finish(model, ctx.model_name, ctx.store, prepared, media)?,
+            None => media::resolve(model, ctx.model_name, ctx.store, media)?,
+        };
+        match resolved {
+            Resolved::Ready(made) => made,
             Resolved::Missing(missing) => {
                 let _ = events.send(Response::NeedMedia { missing });
                 return Ok(None);
@@ -126,14 +145,16 @@ fn prompt_here(
         // Each placeholder becomes as many image tokens as its image has feature rows.
         let rows: Vec<usize> =
             features.iter().map(|f| f.shape()[..f.shape().len() - 1].iter().product::<i32>() as usize).collect();
-        prompt = v.expand(&prompt, &rows);
+        prompt = v
+            .expand(&prompt, &rows)
+            .ok_or_else(|| EngineError::BadMedia("the prompt's image placeholders do not match its images".into()))?;
     }
     Ok(Some((model.encode(&prompt).map_err(inference)?, features, media_stats)))
 }
 
 /// Runs the generation, streaming events into `events`.
 pub fn run(
-    model: &TextModel,
+    model: &Model,
     ctx: &mut GenerationContext,
     request: &GenerateRequest,
     events: &UnboundedSender<Response>,
@@ -149,7 +170,7 @@ pub fn run(
             ctx.model_name
         )));
     }
-    let context = model.backbone.context_length() as usize;
+    let context = model.lm.context_length() as usize;
     fits_by_bytes(ctx.model_name, context, request.messages.iter().map(|m| m.content.len()).sum())?;
     // A text prompt may have been rendered and tokenized before the job
     // reached the engine (off this thread); it is used when it was made by
@@ -186,6 +207,7 @@ pub fn run(
             encoder_misses: media_stats.misses,
             encode_ms: media_stats.encode_ms,
             lookup_ms: media_stats.lookup_ms,
+            preprocess_ms: media_stats.preprocess_ms,
             prefix_tokens_reused: 0,
             prefill_ms: 0.0,
             warnings: vec![],
@@ -193,11 +215,10 @@ pub fn run(
     }
 
     let t_prefill = Instant::now();
-    let embeds = match (&model.backbone, features.is_empty()) {
-        (_, true) => model.backbone.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
-        (Backbone::Gemma3(v), false) => v.prompt_embeddings(&ids, &features),
-        (Backbone::Qwen25Vl(v), false) => v.prompt_embeddings(&ids, &features),
-        (Backbone::Decoder(_), false) => unreachable!("media::resolve refuses text-only models"),
+    // Features exist only for a vision model (media::resolve refuses the others).
+    let embeds = match &model.vision {
+        Some(v) if !features.is_empty() => v.tower.splice(&*model.lm, &ids, &features),
+        _ => model.lm.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
     }
     .map_err(|e| EngineError::BadMedia(format!("{e:#}")))?;
     let n = ids.len();
@@ -216,25 +237,25 @@ pub fn run(
             reused = prefix.unwrap();
             c
         }
-        None => KvCache::new(model.backbone.num_layers()),
+        None => KvCache::new(model.lm.num_layers()),
     };
-    if let Backbone::Qwen25Vl(v) = &model.backbone {
-        let grids: Vec<_> = features.iter().map(|f| v.grid_of(f)).collect();
-        cache.mrope = Some(crate::vision::mrope::positions(
-            &ids,
-            v.image_token_id,
-            &grids,
-            v.tower.config.spatial_merge_size as u32,
-        ));
+    if let Some(v) = &model.vision {
+        cache.mrope = v.tower.rope_positions(&ids, &features);
     }
+    // Which image each position belongs to, for a model whose image
+    // positions see each other during prefill.
+    let blocks = match (&model.vision, model.lm.media_attention()) {
+        (Some(v), MediaAttention::BidirectionalWithinImage) => Some(v.image_blocks(&ids)),
+        _ => None,
+    };
     // `sync_last`: wait for the last chunk too. The prompt's final chunk is
     // queued, not waited for: the host builds the last position's step while
     // the device computes the chunk.
     let prefill = |from: usize, to: usize, cache: &mut KvCache, sync_last: bool| -> Result<bool, Failure> {
         let mut at = from;
         while at < to {
-            let end = model.backbone.chunk_end(&ids, at, to, ctx.prefill_chunk);
-            model.backbone.prefill(&positions(&embeds, at, end)?, cache, &ids).map_err(inference)?;
+            let end = chunk_end(blocks.as_deref(), at, to, ctx.prefill_chunk);
+            model.lm.forward(&positions(&embeds, at, end)?, cache, blocks.as_deref()).map_err(inference)?;
             if end < to || sync_last {
                 eval(cache.arrays()).map_err(inference)?;
             } else {
@@ -258,8 +279,8 @@ pub fn run(
     }
     let last_embed = positions(&embeds, n - 1, n)?;
     let mut sampler = Sampler::new(request.sampling.clone()).map_err(inference)?;
-    let h = model.backbone.hidden(&last_embed, &mut cache).map_err(inference)?;
-    let mut next = sampler.pick(&model.backbone.logits_last(&h).map_err(inference)?).map_err(inference)?;
+    let h = model.lm.forward(&last_embed, &mut cache, None).map_err(inference)?;
+    let mut next = sampler.pick(&model.lm.logits(&h).map_err(inference)?).map_err(inference)?;
     async_eval([&next]).map_err(inference)?;
     let mode = model.decode_mode(ctx.decode);
     // Host time per token: building and queueing a step, and waiting for a
@@ -287,7 +308,10 @@ pub fn run(
     let asked = request.max_tokens.min(ctx.max_tokens_limit.unwrap_or(u32::MAX)) as usize;
     let limit = asked.min(room);
     let mut generated: Vec<u32> = Vec::new();
-    let mut decoder = StreamDecoder::new();
+    // tokenizers' own stream: it holds back bytes that are not yet a whole
+    // UTF-8 character (daemon/tests/stream_decoder.rs checks it on every
+    // family's tokenizer).
+    let mut decoder = model.prompter.tokenizer.decode_stream(true);
     let mut stops = StopFilter::new(&request.stop);
     let mut decode_steps = 0usize;
     // The step computing the token after `next`, when already queued.
@@ -299,7 +323,7 @@ pub fn run(
             break StopReason::Eos;
         }
         generated.push(token);
-        if let Some(piece) = decoder.push(&model.prompter.tokenizer, token).map_err(inference)? {
+        if let Some(piece) = decoder.step(token).map_err(inference)? {
             let (text, stop) = match stops.push(&piece) {
                 Filtered::Emit(t) => (t, false),
                 Filtered::Stop(t) => (t, true),
@@ -365,6 +389,7 @@ pub fn run(
         encoder_misses: media_stats.misses,
         encode_ms: media_stats.encode_ms,
         lookup_ms: media_stats.lookup_ms,
+        preprocess_ms: media_stats.preprocess_ms,
         prefix_tokens_reused: reused as u32,
         prefill_ms: t_first.duration_since(t_prefill).as_secs_f64() * 1000.0,
         warnings: vec![],

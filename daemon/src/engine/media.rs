@@ -1,116 +1,250 @@
-//! Media → features: each image is looked up in the feature store by
-//! (tower fingerprint, preprocessing, content hash); only misses are decoded,
-//! preprocessed and run through the tower, and their features stored. The
-//! engine is one thread, so two requests for the same new image encode it
-//! once: the second finds the first one's entry.
+//! Media → features. Each image is looked up in the feature store by
+//! (tower fingerprint, preprocessing, content hash); only misses go through
+//! the tower, and their features are stored.
+//!
+//! The CPU half — hashing, decoding, EXIF, resizing, patchifying, the store
+//! lookup — runs off the engine thread, before the job is queued
+//! ([`prepare`], called from `server::prepare_media` on tokio's blocking
+//! pool); the engine only runs the tower on what was prepared
+//! ([`finish`]). Two requests for the same new image still encode it
+//! once: the engine looks the store up again before encoding, and the
+//! first request's features are there by then.
 
 use super::error::EngineError;
-use crate::model::TextModel;
-use crate::vision::image;
+use crate::model::family::{MediaPreprocessor, Prepared};
+use crate::model::{image, Model};
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality};
 use mlxbc_shared::MediaRef;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-/// Outcome of resolving a request's media.
-pub enum Resolved {
-    /// Features per image, in order.
-    Ready(Vec<Array>, MediaStats),
+/// The feature store, shared by the engine and the connections' blocking
+/// tasks; each holds it only for one lookup or one write (a whole-store
+/// scan, `cache verify`, reads without holding it: `cache_report`).
+#[derive(Clone)]
+pub struct SharedStore(Arc<Mutex<FeatureStore>>);
+
+impl SharedStore {
+    /// Shares an opened store.
+    pub fn new(store: FeatureStore) -> Self {
+        Self(Arc::new(Mutex::new(store)))
+    }
+
+    /// The store, for one short operation.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, FeatureStore> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What a model's media needs off the engine thread: its preprocessing and
+/// the parts of its store keys.
+#[derive(Clone)]
+pub struct MediaRoute {
+    pub preprocessor: Arc<dyn MediaPreprocessor>,
+    pub preprocess_key: String,
+    pub fingerprint: [u8; 32],
+}
+
+impl MediaRoute {
+    /// The route of a vision model; `None` for a text-only one.
+    pub fn of(model: &Model) -> Option<Self> {
+        let v = model.vision.as_ref()?;
+        Some(Self {
+            preprocessor: v.preprocessor.clone(),
+            preprocess_key: v.preprocess_key.clone(),
+            fingerprint: v.fingerprint.0,
+        })
+    }
+
+    /// The store key of `media`.
+    pub fn key(&self, media: &MediaRef) -> FeatureKey {
+        FeatureKey {
+            modality: Modality::Image,
+            tower: self.fingerprint,
+            preprocess: FeatureKey::preprocess_hash(&self.preprocess_key),
+            content: media.sha256,
+        }
+    }
+
+    /// Made for `model`'s tower and preprocessing.
+    fn is_for(&self, model: &Model) -> bool {
+        model
+            .vision
+            .as_ref()
+            .is_some_and(|v| v.fingerprint.0 == self.fingerprint && v.preprocess_key == self.preprocess_key)
+    }
+}
+
+/// One image made ready before the engine sees it.
+pub enum MediaInput {
+    /// Found in the store.
+    Stored(Features),
+    /// Not stored: decoded and preprocessed for the tower.
+    Prepared(Prepared),
+}
+
+/// A request's media, in order, made ready off the engine thread.
+pub struct PreparedMedia {
+    pub route: MediaRoute,
+    pub items: Vec<(FeatureKey, MediaInput)>,
+    pub stats: MediaStats,
+}
+
+/// Outcome of preparing or resolving a request's media.
+pub enum Resolved<T> {
+    Ready(T),
     /// The store lacks these and the client did not send their bytes.
     Missing(Vec<[u8; 32]>),
 }
 
-/// What the store and tower did.
+/// What the store, the preprocessing and the tower did.
 #[derive(Debug, Default, Clone)]
 pub struct MediaStats {
     pub hits: u32,
     pub misses: u32,
+    /// In the tower, on the engine.
     pub encode_ms: f64,
+    /// Looking features up in the store.
     pub lookup_ms: f64,
+    /// Hashing, decoding and preprocessing new media.
+    pub preprocess_ms: f64,
 }
 
-type Failure = EngineError;
-
-fn bad(msg: impl Into<String>) -> Failure {
+fn bad(msg: impl Into<String>) -> EngineError {
     EngineError::BadMedia(msg.into())
 }
 
-/// The store key of `media` for `model`.
-pub fn key_for(model: &TextModel, media: &MediaRef) -> Option<FeatureKey> {
-    let v = model.vision.as_ref()?;
-    Some(FeatureKey {
-        modality: Modality::Image,
-        tower: v.fingerprint.0,
-        preprocess: FeatureKey::preprocess_hash(&v.preprocess_key),
-        content: media.sha256,
-    })
-}
-
-/// Finds or computes features for every item of `media`.
-pub fn resolve(
-    model: &TextModel,
-    name: &str,
+/// The CPU half, for any thread: looks every item up, and decodes and
+/// preprocesses the misses (the same image twice in one request once).
+pub fn prepare(
+    route: &MediaRoute,
+    store: Option<&SharedStore>,
     media: &[&MediaRef],
-    store: Option<&mut FeatureStore>,
-) -> Result<Resolved, Failure> {
-    if model.vision.is_none() {
-        return Err(bad(format!("model {name} is text-only and cannot take images; use a vision-language model")));
-    }
-    let mut store = store;
+) -> Result<Resolved<PreparedMedia>, EngineError> {
     let mut stats = MediaStats::default();
-    let mut found: Vec<Option<Array>> = Vec::new();
-    let mut missing = Vec::new();
     let t = Instant::now();
-    for m in media {
-        let key = key_for(model, m).expect("vision model");
-        let hit = store.as_deref_mut().and_then(|s| s.get(&key)).and_then(|(f, _)| to_array(&f));
+    let keys: Vec<FeatureKey> = media.iter().map(|m| route.key(m)).collect();
+    let found: Vec<Option<Features>> =
+        keys.iter().map(|k| store.and_then(|s| s.lock().get(k)).map(|(f, _)| f)).collect();
+    stats.lookup_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let mut missing = Vec::new();
+    for (m, hit) in media.iter().zip(&found) {
         if hit.is_none() && m.bytes.is_none() && !missing.contains(&m.sha256) {
             missing.push(m.sha256);
         }
-        found.push(hit);
     }
-    stats.lookup_ms = t.elapsed().as_secs_f64() * 1000.0;
     if !missing.is_empty() {
         return Ok(Resolved::Missing(missing));
     }
-    let mut out = Vec::new();
+    let t = Instant::now();
+    let mut items: Vec<(FeatureKey, MediaInput)> = Vec::with_capacity(media.len());
+    for ((m, key), hit) in media.iter().zip(keys).zip(found) {
+        let input = match hit {
+            Some(f) => {
+                stats.hits += 1;
+                MediaInput::Stored(f)
+            }
+            None => match items.iter().find(|(k, _)| k.content == m.sha256) {
+                Some((_, MediaInput::Prepared(p))) => MediaInput::Prepared(p.clone()),
+                _ => {
+                    // `bytes` is present: a miss without bytes returned Missing above.
+                    let bytes = m.bytes.as_deref().unwrap_or_default();
+                    if mlxbc_cache::content_hash(bytes) != m.sha256 {
+                        return Err(bad(format!("image {} does not match its sha256", m.hex())));
+                    }
+                    let img = image::decode(bytes).map_err(|e| bad(format!("image {}: {e}", &m.hex()[..12])))?;
+                    MediaInput::Prepared(route.preprocessor.prepare(&img))
+                }
+            },
+        };
+        items.push((key, input));
+    }
+    stats.preprocess_ms = t.elapsed().as_secs_f64() * 1000.0;
+    Ok(Resolved::Ready(PreparedMedia { route: route.clone(), items, stats }))
+}
+
+/// The engine's half: features per image, in order — stored ones as they
+/// are, prepared ones through `model`'s tower (and into the store). Media
+/// prepared for another tower (the model changed meanwhile) is prepared
+/// again here.
+pub fn finish(
+    model: &Model,
+    name: &str,
+    store: Option<&SharedStore>,
+    prepared: PreparedMedia,
+    media: &[&MediaRef],
+) -> Result<Resolved<(Vec<Array>, MediaStats)>, EngineError> {
+    if !prepared.route.is_for(model) {
+        return resolve(model, name, store, media);
+    }
+    encode(model, store, prepared)
+}
+
+/// Both halves on the calling thread (the engine, when nothing was prepared).
+pub fn resolve(
+    model: &Model,
+    name: &str,
+    store: Option<&SharedStore>,
+    media: &[&MediaRef],
+) -> Result<Resolved<(Vec<Array>, MediaStats)>, EngineError> {
+    let Some(route) = MediaRoute::of(model) else {
+        return Err(bad(format!("model {name} is text-only and cannot take images; use a vision-language model")));
+    };
+    match prepare(&route, store, media)? {
+        Resolved::Missing(m) => Ok(Resolved::Missing(m)),
+        Resolved::Ready(p) => encode(model, store, p),
+    }
+}
+
+fn encode(
+    model: &Model,
+    store: Option<&SharedStore>,
+    prepared: PreparedMedia,
+) -> Result<Resolved<(Vec<Array>, MediaStats)>, EngineError> {
+    let Some(vision) = &model.vision else { return Err(bad("this model has no vision tower")) };
+    let mut stats = prepared.stats;
+    let mut out = Vec::with_capacity(prepared.items.len());
     // The same image twice in one request is encoded once.
     let mut encoded_now: Vec<([u8; 32], Array)> = Vec::new();
-    for (m, hit) in media.iter().zip(found) {
-        if let Some(f) = hit {
-            stats.hits += 1;
-            out.push(f);
-            continue;
-        }
-        if let Some((_, f)) = encoded_now.iter().find(|(h, _)| *h == m.sha256) {
+    let inference = |e: &dyn std::fmt::Display| EngineError::Inference(format!("encoding image: {e:#}"));
+    for (key, input) in prepared.items {
+        let prepared = match input {
+            MediaInput::Stored(f) => {
+                out.push(to_array(&f).ok_or_else(|| inference(&"a stored entry is not f32"))?);
+                continue;
+            }
+            MediaInput::Prepared(p) => p,
+        };
+        if let Some((_, f)) = encoded_now.iter().find(|(h, _)| *h == key.content) {
             stats.hits += 1;
             out.push(f.clone());
             continue;
         }
-        let key = key_for(model, m).expect("vision model");
-        let bytes = m.bytes.as_ref().expect("bytes present for misses");
-        if mlxbc_cache::content_hash(bytes) != m.sha256 {
-            return Err(bad(format!("image {} does not match its sha256", m.hex())));
+        // Another request may have encoded it since this one was prepared.
+        if let Some(f) = store.map(|s| s.lock()).and_then(|mut s| s.get(&key)).and_then(|(f, _)| to_array(&f)) {
+            stats.hits += 1;
+            encoded_now.push((key.content, f.clone()));
+            out.push(f);
+            continue;
         }
         let t = Instant::now();
-        let img = image::decode(bytes).map_err(|e| bad(format!("image {}: {e}", &m.hex()[..12])))?;
-        let features =
-            model.encode_image(&img).map_err(|e| EngineError::Inference(format!("encoding image: {e:#}")))?;
-        let features = features.as_dtype(Dtype::Float32).map_err(|e| EngineError::Inference(e.to_string()))?;
-        features.eval().map_err(|e| EngineError::Inference(e.to_string()))?;
+        let features = vision.tower.encode(&prepared).map_err(|e| inference(&e))?;
+        let features = features.as_dtype(Dtype::Float32).map_err(|e| inference(&e))?;
+        features.eval().map_err(|e| inference(&e))?;
         stats.encode_ms += t.elapsed().as_secs_f64() * 1000.0;
         stats.misses += 1;
-        if let Some(s) = store.as_deref_mut() {
+        if let Some(mut s) = store.map(|s| s.lock()) {
             let shape = features.shape().iter().map(|&d| d as u32).collect();
             if let Err(e) = s.put(&key, &Features::from_f32(shape, features.as_slice::<f32>())) {
                 // A full disk costs the cache, not the answer.
                 tracing::warn!(error = %e, "could not store image features");
             }
         }
-        encoded_now.push((m.sha256, features.clone()));
+        encoded_now.push((key.content, features.clone()));
         out.push(features);
     }
-    Ok(Resolved::Ready(out, stats))
+    Ok(Resolved::Ready((out, stats)))
 }
 
 fn to_array(f: &Features) -> Option<Array> {

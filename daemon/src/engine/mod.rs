@@ -2,11 +2,11 @@
 //! queue, one at a time. Tokio tasks talk to it through channels and never
 //! touch MLX state (mlx-rs arrays are `Send`, not `Sync`).
 
-mod cache_report;
+pub mod cache_report;
 pub mod discovery;
 pub mod error;
 pub mod generate;
-mod media;
+pub mod media;
 pub mod memory;
 mod prefix;
 pub mod registry;
@@ -41,15 +41,40 @@ pub enum Job {
         received: Instant,
         /// The prompt's ids, when a connection made them off the engine thread.
         prepared: Option<PreparedPrompt>,
+        /// The request's media, looked up and preprocessed off the engine thread.
+        media: Option<media::PreparedMedia>,
+        /// A named session's turn: `request.messages` already starts with
+        /// its history; the new messages and the answer are appended when done.
+        turn: Option<SessionTurn>,
+        /// Time a load requested while preparing took (ms), counted in the stats.
+        load_ms: f64,
     },
-    /// Make a model resident.
-    Load { model: String, keep_alive: Option<KeepAlive>, reply: oneshot::Sender<Response> },
+    /// Make a model resident (`None`: the default model).
+    Load {
+        model: Option<String>,
+        keep_alive: Option<KeepAlive>,
+        /// A request is being prepared for this model and follows at once:
+        /// nothing is shed or expired before it arrives.
+        for_request: bool,
+        reply: oneshot::Sender<Response>,
+    },
     /// Drop a resident model.
     Unload { model: String, reply: oneshot::Sender<Response> },
-    /// Encode media ahead of time.
-    Prefetch { model: Option<String>, media: Vec<mlxbc_shared::MediaRef>, reply: oneshot::Sender<Response> },
-    /// Feature-store maintenance.
-    Cache { command: mlxbc_shared::CacheCommand, reply: oneshot::Sender<Response> },
+    /// Encode media ahead of time (prepared off the engine thread when the model was resident).
+    Prefetch {
+        model: Option<String>,
+        media: Vec<mlxbc_shared::MediaRef>,
+        prepared: Option<media::PreparedMedia>,
+        reply: oneshot::Sender<Response>,
+    },
+}
+
+/// A turn of a named session, begun before its job was queued.
+pub struct SessionTurn {
+    pub name: String,
+    /// This turn's own messages (without the history).
+    pub messages: Vec<mlxbc_shared::ChatMessage>,
+    pub started: sessions::Turn,
 }
 
 /// A text prompt rendered and tokenized before its job reached the engine.
@@ -79,6 +104,8 @@ pub struct PromptRoute {
     /// A vision model's image placeholder: a prompt whose text holds one
     /// (with no image sent) is left to the engine, which refuses it.
     pub placeholder: Option<String>,
+    /// A vision model's preprocessing and store-key parts.
+    pub media: Option<media::MediaRoute>,
 }
 
 impl std::fmt::Debug for PromptRoute {
@@ -125,6 +152,10 @@ pub struct EngineHandle {
     cancelled: Arc<AtomicU64>,
     /// The compute device, e.g. "cpu" or "gpu".
     pub device: String,
+    /// The feature store (`None` when it could not be opened), shared with
+    /// the engine; and where it lives.
+    pub store: Option<media::SharedStore>,
+    pub store_path: std::path::PathBuf,
 }
 
 impl EngineHandle {
@@ -186,15 +217,10 @@ impl EngineHandle {
             && self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.is_empty()
     }
 
-    /// How to tokenize a text-only request for the model it names, when
-    /// that model is resident (and the request is not a session's, whose
-    /// history the engine reads); `None` leaves tokenizing to the engine.
-    pub fn prompt_route(&self, request: &GenerateRequest) -> Option<PromptRoute> {
-        let text_only = request.messages.iter().all(|m| m.images.is_empty());
-        if !text_only || request.session.is_some() {
-            return None;
-        }
-        self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).routes.get(&request.model).cloned()
+    /// How to tokenize and prepare media for the model `model` names (`None`:
+    /// the default), when that model is resident; `None` otherwise.
+    pub fn route(&self, model: &Option<String>) -> Option<PromptRoute> {
+        self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).routes.get(model).cloned()
     }
 
     /// Names of resident models.
@@ -212,6 +238,20 @@ pub fn spawn(
     registry: Arc<ModelRegistry>,
 ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel();
+    let store = match mlxbc_cache::FeatureStore::open(
+        &settings.feature_cache_dir,
+        mlxbc_cache::StoreConfig {
+            ram_bytes: settings.feature_ram_bytes as usize,
+            disk_bytes: settings.feature_cache_bytes,
+        },
+    ) {
+        Ok(s) => Some(media::SharedStore::new(s)),
+        Err(e) => {
+            // Serving without the store only costs re-encoding.
+            tracing::warn!("{e}; images will be encoded every time");
+            None
+        }
+    };
     let device = mlx_rs::Device::default();
     let device_name = match device.get_type() {
         Ok(mlx_rs::DeviceType::Gpu) => "gpu",
@@ -225,6 +265,8 @@ pub fn spawn(
         served: Arc::default(),
         cancelled: Arc::default(),
         device: device_name.to_string(),
+        store: store.clone(),
+        store_path: settings.feature_cache_dir.clone(),
     };
     let form =
         crate::options::ModelOptions { form: WeightForm::for_device(&device, options.weights), fusion: options.fusion };
@@ -241,23 +283,8 @@ pub fn spawn(
     // The engine is built on its own thread: models hold compiled MLX
     // functions, which must stay on the thread that made them.
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || {
-        let store = match mlxbc_cache::FeatureStore::open(
-            &settings.feature_cache_dir,
-            mlxbc_cache::StoreConfig {
-                ram_bytes: settings.feature_ram_bytes as usize,
-                disk_bytes: settings.feature_cache_bytes,
-            },
-        ) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                // Serving without the store only costs re-encoding.
-                tracing::warn!("{e}; images will be encoded every time");
-                None
-            }
-        };
         let mut engine = Engine {
             store,
-            store_path: settings.feature_cache_dir.clone(),
             prefixes: prefix::PrefixCache::new(settings.prefix_cache_entries),
             registry,
             residency: Residency::new(
@@ -298,10 +325,7 @@ fn refuse(job: Job) {
         Job::Generate { events, .. } => {
             let _ = events.send(err());
         }
-        Job::Load { reply, .. }
-        | Job::Unload { reply, .. }
-        | Job::Prefetch { reply, .. }
-        | Job::Cache { reply, .. } => {
+        Job::Load { reply, .. } | Job::Unload { reply, .. } | Job::Prefetch { reply, .. } => {
             let _ = reply.send(err());
         }
     }
@@ -324,8 +348,7 @@ const PREFILL_CHUNK_CPU: usize = 512;
 const PREFILL_CHUNK_GPU: usize = 2048;
 
 struct Engine {
-    store: Option<mlxbc_cache::FeatureStore>,
-    store_path: std::path::PathBuf,
+    store: Option<media::SharedStore>,
     prefixes: prefix::PrefixCache,
     registry: Arc<ModelRegistry>,
     residency: Residency,
@@ -375,7 +398,7 @@ impl Engine {
                     };
                     self.served.fetch_add(1, Ordering::SeqCst);
                     if pending {
-                        // Its client is sending the image bytes: keep its model for the resend.
+                        // Its request is coming (image bytes being resent, or being prepared): keep its model.
                         self.publish();
                         continue;
                     }
@@ -403,48 +426,28 @@ impl Engine {
     }
 
     /// Runs a job; true when its request is still in flight (the daemon
-    /// asked the client for media bytes and the model is about to be needed).
+    /// asked the client for media bytes, or loaded a model for a request
+    /// being prepared) and the model is about to be needed.
     fn handle(&mut self, job: Job) -> bool {
         match job {
-            Job::Generate { mut request, events, cancel, received, prepared } => {
-                // A named session: its history goes first; this turn is saved when it completes.
-                let turn = match &request.session {
-                    None => None,
-                    Some(name) => match self.sessions.begin(name) {
-                        Ok(mut started) => {
-                            let mut history = std::mem::take(&mut started.history);
-                            let turn = (name.clone(), request.messages.clone(), started);
-                            history.append(&mut request.messages);
-                            request.messages = history;
-                            Some(turn)
-                        }
-                        Err(message) => {
-                            let _ = events.send(Response::Error { kind: ErrorKind::BadRequest, message });
-                            return false;
-                        }
-                    },
-                };
+            Job::Generate { request, events, cancel, received, prepared, media, turn, load_ms: loaded_ms } => {
                 let keep_alive = request.keep_alive;
                 let outcome = match self.load(request.model.as_deref(), keep_alive) {
                     Err(e) => Err(e),
                     Ok((name, load_ms)) => {
-                        if self.routes.len() >= MAX_ROUTES {
-                            // Many spellings of paths can name one model: keep the table small.
-                            self.routes.clear();
-                        }
-                        self.routes.insert(request.model.clone(), name.clone());
                         self.publish();
                         let model = self.residency.get(&name).expect("just loaded");
                         let mut ctx = generate::GenerationContext {
                             model_name: &name,
-                            load_ms,
+                            load_ms: load_ms.max(loaded_ms),
                             prefill_chunk: self.prefill_chunk,
                             decode: self.decode,
                             received,
-                            store: self.store.as_mut(),
+                            store: self.store.as_ref(),
                             prefixes: &mut self.prefixes,
                             max_tokens_limit: self.max_tokens_limit,
                             prepared,
+                            media,
                         };
                         let result = generate::run(model, &mut ctx, &request, &events, &cancel);
                         self.residency.touch(&name, keep_alive);
@@ -453,7 +456,7 @@ impl Engine {
                 };
                 match outcome {
                     Ok(generate::Finished::Done(mut stats)) => {
-                        if let Some((name, mut messages, started)) = turn {
+                        if let Some(SessionTurn { name, mut messages, started }) = turn {
                             messages
                                 .push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, &request.stop)));
                             if let Err(e) = self.sessions.finish(&name, &started, &messages) {
@@ -478,18 +481,22 @@ impl Engine {
                     }
                 }
             }
-            Job::Prefetch { model, media, reply } => {
+            Job::Prefetch { model, media, prepared, reply } => {
                 let response = match self.load(model.as_deref(), None) {
                     Err(e) => e.into_response(),
                     Ok((name, _)) => {
                         let m = self.residency.get(&name).expect("just loaded");
                         let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
-                        match media::resolve(m, &name, &refs, self.store.as_mut()) {
+                        let resolved = match prepared {
+                            Some(p) => media::finish(m, &name, self.store.as_ref(), p, &refs),
+                            None => media::resolve(m, &name, self.store.as_ref(), &refs),
+                        };
+                        match resolved {
                             Ok(media::Resolved::Missing(missing)) => {
                                 let _ = reply.send(Response::NeedMedia { missing });
                                 return true;
                             }
-                            Ok(media::Resolved::Ready(_, s)) => {
+                            Ok(media::Resolved::Ready((_, s))) => {
                                 Response::Prefetched { encoded: s.misses, cached: s.hits }
                             }
                             Err(e) => e.into_response(),
@@ -498,13 +505,9 @@ impl Engine {
                 };
                 let _ = reply.send(response);
             }
-            Job::Cache { command, reply } => {
-                let response = cache_report::run(self.store.as_mut(), &self.store_path, command);
-                let _ = reply.send(response);
-            }
-            Job::Load { model, keep_alive, reply } => {
+            Job::Load { model, keep_alive, for_request, reply } => {
                 let t = Instant::now();
-                let response = match self.load(Some(&model), keep_alive) {
+                let response = match self.load(model.as_deref(), keep_alive) {
                     Ok((name, _)) => {
                         if let Some(ka) = keep_alive {
                             self.residency.touch(&name, Some(ka));
@@ -517,6 +520,7 @@ impl Engine {
                 // Status read right after the reply must already see this load.
                 self.publish();
                 let _ = reply.send(response);
+                return for_request;
             }
             Job::Unload { model, reply } => {
                 self.prefixes.clear();
@@ -533,15 +537,23 @@ impl Engine {
         false
     }
 
-    /// Makes a model resident (fingerprinting its tower through the store's memo).
+    /// Makes a model resident (fingerprinting its tower through the store's
+    /// memo) and remembers which model the requested name led to.
     fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<(String, f64), EngineError> {
         // A name that already led to a resident model needs no resolving
         // (which may scan other tools' stores).
-        if let Some(name) = self.routes.get(&model.map(String::from)).filter(|n| self.residency.get(n).is_some()) {
+        let asked = model.map(String::from);
+        if let Some(name) = self.routes.get(&asked).filter(|n| self.residency.get(n).is_some()) {
             return Ok((name.clone(), 0.0));
         }
-        let memo = self.store.as_ref().and_then(|s| s.tree("tower-fingerprints").ok());
-        self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())
+        let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
+        let loaded = self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())?;
+        if self.routes.len() >= MAX_ROUTES {
+            // Many spellings of paths can name one model: keep the table small.
+            self.routes.clear();
+        }
+        self.routes.insert(asked, loaded.0.clone());
+        Ok(loaded)
     }
 
     /// The text a finished generation streamed: its tokens decoded, cut
@@ -564,7 +576,7 @@ impl Engine {
             if available >= self.low_memory_bytes {
                 return;
             }
-            let shed = if let Some(n) = self.store.as_mut().map(|s| s.shed_ram()).filter(|&n| n > 0) {
+            let shed = if let Some(n) = self.store.as_ref().map(|s| s.lock().shed_ram()).filter(|&n| n > 0) {
                 ("encoder RAM tier", "cached image features".to_string(), n as u64)
             } else if !self.prefixes.is_empty() {
                 let bytes = self.prefixes.bytes();
@@ -600,8 +612,9 @@ impl Engine {
                 let route = PromptRoute {
                     model: name.clone(),
                     prompter: m.prompter.clone(),
-                    context: m.backbone.context_length() as usize,
+                    context: m.lm.context_length() as usize,
                     placeholder: m.vision.as_ref().map(|v| v.placeholder.clone()),
+                    media: media::MediaRoute::of(m),
                 };
                 Some((asked.clone(), route))
             })

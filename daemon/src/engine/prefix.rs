@@ -7,7 +7,7 @@
 //! leaves the old ones as they were, so a stored state can be shared by any
 //! number of later generations without copying.
 
-use crate::model::transformer::KvCache;
+use crate::model::kv_cache::KvCache;
 use lru::LruCache;
 use mlxbc_shared::MediaRef;
 use sha2::{Digest, Sha256};

@@ -5,7 +5,7 @@
 
 use super::error::EngineError;
 use super::registry::ModelRegistry;
-use crate::model::{weights::WeightForm, TextModel};
+use crate::model::{weights::WeightForm, Model};
 use mlxbc_shared::{KeepAlive, LoadedModel};
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 const MIB: u64 = 1 << 20;
 
 struct Resident {
-    model: TextModel,
+    model: Model,
     /// MLX memory the load took.
     memory_bytes: u64,
     keep_alive: KeepAlive,
@@ -163,7 +163,7 @@ impl Residency {
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
-        let model = TextModel::load(&resolved.path, form, fingerprints).map_err(|e| {
+        let model = crate::families::load(&resolved.path, form, fingerprints).map_err(|e| {
             EngineError::ModelLoad(format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
         })?;
         model.warm_up().map_err(|e| {
@@ -192,7 +192,7 @@ impl Residency {
     }
 
     /// The resident model of that canonical name.
-    pub fn get(&self, name: &str) -> Option<&TextModel> {
+    pub fn get(&self, name: &str) -> Option<&Model> {
         self.models.get(name).map(|r| &r.model)
     }
 
@@ -253,12 +253,12 @@ impl Residency {
             .iter()
             .map(|(name, r)| LoadedModel {
                 name: name.clone(),
-                architecture: r.model.backbone.architecture().to_string(),
+                architecture: r.model.lm.architecture().to_string(),
                 memory_bytes: r.memory_bytes,
                 keep_alive: r.keep_alive,
                 expires_in_s: r.expires_at().map(|t| t.saturating_duration_since(now).as_secs()),
                 idle_s: now.duration_since(r.last_used).as_secs(),
-                context_length: r.model.backbone.context_length(),
+                context_length: r.model.lm.context_length(),
                 pinned: r.pinned(),
             })
             .collect();

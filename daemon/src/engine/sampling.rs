@@ -25,7 +25,8 @@ impl Sampler {
         Ok(Self { params, key })
     }
 
-    /// Picks the next token from `logits` (`[vocab]`) as a `[1, 1]` id array.
+    /// Picks the next token from one row's `logits` (`[1, vocab]` or
+    /// `[vocab]`) as a `[1, 1]` id array.
     pub fn pick(&mut self, logits: &Array) -> Result<Array> {
         let Some(key) = self.key.take() else {
             return Ok(argmax_axis(logits, -1, None)?.reshape(&[1, 1])?);
@@ -34,7 +35,7 @@ impl Sampler {
         self.key = Some(next);
         let p = &self.params;
         let mut scaled = logits.as_dtype(mlx_rs::Dtype::Float32)?.divide(Array::from_f32(p.temperature))?;
-        let vocab = scaled.shape()[0];
+        let vocab = scaled.shape()[scaled.ndim() - 1];
         let floor = Array::from_f32(f32::NEG_INFINITY);
         if p.top_k > 0 && (p.top_k as i32) < vocab {
             // The k-th largest logit is the smallest one kept.

@@ -6,10 +6,11 @@
 //! the graph once and replays it: no per-token graph building through the
 //! bindings, and MLX fuses the elementwise chains. The graph's shapes must
 //! not change per token, so it reads and writes fixed-capacity KV buffers at
-//! a position given as data (`Transformer::decode_graph`); it is retraced
+//! a position given as data (`LanguageModel::decode_graph`); it is retraced
 //! only when the buffers grow (every `KV_STEP` tokens).
 
-use super::transformer::{KvCache, Transformer};
+use super::family::DecodeGraph;
+use super::kv_cache::KvCache;
 use anyhow::Result;
 use mlx_rs::{error::Exception, transforms::compile::compile, Array};
 
@@ -48,17 +49,16 @@ pub struct CompiledDecode {
 }
 
 impl CompiledDecode {
-    /// Compiles `model`'s step (traced on first use). The step keeps its own
-    /// handles on the weights (shared, not copied).
-    pub fn new(model: &Transformer) -> Self {
-        let model = model.clone();
+    /// Compiles a model's step (traced on first use). The graph keeps its
+    /// own handles on the weights (shared, not copied).
+    pub fn new(graph: DecodeGraph) -> Self {
         let graph = move |inputs: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
-            model.decode_graph(inputs).map_err(|e| Exception::custom(format!("{e:#}")))
+            graph(inputs).map_err(|e| Exception::custom(format!("{e:#}")))
         };
         Self { step: Box::new(compile(graph, false)) }
     }
 
-    /// Logits `[vocab]` after token `ids` (`[1, 1]`), which takes the next
+    /// Logits `[1, vocab]` after token `ids` (`[1, 1]`), which takes the next
     /// position in `cache`. Lazy: nothing is evaluated.
     pub fn step(&mut self, ids: &Array, cache: &mut KvCache) -> Result<Array> {
         cache.reserve(1)?;

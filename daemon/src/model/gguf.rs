@@ -467,6 +467,16 @@ pub fn pack_rows(q: &[u8], rows: usize, cols: usize, bits: i32) -> Vec<u32> {
     out
 }
 
+/// A string metadata value.
+pub fn gguf_string(file: &Gguf, key: &str) -> Result<String> {
+    file.string(key).map(str::to_string).with_context(|| format!("GGUF metadata {key} is missing"))
+}
+
+/// A scalar numeric metadata value, as f64.
+pub fn gguf_number(file: &Gguf, key: &str) -> Result<f64> {
+    file.number(key).with_context(|| format!("GGUF metadata {key} is missing or not a number"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,7 +36,7 @@ fn pre_tokenizer_for(pre: &str) -> Result<Value> {
 
 /// Builds the tokenizer a GGUF file describes (BPE models, `tokenizer.ggml.model = gpt2`).
 pub fn from_gguf(file: &Gguf) -> Result<Tokenizer> {
-    let model = super::config::gguf_string(file, "tokenizer.ggml.model")?;
+    let model = super::gguf::gguf_string(file, "tokenizer.ggml.model")?;
     if model != "gpt2" {
         bail!("unsupported GGUF tokenizer model {model:?} (supported: gpt2 byte-level BPE)");
     }
@@ -46,7 +46,7 @@ pub fn from_gguf(file: &Gguf) -> Result<Tokenizer> {
         Some(t) => t.into_iter().map(|t| t as i32).collect(),
         None => vec![1; tokens.len()],
     };
-    let pre = super::config::gguf_string(file, "tokenizer.ggml.pre").unwrap_or_else(|_| "default".into());
+    let pre = super::gguf::gguf_string(file, "tokenizer.ggml.pre").unwrap_or_else(|_| "default".into());
     let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
     let added: Vec<Value> = tokens
         .iter()
@@ -76,44 +76,4 @@ pub fn from_gguf(file: &Gguf) -> Result<Tokenizer> {
 /// Reads `tokenizer.json`.
 pub fn from_file(path: &std::path::Path) -> Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("reading tokenizer at {}: {e}", path.display()))
-}
-
-/// Turns a growing list of token ids into text pieces, holding back bytes
-/// that do not yet form a whole UTF-8 character (the usual
-/// prefix/read-offset scheme of HF's streamers).
-pub struct StreamDecoder {
-    ids: Vec<u32>,
-    prefix_offset: usize,
-    read_offset: usize,
-}
-
-impl Default for StreamDecoder {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl StreamDecoder {
-    /// A decoder with nothing yet.
-    pub fn new() -> Self {
-        Self { ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
-    }
-
-    /// Adds a token; returns the text that is now complete, if any.
-    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>> {
-        self.ids.push(id);
-        let decode = |ids: &[u32]| tokenizer.decode(ids, true).map_err(|e| anyhow::anyhow!("decoding tokens: {e}"));
-        let prefix = decode(&self.ids[self.prefix_offset..self.read_offset])?;
-        let full = decode(&self.ids[self.prefix_offset..])?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
-            let piece = match full.strip_prefix(prefix.as_str()) {
-                Some(rest) => rest.to_string(),
-                None => full.get(prefix.len()..).unwrap_or_default().to_string(),
-            };
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.ids.len();
-            return Ok(Some(piece));
-        }
-        Ok(None)
-    }
 }

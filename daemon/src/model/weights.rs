@@ -2,7 +2,6 @@
 //! safetensors directory, and turns them into [`Linear`]/[`Embedding`] in the
 //! compute form chosen for the device ([`WeightForm`]).
 
-use super::config::Architecture;
 use super::gguf::Gguf;
 use super::layers::{Embedding, Linear, Quantized};
 use crate::options::Fusion;
@@ -55,8 +54,8 @@ pub struct TensorMap {
 
 impl TensorMap {
     /// Tensors from a GGUF file under HF names (see [`gguf_tensors`]).
-    pub fn from_gguf(file: &Gguf, arch: Architecture, n_heads: i32, n_kv_heads: i32, form: WeightForm) -> Result<Self> {
-        let tensors = gguf_tensors(file, arch, n_heads, n_kv_heads)?;
+    pub fn from_gguf(file: &Gguf, qk_rows: GgufQkRows, form: WeightForm) -> Result<Self> {
+        let tensors = gguf_tensors(file, qk_rows)?;
         // Every GGUF block type that maps to affine quantization uses groups of 32.
         Ok(Self { tensors, default_group: 32, group_overrides: HashMap::new(), form, fusion: Fusion::All })
     }
@@ -185,19 +184,28 @@ impl TensorMap {
     }
 }
 
+/// How a GGUF file lays out the rows of its q/k projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufQkRows {
+    /// As HF checkpoints do (most architectures).
+    AsHf,
+    /// Permuted by llama.cpp for its interleaved rope (Llama): undone on
+    /// reading, for `heads` query and `kv_heads` key heads.
+    Permuted { heads: i32, kv_heads: i32 },
+}
+
 /// A GGUF file's tensors converted for MLX ([`Gguf::tensors`]) under HF
-/// names (`model.layers.0.self_attn.q_proj.scales`). llama.cpp permutes the
-/// rows of Llama's q/k projections for its interleaved rope; that is undone
-/// here so one rope layout serves both formats.
-pub fn gguf_tensors(file: &Gguf, arch: Architecture, n_heads: i32, n_kv_heads: i32) -> Result<HashMap<String, Array>> {
+/// names (`model.layers.0.self_attn.q_proj.scales`), with q/k rows put
+/// back in HF order (see [`GgufQkRows`]) so one rope layout serves both formats.
+pub fn gguf_tensors(file: &Gguf, qk_rows: GgufQkRows) -> Result<HashMap<String, Array>> {
     let mut tensors = HashMap::new();
     for converted in file.tensors() {
         let (module, parts) = converted?;
         let hf = gguf_to_hf_name(&module).with_context(|| format!("unknown GGUF tensor {module}"))?;
         for (suffix, array) in parts {
-            let array = match (arch, module.rsplit('.').next()) {
-                (Architecture::Llama, Some("attn_q")) => unpermute_rows(&array, n_heads)?,
-                (Architecture::Llama, Some("attn_k")) => unpermute_rows(&array, n_kv_heads)?,
+            let array = match (qk_rows, module.rsplit('.').next()) {
+                (GgufQkRows::Permuted { heads, .. }, Some("attn_q")) => unpermute_rows(&array, heads)?,
+                (GgufQkRows::Permuted { kv_heads, .. }, Some("attn_k")) => unpermute_rows(&array, kv_heads)?,
                 _ => array,
             };
             tensors.insert(format!("{hf}.{suffix}"), array);

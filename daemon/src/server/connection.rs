@@ -268,10 +268,21 @@ async fn answer(state: &AppState, request: Request) -> Response {
                 ..state.engine.status(state.started)
             })
         }
-        Request::Load { model, keep_alive } => round_trip(state, |reply| Job::Load { model, keep_alive, reply }).await,
+        Request::Load { model, keep_alive } => {
+            round_trip(state, |reply| Job::Load { model: Some(model), keep_alive, for_request: false, reply }).await
+        }
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
-        Request::Prefetch { model, media } => round_trip(state, |reply| Job::Prefetch { model, media, reply }).await,
-        Request::Cache(command) => round_trip(state, |reply| Job::Cache { command, reply }).await,
+        Request::Prefetch { model, media } => match super::prepare::prefetch(state, &model, media).await {
+            Ok((media, prepared)) => round_trip(state, |reply| Job::Prefetch { model, media, prepared, reply }).await,
+            Err(answer) => answer,
+        },
+        Request::Cache(command) => {
+            // Store maintenance runs beside the engine, not on it.
+            let (store, path) = (state.engine.store.clone(), state.engine.store_path.clone());
+            tokio::task::spawn_blocking(move || crate::engine::cache_report::run(store.as_ref(), &path, command))
+                .await
+                .unwrap_or_else(|e| error(ErrorKind::Internal, format!("cache command failed: {e}")))
+        }
         Request::Sessions(command) => {
             use mlxbc_shared::SessionCommand;
             let result = match command {

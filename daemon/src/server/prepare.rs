@@ -1,32 +1,159 @@
-//! Text prompts are rendered and tokenized here, on tokio's blocking pool,
-//! before their job is queued, whenever the model they name is already
-//! resident: the engine thread then only computes. (A 60 MB prompt used to
-//! be tokenized on the engine thread, 28.7 s during which nobody got a token.)
-//! Prompts with images (their placeholders expand by the features' sizes),
-//! session turns (the engine owns the history) and models not yet loaded
-//! are still tokenized by the engine.
+//! Everything about a generation that needs no MLX happens here, on tokio's
+//! blocking pool, before its job is queued: a session's history is read;
+//! the prompt is rendered and tokenized (text prompts for a resident
+//! model); media is hashed, looked up in the feature store, decoded,
+//! EXIF-rotated, resized and patchified. A request whose images the store
+//! lacks and whose bytes were not sent is answered `NeedMedia` here,
+//! without entering the engine's queue. The engine then only computes.
+//! (A 60 MB prompt used to be tokenized on the engine thread, 28.7 s during
+//! which nobody got a token; a 1024x1024 PNG's decoding and resizing cost
+//! the engine about 17 ms per image.)
+//!
+//! Prompts with images are still tokenized by the engine: their
+//! placeholders expand by the features' sizes, known once encoded.
 
 use crate::engine::generate::{fits_by_bytes, fits_by_tokens};
-use crate::engine::{EngineError, EngineHandle, PreparedPrompt};
-use mlxbc_shared::GenerateRequest;
+use crate::engine::media::{self, PreparedMedia, Resolved};
+use crate::engine::{EngineError, Job, PreparedPrompt, PromptRoute, SessionTurn};
+use crate::state::AppState;
+use mlxbc_shared::{GenerateRequest, MediaRef, Response};
+use std::sync::Arc;
+use tokio::sync::oneshot;
 
-/// The prompt's ids if they could be made off the engine thread.
-pub async fn prepare(engine: &EngineHandle, request: &GenerateRequest) -> Result<Option<PreparedPrompt>, EngineError> {
-    let Some(route) = engine.prompt_route(request) else { return Ok(None) };
+/// A request made ready for the engine.
+pub struct Ready {
+    pub request: GenerateRequest,
+    pub prepared: Option<PreparedPrompt>,
+    pub media: Option<PreparedMedia>,
+    pub turn: Option<SessionTurn>,
+    /// Time a load this preparation asked for took (ms), for the stats.
+    pub load_ms: f64,
+}
+
+/// What preparing a request came to.
+pub enum Prepared {
+    Ready(Box<Ready>),
+    /// The store lacks these images and their bytes were not sent.
+    NeedMedia(Vec<[u8; 32]>),
+}
+
+fn joined(e: tokio::task::JoinError) -> EngineError {
+    EngineError::Internal(format!("preparing the request: {e}"))
+}
+
+/// Prepares `request` as far as can be done off the engine thread.
+pub async fn prepare(state: &AppState, mut request: GenerateRequest) -> Result<Prepared, EngineError> {
+    let turn = begin_session(state, &mut request).await?;
+    let has_media = request.messages.iter().any(|m| !m.images.is_empty());
+    let mut load_ms = 0.0;
+    let mut route = state.engine.route(&request.model);
+    if has_media && route.is_none() {
+        // Preparing media needs the model's preprocessing: load it first
+        // (a failure is the engine's to report, with the generation).
+        load_ms = load(state, &request).await;
+        route = state.engine.route(&request.model);
+    }
+    let ready =
+        |request, prepared, media, turn| Prepared::Ready(Box::new(Ready { request, prepared, media, turn, load_ms }));
+    let Some(route) = route else { return Ok(ready(request, None, None, turn)) };
+    if has_media {
+        let Some(media_route) = route.media.clone() else {
+            // A text-only model: the engine refuses images with its own message.
+            return Ok(ready(request, None, None, turn));
+        };
+        let store = state.engine.store.clone();
+        let (request, outcome) = tokio::task::spawn_blocking(move || {
+            let refs: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
+            let outcome = media::prepare(&media_route, store.as_ref(), &refs);
+            (request, outcome)
+        })
+        .await
+        .map_err(joined)?;
+        return match outcome? {
+            Resolved::Missing(missing) => Ok(Prepared::NeedMedia(missing)),
+            Resolved::Ready(media) => Ok(ready(request, None, Some(media), turn)),
+        };
+    }
+    let prepared = tokenize(&route, &request).await?;
+    Ok(ready(request, prepared, None, turn))
+}
+
+/// A named session: its history goes before this turn's messages.
+async fn begin_session(state: &AppState, request: &mut GenerateRequest) -> Result<Option<SessionTurn>, EngineError> {
+    let Some(name) = request.session.clone() else { return Ok(None) };
+    let sessions = Arc::clone(&state.sessions);
+    let begun = tokio::task::spawn_blocking(move || sessions.begin(&name).map(|t| (name, t))).await.map_err(joined)?;
+    let (name, mut started) = begun.map_err(EngineError::BadRequest)?;
+    let messages = std::mem::take(&mut request.messages);
+    request.messages = std::mem::take(&mut started.history);
+    request.messages.extend(messages.iter().cloned());
+    Ok(Some(SessionTurn { name, messages, started }))
+}
+
+/// Loads the model `request` names; how long that took (ms).
+async fn load(state: &AppState, request: &GenerateRequest) -> f64 {
+    let (reply, answer) = oneshot::channel();
+    let job = Job::Load { model: request.model.clone(), keep_alive: request.keep_alive, for_request: true, reply };
+    if state.engine.submit(job).is_err() {
+        return 0.0;
+    }
+    match answer.await {
+        Ok(Response::Loaded { load_ms, .. }) => load_ms as f64,
+        _ => 0.0,
+    }
+}
+
+/// The prompt's ids, when the text can be tokenized here.
+async fn tokenize(route: &PromptRoute, request: &GenerateRequest) -> Result<Option<PreparedPrompt>, EngineError> {
     fits_by_bytes(&route.model, route.context, request.messages.iter().map(|m| m.content.len()).sum())?;
     let (prompter, messages) = (route.prompter.clone(), request.messages.clone());
     let placeholder = route.placeholder.clone();
     let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Vec<u32>>> {
         let text = prompter.template.render(&messages)?;
         if placeholder.is_some_and(|p| text.contains(p.as_str())) {
+            // Placeholders typed without images: left to the engine, which refuses them.
             return Ok(None);
         }
         prompter.encode(&text).map(Some)
     })
     .await
-    .map_err(|e| EngineError::Internal(format!("tokenizing the prompt: {e}")))?
+    .map_err(joined)?
     .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
     let Some(ids) = made else { return Ok(None) };
     fits_by_tokens(&route.model, route.context, ids.len())?;
-    Ok(Some(PreparedPrompt { model: route.model, prompter: route.prompter, ids }))
+    Ok(Some(PreparedPrompt { model: route.model.clone(), prompter: route.prompter.clone(), ids }))
+}
+
+/// A prefetch's media, prepared as a generation's is; `Err(response)` is
+/// the answer when it must not reach the engine (`NeedMedia`).
+pub async fn prefetch(
+    state: &AppState,
+    model: &Option<String>,
+    media: Vec<MediaRef>,
+) -> Result<(Vec<MediaRef>, Option<PreparedMedia>), Response> {
+    let request = GenerateRequest { model: model.clone(), ..GenerateRequest::ask("") };
+    let media_route = match state.engine.route(model) {
+        Some(r) => r.media,
+        None => {
+            load(state, &request).await;
+            state.engine.route(model).and_then(|r| r.media)
+        }
+    };
+    let Some(media_route) = media_route else { return Ok((media, None)) };
+    let store = state.engine.store.clone();
+    let joined = tokio::task::spawn_blocking(move || {
+        let outcome = media::prepare(&media_route, store.as_ref(), &media.iter().collect::<Vec<_>>());
+        (media, outcome)
+    })
+    .await;
+    match joined {
+        Err(e) => Err(joined_response(e)),
+        Ok((_, Ok(Resolved::Missing(missing)))) => Err(Response::NeedMedia { missing }),
+        Ok((_, Err(e))) => Err(e.into_response()),
+        Ok((media, Ok(Resolved::Ready(p)))) => Ok((media, Some(p))),
+    }
+}
+
+fn joined_response(e: tokio::task::JoinError) -> Response {
+    joined(e).into_response()
 }

@@ -223,7 +223,7 @@ async fn queued_images_bench(model: &std::path::Path, n: usize) -> Result<()> {
         let (ttft, s) = r?;
         last = last.max(done_at);
         rows.push(serde_json::json!({"ttft_ms": ttft, "encode_ms": s.encode_ms, "lookup_ms": s.lookup_ms,
-            "prefill_ms": s.prefill_ms, "misses": s.encoder_misses}));
+            "preprocess_ms": s.preprocess_ms, "prefill_ms": s.prefill_ms, "misses": s.encoder_misses}));
     }
     let out = serde_json::json!({
         "images": n,

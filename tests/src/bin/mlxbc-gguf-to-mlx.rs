@@ -18,5 +18,5 @@ fn main() -> Result<()> {
     if args.len() < 3 {
         bail!("usage: mlxbc-gguf-to-mlx MODEL.gguf OUT_DIR [float32|float16|bfloat16]");
     }
-    mlxbc_daemon::model::export::gguf_to_mlx_dir(args[1].as_ref(), args[2].as_ref(), dtype)
+    mlxbc_daemon::families::llama::export::gguf_to_mlx_dir(args[1].as_ref(), args[2].as_ref(), dtype)
 }

@@ -119,8 +119,12 @@ async fn qwen25_q4_k_m_gguf_matches_mlx_lm() {
 async fn qwen25_exported_directory_matches_mlx_lm() {
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("qwen25-mlx");
-    mlxbc_daemon::model::export::gguf_to_mlx_dir(&fixture(&format!("models/{QWEN25}")), &dir, mlx_rs::Dtype::Float32)
-        .unwrap();
+    mlxbc_daemon::families::llama::export::gguf_to_mlx_dir(
+        &fixture(&format!("models/{QWEN25}")),
+        &dir,
+        mlx_rs::Dtype::Float32,
+    )
+    .unwrap();
     assert_matches_reference("qwen25-mlx", dir, golden("qwen25-0.5b")).await;
 }
 

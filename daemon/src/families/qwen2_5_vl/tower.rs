@@ -4,7 +4,7 @@
 //! SwiGLU blocks, and a 2x2 patch merger into the language model's width.
 //!
 //! Verified on its own against mlx-vlm (daemon/tests/vision_towers.rs) and,
-//! with the language model's multimodal rotary positions (vision/mrope.rs),
+//! with the language model's multimodal rotary positions (`mrope`),
 //! end to end against mlx-vlm's generate.
 
 use crate::model::layers::Linear;

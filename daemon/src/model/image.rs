@@ -134,6 +134,21 @@ impl Preprocess {
     }
 }
 
+impl super::family::MediaPreprocessor for Preprocess {
+    fn describe(&self) -> String {
+        Preprocess::describe(self)
+    }
+
+    /// `[1, height, width, 3]`: one image, channels last.
+    fn prepare(&self, image: &image::RgbImage) -> super::family::Prepared {
+        super::family::Prepared {
+            values: self.apply(image),
+            shape: vec![1, self.height as i32, self.width as i32, 3],
+            grid: None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,7 +2,7 @@
 //! `get_rope_index`, images only): text advances all three axes (time,
 //! height, width) together; an image's tokens share one time index and take
 //! their row and column in the merged patch grid. The Qwen2 decoder of
-//! Qwen2.5-VL rotates with these (engine/generate.rs sets them on the cache).
+//! Qwen2.5-VL rotates with these (`Qwen25Tower::rope_positions` gives them to the engine, which sets them on the cache).
 
 /// Positions `[len][t, h, w]` for `ids`, and the delta that decode steps add
 /// to their plain offset (`max position + 1 - len`).

@@ -3,9 +3,9 @@
 //! computes with, so that mlx-lm can run the very same weights: reference
 //! token ids and side-by-side benchmarks.
 
-use super::config::{self, TextConfig};
-use super::gguf::Gguf;
-use super::{token_text, tokenizer, weights};
+use super::config::TextConfig;
+use crate::model::gguf::{gguf_number, Gguf};
+use crate::model::{token_text, tokenizer, weights};
 use anyhow::{Context, Result};
 use mlx_rs::{Array, Dtype};
 use std::collections::BTreeMap;
@@ -18,7 +18,8 @@ pub fn gguf_to_mlx_dir(gguf: &Path, out: &Path, dtype: Dtype) -> Result<()> {
     let has_output = file.has_tensor("output.weight");
     let rows = file.rows("token_embd.weight").unwrap_or(0) as i32;
     let config = TextConfig::from_gguf(&file, has_output, rows)?;
-    let tensors = weights::gguf_tensors(&file, config.architecture, config.num_heads, config.num_kv_heads)?;
+    let tensors =
+        weights::gguf_tensors(&file, config.architecture.gguf_qk_rows(config.num_heads, config.num_kv_heads))?;
     // Sorted, so the same GGUF always gives the same file.
     let tensors: BTreeMap<String, Array> = tensors
         .into_iter()
@@ -46,7 +47,7 @@ pub fn gguf_to_mlx_dir(gguf: &Path, out: &Path, dtype: Dtype) -> Result<()> {
     Array::save_safetensors(&tensors, None, out.join("model.safetensors")).context("writing model.safetensors")?;
     let tokenizer = tokenizer::from_gguf(&file)?;
     tokenizer.save(out.join("tokenizer.json"), false).map_err(|e| anyhow::anyhow!("writing tokenizer.json: {e}"))?;
-    let id = |key: &str| config::gguf_number(&file, key).ok().map(|v| v as u32);
+    let id = |key: &str| gguf_number(&file, key).ok().map(|v| v as u32);
     let (bos, eos, eot) =
         (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.eot_token_id"));
     let mut hf = config.to_hf_json();

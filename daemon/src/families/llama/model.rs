@@ -3,122 +3,16 @@
 //! token ids match the reference exactly on the same weights.
 
 use super::config::{Architecture, TextConfig};
-use super::layers::{Embedding, FusedLinear, Linear};
-use super::weights::TensorMap;
-use anyhow::Result;
+use crate::model::family::{DecodeGraph, LanguageModel};
+use crate::model::kv_cache::KvCache;
+use crate::model::layers::{from_heads, to_heads, Embedding, FusedLinear, Linear};
+use crate::model::weights::TensorMap;
+use anyhow::{bail, Result};
 use mlx_rs::{
     error::Exception,
     fast::{self, ScaledDotProductAttentionMask},
     Array,
 };
-
-/// Positions a layer's key/value buffers grow by (mlx-lm's KVCache.step).
-const KV_STEP: i32 = 256;
-
-/// Per-layer keys and values of everything processed so far. Each layer's
-/// keys and values live in buffers `[batch, heads, capacity, head_dim]` that
-/// grow `KV_STEP` positions at a time and are written with slice updates, as
-/// mlx-lm's KVCache does: a decode step writes one position instead of copying
-/// the whole history, and the buffer shapes stay fixed between growths (what
-/// a compiled step needs). Attention reads the view of the first `offset`
-/// positions. Clones share buffers until one of them writes (MLX's slice
-/// update copies a buffer that is still referenced elsewhere).
-#[derive(Clone)]
-pub struct KvCache {
-    layers: Vec<Option<(Array, Array)>>,
-    /// Number of positions cached.
-    pub offset: i32,
-    /// Multimodal rope positions of the prompt, and the delta later
-    /// (decoded) positions add to their offset (Qwen2-VL family).
-    pub mrope: Option<(Vec<[i64; 3]>, i64)>,
-}
-
-impl KvCache {
-    /// An empty cache for `layers` layers.
-    pub fn new(layers: usize) -> Self {
-        Self { layers: (0..layers).map(|_| None).collect(), offset: 0, mrope: None }
-    }
-
-    /// Makes room for `n` more positions in every layer's buffers (growing
-    /// them `KV_STEP` positions at a time, keeping what is cached).
-    pub fn reserve(&mut self, n: i32) -> Result<()> {
-        let end = self.offset + n;
-        for slot in &mut self.layers {
-            if let Some((k, v)) = slot.take() {
-                *slot = Some((grown(k, self.offset, end)?, grown(v, self.offset, end)?));
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes `n` new positions' keys and values (`[batch, heads, n, head_dim]`)
-    /// after the `offset` cached ones; returns every cached position's.
-    pub(crate) fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
-        use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-        let (prev, n) = (self.offset, k.shape()[2]);
-        let end = prev + n;
-        let (mut keys, mut values) = match self.layers[layer].take() {
-            Some((bk, bv)) => (grown(bk, prev, end)?, grown(bv, prev, end)?),
-            None => (empty_buffer(&k, end)?, empty_buffer(&v, end)?),
-        };
-        keys.try_index_mut((.., .., prev..end, ..), &k)?;
-        values.try_index_mut((.., .., prev..end, ..), &v)?;
-        let view = (keys.index((.., .., ..end, ..)), values.index((.., .., ..end, ..)));
-        self.layers[layer] = Some((keys, values));
-        Ok(view)
-    }
-
-    /// Every layer's key and value buffers, in order (k0, v0, k1, ...), taken
-    /// out of the cache; `None` unless every layer has them.
-    pub(crate) fn take_buffers(&mut self) -> Option<Vec<Array>> {
-        if self.layers.iter().any(Option::is_none) {
-            return None;
-        }
-        Some(self.layers.iter_mut().flat_map(|slot| <[Array; 2]>::from(slot.take().unwrap())).collect())
-    }
-
-    /// Puts back buffers from `take_buffers` (or their successors) holding
-    /// `added` more positions.
-    pub(crate) fn put_buffers(&mut self, buffers: Vec<Array>, added: i32) {
-        let mut it = buffers.into_iter();
-        for slot in &mut self.layers {
-            *slot = Some((it.next().expect("a key buffer"), it.next().expect("a value buffer")));
-        }
-        self.offset += added;
-    }
-
-    /// Bytes the cached keys and values take.
-    pub fn nbytes(&self) -> u64 {
-        self.arrays().iter().map(|a| a.nbytes() as u64).sum()
-    }
-
-    /// Arrays to evaluate so the cache is materialized.
-    pub fn arrays(&self) -> Vec<&Array> {
-        self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
-    }
-}
-
-/// A buffer of `KV_STEP`-rounded capacity for `end` positions shaped like `like`.
-fn empty_buffer(like: &Array, end: i32) -> Result<Array> {
-    let s = like.shape();
-    Ok(mlx_rs::ops::zeros_dtype(&[s[0], s[1], round_up(end), s[3]], like.dtype())?)
-}
-
-fn round_up(end: i32) -> i32 {
-    (end + KV_STEP - 1) / KV_STEP * KV_STEP
-}
-
-/// `buf` (holding `kept` positions) with room for `end`: itself when it is
-/// big enough, else its first `kept` positions followed by zeros.
-fn grown(buf: Array, kept: i32, end: i32) -> Result<Array> {
-    use mlx_rs::ops::indexing::IndexOp;
-    if buf.shape()[2] >= end {
-        return Ok(buf);
-    }
-    let s = buf.shape();
-    let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], round_up(end) - kept, s[3]], buf.dtype())?;
-    Ok(mlx_rs::ops::concatenate(&[buf.index((.., .., ..kept, ..)), zeros], 2)?)
-}
 
 #[derive(Clone)]
 struct Attention {
@@ -228,24 +122,33 @@ impl Transformer {
         per_layer + self.embed_tokens.nbytes() + self.lm_head.as_ref().map_or(0, |h| h.nbytes()) + self.norm.nbytes()
     }
 
-    /// Token embeddings `[1, L, hidden]` of ids `[1, L]`.
+    /// Token embeddings `[B, L, hidden]` of ids `[B, L]`.
     pub fn embed(&self, ids: &Array) -> Result<Array> {
         self.embed_tokens.lookup(ids)
     }
 
-    /// Runs embeddings `[1, L, hidden]` through the layers, appending to
+    /// Runs embeddings `[B, L, hidden]` through the layers, appending to
     /// `cache`; returns the final hidden states (before the last norm).
     pub fn hidden(&self, embeds: &Array, cache: &mut KvCache) -> Result<Array> {
         let len = embeds.shape()[1];
         let mut h = embeds.clone();
         let offset = cache.offset;
+        // Padded rows each start their positions after their padding.
+        let row_offsets = cache.is_padded().then(|| cache.row_offsets());
+        if row_offsets.is_some() && self.config.mrope_section.is_some() {
+            bail!("a batch of padded rows with multimodal rope is not supported yet");
+        }
+        let at = match &row_offsets {
+            Some(rows) => Position::Rows(rows),
+            None => Position::Fixed(offset),
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let r = self.attention(
                 &layer.attn,
                 &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?,
                 cache,
                 i,
-                offset,
+                at,
             )?;
             let h2 = h.add(&r)?;
             let r = self.mlp(
@@ -258,31 +161,44 @@ impl Transformer {
         Ok(h)
     }
 
-    /// Logits `[vocab]` for the last position of `hidden`.
+    /// Logits `[B, vocab]` for the last position of each row of `hidden`.
     pub fn logits_last(&self, hidden: &Array) -> Result<Array> {
-        let l = hidden.shape()[1];
+        let (b, l) = (hidden.shape()[0], hidden.shape()[1]);
         let last = if l == 1 { hidden.clone() } else { hidden.take_axis(Array::from_slice(&[l - 1], &[1]), 1)? };
         let x = fast::rms_norm(&last, Some(&self.norm), self.config.rms_norm_eps)?;
         let logits = match &self.lm_head {
             Some(head) => head.forward(&x)?,
             None => self.embed_tokens.as_linear(&x)?,
         };
-        Ok(logits.reshape(&[-1])?)
+        Ok(logits.reshape(&[b, -1])?)
     }
 
-    fn attention(&self, a: &Attention, x: &Array, cache: &mut KvCache, layer: usize, offset: i32) -> Result<Array> {
+    fn attention(&self, a: &Attention, x: &Array, cache: &mut KvCache, layer: usize, at: Position) -> Result<Array> {
         let l = x.shape()[1];
+        let offset = cache.offset;
         let (q, k, v) = match &self.config.mrope_section {
             Some(section) => {
-                let (q, k, v) = self.project(a, x, Position::Fixed(offset), false)?;
+                let (q, k, v) = self.project(a, x, at, false)?;
                 let (cos, sin) = mrope_cos_sin(&self.config, section, cache.mrope.as_ref(), offset, l)?;
                 (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?, v)
             }
-            None => self.project(a, x, Position::Fixed(offset), true)?,
+            None => self.project(a, x, at, true)?,
         };
         let (k, v) = cache.update(layer, k, v)?;
-        let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
-        let o = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?;
+        let o = match cache.padding_mask(offset, l, k.shape()[2], None)? {
+            Some(mask) => fast::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                self.scale,
+                ScaledDotProductAttentionMask::Array(&mask),
+                None,
+            )?,
+            None => {
+                let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+                fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?
+            }
+        };
         self.output(a, o)
     }
 
@@ -321,14 +237,10 @@ impl Transformer {
         };
         Ok(match at {
             Position::Fixed(offset) => fast::rope(x, d, false, base, 1.0, offset, freqs)?,
-            Position::Dynamic(offset) => fast::rope_dynamic(x, d, false, base, 1.0, offset, freqs)?,
+            Position::Dynamic(offset) | Position::Rows(offset) => {
+                fast::rope_dynamic(x, d, false, base, 1.0, offset, freqs)?
+            }
         })
-    }
-
-    /// Whether `decode_graph` can run this model (the multimodal rope needs
-    /// host-computed positions).
-    pub fn has_decode_graph(&self) -> bool {
-        self.config.mrope_section.is_none()
     }
 
     /// One decode step as a function of arrays only, so it can be compiled
@@ -370,25 +282,14 @@ impl Transformer {
     }
 }
 
-/// `[b, l, n * d]` → `[b, n, l, d]`. With one position the data is already in
-/// that order, so a reshape does it alone: one operation fewer per projection
-/// and layer, and a GPU's decode step is bound by the count.
-pub(crate) fn to_heads(y: &Array, b: i32, l: i32, n: i32) -> Result<Array> {
-    Ok(if l == 1 { y.reshape(&[b, n, 1, -1])? } else { y.reshape(&[b, l, n, -1])?.transpose_axes(&[0, 2, 1, 3])? })
-}
-
-/// `[b, n, l, d]` → `[b, l, n * d]` (a reshape alone for one position).
-pub(crate) fn from_heads(o: &Array) -> Result<Array> {
-    let (b, l) = (o.shape()[0], o.shape()[2]);
-    Ok(if l == 1 { o.reshape(&[b, 1, -1])? } else { o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])? })
-}
-
-/// Where new positions start: a number fixed in the graph, or an array so
-/// that one compiled graph serves every position.
+/// Where new positions start: a number fixed in the graph, an array so
+/// that one compiled graph serves every position, or one offset per row
+/// (`[B]`) for a padded batch.
 #[derive(Clone, Copy)]
 enum Position<'a> {
     Fixed(i32),
     Dynamic(&'a Array),
+    Rows(&'a Array),
 }
 
 /// `src` with `update` written at `start` (`[1]`, int32) along `axis`: a
@@ -500,37 +401,38 @@ fn llama3_rope_freqs(c: &TextConfig, s: &super::config::Llama3RopeScaling) -> Ar
     Array::from_slice(&freqs, &[freqs.len() as i32])
 }
 
-#[cfg(test)]
-mod kv_cache_tests {
-    use super::*;
-    use mlx_rs::ops::indexing::IndexOp;
+impl LanguageModel for Transformer {
+    fn architecture(&self) -> &'static str {
+        self.config.architecture.name()
+    }
 
-    /// The buffered cache returns exactly what concatenating every write
-    /// would, across growths (a prefill of 250 positions, then single steps
-    /// past the 256 boundary), and a clone is not disturbed by later writes.
-    #[test]
-    fn buffered_writes_equal_concatenation_across_growth() {
-        let mut cache = KvCache::new(1);
-        let mut all: Option<Array> = None;
-        let mut snapshot = None;
-        for (i, n) in [250, 1, 1, 1, 1, 1, 1, 1, 1, 300].into_iter().enumerate() {
-            let k = mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
-            let (got, _) = cache.update(0, k.clone(), k.clone()).unwrap();
-            cache.offset += n;
-            let want = match all.take() {
-                None => k,
-                Some(a) => mlx_rs::ops::concatenate(&[a, k], 2).unwrap(),
-            };
-            assert_eq!(got.shape(), want.shape());
-            assert!(got.all_close(&want, 0.0, 0.0, None).unwrap(), "write {i}");
-            if i == 3 {
-                snapshot = Some((cache.clone(), want.clone()));
-            }
-            all = Some(want);
+    fn num_layers(&self) -> usize {
+        self.config.num_layers as usize
+    }
+
+    fn context_length(&self) -> u32 {
+        self.config.context_length
+    }
+
+    fn embed(&self, ids: &Array) -> Result<Array> {
+        Transformer::embed(self, ids)
+    }
+
+    fn forward(&self, embeds: &Array, cache: &mut KvCache, _image_blocks: Option<&[i32]>) -> Result<Array> {
+        self.hidden(embeds, cache)
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        self.logits_last(hidden)
+    }
+
+    /// The multimodal rope needs host-computed positions, so only plain
+    /// decoders have a graph.
+    fn decode_graph(&self) -> Option<DecodeGraph> {
+        if self.config.mrope_section.is_some() {
+            return None;
         }
-        let (old, want) = snapshot.unwrap();
-        let (k, _) = old.layers[0].clone().unwrap();
-        let seen = k.index((.., .., ..old.offset, ..));
-        assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
+        let model = self.clone();
+        Some(Box::new(move |inputs: &[Array]| model.decode_graph(inputs)))
     }
 }

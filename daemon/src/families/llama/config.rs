@@ -1,12 +1,12 @@
 //! Hyper-parameters of the decoder-only text models we serve, read either from
 //! GGUF metadata or from an HF/MLX `config.json`.
 
-use super::gguf::Gguf;
+use crate::model::gguf::{gguf_number, gguf_string, Gguf};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
 /// Which transformer variant a checkpoint is. They share one implementation
-/// (`transformer.rs`); the differences are small flags.
+/// (`model.rs`); the differences are small flags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     /// Llama 2/3, SmolLM2.
@@ -26,6 +26,15 @@ impl Architecture {
             "qwen3" => Architecture::Qwen3,
             other => bail!("unsupported architecture {other:?} (supported: llama, qwen2, qwen3)"),
         })
+    }
+
+    /// How llama.cpp stored this architecture's q/k rows in GGUF.
+    pub fn gguf_qk_rows(self, heads: i32, kv_heads: i32) -> crate::model::weights::GgufQkRows {
+        use crate::model::weights::GgufQkRows;
+        match self {
+            Architecture::Llama => GgufQkRows::Permuted { heads, kv_heads },
+            Architecture::Qwen2 | Architecture::Qwen3 => GgufQkRows::AsHf,
+        }
     }
 
     /// The canonical name.
@@ -193,14 +202,4 @@ impl TextConfig {
             tie_word_embeddings: !has_output_tensor,
         })
     }
-}
-
-/// A string metadata value.
-pub fn gguf_string(file: &Gguf, key: &str) -> Result<String> {
-    file.string(key).map(str::to_string).with_context(|| format!("GGUF metadata {key} is missing"))
-}
-
-/// A scalar numeric metadata value, as f64.
-pub fn gguf_number(file: &Gguf, key: &str) -> Result<f64> {
-    file.number(key).with_context(|| format!("GGUF metadata {key} is missing or not a number"))
 }

@@ -4,10 +4,11 @@
 //! tanh-GELU gated MLP, and sliding-window layers (local rope base) between
 //! every `sliding_window_pattern`-th global layer.
 
-use super::layers::{Embedding, Linear};
-use super::transformer::{from_heads, to_heads, KvCache};
-use super::weights::TensorMap;
-use anyhow::Result;
+use crate::model::family::{LanguageModel, MediaAttention};
+use crate::model::kv_cache::KvCache;
+use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
+use crate::model::weights::TensorMap;
+use anyhow::{bail, Result};
 use mlx_rs::{
     fast::{self, ScaledDotProductAttentionMask},
     nn, ops, Array, Dtype,
@@ -110,6 +111,10 @@ pub struct Gemma3Text {
     lm_head: Option<Linear>,
     embed_scale: Array,
     global_rope_scale: f32,
+    /// Attend bidirectionally within each image during prefill (Gemma 3's
+    /// training and HF's behaviour). mlx-vlm 0.7.10 attends causally: its
+    /// 4-D mask is dropped on the way to the language model.
+    pub bidirectional_images: bool,
 }
 
 /// Gemma's RMS norm weight is stored as an offset from 1.
@@ -161,47 +166,65 @@ impl Gemma3Text {
             lm_head,
             embed_scale,
             global_rope_scale,
+            bidirectional_images: true,
             config,
         })
     }
 
-    /// Unscaled token embeddings `[1, L, hidden]` (scaling happens in [`Self::hidden`]).
+    /// Unscaled token embeddings `[B, L, hidden]` (scaling happens in [`Self::hidden`]).
     pub fn embed(&self, ids: &Array) -> Result<Array> {
         self.embed.lookup(ids)
     }
 
-    /// Runs embeddings `[1, L, hidden]` through the blocks, appending to `cache`;
-    /// returns the final normed hidden states.
-    pub fn hidden(&self, embeds: &Array, cache: &mut KvCache) -> Result<Array> {
-        self.hidden_with_blocks(embeds, cache, None)
-    }
-
-    /// Like [`Self::hidden`], with `blocks[pos]` naming the image each absolute
-    /// position belongs to (-1: text). Positions of one image then attend to
-    /// each other in both directions, as Gemma 3 was trained (HF's
+    /// Runs embeddings `[B, L, hidden]` through the blocks, appending to
+    /// `cache`; returns the final normed hidden states. With `blocks`
+    /// (one row), `blocks[pos]` names the image each absolute position
+    /// belongs to (-1: text); positions of one image then attend to each
+    /// other in both directions, as Gemma 3 was trained (HF's
     /// `token_type_ids` mask); everything else stays causal.
-    pub fn hidden_with_blocks(&self, embeds: &Array, cache: &mut KvCache, blocks: Option<&[i32]>) -> Result<Array> {
+    pub fn hidden(&self, embeds: &Array, cache: &mut KvCache, blocks: Option<&[i32]>) -> Result<Array> {
         let c = &self.config;
-        let l = embeds.shape()[1];
+        let (rows, l) = (embeds.shape()[0], embeds.shape()[1]);
         let offset = cache.offset;
+        // Padded rows each start their positions after their padding.
+        let row_offsets = cache.is_padded().then(|| cache.row_offsets());
+        if row_offsets.is_some() && blocks.is_some() {
+            bail!("image blocks are for a single-row prefill");
+        }
         let mut h = embeds.multiply(&self.embed_scale)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&b.input_norm), c.rms_norm_eps)?;
             let split = |y: Array, n: i32, w: &Array| -> Result<Array> {
-                Ok(fast::rms_norm(to_heads(&y, 1, l, n)?, Some(w), c.rms_norm_eps)?)
+                Ok(fast::rms_norm(to_heads(&y, rows, l, n)?, Some(w), c.rms_norm_eps)?)
             };
             let q = split(b.q.forward(&x)?, c.num_attention_heads, &b.q_norm)?;
             let k = split(b.k.forward(&x)?, c.num_key_value_heads, &b.k_norm)?;
-            let v = to_heads(&b.v.forward(&x)?, 1, l, c.num_key_value_heads)?;
+            let v = to_heads(&b.v.forward(&x)?, rows, l, c.num_key_value_heads)?;
             let (base, scale) = if b.sliding {
                 (c.rope_local_base_freq, 1.0)
             } else {
                 (c.rope_global_base_freq, self.global_rope_scale)
             };
-            let q = fast::rope(&q, c.head_dim, false, base, scale, offset, None)?;
-            let k = fast::rope(&k, c.head_dim, false, base, scale, offset, None)?;
+            let (q, k) = match &row_offsets {
+                Some(at) => (
+                    fast::rope_dynamic(&q, c.head_dim, false, base, scale, at, None)?,
+                    fast::rope_dynamic(&k, c.head_dim, false, base, scale, at, None)?,
+                ),
+                None => (
+                    fast::rope(&q, c.head_dim, false, base, scale, offset, None)?,
+                    fast::rope(&k, c.head_dim, false, base, scale, offset, None)?,
+                ),
+            };
             let (k, v) = cache.update(i, k, v)?;
-            let o = self.attend(&q, k, v, b.sliding, offset, blocks)?;
+            let window = b.sliding.then_some(c.sliding_window);
+            let o = match cache.padding_mask(offset, l, k.shape()[2], window)? {
+                Some(mask) => {
+                    let scale = (c.query_pre_attn_scalar as f64).powf(-0.5) as f32;
+                    let mask = ScaledDotProductAttentionMask::Array(&mask);
+                    fast::scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?
+                }
+                None => self.attend(&q, k, v, b.sliding, offset, blocks)?,
+            };
             let o = from_heads(&o)?;
             let r = fast::rms_norm(b.o.forward(&o)?, Some(&b.post_attn_norm), c.rms_norm_eps)?;
             let h2 = h.add(&r)?;
@@ -260,19 +283,48 @@ impl Gemma3Text {
         Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, ScaledDotProductAttentionMask::Array(&allowed), None)?)
     }
 
-    /// Logits `[vocab]` of the last position of normed hidden states.
+    /// Logits `[B, vocab]` of each row's last position of normed hidden states.
     pub fn logits_last(&self, hidden: &Array) -> Result<Array> {
-        let l = hidden.shape()[1];
+        let (rows, l) = (hidden.shape()[0], hidden.shape()[1]);
         let last = if l == 1 { hidden.clone() } else { hidden.take_axis(Array::from_slice(&[l - 1], &[1]), 1)? };
         let logits = match &self.lm_head {
             Some(h) => h.forward(&last)?,
             None => self.embed.as_linear(&last)?,
         };
-        Ok(logits.reshape(&[-1])?)
+        Ok(logits.reshape(&[rows, -1])?)
+    }
+}
+
+impl LanguageModel for Gemma3Text {
+    fn architecture(&self) -> &'static str {
+        "gemma3"
     }
 
-    /// Number of blocks (cache layers).
-    pub fn num_layers(&self) -> usize {
+    fn num_layers(&self) -> usize {
         self.blocks.len()
+    }
+
+    fn context_length(&self) -> u32 {
+        self.config.max_position_embeddings
+    }
+
+    fn embed(&self, ids: &Array) -> Result<Array> {
+        Gemma3Text::embed(self, ids)
+    }
+
+    fn forward(&self, embeds: &Array, cache: &mut KvCache, image_blocks: Option<&[i32]>) -> Result<Array> {
+        self.hidden(embeds, cache, image_blocks.filter(|_| self.bidirectional_images))
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        self.logits_last(hidden)
+    }
+
+    fn media_attention(&self) -> MediaAttention {
+        if self.bidirectional_images {
+            MediaAttention::BidirectionalWithinImage
+        } else {
+            MediaAttention::Causal
+        }
     }
 }

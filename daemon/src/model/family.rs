@@ -1,0 +1,109 @@
+//! The two seams a model family plugs into. The engine drives every model
+//! through these traits and never names a family; each family (a folder
+//! under `crate::families`) implements them.
+//!
+//! - [`LanguageModel`]: ids → embeddings → hidden states → logits, with a
+//!   batch axis `[B, L, hidden]` and one KV cache holding every row.
+//! - [`VisionTower`] (engine thread, MLX) and [`MediaPreprocessor`] (any
+//!   thread, no MLX): media bytes → prepared pixels → features spliced into
+//!   the prompt's embeddings.
+
+use super::kv_cache::KvCache;
+use anyhow::Result;
+use mlx_rs::Array;
+
+/// How a language model's positions inside one image attend during prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaAttention {
+    /// Causally, like text (most families).
+    Causal,
+    /// Both ways within one image (Gemma 3's training): a prefill chunk then
+    /// may not end inside an image.
+    BidirectionalWithinImage,
+}
+
+/// A compiled-decode graph: inputs are the token ids `[1, 1]`, the position
+/// `[1]` (int32) and every layer's key and value buffers; outputs are the
+/// logits and the buffers with that position written.
+pub type DecodeGraph = Box<dyn Fn(&[Array]) -> Result<Vec<Array>>>;
+
+/// A family's text decoder.
+pub trait LanguageModel {
+    /// Architecture name for listings (`llama`, `gemma3`, ...).
+    fn architecture(&self) -> &'static str;
+
+    /// Layers, i.e. KV cache slots.
+    fn num_layers(&self) -> usize;
+
+    /// Longest prompt plus answer, in tokens.
+    fn context_length(&self) -> u32;
+
+    /// Token embeddings `[B, L, hidden]` of ids `[B, L]`, as the prompt's
+    /// text positions take them (any scaling a family applies inside the
+    /// layers is not applied here).
+    fn embed(&self, ids: &Array) -> Result<Array>;
+
+    /// Embeddings `[B, L, hidden]` through the layers at each row's next
+    /// positions in `cache` (which grows by `L`); the hidden states that
+    /// [`Self::logits`] reads. `image_blocks` (single-row prefill only)
+    /// names, per absolute position, the image it belongs to (-1: text),
+    /// for a model whose [`Self::media_attention`] needs it.
+    fn forward(&self, embeds: &Array, cache: &mut KvCache, image_blocks: Option<&[i32]>) -> Result<Array>;
+
+    /// Logits `[B, vocab]` of each row's last position of `hidden`.
+    fn logits(&self, hidden: &Array) -> Result<Array>;
+
+    /// How positions within one image attend during prefill.
+    fn media_attention(&self) -> MediaAttention {
+        MediaAttention::Causal
+    }
+
+    /// A decode step that can be compiled once and replayed, when the model
+    /// has one (its shapes do not change per token).
+    fn decode_graph(&self) -> Option<DecodeGraph> {
+        None
+    }
+}
+
+/// Media made ready for a tower on the CPU: values in the layout the tower
+/// reads (`shape`), and the patch grid `(t, h, w)` when the tower's output
+/// depends on it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prepared {
+    pub values: Vec<f32>,
+    pub shape: Vec<i32>,
+    pub grid: Option<(u32, u32, u32)>,
+}
+
+/// A family's media preprocessing: decoded pixels → [`Prepared`]. Runs on
+/// tokio's blocking pool, never on the engine thread, so it holds no MLX
+/// state.
+pub trait MediaPreprocessor: Send + Sync {
+    /// A stable description of every parameter that changes the output
+    /// (sizes, resampling, normalization): part of the feature-store key.
+    fn describe(&self) -> String;
+
+    /// Resizes, normalizes and lays out one decoded image.
+    fn prepare(&self, image: &image::RgbImage) -> Prepared;
+}
+
+/// A family's vision tower and how its features enter the prompt.
+pub trait VisionTower {
+    /// Features of one prepared image, lazily: `[rows, hidden]`, or a grid
+    /// `[h, w, hidden]` whose leading axes say its shape; the feature store
+    /// keeps them as they are.
+    fn encode(&self, prepared: &Prepared) -> Result<Array>;
+
+    /// Prompt embeddings `[1, L, hidden]`: the runs of the image token in
+    /// `ids` take `features` (one per image, in order), the rest `lm`'s
+    /// text embeddings. More or fewer images than runs is an error.
+    fn splice(&self, lm: &dyn LanguageModel, ids: &[u32], features: &[Array]) -> Result<Array>;
+
+    /// Rope positions for the whole prompt when the language model's rope
+    /// follows the images' grids (Qwen2-VL's multimodal rope): per position
+    /// `(t, h, w)`, and the delta later positions add. `None`: positions are
+    /// plain offsets.
+    fn rope_positions(&self, _ids: &[u32], _features: &[Array]) -> Option<(Vec<[i64; 3]>, i64)> {
+        None
+    }
+}

@@ -1,0 +1,122 @@
+//! The language-model seam's batch axis: prompts of different lengths,
+//! left-padded into one `[B, L, hidden]` batch with per-row cache offsets,
+//! give each row what it gives alone (logits within a tolerance, greedy ids
+//! exactly), through prefill and decode steps. This is what continuous
+//! batching builds on; the engine still runs one request at a time.
+
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::{ops, Array};
+use mlxbc_daemon::model::kv_cache::KvCache;
+use mlxbc_daemon::model::weights::WeightForm;
+use mlxbc_daemon::model::Model;
+
+mod common;
+use common::*;
+
+/// Row results may differ from single-row ones only by reduction order.
+const TOLERANCE: f32 = 1e-4;
+
+const PROMPTS: [&[u32]; 3] = [&[5, 17, 42, 99, 7, 3, 64, 12, 8], &[11, 23, 31], &[2, 4, 6, 8, 10, 12]];
+const STEPS: usize = 6;
+
+fn load(rel: &str) -> Model {
+    mlxbc_daemon::families::load(&fixture(rel), WeightForm::DenseF32, None)
+        .unwrap_or_else(|e| panic!("loading {rel}: {e:#} (build the fixtures with scripts/test-fixtures)"))
+}
+
+fn relative_error(ours: &Array, want: &Array) -> f32 {
+    let diff = ops::abs(ops::subtract(ours, want).unwrap()).unwrap().max(None).unwrap();
+    diff.item_cast::<f32>() / ops::abs(want).unwrap().max(None).unwrap().item_cast::<f32>()
+}
+
+/// Last-position logits after the prompt, then greedy ids for STEPS steps, one row alone.
+fn alone(model: &Model, prompt: &[u32]) -> (Array, Vec<u32>) {
+    let lm = &model.lm;
+    let mut cache = KvCache::new(lm.num_layers());
+    let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
+    let first = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+    let mut logits = first.clone();
+    let mut out = Vec::new();
+    for _ in 0..STEPS {
+        let y = argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
+        out.push(y);
+        let ids = Array::from_slice(&[y], &[1, 1]);
+        logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+    }
+    (first, out)
+}
+
+/// The same prompts as one left-padded batch.
+fn batched(model: &Model, prompts: &[&[u32]]) -> anyhow::Result<(Array, Vec<Vec<u32>>)> {
+    let lm = &model.lm;
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap();
+    let pads: Vec<i32> = prompts.iter().map(|p| (longest - p.len()) as i32).collect();
+    let mut ids = Vec::new();
+    for p in prompts {
+        ids.extend(std::iter::repeat_n(0u32, longest - p.len()));
+        ids.extend_from_slice(p);
+    }
+    let b = prompts.len() as i32;
+    let mut cache = KvCache::batch(lm.num_layers(), pads);
+    let ids = Array::from_slice(&ids, &[b, longest as i32]);
+    let first = lm.logits(&lm.forward(&lm.embed(&ids)?, &mut cache, None)?)?;
+    assert_eq!(first.shape()[0], b, "logits are [B, vocab]");
+    let mut logits = first.clone();
+    let mut out = vec![Vec::new(); prompts.len()];
+    for _ in 0..STEPS {
+        let picks = argmax_axis(&logits, -1, None)?;
+        let picks: Vec<u32> = picks.as_dtype(mlx_rs::Dtype::Uint32)?.as_slice::<u32>().to_vec();
+        for (row, &y) in picks.iter().enumerate() {
+            out[row].push(y);
+        }
+        let ids = Array::from_slice(&picks, &[b, 1]);
+        logits = lm.logits(&lm.forward(&lm.embed(&ids)?, &mut cache, None)?)?;
+    }
+    Ok((first, out))
+}
+
+fn assert_rows_match_alone(rel: &str) {
+    let model = load(rel);
+    let (first, ids) = batched(&model, &PROMPTS).unwrap();
+    for (row, prompt) in PROMPTS.iter().enumerate() {
+        let (want_first, want_ids) = alone(&model, prompt);
+        let got = first.index(row as i32..row as i32 + 1);
+        let err = relative_error(&got, &want_first);
+        eprintln!("{rel}, row {row} (padding {}): relative error {err:e}", 9 - prompt.len());
+        assert!(err < TOLERANCE, "{rel}: row {row}'s logits differ from the row alone: {err:e}");
+        assert_eq!(ids[row], want_ids, "{rel}: row {row}'s greedy ids differ from the row alone");
+    }
+    // The check can fail: without the padding mask the short rows would
+    // attend to the padding and come out different.
+    let lm = &model.lm;
+    let mut unmasked = KvCache::new(lm.num_layers());
+    let mut padded = vec![0u32; 6];
+    padded.extend_from_slice(PROMPTS[1]);
+    let ids = Array::from_slice(&padded, &[1, 9]);
+    let wrong = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut unmasked, None).unwrap()).unwrap();
+    assert!(relative_error(&wrong, &alone(&model, PROMPTS[1]).0) > 1e-3, "{rel}: padding must matter unmasked");
+}
+
+#[test]
+fn qwen3_padded_rows_equal_each_row_alone() {
+    assert_rows_match_alone("mlx/tiny-qwen3");
+}
+
+#[test]
+fn llama_padded_rows_equal_each_row_alone() {
+    assert_rows_match_alone("mlx/smollm2-mlx");
+}
+
+#[test]
+fn gemma3_padded_rows_equal_each_row_alone() {
+    assert_rows_match_alone("mlx/tiny-gemma3-vlm");
+}
+
+/// Multimodal rope positions are per prompt; a padded batch of them is
+/// refused rather than computed wrongly.
+#[test]
+fn qwen25_vl_refuses_padded_rows_with_multimodal_rope() {
+    let model = load("mlx/tiny-qwen25-vl");
+    let err = batched(&model, &PROMPTS).unwrap_err();
+    assert!(err.to_string().contains("multimodal rope"), "{err:#}");
+}
