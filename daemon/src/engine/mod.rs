@@ -434,9 +434,8 @@ impl Engine {
                 let keep_alive = request.keep_alive;
                 let outcome = match self.load(request.model.as_deref(), keep_alive) {
                     Err(e) => Err(e),
-                    Ok((name, load_ms)) => {
+                    Ok(residency::Loaded { name, model, load_ms }) => {
                         self.publish();
-                        let model = self.residency.get(&name).expect("just loaded");
                         let mut ctx = generate::GenerationContext {
                             model_name: &name,
                             load_ms: load_ms.max(loaded_ms),
@@ -449,7 +448,7 @@ impl Engine {
                             prepared,
                             media,
                         };
-                        let result = generate::run(model, &mut ctx, &request, &events, &cancel);
+                        let result = generate::run(&model, &mut ctx, &request, &events, &cancel);
                         self.residency.touch(&name, keep_alive);
                         result
                     }
@@ -484,12 +483,11 @@ impl Engine {
             Job::Prefetch { model, media, prepared, reply } => {
                 let response = match self.load(model.as_deref(), None) {
                     Err(e) => e.into_response(),
-                    Ok((name, _)) => {
-                        let m = self.residency.get(&name).expect("just loaded");
+                    Ok(residency::Loaded { name, model: m, .. }) => {
                         let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
                         let resolved = match prepared {
-                            Some(p) => media::finish(m, &name, self.store.as_ref(), p, &refs),
-                            None => media::resolve(m, &name, self.store.as_ref(), &refs),
+                            Some(p) => media::finish(&m, &name, self.store.as_ref(), p, &refs),
+                            None => media::resolve(&m, &name, self.store.as_ref(), &refs),
                         };
                         match resolved {
                             Ok(media::Resolved::Missing(missing)) => {
@@ -508,7 +506,7 @@ impl Engine {
             Job::Load { model, keep_alive, for_request, reply } => {
                 let t = Instant::now();
                 let response = match self.load(model.as_deref(), keep_alive) {
-                    Ok((name, _)) => {
+                    Ok(residency::Loaded { name, .. }) => {
                         if let Some(ka) = keep_alive {
                             self.residency.touch(&name, Some(ka));
                         }
@@ -539,12 +537,12 @@ impl Engine {
 
     /// Makes a model resident (fingerprinting its tower through the store's
     /// memo) and remembers which model the requested name led to.
-    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<(String, f64), EngineError> {
+    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<residency::Loaded, EngineError> {
         // A name that already led to a resident model needs no resolving
         // (which may scan other tools' stores).
         let asked = model.map(String::from);
-        if let Some(name) = self.routes.get(&asked).filter(|n| self.residency.get(n).is_some()) {
-            return Ok((name.clone(), 0.0));
+        if let Some((name, model)) = self.routes.get(&asked).and_then(|n| Some((n, self.residency.handle(n)?))) {
+            return Ok(residency::Loaded { name: name.clone(), model, load_ms: 0.0 });
         }
         let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
         let loaded = self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())?;
@@ -552,7 +550,7 @@ impl Engine {
             // Many spellings of paths can name one model: keep the table small.
             self.routes.clear();
         }
-        self.routes.insert(asked, loaded.0.clone());
+        self.routes.insert(asked, loaded.name.clone());
         Ok(loaded)
     }
 

@@ -2,6 +2,7 @@
 //! are. A name is an alias from the settings, a file or directory name in the
 //! models directory, a path, or a model another tool keeps (see `discovery`).
 
+use super::error::EngineError;
 use mlxbc_shared::{settings::Settings, ModelInfo};
 use std::path::{Path, PathBuf};
 
@@ -34,7 +35,7 @@ impl ModelRegistry {
     }
 
     /// Resolves `name` (`None`: the default model). The error lists what is known.
-    pub fn resolve(&self, name: Option<&str>) -> Result<ResolvedModel, String> {
+    pub fn resolve(&self, name: Option<&str>) -> Result<ResolvedModel, EngineError> {
         let name = name.unwrap_or(&self.default_model);
         let target = self.aliases.get(name).map(String::as_str).unwrap_or(name);
         let candidate = Path::new(target);
@@ -57,9 +58,12 @@ impl ModelRegistry {
             known.join(", ")
         };
         if self.aliases.contains_key(name) {
-            Err(format!("model {name:?} is an alias for {}, which is not there; known models: {known}", path.display()))
+            Err(EngineError::UnknownModel(format!(
+                "model {name:?} is an alias for {}, which is not there; known models: {known}",
+                path.display()
+            )))
         } else {
-            Err(format!("unknown model {name:?}; known models: {known}"))
+            Err(EngineError::UnknownModel(format!("unknown model {name:?}; known models: {known}")))
         }
     }
 

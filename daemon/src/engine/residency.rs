@@ -9,12 +9,14 @@ use crate::model::{weights::WeightForm, Model};
 use mlxbc_shared::{KeepAlive, LoadedModel};
 use std::collections::HashMap;
 use std::path::Path;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 
 struct Resident {
-    model: Model,
+    /// Shared with the generation using it (the engine is one thread).
+    model: Rc<Model>,
     /// MLX memory the load took.
     memory_bytes: u64,
     keep_alive: KeepAlive,
@@ -34,6 +36,15 @@ impl Resident {
             KeepAlive::Seconds(s) => self.last_used.checked_add(Duration::from_secs(s)),
         }
     }
+}
+
+/// A model made resident (or found so).
+pub struct Loaded {
+    /// Its canonical name.
+    pub name: String,
+    pub model: Rc<Model>,
+    /// Time spent loading it now (0 when it was resident).
+    pub load_ms: f64,
 }
 
 /// The resident models and their keep-alive clocks.
@@ -146,7 +157,8 @@ impl Residency {
     }
 
     /// Resolves `name` and loads it unless resident. Returns the canonical
-    /// name and the milliseconds spent loading (0 when already resident).
+    /// name, the model, and the milliseconds spent loading (0 when already
+    /// resident).
     pub fn ensure_loaded(
         &mut self,
         registry: &ModelRegistry,
@@ -154,10 +166,10 @@ impl Residency {
         form: crate::options::ModelOptions,
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
-    ) -> Result<(String, f64), EngineError> {
-        let resolved = registry.resolve(name).map_err(|m| EngineError::UnknownModel(m))?;
-        if self.models.contains_key(&resolved.name) {
-            return Ok((resolved.name, 0.0));
+    ) -> Result<Loaded, EngineError> {
+        let resolved = registry.resolve(name)?;
+        if let Some(r) = self.models.get(&resolved.name) {
+            return Ok(Loaded { model: r.model.clone(), name: resolved.name, load_ms: 0.0 });
         }
         self.make_room(&resolved.name, estimated_bytes(&resolved.path, form.form))?;
         let t = Instant::now();
@@ -179,21 +191,27 @@ impl Residency {
             self.unload(&victim);
             self.evicted.push(victim);
         }
+        let model = Rc::new(model);
         self.models.insert(
             resolved.name.clone(),
             Resident {
-                model,
+                model: model.clone(),
                 memory_bytes,
                 keep_alive: keep_alive.unwrap_or(self.default_keep_alive),
                 last_used: Instant::now(),
             },
         );
-        Ok((resolved.name, load_ms))
+        Ok(Loaded { name: resolved.name, model, load_ms })
+    }
+
+    /// The resident model of that canonical name, as a handle.
+    pub fn handle(&self, name: &str) -> Option<Rc<Model>> {
+        self.models.get(name).map(|r| r.model.clone())
     }
 
     /// The resident model of that canonical name.
     pub fn get(&self, name: &str) -> Option<&Model> {
-        self.models.get(name).map(|r| &r.model)
+        self.models.get(name).map(|r| &*r.model)
     }
 
     /// Restarts a model's idle clock, optionally with a new keep-alive.

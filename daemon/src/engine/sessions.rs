@@ -14,6 +14,26 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
+/// Why a session could not be read, written or named.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("bad session name {0:?}: use 1-64 letters, digits, '.', '_' or '-'")]
+    BadName(String),
+    #[error("session {name} is damaged: {source}")]
+    Damaged { name: String, source: serde_json::Error },
+    #[error("{doing} session {name}: {source}")]
+    Io { doing: &'static str, name: String, source: std::io::Error },
+    #[error("session {0} was deleted while this turn was being answered")]
+    DeletedMeanwhile(String),
+}
+
+impl From<SessionError> for super::EngineError {
+    /// Every session failure is the request's: a name, or a file to fix.
+    fn from(e: SessionError) -> Self {
+        super::EngineError::BadRequest(e.to_string())
+    }
+}
+
 /// The session directory.
 pub struct SessionStore {
     dir: PathBuf,
@@ -29,7 +49,7 @@ pub struct Turn {
 }
 
 /// Names are file names: letters, digits, `.`, `_`, `-`; 1 to 64 of them.
-pub fn check_name(name: &str) -> Result<(), String> {
+pub fn check_name(name: &str) -> Result<(), SessionError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && !name.starts_with('.')
@@ -37,7 +57,7 @@ pub fn check_name(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("bad session name {name:?}: use 1-64 letters, digits, '.', '_' or '-'"))
+        Err(SessionError::BadName(name.to_string()))
     }
 }
 
@@ -47,17 +67,17 @@ impl SessionStore {
     }
 
     /// The history a new turn of `name` starts from.
-    pub fn begin(&self, name: &str) -> Result<Turn, String> {
+    pub fn begin(&self, name: &str) -> Result<Turn, SessionError> {
         let epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
         let epoch = epochs.get(name).copied().unwrap_or(0);
         Ok(Turn { history: self.load(name)?, epoch })
     }
 
     /// Appends a finished turn, unless the session was deleted since it began.
-    pub fn finish(&self, name: &str, turn: &Turn, new: &[ChatMessage]) -> Result<(), String> {
+    pub fn finish(&self, name: &str, turn: &Turn, new: &[ChatMessage]) -> Result<(), SessionError> {
         let epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
         if epochs.get(name).copied().unwrap_or(0) != turn.epoch {
-            return Err(format!("session {name} was deleted while this turn was being answered"));
+            return Err(SessionError::DeletedMeanwhile(name.to_string()));
         }
         self.write_appended(name, new)
     }
@@ -67,31 +87,34 @@ impl SessionStore {
     }
 
     /// The stored messages (none for a new session).
-    pub fn load(&self, name: &str) -> Result<Vec<ChatMessage>, String> {
+    pub fn load(&self, name: &str) -> Result<Vec<ChatMessage>, SessionError> {
         check_name(name)?;
         match std::fs::read(self.path(name)) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("session {name} is damaged: {e}")),
+            Ok(bytes) => {
+                serde_json::from_slice(&bytes).map_err(|source| SessionError::Damaged { name: name.into(), source })
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(vec![]),
-            Err(e) => Err(format!("reading session {name}: {e}")),
+            Err(source) => Err(SessionError::Io { doing: "reading", name: name.into(), source }),
         }
     }
 
     /// Appends messages (their text; images are dropped).
-    pub fn append(&self, name: &str, new: &[ChatMessage]) -> Result<(), String> {
+    pub fn append(&self, name: &str, new: &[ChatMessage]) -> Result<(), SessionError> {
         let _writing = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
         self.write_appended(name, new)
     }
 
-    fn write_appended(&self, name: &str, new: &[ChatMessage]) -> Result<(), String> {
+    fn write_appended(&self, name: &str, new: &[ChatMessage]) -> Result<(), SessionError> {
         let mut all = self.load(name)?;
         all.extend(new.iter().map(|m| ChatMessage { images: vec![], ..m.clone() }));
-        mlxbc_shared::paths::create_private_dir(&self.dir)
-            .map_err(|e| format!("creating {}: {e}", self.dir.display()))?;
+        let io = |doing| move |source| SessionError::Io { doing, name: name.into(), source };
+        mlxbc_shared::paths::create_private_dir(&self.dir).map_err(io("creating the directory of"))?;
         let tmp = self.dir.join(format!(".{name}.json.tmp"));
-        let json = serde_json::to_vec_pretty(&all).map_err(|e| e.to_string())?;
+        // Messages are plain strings: serializing them cannot fail.
+        let json = serde_json::to_vec_pretty(&all).unwrap_or_default();
         write_durably(&tmp, &self.path(name), &json).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
-            format!("saving session {name}: {e}")
+            io("saving")(e)
         })
     }
 
@@ -110,7 +133,7 @@ impl SessionStore {
     }
 
     /// Forgets a session; returns it if it existed.
-    pub fn delete(&self, name: &str) -> Result<Option<SessionInfo>, String> {
+    pub fn delete(&self, name: &str) -> Result<Option<SessionInfo>, SessionError> {
         let mut epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
         let messages = self.load(name)?;
         match std::fs::remove_file(self.path(name)) {
@@ -122,7 +145,7 @@ impl SessionStore {
                 Ok(Some(SessionInfo { name: name.into(), messages }))
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(format!("deleting session {name}: {e}")),
+            Err(source) => Err(SessionError::Io { doing: "deleting", name: name.into(), source }),
         }
     }
 }

@@ -294,7 +294,7 @@ async fn answer(state: &AppState, request: Request) -> Response {
             };
             match result {
                 Ok(list) => Response::Sessions(list),
-                Err(message) => error(ErrorKind::BadRequest, message),
+                Err(e) => crate::engine::EngineError::from(e).into_response(),
             }
         }
         Request::Shutdown => {

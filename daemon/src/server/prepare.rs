@@ -83,7 +83,7 @@ async fn begin_session(state: &AppState, request: &mut GenerateRequest) -> Resul
     let Some(name) = request.session.clone() else { return Ok(None) };
     let sessions = Arc::clone(&state.sessions);
     let begun = tokio::task::spawn_blocking(move || sessions.begin(&name).map(|t| (name, t))).await.map_err(joined)?;
-    let (name, mut started) = begun.map_err(EngineError::BadRequest)?;
+    let (name, mut started) = begun?;
     let messages = std::mem::take(&mut request.messages);
     request.messages = std::mem::take(&mut started.history);
     request.messages.extend(messages.iter().cloned());

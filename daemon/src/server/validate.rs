@@ -80,7 +80,7 @@ pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid
         check_name("the model name", m)?;
     }
     if let Some(name) = &request.session {
-        crate::engine::sessions::check_name(name).map_err(Invalid)?;
+        crate::engine::sessions::check_name(name).map_err(|e| Invalid(e.to_string()))?;
     }
     Ok(())
 }

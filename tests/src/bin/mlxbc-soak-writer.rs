@@ -76,7 +76,7 @@ fn check(dir: &Path) -> Result<(usize, usize), String> {
             entries += 1;
         }
     }
-    let messages = SessionStore::new(&dir.join("sessions")).load("soak")?;
+    let messages = SessionStore::new(&dir.join("sessions")).load("soak").map_err(|e| e.to_string())?;
     if messages.len() % 2 != 0 {
         return Err(format!("the session has {} messages: a half turn", messages.len()));
     }

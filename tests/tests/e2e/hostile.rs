@@ -28,22 +28,22 @@ async fn served(d: &Daemon) {
     assert!(text.contains("Paris"), "{text:?}");
 }
 
-type Raw = Framed<UnixStream, LengthDelimitedCodec>;
+pub(crate) type Raw = Framed<UnixStream, LengthDelimitedCodec>;
 
-async fn raw(d: &Daemon) -> Raw {
+pub(crate) async fn raw(d: &Daemon) -> Raw {
     Framed::new(UnixStream::connect(&d.socket).await.unwrap(), LengthDelimitedCodec::new())
 }
 
-async fn send(conn: &mut Raw, r: &Request) {
+pub(crate) async fn send(conn: &mut Raw, r: &Request) {
     conn.send(Bytes::from(codec::to_payload(r).unwrap())).await.unwrap();
 }
 
-async fn recv(conn: &mut Raw) -> Option<Response> {
+pub(crate) async fn recv(conn: &mut Raw) -> Option<Response> {
     let frame = tokio::time::timeout(Duration::from_secs(60), conn.next()).await.expect("an answer in time")?;
     Some(codec::from_payload(&frame.ok()?).unwrap())
 }
 
-async fn hello(conn: &mut Raw) {
+pub(crate) async fn hello(conn: &mut Raw) {
     send(conn, &Request::Hello { protocol: mlxbc_client::PROTOCOL_VERSION, client_version: "t".into() }).await;
     assert!(matches!(recv(conn).await, Some(Response::Hello { .. })));
 }

@@ -331,3 +331,39 @@ async fn qwen25_vl_images_are_encoded_once_with_their_own_token_counts() {
     assert_eq!(s3.prompt_tokens, sa.prompt_tokens);
     assert_eq!(after, a);
 }
+
+/// `NeedMedia` is answered before the job reaches the engine: with the
+/// engine busy on another client's long generation, a request naming an
+/// image the store lacks (by hash, no bytes) hears `NeedMedia` at once, and
+/// the generation is still running when it does.
+#[tokio::test(flavor = "multi_thread")]
+async fn need_media_is_answered_while_the_engine_is_busy() {
+    use mlxbc_client::{Request, Response};
+    let d = vlm_daemon();
+    // Load the VLM so its preprocessing is known without a load.
+    ask_ok(&d.socket, greedy(Some(VLM), "hi", 1)).await;
+    let mut long = greedy(Some(VLM), "Tell me a long story.", 600);
+    long.ignore_eos = true;
+    let mut runner = d.client().await;
+    let mut stream = runner.generate(long).await.unwrap();
+    while !matches!(stream.next_event().await.unwrap(), Some(Response::Token { .. })) {}
+    let mut raw = crate::hostile::raw(&d).await;
+    crate::hostile::hello(&mut raw).await;
+    let mut req = ask_image(&[&png(90, 70, 13)], "What is this?");
+    req.messages[0].images[0].bytes = None;
+    let t = std::time::Instant::now();
+    crate::hostile::send(&mut raw, &Request::Generate(req)).await;
+    let answer = crate::hostile::recv(&mut raw).await;
+    let waited = t.elapsed();
+    assert!(matches!(answer, Some(Response::NeedMedia { ref missing }) if missing.len() == 1), "{answer:?}");
+    // The long generation has not finished: NeedMedia did not wait for it.
+    let mut more = 0;
+    while let Some(ev) = stream.next_event().await.unwrap() {
+        match ev {
+            Response::Token { .. } => more += 1,
+            Response::Done { .. } => break,
+            _ => {}
+        }
+    }
+    assert!(more > 50, "the generation was still running ({more} tokens after NeedMedia, which took {waited:?})");
+}
