@@ -5,8 +5,10 @@
 pub mod engine;
 pub mod families;
 pub mod http;
+pub mod limits;
 pub mod model;
 pub mod options;
+pub mod requests;
 pub mod server;
 pub mod state;
 

@@ -1,6 +1,8 @@
-//! The daemon's diagnostic switches, read once at start and passed down,
-//! so that nothing below reads the environment (it used to be read per
-//! request inside the layers, the decode step and the weight loader):
+//! The daemon's diagnostic switches, read once at start (config.toml's
+//! `weights`, `decode`, `fuse`, each overridden by its environment
+//! variable) and passed down, so that nothing below reads the environment
+//! (it used to be read per request inside the layers, the decode step and
+//! the weight loader):
 //!
 //! - `MLXBC_WEIGHTS=dense|packed`: force the weight form (default: the
 //!   device's fastest; README "Compute dtype"),
@@ -47,29 +49,79 @@ pub struct EngineOptions {
 }
 
 impl EngineOptions {
-    /// Reads `MLXBC_WEIGHTS`, `MLXBC_DECODE`, `MLXBC_FUSE`; a value that is
-    /// none of the documented ones is an error that names it.
-    pub fn from_env() -> Result<Self, String> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-        let bad = |name: &str, v: &str, want: &str| format!("{name}={v:?} is not one of {want}");
-        let weights = match var("MLXBC_WEIGHTS").as_deref() {
-            None => None,
-            Some("dense") => Some(WeightForm::DenseF32),
-            Some("packed") => Some(WeightForm::Packed(mlx_rs::Dtype::Float16)),
-            Some(v) => return Err(bad("MLXBC_WEIGHTS", v, "dense, packed")),
+    /// The switches from `settings` (config.toml), each overridden by its
+    /// environment variable; a value that is none of the documented ones is
+    /// an error that names where it came from.
+    pub fn from_settings_and_env(settings: &mlxbc_shared::settings::Settings) -> Result<Self, String> {
+        Self::read(&[
+            ("weights", settings.weights.clone()),
+            ("decode", settings.decode.clone()),
+            ("fuse", settings.fuse.clone()),
+        ])
+    }
+
+    fn read(file: &[(&str, Option<String>); 3]) -> Result<Self, String> {
+        let var = |name: &str, key: &str| -> Option<(String, String)> {
+            match std::env::var(name).ok().filter(|v| !v.is_empty()) {
+                Some(v) => Some((name.to_string(), v)),
+                None => file
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .and_then(|(_, v)| v.clone())
+                    .map(|v| (format!("config.toml {key}"), v)),
+            }
         };
-        let decode = match var("MLXBC_DECODE").as_deref() {
+        let bad = |(from, v): &(String, String), want: &str| format!("{from} = {v:?} is not one of {want}");
+        let weights = match var("MLXBC_WEIGHTS", "weights") {
             None => None,
-            Some("eager") => Some(DecodeMode::Eager),
-            Some("compiled") => Some(DecodeMode::Compiled),
-            Some(v) => return Err(bad("MLXBC_DECODE", v, "eager, compiled")),
+            Some((_, v)) if v == "dense" => Some(WeightForm::DenseF32),
+            Some((_, v)) if v == "packed" => Some(WeightForm::Packed(mlx_rs::Dtype::Float16)),
+            Some(other) => return Err(bad(&other, "dense, packed")),
         };
-        let fusion = match var("MLXBC_FUSE").as_deref() {
-            None | Some("1") => Fusion::All,
-            Some("dense") => Fusion::DenseOnly,
-            Some("0") => Fusion::Off,
-            Some(v) => return Err(bad("MLXBC_FUSE", v, "0, dense, 1")),
+        let decode = match var("MLXBC_DECODE", "decode") {
+            None => None,
+            Some((_, v)) if v == "eager" => Some(DecodeMode::Eager),
+            Some((_, v)) if v == "compiled" => Some(DecodeMode::Compiled),
+            Some(other) => return Err(bad(&other, "eager, compiled")),
+        };
+        let fusion = match var("MLXBC_FUSE", "fuse") {
+            None => Fusion::All,
+            Some((_, v)) if v == "1" => Fusion::All,
+            Some((_, v)) if v == "dense" => Fusion::DenseOnly,
+            Some((_, v)) if v == "0" => Fusion::Off,
+            Some(other) => return Err(bad(&other, "0, dense, 1")),
         };
         Ok(Self { weights, decode, fusion })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(weights: Option<&str>, decode: Option<&str>) -> mlxbc_shared::settings::Settings {
+        let home = std::env::temp_dir().join(format!("mlxbc-options-{}", std::process::id()));
+        let paths = mlxbc_shared::paths::Paths::under(home);
+        let mut s = mlxbc_shared::settings::Settings::load(paths).unwrap();
+        s.weights = weights.map(String::from);
+        s.decode = decode.map(String::from);
+        s
+    }
+
+    /// One test: the environment is the process's, shared by threads.
+    #[test]
+    fn config_values_are_used_and_the_environment_overrides_them() {
+        for v in ["MLXBC_WEIGHTS", "MLXBC_DECODE", "MLXBC_FUSE"] {
+            std::env::remove_var(v);
+        }
+        let o = EngineOptions::from_settings_and_env(&settings(Some("dense"), Some("eager"))).unwrap();
+        assert_eq!((o.weights, o.decode), (Some(WeightForm::DenseF32), Some(DecodeMode::Eager)));
+        std::env::set_var("MLXBC_DECODE", "compiled");
+        let o = EngineOptions::from_settings_and_env(&settings(Some("dense"), Some("eager"))).unwrap();
+        assert_eq!(o.decode, Some(DecodeMode::Compiled), "the environment wins");
+        std::env::remove_var("MLXBC_DECODE");
+        let e = EngineOptions::from_settings_and_env(&settings(Some("fast"), None)).unwrap_err();
+        assert!(e.contains("config.toml weights") && e.contains("dense, packed"), "{e}");
+        assert_eq!(EngineOptions::from_settings_and_env(&settings(None, None)).unwrap(), EngineOptions::default());
     }
 }

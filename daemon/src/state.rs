@@ -4,9 +4,9 @@
 //! owner (one `SessionStore`, one `ModelRegistry`), built once at start.
 
 use crate::engine::{EngineError, EngineHandle, Job};
-use crate::server::limits::ConnectionTable;
-use crate::server::prepare::{Prepared, Ready};
-use crate::server::validate;
+use crate::limits::ConnectionTable;
+use crate::requests::prepare::{Prepared, Ready};
+use crate::requests::validate;
 use mlxbc_shared::{GenerateRequest, Response};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -38,7 +38,7 @@ pub struct AppState {
 
 impl AppState {
     /// Queues a generation, prepared first as far as it can be off the
-    /// engine thread (`server::prepare`): its events, and the flag that
+    /// engine thread (`requests::prepare`): its events, and the flag that
     /// cancels it. The one place a `Job::Generate` is built, for the socket
     /// and HTTP alike.
     pub async fn start_generation(
@@ -48,7 +48,7 @@ impl AppState {
         let received = Instant::now();
         let (events, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        match crate::server::prepare::prepare(self, request).await? {
+        match crate::requests::prepare::prepare(&self.engine, &self.sessions, request).await? {
             Prepared::NeedMedia(missing) => {
                 let _ = events.send(Response::NeedMedia { missing });
             }

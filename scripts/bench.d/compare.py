@@ -16,14 +16,19 @@ def med(values):
     return statistics.median(values)
 
 
+def spread(values, fmt):
+    """Median and range, e.g. `490 (410-523)`."""
+    return f"{format(med(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
 print("\nText (through the socket; 512-token prefill, 128-token decode)\n")
-print("| model | build | decode tok/s | prefill tok/s | TTFT 50 tok (ms) |")
+print("| model | build | decode tok/s, median (range) | prefill tok/s | TTFT 50 tok (ms) |")
 print("|---|---|---:|---:|---:|")
 for name, label in [("smol", "SmolLM2-135M Q4_1"), ("qwen3", "tiny Qwen3 f32")]:
     for side in ["before", "after"]:
         rows = load(side, name)
-        print(f"| {label} | {side} | {med([x['decode_tps'] for x in rows]):.1f} | "
-              f"{med([x['prefill_tps'] for x in rows]):.0f} | {med([x['ttft_ms'] for x in rows]):.1f} |")
+        print(f"| {label} | {side} | {spread([x['decode_tps'] for x in rows], '.1f')} | "
+              f"{spread([x['prefill_tps'] for x in rows], '.0f')} | {spread([x['ttft_ms'] for x in rows], '.1f')} |")
 
 print("\nImages (320x240 PNG; TTFT of a request, ms)\n")
 print("| model | case | before | after |")
@@ -44,6 +49,7 @@ for side in ["before", "after"]:
     enc = med([q["encode_ms"] for q in reqs])
     fill = med([q["prefill_ms"] for q in reqs])
     engine = med([q["encode_ms"] + q["prefill_ms"] + q["lookup_ms"] * (side == "before") for q in reqs])
+    # (after: the engine's own re-lookup before encoding is microseconds)
     print(f"| {side} | {pre:.1f} | {enc:.1f} | {fill:.1f} | {engine:.1f} | "
           f"{med([r['running_decode_tps'] for r in rows]):.1f} ({med([r['alone_decode_tps'] for r in rows]):.1f}) | "
           f"{med([r['all_answered_ms'] for r in rows]):.0f} |")

@@ -68,6 +68,12 @@ pub struct SettingsFile {
     pub max_prompt_bytes: Option<usize>,
     /// Ceiling on `max_tokens` (default: none beyond the model's context).
     pub max_tokens_limit: Option<u32>,
+    /// Diagnostic switches (the environment's `MLXBC_WEIGHTS`, `MLXBC_DECODE`,
+    /// `MLXBC_FUSE` override them): "dense" | "packed"; "eager" | "compiled";
+    /// "1" | "dense" | "0". Default: what measured fastest on the device.
+    pub weights: Option<String>,
+    pub decode: Option<String>,
+    pub fuse: Option<String>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
 }
@@ -107,6 +113,10 @@ pub struct Settings {
     pub max_prompt_bytes: usize,
     /// None: only the model's context bounds `max_tokens`.
     pub max_tokens_limit: Option<u32>,
+    /// The diagnostic switches as written (checked by the daemon's options).
+    pub weights: Option<String>,
+    pub decode: Option<String>,
+    pub fuse: Option<String>,
 }
 
 /// Why settings could not be loaded.
@@ -167,6 +177,9 @@ impl Settings {
             },
             max_prompt_bytes: file.max_prompt_bytes.unwrap_or(8 << 20),
             max_tokens_limit: file.max_tokens_limit,
+            weights: file.weights,
+            decode: file.decode,
+            fuse: file.fuse,
             idle_exit: match &file.idle_exit {
                 Some(text) => KeepAlive::parse(text)?,
                 None => KeepAlive::Seconds(10 * 60),

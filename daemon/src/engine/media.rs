@@ -4,7 +4,7 @@
 //!
 //! The CPU half — hashing, decoding, EXIF, resizing, patchifying, the store
 //! lookup — runs off the engine thread, before the job is queued
-//! ([`prepare`], called from `server::prepare_media` on tokio's blocking
+//! ([`prepare`], called from `requests::prepare` on tokio's blocking
 //! pool); the engine only runs the tower on what was prepared
 //! ([`finish`]). Two requests for the same new image still encode it
 //! once: the engine looks the store up again before encoding, and the

@@ -101,7 +101,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
         Ok(r) => r,
         Err(e) => return error_response(ErrorKind::BadRequest, e.0),
     };
-    if let Err(e) = crate::server::validate::generate(&request, state.limits) {
+    if let Err(e) = crate::requests::validate::generate(&request, state.limits) {
         return error_response(ErrorKind::BadRequest, e.0);
     }
     if let Some(name) = &request.model {

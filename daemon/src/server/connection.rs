@@ -3,9 +3,9 @@
 //! that closes its socket during a generation cancels it; one that only
 //! closes its writing half still gets its answer.
 
-use super::limits::RateLimitedLog;
-use super::validate;
 use crate::engine::Job;
+use crate::limits::RateLimitedLog;
+use crate::requests::validate;
 use crate::state::AppState;
 use futures::{SinkExt, StreamExt};
 use mlxbc_shared::codec::DaemonCodec;
@@ -272,7 +272,9 @@ async fn answer(state: &AppState, request: Request) -> Response {
             round_trip(state, |reply| Job::Load { model: Some(model), keep_alive, for_request: false, reply }).await
         }
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
-        Request::Prefetch { model, media } => match super::prepare::prefetch(state, &model, media).await {
+        Request::Prefetch { model, media } => match crate::requests::prepare::prefetch(&state.engine, &model, media)
+            .await
+        {
             Ok((media, prepared)) => round_trip(state, |reply| Job::Prefetch { model, media, prepared, reply }).await,
             Err(answer) => answer,
         },

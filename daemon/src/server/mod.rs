@@ -3,11 +3,10 @@
 
 pub mod activation;
 pub mod connection;
-pub mod limits;
-pub mod prepare;
 mod socket;
-pub mod validate;
 
+use crate::limits;
+use crate::requests::validate;
 use crate::state::AppState;
 use anyhow::{Context, Result};
 use mlxbc_shared::settings::Settings;

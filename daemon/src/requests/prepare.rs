@@ -14,8 +14,9 @@
 
 use crate::engine::generate::{fits_by_bytes, fits_by_tokens};
 use crate::engine::media::{self, PreparedMedia, Resolved};
+use crate::engine::sessions::SessionStore;
+use crate::engine::EngineHandle;
 use crate::engine::{EngineError, Job, PreparedPrompt, PromptRoute, SessionTurn};
-use crate::state::AppState;
 use mlxbc_shared::{GenerateRequest, MediaRef, Response};
 use std::sync::Arc;
 use tokio::sync::oneshot;
@@ -37,21 +38,43 @@ pub enum Prepared {
     NeedMedia(Vec<[u8; 32]>),
 }
 
+/// Media preparation running at once, at most: half the cores (at least
+/// one), so decoding a burst of new images never takes every core from the
+/// engine's running generations; the rest wait their turn here, not in the
+/// engine's queue.
+fn media_permits() -> &'static tokio::sync::Semaphore {
+    static PERMITS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    PERMITS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        tokio::sync::Semaphore::new((cores / 2).max(1))
+    })
+}
+
+/// Runs media preparation on the blocking pool under [`media_permits`].
+async fn prepare_media_bounded<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, EngineError> {
+    let _permit = media_permits().acquire().await.map_err(|e| EngineError::Internal(e.to_string()))?;
+    tokio::task::spawn_blocking(work).await.map_err(joined)
+}
+
 fn joined(e: tokio::task::JoinError) -> EngineError {
     EngineError::Internal(format!("preparing the request: {e}"))
 }
 
 /// Prepares `request` as far as can be done off the engine thread.
-pub async fn prepare(state: &AppState, mut request: GenerateRequest) -> Result<Prepared, EngineError> {
-    let turn = begin_session(state, &mut request).await?;
+pub async fn prepare(
+    engine: &EngineHandle,
+    sessions: &Arc<SessionStore>,
+    mut request: GenerateRequest,
+) -> Result<Prepared, EngineError> {
+    let turn = begin_session(sessions, &mut request).await?;
     let has_media = request.messages.iter().any(|m| !m.images.is_empty());
     let mut load_ms = 0.0;
-    let mut route = state.engine.route(&request.model);
+    let mut route = engine.route(&request.model);
     if has_media && route.is_none() {
         // Preparing media needs the model's preprocessing: load it first
         // (a failure is the engine's to report, with the generation).
-        load_ms = load(state, &request).await;
-        route = state.engine.route(&request.model);
+        load_ms = load(engine, &request).await;
+        route = engine.route(&request.model);
     }
     let ready =
         |request, prepared, media, turn| Prepared::Ready(Box::new(Ready { request, prepared, media, turn, load_ms }));
@@ -61,14 +84,13 @@ pub async fn prepare(state: &AppState, mut request: GenerateRequest) -> Result<P
             // A text-only model: the engine refuses images with its own message.
             return Ok(ready(request, None, None, turn));
         };
-        let store = state.engine.store.clone();
-        let (request, outcome) = tokio::task::spawn_blocking(move || {
+        let store = engine.store.clone();
+        let (request, outcome) = prepare_media_bounded(move || {
             let refs: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
             let outcome = media::prepare(&media_route, store.as_ref(), &refs);
             (request, outcome)
         })
-        .await
-        .map_err(joined)?;
+        .await?;
         return match outcome? {
             Resolved::Missing(missing) => Ok(Prepared::NeedMedia(missing)),
             Resolved::Ready(media) => Ok(ready(request, None, Some(media), turn)),
@@ -79,9 +101,12 @@ pub async fn prepare(state: &AppState, mut request: GenerateRequest) -> Result<P
 }
 
 /// A named session: its history goes before this turn's messages.
-async fn begin_session(state: &AppState, request: &mut GenerateRequest) -> Result<Option<SessionTurn>, EngineError> {
+async fn begin_session(
+    sessions: &Arc<SessionStore>,
+    request: &mut GenerateRequest,
+) -> Result<Option<SessionTurn>, EngineError> {
     let Some(name) = request.session.clone() else { return Ok(None) };
-    let sessions = Arc::clone(&state.sessions);
+    let sessions = Arc::clone(sessions);
     let begun = tokio::task::spawn_blocking(move || sessions.begin(&name).map(|t| (name, t))).await.map_err(joined)?;
     let (name, mut started) = begun?;
     let messages = std::mem::take(&mut request.messages);
@@ -91,10 +116,10 @@ async fn begin_session(state: &AppState, request: &mut GenerateRequest) -> Resul
 }
 
 /// Loads the model `request` names; how long that took (ms).
-async fn load(state: &AppState, request: &GenerateRequest) -> f64 {
+async fn load(engine: &EngineHandle, request: &GenerateRequest) -> f64 {
     let (reply, answer) = oneshot::channel();
     let job = Job::Load { model: request.model.clone(), keep_alive: request.keep_alive, for_request: true, reply };
-    if state.engine.submit(job).is_err() {
+    if engine.submit(job).is_err() {
         return 0.0;
     }
     match answer.await {
@@ -127,33 +152,29 @@ async fn tokenize(route: &PromptRoute, request: &GenerateRequest) -> Result<Opti
 /// A prefetch's media, prepared as a generation's is; `Err(response)` is
 /// the answer when it must not reach the engine (`NeedMedia`).
 pub async fn prefetch(
-    state: &AppState,
+    engine: &EngineHandle,
     model: &Option<String>,
     media: Vec<MediaRef>,
 ) -> Result<(Vec<MediaRef>, Option<PreparedMedia>), Response> {
     let request = GenerateRequest { model: model.clone(), ..GenerateRequest::ask("") };
-    let media_route = match state.engine.route(model) {
+    let media_route = match engine.route(model) {
         Some(r) => r.media,
         None => {
-            load(state, &request).await;
-            state.engine.route(model).and_then(|r| r.media)
+            load(engine, &request).await;
+            engine.route(model).and_then(|r| r.media)
         }
     };
     let Some(media_route) = media_route else { return Ok((media, None)) };
-    let store = state.engine.store.clone();
-    let joined = tokio::task::spawn_blocking(move || {
+    let store = engine.store.clone();
+    let prepared = prepare_media_bounded(move || {
         let outcome = media::prepare(&media_route, store.as_ref(), &media.iter().collect::<Vec<_>>());
         (media, outcome)
     })
     .await;
-    match joined {
-        Err(e) => Err(joined_response(e)),
+    match prepared {
+        Err(e) => Err(e.into_response()),
         Ok((_, Ok(Resolved::Missing(missing)))) => Err(Response::NeedMedia { missing }),
         Ok((_, Err(e))) => Err(e.into_response()),
         Ok((media, Ok(Resolved::Ready(p)))) => Ok((media, Some(p))),
     }
-}
-
-fn joined_response(e: tokio::task::JoinError) -> Response {
-    joined(e).into_response()
 }
