@@ -5,6 +5,7 @@
 //! Usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS
 //!        mlxbc-bench --image VLM_DIR IMAGE_FILE
 //!        mlxbc-bench --queued-images VLM_DIR [N=8]
+//!        mlxbc-bench --concurrency MODEL CLIENTS,... TOKENS LONG_TOKENS
 
 use anyhow::{bail, Context, Result};
 use mlxbc_client::{Client, GenerateRequest, Response};
@@ -239,9 +240,102 @@ async fn queued_images_bench(model: &std::path::Path, n: usize) -> Result<()> {
     Ok(())
 }
 
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// N clients at once, each on its own connection, each asking for `tokens`
+/// tokens (EOS ignored): total tok/s over the wall time, per-stream tok/s,
+/// client-side first-token p50/p99. Then a short question sent while a
+/// `long_tokens` generation runs: its first-token time (client side) against its own
+/// prefill time and the long stream's decode step.
+async fn concurrency_bench(model: &std::path::Path, clients: &[usize], tokens: u32, long_tokens: u32) -> Result<()> {
+    let model = model.canonicalize()?;
+    let b = Bench::start(&model, None)?;
+    let name = b.name.clone();
+    let ask = |i: usize, n: u32| {
+        let mut r = GenerateRequest::ask(format!("Tell me about the number {i}."));
+        r.model = Some(name.clone());
+        r.max_tokens = n;
+        r.ignore_eos = true;
+        r
+    };
+    let mut c = b.client().await;
+    timed(&mut c, ask(0, 4)).await?; // load and warm up
+    let mut rows = Vec::new();
+    for &n in clients {
+        let mut conns = Vec::new();
+        for _ in 0..n {
+            conns.push(b.client().await);
+        }
+        let t = Instant::now();
+        let tasks: Vec<_> = conns
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut client)| {
+                let req = ask(i + 1, tokens);
+                tokio::spawn(async move {
+                    let r = timed_decode(&mut client, req.clone()).await;
+                    (r, t.elapsed().as_secs_f64())
+                })
+            })
+            .collect();
+        let mut ttft = Vec::new();
+        let (mut generated, mut per_stream, mut wall) = (0u64, Vec::new(), 0.0f64);
+        for task in tasks {
+            let (r, done) = task.await?;
+            let (stats, client_tps) = r?;
+            // First token as the daemon counts it: from receipt of the request.
+            ttft.push(stats.time_to_first_token_ms);
+            generated += stats.generated_tokens as u64;
+            per_stream.push(client_tps);
+            wall = wall.max(done);
+        }
+        rows.push(serde_json::json!({
+            "clients": n, "total_tps": generated as f64 / wall, "per_stream_tps": median(per_stream),
+            "ttft_p50_ms": percentile(ttft.clone(), 0.5), "ttft_p99_ms": percentile(ttft, 0.99), "wall_s": wall,
+        }));
+    }
+    // A short question during a long answer.
+    let mut runner = b.client().await;
+    let mut stream = runner.generate(ask(1000, long_tokens)).await?;
+    let mut seen = 0;
+    while seen < 8 {
+        if let Some(Response::Token { .. }) = stream.next_event().await? {
+            seen += 1;
+        }
+    }
+    let mut short = b.client().await;
+    let (short_ttft, short_stats) = timed(&mut short, ask(7, 8)).await?;
+    let long = loop {
+        match stream.next_event().await? {
+            Some(Response::Done { stats }) => break stats,
+            Some(_) => {}
+            None => bail!("the long generation ended without Done"),
+        }
+    };
+    drop(stream);
+    let out = serde_json::json!({
+        "rows": rows,
+        "short_during_long": {
+            "short_ttft_ms": short_ttft, "short_prefill_ms": short_stats.prefill_ms,
+            "long_decode_step_ms": 1000.0 / long.decode_tokens_per_s.max(1e-9), "long_tokens": long_tokens,
+        },
+    });
+    drop((c, runner, short));
+    b.stop().await;
+    println!("{out}");
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() == 6 && args[1] == "--concurrency" {
+        let clients: Vec<usize> = args[3].split(',').map(|n| n.parse()).collect::<Result<_, _>>()?;
+        return concurrency_bench(std::path::Path::new(&args[2]), &clients, args[4].parse()?, args[5].parse()?).await;
+    }
     if args.len() >= 3 && args[1] == "--queued-images" {
         let n = args.get(3).map(|n| n.parse()).transpose()?.unwrap_or(8);
         return queued_images_bench(std::path::Path::new(&args[2]), n).await;
