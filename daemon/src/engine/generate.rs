@@ -1,24 +1,22 @@
-//! One chat completion: template → tokens → chunked prefill → decode loop,
-//! streaming text as it becomes whole characters.
-//!
-//! The prompt is processed the way mlx-lm's `generate_step` does it (all but
-//! the last token in chunks, then the last token alone), so the computation,
-//! and therefore the greedy token ids, are the reference's.
+//! One chat completion's setup: template → tokens (unless prepared off the
+//! engine thread), media features, embeddings, the prefix cache; then a
+//! [`super::sequence::Sequence`] runs the chunked prefill and the decode
+//! steps, streaming text as it becomes whole characters.
 
 use super::error::EngineError;
 use super::media::{self, MediaStats, PreparedMedia, Resolved, SharedStore};
 use super::prefix::PrefixCache;
 use super::sampling::Sampler;
-use super::stop::{Filtered, StopFilter};
+use super::sequence::{Sequence, Setup, Step};
+use super::stop::StopFilter;
 use crate::model::decode_step::DecodeMode;
 use crate::model::family::MediaAttention;
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
-use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::Array;
 use mlxbc_shared::MediaRef;
 use mlxbc_shared::{GenerateRequest, GenerationStats, Response, StopReason};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -65,25 +63,6 @@ pub fn fits_by_tokens(model: &str, context: usize, tokens: usize) -> Result<(), 
         )));
     }
     Ok(())
-}
-
-/// Where a prefill chunk starting at `from` may end: at most `to`, and
-/// never inside an image whose positions must see each other (`blocks`,
-/// present only for such models, names each position's image or -1).
-fn chunk_end(blocks: Option<&[i32]>, from: usize, to: usize, chunk: usize) -> usize {
-    let mut end = (from + chunk).min(to);
-    if let Some(b) = blocks {
-        while end < to && end > 0 && b[end] >= 0 && b[end] == b[end - 1] {
-            end += 1;
-        }
-    }
-    end
-}
-
-/// Positions `from..to` of `[1, L, hidden]` embeddings.
-fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, Failure> {
-    let idx: Vec<i32> = (from as i32..to as i32).collect();
-    embeds.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 1).map_err(inference)
 }
 
 type Failure = EngineError;
@@ -187,7 +166,6 @@ pub fn run(
         return Err(EngineError::BadRequest("the prompt is empty".into()));
     }
     fits_by_tokens(ctx.model_name, context, ids.len())?;
-    let gone = || cancel.load(Ordering::Relaxed) || events.is_closed();
     if events.send(Response::Started { model: ctx.model_name.to_string(), prompt_tokens: ids.len() as u32 }).is_err() {
         return Ok(Finished::Abandoned);
     }
@@ -234,7 +212,7 @@ pub fn run(
     let mut reused = 0;
     let mut cache = match identity.as_ref().and_then(|id| ctx.prefixes.get(id)) {
         Some(c) => {
-            reused = prefix.unwrap();
+            reused = prefix.unwrap_or(0);
             c
         }
         None => KvCache::new(model.lm.num_layers()),
@@ -248,150 +226,41 @@ pub fn run(
         (Some(v), MediaAttention::BidirectionalWithinImage) => Some(v.image_blocks(&ids)),
         _ => None,
     };
-    // `sync_last`: wait for the last chunk too. The prompt's final chunk is
-    // queued, not waited for: the host builds the last position's step while
-    // the device computes the chunk.
-    let prefill = |from: usize, to: usize, cache: &mut KvCache, sync_last: bool| -> Result<bool, Failure> {
-        let mut at = from;
-        while at < to {
-            let end = chunk_end(blocks.as_deref(), at, to, ctx.prefill_chunk);
-            model.lm.forward(&positions(&embeds, at, end)?, cache, blocks.as_deref()).map_err(inference)?;
-            if end < to || sync_last {
-                eval(cache.arrays()).map_err(inference)?;
-            } else {
-                async_eval(cache.arrays()).map_err(inference)?;
-            }
-            if gone() {
-                return Ok(false);
-            }
-            at = end;
-        }
-        Ok(true)
+    // The prefix to keep: prefilled first, alone, and stored when done.
+    let keep_prefix = match (prefix, identity, reused) {
+        (Some(p), Some(id), 0) => Some((p, id)),
+        _ => None,
     };
-    if let (Some(p), Some(id), 0) = (prefix, identity, reused) {
-        if !prefill(0, p, &mut cache, true)? {
-            return Ok(Finished::Abandoned);
-        }
-        ctx.prefixes.put(id, &cache);
-    }
-    if !prefill(prefix.unwrap_or(0).max(reused), n - 1, &mut cache, false)? {
-        return Ok(Finished::Abandoned);
-    }
-    let last_embed = positions(&embeds, n - 1, n)?;
-    let mut sampler = Sampler::new(request.sampling.clone()).map_err(inference)?;
-    let h = model.lm.forward(&last_embed, &mut cache, None).map_err(inference)?;
-    let mut next = sampler.pick(&model.lm.logits(&h).map_err(inference)?).map_err(inference)?;
-    async_eval([&next]).map_err(inference)?;
-    let mode = model.decode_mode(ctx.decode);
-    // Host time per token: building and queueing a step, and waiting for a
-    // token to come back; which one dominates says what bounds decode.
-    // Queueing is building the graph (MLX operations called) plus dispatching
-    // it (MLX's per-operation work in evaluation).
-    let (mut queue_s, mut build_s, mut wait_s) = (0.0f64, 0.0f64, 0.0f64);
-    // One decode step: ids (on the device) -> the next id, queued for
-    // evaluation but not waited for.
-    let mut step = |ids: &Array, cache: &mut KvCache| -> Result<Array, Failure> {
-        let t = Instant::now();
-        let logits = model.decode_logits(ids, cache, mode).map_err(inference)?;
-        let next = sampler.pick(&logits).map_err(inference)?;
-        build_s += t.elapsed().as_secs_f64();
-        async_eval([&next]).map_err(inference)?;
-        queue_s += t.elapsed().as_secs_f64();
-        Ok(next)
-    };
-    let read = |ids: &Array| -> Result<u32, Failure> { Ok(ids.try_item_cast::<u32>().map_err(inference)?) };
-    let mut token = read(&next)?;
-    let t_first = Instant::now();
-    let prefill_s = t_first.duration_since(t_prefill).as_secs_f64();
-
     let room = context - ids.len();
     let asked = request.max_tokens.min(ctx.max_tokens_limit.unwrap_or(u32::MAX)) as usize;
-    let limit = asked.min(room);
-    let mut generated: Vec<u32> = Vec::new();
-    // tokenizers' own stream: it holds back bytes that are not yet a whole
-    // UTF-8 character (daemon/tests/stream_decoder.rs checks it on every
-    // family's tokenizer).
-    let mut decoder = model.prompter.tokenizer.decode_stream(true);
-    let mut stops = StopFilter::new(&request.stop);
-    let mut decode_steps = 0usize;
-    // The step computing the token after `next`, when already queued.
-    let mut queued: Option<Array> = None;
-    let stop_reason = loop {
-        // `token` (the value of `next`) is handled first, so the first token
-        // reaches the client before any decode step is built.
-        if !request.ignore_eos && model.eos_ids.contains(&token) {
-            break StopReason::Eos;
-        }
-        generated.push(token);
-        if let Some(piece) = decoder.step(token).map_err(inference)? {
-            let (text, stop) = match stops.push(&piece) {
-                Filtered::Emit(t) => (t, false),
-                Filtered::Stop(t) => (t, true),
-            };
-            if !text.is_empty() && events.send(Response::Token { text }).is_err() {
-                return Ok(Finished::Abandoned);
-            }
-            if stop {
-                break StopReason::StopString;
-            }
-        }
-        if generated.len() >= limit {
-            break if limit < asked { StopReason::ContextFull } else { StopReason::MaxTokens };
-        }
-        if gone() {
-            return Ok(Finished::Abandoned);
-        }
-        let current = match queued.take() {
-            Some(q) => q,
-            None => step(&next, &mut cache)?,
-        };
-        // Queue the step after `current` before waiting for it: the host
-        // builds step n+1 while the device computes step n, as mlx-lm's
-        // generate_step does, so the device never waits for the host.
-        if generated.len() + 1 < limit {
-            queued = Some(step(&current, &mut cache)?);
-        }
-        let t = Instant::now();
-        token = read(&current)?;
-        wait_s += t.elapsed().as_secs_f64();
-        next = current;
-        decode_steps += 1;
-    };
-    let tail = stops.finish();
-    if stop_reason != StopReason::StopString && !tail.is_empty() && events.send(Response::Token { text: tail }).is_err()
-    {
-        return Ok(Finished::Abandoned);
-    }
-    let decode_s = t_first.elapsed().as_secs_f64();
-    drop(step);
-    if decode_steps > 0 {
-        let per = |s: f64| s * 1e6 / decode_steps as f64;
-        tracing::info!(
-            "decode ({mode:?}): {decode_steps} steps, {:.0} µs/token: queueing {:.0} (building {:.0}), waiting {:.0}, the rest {:.0}",
-            per(decode_s),
-            per(queue_s),
-            per(build_s),
-            per(wait_s),
-            per(decode_s - queue_s - wait_s)
-        );
-    }
-    Ok(Finished::Done(GenerationStats {
-        model: ctx.model_name.to_string(),
-        prompt_tokens: ids.len() as u32,
-        generated_tokens: generated.len() as u32,
-        time_to_first_token_ms: t_first.duration_since(ctx.received).as_secs_f64() * 1000.0,
+    let setup = Setup {
+        model,
+        name: ctx.model_name,
+        ids,
+        embeds,
+        cache,
+        blocks,
+        start: prefix.unwrap_or(0).max(reused),
+        keep_prefix,
+        reused,
+        sampler: Sampler::new(request.sampling.clone()).map_err(inference)?,
+        stops: StopFilter::new(&request.stop),
+        ignore_eos: request.ignore_eos,
+        limit: asked.min(room),
+        asked,
+        mode: model.decode_mode(ctx.decode),
+        prefill_chunk: ctx.prefill_chunk,
+        events,
+        cancel,
+        received: ctx.received,
+        t_prefill,
         load_ms: ctx.load_ms,
-        prefill_tokens_per_s: (ids.len() - reused) as f64 / prefill_s.max(1e-9),
-        decode_tokens_per_s: if decode_steps > 0 { decode_steps as f64 / decode_s.max(1e-9) } else { 0.0 },
-        stop_reason,
-        token_ids: generated,
-        encoder_hits: media_stats.hits,
-        encoder_misses: media_stats.misses,
-        encode_ms: media_stats.encode_ms,
-        lookup_ms: media_stats.lookup_ms,
-        preprocess_ms: media_stats.preprocess_ms,
-        prefix_tokens_reused: reused as u32,
-        prefill_ms: t_first.duration_since(t_prefill).as_secs_f64() * 1000.0,
-        warnings: vec![],
-    }))
+        media_stats,
+    };
+    let mut sequence = Sequence::new(setup);
+    loop {
+        if let Step::Finished(f) = sequence.step(ctx.prefixes)? {
+            return Ok(f);
+        }
+    }
 }

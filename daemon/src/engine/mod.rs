@@ -12,6 +12,7 @@ mod prefix;
 pub mod registry;
 mod residency;
 pub mod sampling;
+mod sequence;
 pub mod sessions;
 mod stop;
 
