@@ -48,13 +48,35 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     format!("{}s ago", m.idle_s)
                 )?;
             }
+            if !s.sequences.is_empty() {
+                writeln!(
+                    out,
+                    "\n{:>6} {:<40} {:<8} {:>7} {:>9} {:>6} {:>9} {:>12}",
+                    "SEQ", "MODEL", "STATE", "PROMPT", "GENERATED", "BATCH", "AGE", "KV RESERVED"
+                )?;
+                for q in &s.sequences {
+                    writeln!(
+                        out,
+                        "{:>6} {:<40} {:<8} {:>7} {:>9} {:>6} {:>9} {:>12}",
+                        q.id,
+                        q.model,
+                        q.state,
+                        q.prompt_tokens,
+                        q.generated_tokens,
+                        if q.batch_size > 0 { q.batch_size.to_string() } else { "-".into() },
+                        format!("{:.1}s", q.age_ms as f64 / 1000.0),
+                        gib(q.reserved_kv_bytes)
+                    )?;
+                }
+            }
             let used: u64 = s.loaded.iter().map(|m| m.memory_bytes).sum();
             let avail = s.available_bytes.map_or("unknown".into(), gib);
             writeln!(
                 out,
-                "\nmemory: {} of {} budget; {avail} available on this machine",
+                "\nmemory: {} of {} budget (models), {} reserved for generations' KV; {avail} available on this machine",
                 gib(used),
-                gib(s.memory_budget_bytes)
+                gib(s.memory_budget_bytes),
+                gib(s.reserved_kv_bytes)
             )?;
             for e in &s.memory_sheds {
                 writeln!(
@@ -83,8 +105,20 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             writeln!(out, "loaded:   {}", s.loaded.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "))?;
             writeln!(
                 out,
-                "queue:    {} waiting; {} requests served, {} generations cancelled (client went away)",
+                "queue:    {} jobs waiting for the engine; {} requests served, {} generations cancelled (client went away)",
                 s.queued_jobs, s.requests_served, s.generations_cancelled
+            )?;
+            let decoding = s.sequences.iter().filter(|q| q.state == "decode").count();
+            let largest = s.sequences.iter().map(|q| q.batch_size).max().unwrap_or(0);
+            writeln!(
+                out,
+                "running:  {} generations ({decoding} decoding, largest batch {largest}), {} waiting for admission \
+                 (max_batch {}, max_queue {}); {} of KV reserved",
+                s.sequences.len().saturating_sub(s.admission_queue as usize),
+                s.admission_queue,
+                s.max_batch,
+                s.max_queue,
+                gib(s.reserved_kv_bytes)
             )?;
             writeln!(
                 out,

@@ -1,8 +1,8 @@
 //! The language-model seam's batch axis: prompts of different lengths,
 //! left-padded into one `[B, L, hidden]` batch with per-row cache offsets,
 //! give each row what it gives alone (logits within a tolerance, greedy ids
-//! exactly), through prefill and decode steps. This is what continuous
-//! batching builds on; the engine still runs one request at a time.
+//! exactly), through prefill and decode steps; and rows that join a
+//! running batch and leave it mid-way, as continuous batching moves them.
 
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{ops, Array};
@@ -119,4 +119,92 @@ fn qwen25_vl_refuses_padded_rows_with_multimodal_rope() {
     let model = load("mlx/tiny-qwen25-vl");
     let err = batched(&model, &PROMPTS).unwrap_err();
     assert!(err.to_string().contains("multimodal rope"), "{err:#}");
+}
+
+/// Greedy ids of `prompt` alone for `steps` tokens after its first.
+fn alone_ids(model: &Model, prompt: &[u32], steps: usize) -> Vec<u32> {
+    let lm = &model.lm;
+    let mut cache = KvCache::new(lm.num_layers());
+    let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
+    let mut logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..=steps {
+        let y = argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
+        out.push(y);
+        let ids = Array::from_slice(&[y], &[1, 1]);
+        logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+    }
+    out
+}
+
+/// Continuous batching's cache moves, as the scheduler makes them: each
+/// prompt is prefilled alone, then joins the running batch at a different
+/// step (`KvCache::join`, which left-pads the shorter side), and rows leave
+/// mid-way (`KvCache::keep_rows`, which drops the padding the rest share).
+/// Every row's greedy ids equal its ids alone, and the last row left
+/// computes unpadded, exactly as a cache that was never batched.
+fn assert_joins_and_leaves_match_alone(rel: &str) {
+    let model = load(rel);
+    let lm = &model.lm;
+    const TOTAL: usize = 12;
+    // Prompt, the batch step it joins at, the step it leaves after.
+    let plan: [(&[u32], usize, usize); 3] = [(PROMPTS[1], 0, TOTAL), (PROMPTS[0], 3, 8), (PROMPTS[2], 5, 10)];
+    let mut batch: Option<KvCache> = None;
+    let mut rows: Vec<usize> = Vec::new(); // plan indices, in batch order
+    let mut next: Vec<u32> = Vec::new(); // per batch row, the token to feed
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); plan.len()];
+    for step in 0..TOTAL {
+        for (i, (prompt, join, _)) in plan.iter().enumerate() {
+            if *join != step {
+                continue;
+            }
+            let mut cache = KvCache::new(lm.num_layers());
+            let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
+            let logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+            let y = argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
+            got[i].push(y);
+            match batch.as_mut() {
+                Some(b) => b.join(cache).unwrap(),
+                None => batch = Some(cache),
+            }
+            rows.push(i);
+            next.push(y);
+        }
+        let cache = batch.as_mut().unwrap();
+        let b = rows.len() as i32;
+        let ids = Array::from_slice(&next, &[b, 1]);
+        let logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), cache, None).unwrap()).unwrap();
+        let picks = argmax_axis(&logits, -1, None).unwrap().as_dtype(mlx_rs::Dtype::Uint32).unwrap();
+        next = picks.as_slice::<u32>().to_vec();
+        for (r, &i) in rows.iter().enumerate() {
+            got[i].push(next[r]);
+        }
+        let keep: Vec<usize> = (0..rows.len()).filter(|&r| plan[rows[r]].2 > step + 1 || step + 1 == TOTAL).collect();
+        if keep.len() < rows.len() {
+            cache.keep_rows(&keep).unwrap();
+            rows = keep.iter().map(|&r| rows[r]).collect();
+            next = keep.iter().map(|&r| next[r]).collect();
+        }
+    }
+    assert_eq!(rows, vec![0], "the first row is the last one left");
+    assert!(!batch.unwrap().is_padded(), "a single row left computes unpadded");
+    for (i, (prompt, join, leave)) in plan.iter().enumerate() {
+        let want = alone_ids(&model, prompt, leave - join);
+        assert_eq!(got[i], want, "{rel}: row {i} (joined at step {join}) differs from the prompt alone");
+    }
+}
+
+#[test]
+fn qwen3_rows_joining_and_leaving_a_batch_equal_each_alone() {
+    assert_joins_and_leaves_match_alone("mlx/tiny-qwen3");
+}
+
+#[test]
+fn llama_rows_joining_and_leaving_a_batch_equal_each_alone() {
+    assert_joins_and_leaves_match_alone("mlx/smollm2-mlx");
+}
+
+#[test]
+fn gemma3_rows_joining_and_leaving_a_batch_equal_each_alone() {
+    assert_joins_and_leaves_match_alone("mlx/tiny-gemma3-vlm");
 }

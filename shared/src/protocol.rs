@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -457,4 +457,32 @@ pub struct DaemonStatus {
     /// refused because every slot had a request in flight.
     pub connections_evicted: u64,
     pub connections_refused: u64,
+    /// Every request in flight on the engine, oldest first: waiting for
+    /// admission, prefilling, or decoding in a batch.
+    pub sequences: Vec<SequenceInfo>,
+    /// Requests waiting for admission (memory or batch room).
+    pub admission_queue: u32,
+    /// KV bytes reserved by admitted requests (counted in the memory budget).
+    pub reserved_kv_bytes: u64,
+    /// Limits in force: sequences of one model at once, and waiting requests.
+    pub max_batch: u32,
+    pub max_queue: u32,
+}
+
+/// One request in flight, as `mlxbc ps` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SequenceInfo {
+    /// The engine's number for it, in arrival order.
+    pub id: u64,
+    pub model: String,
+    /// `waiting` (for admission), `prefill` or `decode`.
+    pub state: String,
+    pub prompt_tokens: u32,
+    pub generated_tokens: u32,
+    /// Rows in the decode batch it is in (0 while not decoding).
+    pub batch_size: u32,
+    /// Since the daemon received it.
+    pub age_ms: u64,
+    /// KV bytes reserved for it (prompt plus its whole answer).
+    pub reserved_kv_bytes: u64,
 }

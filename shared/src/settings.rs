@@ -68,6 +68,13 @@ pub struct SettingsFile {
     pub max_prompt_bytes: Option<usize>,
     /// Ceiling on `max_tokens` (default: none beyond the model's context).
     pub max_tokens_limit: Option<u32>,
+    /// Requests of one model decoded together in one batch (default per
+    /// device: 128 on a GPU, 32 on the CPU; see the daemon's
+    /// `engine::max_batch_for`). More wait for a row.
+    pub max_batch: Option<usize>,
+    /// Requests waiting for admission (batch room or memory) before new ones
+    /// are refused as busy (default 1024).
+    pub max_queue: Option<usize>,
     /// Diagnostic switches (the environment's `MLXBC_WEIGHTS`, `MLXBC_DECODE`,
     /// `MLXBC_FUSE` override them): "dense" | "packed"; "eager" | "compiled";
     /// "1" | "dense" | "0". Default: what measured fastest on the device.
@@ -113,6 +120,9 @@ pub struct Settings {
     pub max_prompt_bytes: usize,
     /// None: only the model's context bounds `max_tokens`.
     pub max_tokens_limit: Option<u32>,
+    /// None: the device's default.
+    pub max_batch: Option<usize>,
+    pub max_queue: usize,
     /// The diagnostic switches as written (checked by the daemon's options).
     pub weights: Option<String>,
     pub decode: Option<String>,
@@ -177,6 +187,8 @@ impl Settings {
             },
             max_prompt_bytes: file.max_prompt_bytes.unwrap_or(8 << 20),
             max_tokens_limit: file.max_tokens_limit,
+            max_batch: file.max_batch.map(|b| b.max(1)),
+            max_queue: file.max_queue.unwrap_or(1024),
             weights: file.weights,
             decode: file.decode,
             fuse: file.fuse,

@@ -25,6 +25,9 @@ pub enum EngineError {
     ShuttingDown(String),
     #[error("{0}")]
     Internal(String),
+    /// Too much is waiting already; retry shortly.
+    #[error("{0}")]
+    Busy(String),
 }
 
 impl EngineError {
@@ -40,6 +43,7 @@ impl EngineError {
             EngineError::OutOfMemory(_) => ErrorKind::OutOfMemory,
             EngineError::ShuttingDown(_) => ErrorKind::ShuttingDown,
             EngineError::Internal(_) => ErrorKind::Internal,
+            EngineError::Busy(_) => ErrorKind::Busy,
         }
     }
 

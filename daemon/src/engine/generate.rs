@@ -1,13 +1,13 @@
 //! One chat completion's setup: template → tokens (unless prepared off the
-//! engine thread), media features, embeddings, the prefix cache; then a
-//! [`super::sequence::Sequence`] runs the chunked prefill and the decode
-//! steps, streaming text as it becomes whole characters.
+//! engine thread), media features, embeddings, the prefix cache. What comes
+//! out is a [`super::sequence::Sequence`] for the scheduler, which runs its
+//! chunked prefill and batches its decode steps with the others'.
 
 use super::error::EngineError;
 use super::media::{self, MediaStats, PreparedMedia, Resolved, SharedStore};
 use super::prefix::PrefixCache;
 use super::sampling::Sampler;
-use super::sequence::{Sequence, Setup, Step};
+use super::sequence::{stats_without_decode, Sequence, Setup};
 use super::stop::StopFilter;
 use crate::model::decode_step::DecodeMode;
 use crate::model::family::MediaAttention;
@@ -15,8 +15,10 @@ use crate::model::kv_cache::KvCache;
 use crate::model::Model;
 use mlx_rs::Array;
 use mlxbc_shared::MediaRef;
-use mlxbc_shared::{GenerateRequest, GenerationStats, Response, StopReason};
+use mlxbc_shared::{GenerateRequest, GenerationStats, Response};
+use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -131,14 +133,24 @@ fn prompt_here(
     Ok(Some((model.encode(&prompt).map_err(inference)?, features, media_stats)))
 }
 
-/// Runs the generation, streaming events into `events`.
-pub fn run(
-    model: &Model,
+/// What setting a request up came to.
+pub enum Begun {
+    /// A sequence to prefill and decode.
+    Sequence(Box<Sequence>),
+    /// Nothing to compute (no tokens asked, media asked for, client gone).
+    Finished(Finished),
+}
+
+/// Sets up the generation of `request` on `model`: its events go to
+/// `events` (`Started` is sent here).
+pub fn begin(
+    model: Rc<Model>,
     ctx: &mut GenerationContext,
     request: &GenerateRequest,
-    events: &UnboundedSender<Response>,
-    cancel: &AtomicBool,
-) -> Result<Finished, Failure> {
+    events: UnboundedSender<Response>,
+    cancel: Arc<AtomicBool>,
+) -> Result<Begun, Failure> {
+    let events = &events;
     if request.messages.is_empty() {
         return Err(EngineError::BadRequest("the request has no messages".into()));
     }
@@ -157,9 +169,9 @@ pub fn run(
     let prepared = ctx.prepared.take().filter(|p| media.is_empty() && p.is_for(ctx.model_name, &model.prompter));
     let (ids, features, media_stats) = match prepared {
         Some(p) => (p.ids, Vec::new(), MediaStats::default()),
-        None => match prompt_here(model, ctx, request, &media, events)? {
+        None => match prompt_here(&model, ctx, request, &media, events)? {
             Some(made) => made,
-            None => return Ok(Finished::AskedForMedia),
+            None => return Ok(Begun::Finished(Finished::AskedForMedia)),
         },
     };
     if ids.is_empty() {
@@ -167,32 +179,14 @@ pub fn run(
     }
     fits_by_tokens(ctx.model_name, context, ids.len())?;
     if events.send(Response::Started { model: ctx.model_name.to_string(), prompt_tokens: ids.len() as u32 }).is_err() {
-        return Ok(Finished::Abandoned);
+        return Ok(Begun::Finished(Finished::Abandoned));
     }
     if request.max_tokens == 0 {
         // Asked for nothing: the prompt was checked, nothing is computed.
-        return Ok(Finished::Done(GenerationStats {
-            model: ctx.model_name.to_string(),
-            prompt_tokens: ids.len() as u32,
-            generated_tokens: 0,
-            time_to_first_token_ms: 0.0,
-            load_ms: ctx.load_ms,
-            prefill_tokens_per_s: 0.0,
-            decode_tokens_per_s: 0.0,
-            stop_reason: StopReason::MaxTokens,
-            token_ids: vec![],
-            encoder_hits: media_stats.hits,
-            encoder_misses: media_stats.misses,
-            encode_ms: media_stats.encode_ms,
-            lookup_ms: media_stats.lookup_ms,
-            preprocess_ms: media_stats.preprocess_ms,
-            prefix_tokens_reused: 0,
-            prefill_ms: 0.0,
-            warnings: vec![],
-        }));
+        let stats = stats_without_decode(ctx.model_name, ids.len(), ctx.load_ms, &media_stats);
+        return Ok(Begun::Finished(Finished::Done(stats)));
     }
 
-    let t_prefill = Instant::now();
     // Features exist only for a vision model (media::resolve refuses the others).
     let embeds = match &model.vision {
         Some(v) if !features.is_empty() => v.tower.splice(&*model.lm, &ids, &features),
@@ -234,8 +228,8 @@ pub fn run(
     let room = context - ids.len();
     let asked = request.max_tokens.min(ctx.max_tokens_limit.unwrap_or(u32::MAX)) as usize;
     let setup = Setup {
-        model,
-        name: ctx.model_name,
+        model: model.clone(),
+        name: ctx.model_name.to_string(),
         ids,
         embeds,
         cache,
@@ -250,17 +244,11 @@ pub fn run(
         asked,
         mode: model.decode_mode(ctx.decode),
         prefill_chunk: ctx.prefill_chunk,
-        events,
+        events: events.clone(),
         cancel,
         received: ctx.received,
-        t_prefill,
         load_ms: ctx.load_ms,
         media_stats,
     };
-    let mut sequence = Sequence::new(setup);
-    loop {
-        if let Step::Finished(f) = sequence.step(ctx.prefixes)? {
-            return Ok(f);
-        }
-    }
+    Ok(Begun::Sequence(Box::new(Sequence::new(setup))))
 }

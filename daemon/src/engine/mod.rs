@@ -1,7 +1,10 @@
-//! The engine: one OS thread that owns every MLX array and runs jobs from a
-//! queue, one at a time. Tokio tasks talk to it through channels and never
-//! touch MLX state (mlx-rs arrays are `Send`, not `Sync`).
+//! The engine: one OS thread that owns every MLX array. It takes jobs from
+//! a queue between scheduler ticks (`scheduler`): every generation in flight
+//! is a sequence, prefilled in chunks and decoded in one batch with the
+//! others on its model (`batch`). Tokio tasks talk to it through channels
+//! and never touch MLX state (mlx-rs arrays are `Send`, not `Sync`).
 
+mod batch;
 pub mod cache_report;
 pub mod discovery;
 pub mod error;
@@ -12,6 +15,7 @@ mod prefix;
 pub mod registry;
 mod residency;
 pub mod sampling;
+mod scheduler;
 mod sequence;
 pub mod sessions;
 mod stop;
@@ -134,6 +138,12 @@ pub struct EngineSnapshot {
     /// For each model name a request used (`None`: the default model) that
     /// resolved to a resident model: how to tokenize for it.
     pub routes: HashMap<Option<String>, PromptRoute>,
+    /// Generations in flight, and the scheduler's queue and limits.
+    pub sequences: Vec<mlxbc_shared::SequenceInfo>,
+    pub admission_queue: u32,
+    pub reserved_kv_bytes: u64,
+    pub max_batch: u32,
+    pub max_queue: u32,
 }
 
 /// Requested model names remembered for tokenizing off the engine thread.
@@ -201,6 +211,11 @@ impl EngineHandle {
             connections_cap: 0,
             connections_evicted: 0,
             connections_refused: 0,
+            sequences: snap.sequences,
+            admission_queue: snap.admission_queue,
+            reserved_kv_bytes: snap.reserved_kv_bytes,
+            max_batch: snap.max_batch,
+            max_queue: snap.max_queue,
         }
     }
 
@@ -212,10 +227,10 @@ impl EngineHandle {
         let _ = self.jobs.send(Control::Stop);
     }
 
-    /// No model resident and no job queued.
+    /// No model resident, no job queued, nothing generating.
     pub fn is_idle(&self) -> bool {
-        self.queued.load(Ordering::SeqCst) == 0
-            && self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.is_empty()
+        let snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        self.queued.load(Ordering::SeqCst) == 0 && snap.loaded.is_empty() && snap.sequences.is_empty()
     }
 
     /// How to tokenize and prepare media for the model `model` names (`None`:
@@ -281,6 +296,7 @@ pub fn spawn(
         handle.stopping.clone(),
     );
     let settings = settings.clone();
+    let prefill_chunk = settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu));
     // The engine is built on its own thread: models hold compiled MLX
     // functions, which must stay on the thread that made them.
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || {
@@ -297,7 +313,13 @@ pub fn spawn(
             sessions,
             form,
             decode,
-            prefill_chunk: settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu)),
+            prefill_chunk,
+            scheduler: scheduler::Scheduler::new(scheduler::SchedulerLimits {
+                max_batch: settings.max_batch.unwrap_or_else(|| max_batch_for(on_gpu)),
+                max_queue: settings.max_queue,
+                prefill_budget: prefill_chunk,
+            }),
+            last_publish: Instant::now(),
             max_tokens_limit: settings.max_tokens_limit,
             routes: HashMap::new(),
             snapshot,
@@ -348,6 +370,21 @@ pub fn prefill_chunk_for(on_gpu: bool) -> usize {
 const PREFILL_CHUNK_CPU: usize = 512;
 const PREFILL_CHUNK_GPU: usize = 2048;
 
+/// Sequences of one model admitted at once when the settings name no
+/// `max_batch`. A GPU's decode step costs about the same for 1 or 128 rows
+/// of a small model (host-bound); a CPU's grows with the rows, so a smaller
+/// batch keeps each stream moving.
+pub fn max_batch_for(on_gpu: bool) -> usize {
+    if on_gpu {
+        128
+    } else {
+        32
+    }
+}
+
+/// How often status is republished while generations run.
+const PUBLISH_EVERY: Duration = Duration::from_millis(200);
+
 struct Engine {
     store: Option<media::SharedStore>,
     prefixes: prefix::PrefixCache,
@@ -360,6 +397,8 @@ struct Engine {
     /// How decode steps are built.
     decode: crate::model::decode_step::DecodeMode,
     prefill_chunk: usize,
+    scheduler: scheduler::Scheduler,
+    last_publish: Instant,
     max_tokens_limit: Option<u32>,
     /// Requested model names (None: the default) and what they resolved to.
     routes: HashMap<Option<String>, String>,
@@ -372,46 +411,77 @@ struct Engine {
 
 impl Engine {
     fn run(&mut self, rx: mpsc::Receiver<Control>) {
+        let mut stopped = false;
         loop {
-            // Wake at least every PRESSURE_POLL to look at the machine's memory.
-            let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
-            match rx.recv_timeout(wait) {
-                Ok(Control::Job(job)) => {
-                    self.queued.fetch_sub(1, Ordering::SeqCst);
-                    if self.stopping.load(Ordering::SeqCst) {
-                        refuse(job);
-                        continue;
-                    }
-                    // A bug that panics in one job (a hostile model file the
-                    // checks missed) fails that job, not the engine: its reply
-                    // channels drop, so its client hears "dropped the request".
-                    let pending = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(job))) {
-                        Ok(pending) => pending,
-                        Err(panic) => {
-                            let what = panic
-                                .downcast_ref::<String>()
-                                .map(String::as_str)
-                                .or_else(|| panic.downcast_ref::<&str>().copied())
-                                .unwrap_or("?");
-                            tracing::error!("a job panicked ({what}); its client was answered with an error");
-                            false
+            // Jobs are taken between ticks; the engine blocks for one only
+            // when nothing is generating (waking at least every
+            // PRESSURE_POLL to look at the machine's memory).
+            let mut pending = false;
+            let mut first = if self.scheduler.is_empty() && !stopped {
+                let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
+                match rx.recv_timeout(wait) {
+                    Ok(c) => Some(c),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                None
+            };
+            loop {
+                let control = match first.take() {
+                    Some(c) => c,
+                    None => match rx.try_recv() {
+                        Ok(c) => c,
+                        Err(_) => break,
+                    },
+                };
+                match control {
+                    Control::Job(job) => {
+                        self.queued.fetch_sub(1, Ordering::SeqCst);
+                        if self.stopping.load(Ordering::SeqCst) {
+                            refuse(job);
+                            continue;
                         }
-                    };
-                    self.served.fetch_add(1, Ordering::SeqCst);
-                    if pending {
-                        // Its request is coming (image bytes being resent, or being prepared): keep its model.
-                        self.publish();
-                        continue;
+                        pending |= self.handle_guarded(job);
+                        self.served.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Control::Stop => {
+                        stopped = true;
+                        while let Ok(Control::Job(job)) = rx.try_recv() {
+                            refuse(job);
+                        }
+                        for ended in self.scheduler.refuse_waiting() {
+                            self.answer(ended);
+                        }
                     }
                 }
-                Ok(Control::Stop) => {
-                    while let Ok(Control::Job(job)) = rx.try_recv() {
-                        refuse(job);
-                    }
-                    break;
+            }
+            if !self.scheduler.is_empty() {
+                let free = self.residency.budget_bytes().saturating_sub(self.residency.used_bytes());
+                let ended = self.scheduler.tick(&mut self.prefixes, free);
+                // Status follows arrivals, admissions and ends at once (before
+                // a client hears its answer is done), token counts every PUBLISH_EVERY.
+                if self.scheduler.take_changed() || self.last_publish.elapsed() >= PUBLISH_EVERY {
+                    self.publish();
                 }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                for ended in ended {
+                    self.answer(ended);
+                }
+                if !self.scheduler.is_empty() {
+                    continue;
+                }
+            }
+            if stopped && self.scheduler.is_empty() {
+                break;
+            }
+            if pending {
+                // Its request is coming (image bytes being resent, or being prepared): keep its model.
+                self.publish();
+                continue;
+            }
+            // Models generating are in use: their idle clocks restart.
+            for name in self.scheduler.models_in_use() {
+                self.residency.touch(&name, None);
             }
             for name in self.residency.expire() {
                 self.prefixes.clear();
@@ -426,14 +496,72 @@ impl Engine {
         tracing::info!("engine stopped");
     }
 
+    /// Runs a job; a bug that panics in it (a hostile model file the checks
+    /// missed) fails that job, not the engine: its reply channels drop, so
+    /// its client hears "dropped the request".
+    fn handle_guarded(&mut self, job: Job) -> bool {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(job))) {
+            Ok(pending) => pending,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("?");
+                tracing::error!("a job panicked ({what}); its client was answered with an error");
+                false
+            }
+        }
+    }
+
+    /// Answers a generation that ended: `Done` (saving a session's turn
+    /// first), nothing for a client that left, or its error.
+    fn answer(&mut self, (active, outcome): scheduler::Ended) {
+        let scheduler::Active { seq, stop, turn, keep_alive, .. } = active;
+        self.residency.touch(seq.model_name(), keep_alive);
+        self.finish(outcome, seq.events(), &stop, turn);
+    }
+
+    fn finish(
+        &mut self,
+        outcome: Result<generate::Finished, EngineError>,
+        events: &tmpsc::UnboundedSender<Response>,
+        stop: &[String],
+        turn: Option<SessionTurn>,
+    ) {
+        match outcome {
+            Ok(generate::Finished::Done(mut stats)) => {
+                if let Some(SessionTurn { name, mut messages, started }) = turn {
+                    messages.push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, stop)));
+                    if let Err(e) = self.sessions.finish(&name, &started, &messages) {
+                        // The answer stands, but the client must know the turn is lost.
+                        tracing::warn!(session = %name, "{e}");
+                        stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));
+                    }
+                }
+                let _ = events.send(Response::Done { stats });
+            }
+            Ok(generate::Finished::AskedForMedia) => {}
+            Ok(generate::Finished::Abandoned) => {
+                self.cancelled.fetch_add(1, Ordering::SeqCst);
+                tracing::info!("generation cancelled: the client went away");
+            }
+            Err(e) => {
+                tracing::warn!(kind = ?e.kind(), message = %e, "generation failed");
+                let _ = events.send(e.into_response());
+            }
+        }
+    }
+
     /// Runs a job; true when its request is still in flight (the daemon
     /// asked the client for media bytes, or loaded a model for a request
-    /// being prepared) and the model is about to be needed.
+    /// being prepared) and the model is about to be needed. A generation
+    /// is set up here and handed to the scheduler.
     fn handle(&mut self, job: Job) -> bool {
         match job {
             Job::Generate { request, events, cancel, received, prepared, media, turn, load_ms: loaded_ms } => {
                 let keep_alive = request.keep_alive;
-                let outcome = match self.load(request.model.as_deref(), keep_alive) {
+                let begun = match self.load(request.model.as_deref(), keep_alive) {
                     Err(e) => Err(e),
                     Ok(residency::Loaded { name, model, load_ms }) => {
                         self.publish();
@@ -449,36 +577,23 @@ impl Engine {
                             prepared,
                             media,
                         };
-                        let result = generate::run(&model, &mut ctx, &request, &events, &cancel);
+                        let begun = generate::begin(model, &mut ctx, &request, events.clone(), cancel);
                         self.residency.touch(&name, keep_alive);
-                        result
+                        begun
                     }
                 };
-                match outcome {
-                    Ok(generate::Finished::Done(mut stats)) => {
-                        if let Some(SessionTurn { name, mut messages, started }) = turn {
-                            messages
-                                .push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, &request.stop)));
-                            if let Err(e) = self.sessions.finish(&name, &started, &messages) {
-                                // The answer stands, but the client must know the turn is lost.
-                                tracing::warn!(session = %name, "{e}");
-                                stats
-                                    .warnings
-                                    .push(format!("this turn was answered but not saved to session {name}: {e}"));
-                            }
+                match begun {
+                    Ok(generate::Begun::Sequence(seq)) => {
+                        let own = self.residency.memory_of(seq.model_name());
+                        let beside = self.residency.budget_bytes().saturating_sub(own);
+                        let active = scheduler::Active::new(*seq, request.stop, turn, keep_alive);
+                        if let Err((active, e)) = self.scheduler.add(active, beside) {
+                            self.answer((active, Err(e)));
                         }
-                        self.publish();
-                        let _ = events.send(Response::Done { stats });
                     }
-                    Ok(generate::Finished::AskedForMedia) => return true,
-                    Ok(generate::Finished::Abandoned) => {
-                        self.cancelled.fetch_add(1, Ordering::SeqCst);
-                        tracing::info!("generation cancelled: the client went away");
-                    }
-                    Err(e) => {
-                        tracing::warn!(kind = ?e.kind(), message = %e, "generation failed");
-                        let _ = events.send(e.into_response());
-                    }
+                    Ok(generate::Begun::Finished(generate::Finished::AskedForMedia)) => return true,
+                    Ok(generate::Begun::Finished(f)) => self.finish(Ok(f), &events, &request.stop, turn),
+                    Err(e) => self.finish(Err(e), &events, &request.stop, turn),
                 }
             }
             Job::Prefetch { model, media, prepared, reply } => {
@@ -599,8 +714,15 @@ impl Engine {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
+        self.last_publish = Instant::now();
         let mut snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        snap.sequences = self.scheduler.describe();
+        snap.admission_queue = self.scheduler.queue_length() as u32;
+        snap.reserved_kv_bytes = self.scheduler.reserved_bytes();
+        let limits = self.scheduler.limits();
+        snap.max_batch = limits.max_batch as u32;
+        snap.max_queue = limits.max_queue as u32;
         snap.memory_budget_bytes = self.residency.budget_bytes();
         snap.loaded = self.residency.describe();
         snap.routes = self

@@ -102,7 +102,8 @@ impl Residency {
         self.budget_bytes
     }
 
-    fn used_bytes(&self) -> u64 {
+    /// What the resident models took at load, together.
+    pub fn used_bytes(&self) -> u64 {
         self.models.values().map(|r| r.memory_bytes).sum()
     }
 
@@ -175,7 +176,7 @@ impl Residency {
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
-        let model = crate::families::load(&resolved.path, form, fingerprints).map_err(|e| {
+        let mut model = crate::families::load(&resolved.path, form, fingerprints).map_err(|e| {
             EngineError::ModelLoad(format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
         })?;
         model.warm_up().map_err(|e| {

@@ -25,6 +25,12 @@ impl Sampler {
         Ok(Self { params, key })
     }
 
+    /// True when picks are the argmax (no generator): a batch of such rows
+    /// picks with one argmax over all of them.
+    pub fn is_greedy(&self) -> bool {
+        self.key.is_none()
+    }
+
     /// Picks the next token from one row's `logits` (`[1, vocab]` or
     /// `[vocab]`) as a `[1, 1]` id array.
     pub fn pick(&mut self, logits: &Array) -> Result<Array> {

@@ -1,7 +1,9 @@
-//! One generation as a state machine the engine advances a step at a time:
-//! a prefill chunk, or one decode step. `generate::run` prepares it (prompt,
-//! media, embeddings, cache) and drives it to its end; a scheduler can
-//! interleave the steps of many.
+//! One generation as a state machine the scheduler advances a step at a
+//! time. While prefilling, a step is one prompt chunk of this sequence
+//! alone; once the first token is out, the sequence hands its KV cache to
+//! its model's [`super::batch::DecodeBatch`], which computes the next token
+//! of every row in one forward pass and gives each sequence its token
+//! ([`Sequence::accept`]): stop checks, streaming and statistics stay here.
 //!
 //! The prompt is processed the way mlx-lm's `generate_step` does it (all but
 //! the last token in chunks, then the last token alone), so the computation,
@@ -19,11 +21,13 @@ use crate::model::Model;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::Array;
 use mlxbc_shared::{GenerationStats, Response, StopReason};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-fn inference<E: std::fmt::Display>(e: E) -> EngineError {
+pub(super) fn inference<E: std::fmt::Display>(e: E) -> EngineError {
     EngineError::Inference(format!("{e:#}"))
 }
 
@@ -47,9 +51,9 @@ fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, EngineErro
 }
 
 /// Everything a sequence starts from.
-pub struct Setup<'a> {
-    pub model: &'a Model,
-    pub name: &'a str,
+pub struct Setup {
+    pub model: Rc<Model>,
+    pub name: String,
     pub ids: Vec<u32>,
     pub embeds: Array,
     pub cache: KvCache,
@@ -69,25 +73,22 @@ pub struct Setup<'a> {
     pub asked: usize,
     pub mode: DecodeMode,
     pub prefill_chunk: usize,
-    pub events: &'a UnboundedSender<Response>,
-    pub cancel: &'a AtomicBool,
+    pub events: UnboundedSender<Response>,
+    pub cancel: Arc<AtomicBool>,
     pub received: Instant,
-    pub t_prefill: Instant,
     pub load_ms: f64,
     pub media_stats: MediaStats,
 }
 
-/// What a step came to.
-pub enum Step {
-    Running,
+/// What a prefill step came to.
+pub enum Prefilled {
+    /// `tokens` more prompt positions were processed; more remain.
+    Chunk { tokens: usize },
+    /// The first token was computed and streamed: the sequence is ready to
+    /// join a decode batch ([`Sequence::take_for_batch`]).
+    Ready,
+    /// It ended on its first token (or its client left).
     Finished(Finished),
-}
-
-enum Phase {
-    /// Prompt positions from `at` are still to prefill.
-    Prefill { at: usize },
-    /// `token` (the value of `next`) is to be handled.
-    Decode { token: u32 },
 }
 
 /// tokenizers' streaming decode state (`step_decode_stream`), owned, so a
@@ -100,61 +101,104 @@ struct StreamState {
 }
 
 /// A generation between steps.
-pub struct Sequence<'a> {
-    s: Setup<'a>,
-    phase: Phase,
-    /// The last sampled token, on the device.
-    next: Option<Array>,
-    /// The step computing the token after `next`, when already queued.
-    queued: Option<Array>,
+pub struct Sequence {
+    s: Setup,
+    /// Prompt positions from here are still to prefill; `None` once done.
+    prefill_at: Option<usize>,
+    /// The first token (on the device) and the cache, from the end of the
+    /// prefill until a batch takes them.
+    handoff: Option<(KvCache, Array)>,
     generated: Vec<u32>,
     stream: StreamState,
+    t_prefill: Option<Instant>,
     t_first: Option<Instant>,
-    decode_steps: usize,
-    /// Host time per token: building and queueing a step, and waiting for a
-    /// token to come back; which one dominates says what bounds decode.
-    /// Queueing is building the graph (MLX operations called) plus
-    /// dispatching it (MLX's per-operation work in evaluation).
-    queue_s: f64,
-    build_s: f64,
-    wait_s: f64,
 }
 
-impl<'a> Sequence<'a> {
+impl Sequence {
     /// A sequence about to prefill.
-    pub fn new(setup: Setup<'a>) -> Self {
+    pub fn new(setup: Setup) -> Self {
         let at = match &setup.keep_prefix {
             Some(_) => 0,
             None => setup.start,
         };
         Self {
             s: setup,
-            phase: Phase::Prefill { at },
-            next: None,
-            queued: None,
+            prefill_at: Some(at),
+            handoff: None,
             generated: Vec::new(),
             stream: StreamState::default(),
+            t_prefill: None,
             t_first: None,
-            decode_steps: 0,
-            queue_s: 0.0,
-            build_s: 0.0,
-            wait_s: 0.0,
         }
     }
 
-    fn gone(&self) -> bool {
+    /// The model it runs on.
+    pub fn model(&self) -> &Rc<Model> {
+        &self.s.model
+    }
+
+    /// The model's canonical name.
+    pub fn model_name(&self) -> &str {
+        &self.s.name
+    }
+
+    /// Prompt tokens.
+    pub fn prompt_tokens(&self) -> usize {
+        self.s.ids.len()
+    }
+
+    /// Tokens generated so far.
+    pub fn generated_tokens(&self) -> usize {
+        self.generated.len()
+    }
+
+    /// Still prefilling.
+    pub fn is_prefilling(&self) -> bool {
+        self.prefill_at.is_some()
+    }
+
+    /// Positions its KV cache may come to hold: the prompt and every token
+    /// it may generate (what admission reserves).
+    pub fn max_positions(&self) -> usize {
+        self.s.ids.len() + self.s.limit
+    }
+
+    /// How decode steps are built for it.
+    pub fn decode_mode(&self) -> DecodeMode {
+        self.s.mode
+    }
+
+    /// Where its events go.
+    pub fn events(&self) -> &UnboundedSender<Response> {
+        &self.s.events
+    }
+
+    /// When the daemon received it.
+    pub fn received(&self) -> Instant {
+        self.s.received
+    }
+
+    /// Its sampler, for the batch to pick its row's token.
+    pub fn sampler(&mut self) -> &mut Sampler {
+        &mut self.s.sampler
+    }
+
+    /// The client cancelled or went away.
+    pub fn gone(&self) -> bool {
         self.s.cancel.load(Ordering::Relaxed) || self.s.events.is_closed()
     }
 
-    /// One unit of work: a prefill chunk, or one decode step.
-    pub fn step(&mut self, prefixes: &mut PrefixCache) -> Result<Step, EngineError> {
-        match self.phase {
-            Phase::Prefill { at } => self.prefill_chunk(at, prefixes),
-            Phase::Decode { token } => self.decode(token),
-        }
+    /// The cache and the first token (already streamed), for a batch.
+    pub fn take_for_batch(&mut self) -> Option<(KvCache, Array)> {
+        self.handoff.take()
     }
 
-    fn prefill_chunk(&mut self, at: usize, prefixes: &mut PrefixCache) -> Result<Step, EngineError> {
+    /// One prompt chunk (or the last position and the first token).
+    pub fn prefill(&mut self, prefixes: &mut PrefixCache) -> Result<Prefilled, EngineError> {
+        let Some(at) = self.prefill_at else {
+            return Err(EngineError::Internal("prefill after the prompt was done".into()));
+        };
+        self.t_prefill.get_or_insert_with(Instant::now);
         let n = self.s.ids.len();
         // The kept prefix is prefilled alone and waited for, then stored.
         let (to, keeping) = match &self.s.keep_prefix {
@@ -174,22 +218,22 @@ impl<'a> Sequence<'a> {
                 async_eval(self.s.cache.arrays()).map_err(inference)?;
             }
             if self.gone() {
-                return Ok(Step::Finished(Finished::Abandoned));
+                return Ok(Prefilled::Finished(Finished::Abandoned));
             }
             if keeping && end == to {
                 if let Some((_, id)) = self.s.keep_prefix.take() {
                     prefixes.put(id, &self.s.cache);
                 }
-                self.phase = Phase::Prefill { at: self.s.start.max(to) };
+                self.prefill_at = Some(self.s.start.max(to));
             } else {
-                self.phase = Phase::Prefill { at: end };
+                self.prefill_at = Some(end);
             }
-            return Ok(Step::Running);
+            return Ok(Prefilled::Chunk { tokens: end - at });
         }
         if keeping {
             // An empty kept prefix (cannot happen: it ends after an image).
             self.s.keep_prefix = None;
-            return Ok(Step::Running);
+            return Ok(Prefilled::Chunk { tokens: 0 });
         }
         // The last prompt position alone, then the first token.
         let last = positions(&self.s.embeds, n - 1, n)?;
@@ -197,124 +241,109 @@ impl<'a> Sequence<'a> {
         let h = lm.forward(&last, &mut self.s.cache, None).map_err(inference)?;
         let next = self.s.sampler.pick(&lm.logits(&h).map_err(inference)?).map_err(inference)?;
         async_eval([&next]).map_err(inference)?;
-        let token = read(&next)?;
-        self.next = Some(next);
+        let token = next.try_item_cast::<u32>().map_err(inference)?;
         self.t_first = Some(Instant::now());
-        self.phase = Phase::Decode { token };
-        Ok(Step::Running)
+        self.prefill_at = None;
+        // The prompt's embeddings are not needed any more.
+        self.s.embeds = Array::from_int(0);
+        if let Some(end) = self.accept(token) {
+            return end.map(Prefilled::Finished);
+        }
+        let cache = std::mem::replace(&mut self.s.cache, KvCache::new(0));
+        self.handoff = Some((cache, next));
+        Ok(Prefilled::Ready)
     }
 
-    /// Handles `token`, then computes the next one (queueing the step after
-    /// it first, so the device never waits for the host: mlx-lm's
-    /// generate_step pipelining).
-    fn decode(&mut self, token: u32) -> Result<Step, EngineError> {
-        let model = self.s.model;
-        if !self.s.ignore_eos && model.eos_ids.contains(&token) {
-            return self.finish(StopReason::Eos);
+    /// Takes the next generated token: stops on end-of-sequence, a stop
+    /// string or the token limit, else streams its text. `Some` when the
+    /// sequence is over.
+    pub fn accept(&mut self, token: u32) -> Option<Result<Finished, EngineError>> {
+        if !self.s.ignore_eos && self.s.model.eos_ids.contains(&token) {
+            return Some(self.finish(StopReason::Eos));
         }
         self.generated.push(token);
-        let tokenizer = &model.prompter.tokenizer;
+        let tokenizer = &self.s.model.prompter.tokenizer;
         let st = &mut self.stream;
-        let piece =
-            tokenizers::step_decode_stream(tokenizer, token, true, &mut st.ids, &mut st.prefix, &mut st.prefix_index)
-                .map_err(inference)?;
+        let piece = match tokenizers::step_decode_stream(
+            tokenizer,
+            token,
+            true,
+            &mut st.ids,
+            &mut st.prefix,
+            &mut st.prefix_index,
+        ) {
+            Ok(piece) => piece,
+            Err(e) => return Some(Err(inference(e))),
+        };
         if let Some(piece) = piece {
             let (text, stop) = match self.s.stops.push(&piece) {
                 Filtered::Emit(t) => (t, false),
                 Filtered::Stop(t) => (t, true),
             };
             if !text.is_empty() && self.s.events.send(Response::Token { text }).is_err() {
-                return Ok(Step::Finished(Finished::Abandoned));
+                return Some(Ok(Finished::Abandoned));
             }
             if stop {
-                return self.finish(StopReason::StopString);
+                return Some(self.finish(StopReason::StopString));
             }
         }
         if self.generated.len() >= self.s.limit {
             let reason = if self.s.limit < self.s.asked { StopReason::ContextFull } else { StopReason::MaxTokens };
-            return self.finish(reason);
+            return Some(self.finish(reason));
         }
         if self.gone() {
-            return Ok(Step::Finished(Finished::Abandoned));
+            return Some(Ok(Finished::Abandoned));
         }
-        let current = match self.queued.take() {
-            Some(q) => q,
-            None => {
-                let next = self.next.take().ok_or_else(|| EngineError::Internal("no token to decode from".into()))?;
-                self.queue_step(&next)?
-            }
-        };
-        if self.generated.len() + 1 < self.s.limit {
-            self.queued = Some(self.queue_step(&current)?);
-        }
-        let t = Instant::now();
-        let token = read(&current)?;
-        self.wait_s += t.elapsed().as_secs_f64();
-        self.next = Some(current);
-        self.decode_steps += 1;
-        self.phase = Phase::Decode { token };
-        Ok(Step::Running)
+        None
     }
 
-    /// One decode step: ids (on the device) → the next id, queued for
-    /// evaluation but not waited for.
-    fn queue_step(&mut self, ids: &Array) -> Result<Array, EngineError> {
-        let t = Instant::now();
-        let logits = self.s.model.decode_logits(ids, &mut self.s.cache, self.s.mode).map_err(inference)?;
-        let next = self.s.sampler.pick(&logits).map_err(inference)?;
-        self.build_s += t.elapsed().as_secs_f64();
-        async_eval([&next]).map_err(inference)?;
-        self.queue_s += t.elapsed().as_secs_f64();
-        Ok(next)
-    }
-
-    fn finish(&mut self, stop_reason: StopReason) -> Result<Step, EngineError> {
+    fn finish(&mut self, stop_reason: StopReason) -> Result<Finished, EngineError> {
         let tail = self.s.stops.finish();
         if stop_reason != StopReason::StopString
             && !tail.is_empty()
             && self.s.events.send(Response::Token { text: tail }).is_err()
         {
-            return Ok(Step::Finished(Finished::Abandoned));
+            return Ok(Finished::Abandoned);
         }
         let t_first = self.t_first.unwrap_or_else(Instant::now);
+        let t_prefill = self.t_prefill.unwrap_or(t_first);
         let decode_s = t_first.elapsed().as_secs_f64();
-        let steps = self.decode_steps;
-        if steps > 0 {
-            let per = |s: f64| s * 1e6 / steps as f64;
-            tracing::info!(
-                "decode ({:?}): {steps} steps, {:.0} µs/token: queueing {:.0} (building {:.0}), waiting {:.0}, the rest {:.0}",
-                self.s.mode,
-                per(decode_s),
-                per(self.queue_s),
-                per(self.build_s),
-                per(self.wait_s),
-                per(decode_s - self.queue_s - self.wait_s)
-            );
-        }
-        let prefill_s = t_first.duration_since(self.s.t_prefill).as_secs_f64();
-        let m = &self.s.media_stats;
-        Ok(Step::Finished(Finished::Done(GenerationStats {
-            model: self.s.name.to_string(),
-            prompt_tokens: self.s.ids.len() as u32,
-            generated_tokens: self.generated.len() as u32,
-            time_to_first_token_ms: t_first.duration_since(self.s.received).as_secs_f64() * 1000.0,
-            load_ms: self.s.load_ms,
-            prefill_tokens_per_s: (self.s.ids.len() - self.s.reused) as f64 / prefill_s.max(1e-9),
-            decode_tokens_per_s: if steps > 0 { steps as f64 / decode_s.max(1e-9) } else { 0.0 },
-            stop_reason,
-            token_ids: std::mem::take(&mut self.generated),
-            encoder_hits: m.hits,
-            encoder_misses: m.misses,
-            encode_ms: m.encode_ms,
-            lookup_ms: m.lookup_ms,
-            preprocess_ms: m.preprocess_ms,
-            prefix_tokens_reused: self.s.reused as u32,
-            prefill_ms: prefill_s * 1000.0,
-            warnings: vec![],
-        })))
+        // The first token came from the prefill; the others from decode steps.
+        let steps = (self.generated.len() + usize::from(stop_reason == StopReason::Eos)).saturating_sub(1);
+        let prefill_s = t_first.duration_since(t_prefill).as_secs_f64();
+        let mut stats = stats_without_decode(&self.s.name, self.s.ids.len(), self.s.load_ms, &self.s.media_stats);
+        stats.generated_tokens = self.generated.len() as u32;
+        stats.time_to_first_token_ms = t_first.duration_since(self.s.received).as_secs_f64() * 1000.0;
+        stats.prefill_tokens_per_s = (self.s.ids.len() - self.s.reused) as f64 / prefill_s.max(1e-9);
+        stats.decode_tokens_per_s = if steps > 0 { steps as f64 / decode_s.max(1e-9) } else { 0.0 };
+        stats.stop_reason = stop_reason;
+        stats.token_ids = std::mem::take(&mut self.generated);
+        stats.prefix_tokens_reused = self.s.reused as u32;
+        stats.prefill_ms = prefill_s * 1000.0;
+        Ok(Finished::Done(stats))
     }
 }
 
-fn read(ids: &Array) -> Result<u32, EngineError> {
-    ids.try_item_cast::<u32>().map_err(inference)
+/// Statistics of a generation that computed nothing yet: the prompt and
+/// what loading and media took.
+pub fn stats_without_decode(model: &str, prompt_tokens: usize, load_ms: f64, m: &MediaStats) -> GenerationStats {
+    GenerationStats {
+        model: model.to_string(),
+        prompt_tokens: prompt_tokens as u32,
+        generated_tokens: 0,
+        time_to_first_token_ms: 0.0,
+        load_ms,
+        prefill_tokens_per_s: 0.0,
+        decode_tokens_per_s: 0.0,
+        stop_reason: StopReason::MaxTokens,
+        token_ids: vec![],
+        encoder_hits: m.hits,
+        encoder_misses: m.misses,
+        encode_ms: m.encode_ms,
+        lookup_ms: m.lookup_ms,
+        preprocess_ms: m.preprocess_ms,
+        prefix_tokens_reused: 0,
+        prefill_ms: 0.0,
+        warnings: vec![],
+    }
 }

@@ -29,12 +29,24 @@ pub struct KvCache {
     /// (decoded) positions add to their offset, for models whose rope
     /// follows an image's grid; set from the tower's `rope_positions`.
     pub mrope: Option<(Vec<[i64; 3]>, i64)>,
+    /// Padding masks made for the current padding, by
+    /// `(start, queries, keys, window)`: every layer of a forward pass asks
+    /// for the same one (two kinds with sliding-window layers).
+    masks: Vec<(MaskKey, Array)>,
 }
+
+type MaskKey = (i32, i32, i32, Option<i32>);
 
 impl KvCache {
     /// An empty cache for `layers` layers.
     pub fn new(layers: usize) -> Self {
-        Self { layers: (0..layers).map(|_| None).collect(), offset: 0, left_padding: Vec::new(), mrope: None }
+        Self {
+            layers: (0..layers).map(|_| None).collect(),
+            offset: 0,
+            left_padding: Vec::new(),
+            mrope: None,
+            masks: Vec::new(),
+        }
     }
 
     /// An empty cache for a batch of `left_padding.len()` rows, row `b`
@@ -61,19 +73,126 @@ impl KvCache {
     /// The attention mask `[B, 1, l, total]` of `l` queries written at
     /// `start` against `total` keys, when rows are padded: query i of row b
     /// sees key j when `pad[b] <= j <= start + i` and, with a `window`,
-    /// `start + i - j < window`. `None` when no row is padded.
-    pub fn padding_mask(&self, start: i32, l: i32, total: i32, window: Option<i32>) -> Result<Option<Array>> {
+    /// `start + i - j < window`. `None` when no row is padded. Built on the
+    /// device from the `[B]` paddings (a batch of 64 rows and 1,000
+    /// positions would be 64,000 host booleans per layer), once per pass.
+    pub fn padding_mask(&mut self, start: i32, l: i32, total: i32, window: Option<i32>) -> Result<Option<Array>> {
+        use mlx_rs::ops::arange;
         if self.left_padding.is_empty() {
             return Ok(None);
         }
-        let rows = self.left_padding.len();
-        let mut allowed = Vec::with_capacity(rows * (l * total) as usize);
-        for &pad in &self.left_padding {
-            for i in start..start + l {
-                allowed.extend((0..total).map(|j| j >= pad && j <= i && window.is_none_or(|w| i - j < w)));
+        let key = (start, l, total, window);
+        if let Some((_, m)) = self.masks.iter().find(|(k, _)| *k == key) {
+            return Ok(Some(m.clone()));
+        }
+        let rows = self.left_padding.len() as i32;
+        let pad = Array::from_slice(&self.left_padding, &[rows, 1, 1, 1]);
+        let keys = arange::<_, i32>(0, total, 1)?.reshape(&[1, 1, 1, total])?;
+        let queries = arange::<_, i32>(start, start + l, 1)?.reshape(&[1, 1, l, 1])?;
+        let mut allowed = keys.ge(&pad)?.logical_and(&keys.le(&queries)?)?;
+        if let Some(w) = window {
+            allowed = allowed.logical_and(&queries.subtract(&keys)?.lt(Array::from_int(w))?)?;
+        }
+        if self.masks.len() >= 2 {
+            self.masks.remove(0);
+        }
+        self.masks.push((key, allowed.clone()));
+        Ok(Some(allowed))
+    }
+
+    /// Rows in the batch.
+    pub fn rows(&self) -> usize {
+        if !self.left_padding.is_empty() {
+            return self.left_padding.len();
+        }
+        self.layers.iter().flatten().next().map_or(1, |(k, _)| k.shape()[0] as usize)
+    }
+
+    /// Each row's padding (zeros when unpadded).
+    fn paddings(&self) -> Vec<i32> {
+        if self.left_padding.is_empty() {
+            vec![0; self.rows()]
+        } else {
+            self.left_padding.clone()
+        }
+    }
+
+    fn set_paddings(&mut self, pads: Vec<i32>) {
+        self.masks.clear();
+        self.left_padding = if pads.iter().any(|&p| p > 0) { pads } else { Vec::new() };
+    }
+
+    /// Every layer's buffers replaced by `f(keys, values)`.
+    fn map_buffers(&mut self, mut f: impl FnMut(Array, Array) -> Result<(Array, Array)>) -> Result<()> {
+        for slot in &mut self.layers {
+            if let Some((k, v)) = slot.take() {
+                *slot = Some(f(k, v)?);
             }
         }
-        Ok(Some(Array::from_slice(&allowed, &[rows as i32, 1, l, total])))
+        Ok(())
+    }
+
+    /// `n` more padding positions before every row (the batch's positions
+    /// move right; what each row sees is unchanged).
+    fn pad_left(&mut self, n: i32) -> Result<()> {
+        use mlx_rs::ops::indexing::IndexOp;
+        if n == 0 {
+            return Ok(());
+        }
+        let end = self.offset;
+        let pad = |b: Array| -> Result<Array> {
+            let s = b.shape();
+            let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], n, s[3]], b.dtype())?;
+            Ok(mlx_rs::ops::concatenate(&[zeros, b.index((.., .., ..end, ..))], 2)?)
+        };
+        self.map_buffers(|k, v| Ok((pad(k)?, pad(v)?)))?;
+        self.offset += n;
+        let pads = self.paddings().into_iter().map(|p| p + n).collect();
+        self.set_paddings(pads);
+        Ok(())
+    }
+
+    /// Adds `other`'s rows after this cache's, aligning every row at its
+    /// end (mlx-lm's `BatchKVCache.extend`): the shorter side gets left
+    /// padding. Neither may carry multimodal rope positions.
+    pub fn join(&mut self, mut other: KvCache) -> Result<()> {
+        use mlx_rs::ops::indexing::IndexOp;
+        anyhow::ensure!(self.mrope.is_none() && other.mrope.is_none(), "rows with multimodal rope decode alone");
+        anyhow::ensure!(self.layers.len() == other.layers.len(), "caches of different models");
+        let end = self.offset.max(other.offset);
+        self.pad_left(end - self.offset)?;
+        other.pad_left(end - other.offset)?;
+        let mut pads = self.paddings();
+        pads.extend(other.paddings());
+        for (mine, theirs) in self.layers.iter_mut().zip(other.layers) {
+            let (Some((k, v)), Some((ok, ov))) = (mine.take(), theirs) else {
+                anyhow::bail!("joining a cache that holds nothing");
+            };
+            let cat = |a: Array, b: Array| -> Result<Array> {
+                Ok(mlx_rs::ops::concatenate(&[a.index((.., .., ..end, ..)), b.index((.., .., ..end, ..))], 0)?)
+            };
+            *mine = Some((cat(k, ok)?, cat(v, ov)?));
+        }
+        self.set_paddings(pads);
+        Ok(())
+    }
+
+    /// Keeps rows `keep` (in that order) and drops the padding every kept
+    /// row shares (mlx-lm's `BatchKVCache.filter`): a single row left ends
+    /// up unpadded, computing exactly as a cache that was never batched.
+    pub fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
+        use mlx_rs::ops::indexing::IndexOp;
+        let pads = self.paddings();
+        let kept: Vec<i32> = keep.iter().map(|&r| pads[r]).collect();
+        let shared = kept.iter().copied().min().unwrap_or(0);
+        let idx: Vec<i32> = keep.iter().map(|&r| r as i32).collect();
+        let idx = Array::from_slice(&idx, &[idx.len() as i32]);
+        let end = self.offset;
+        let rows = |b: Array| -> Result<Array> { Ok(b.index((.., .., shared..end, ..)).take_axis(&idx, 0)?) };
+        self.map_buffers(|k, v| Ok((rows(k)?, rows(v)?)))?;
+        self.offset -= shared;
+        self.set_paddings(kept.into_iter().map(|p| p - shared).collect());
+        Ok(())
     }
 
     /// Makes room for `n` more positions in every layer's buffers (growing
@@ -122,6 +241,11 @@ impl KvCache {
             *slot = Some((it.next().expect("a key buffer"), it.next().expect("a value buffer")));
         }
         self.offset += added;
+    }
+
+    /// Positions the buffers have room for (0 before the first write).
+    pub fn capacity(&self) -> i32 {
+        self.layers.iter().flatten().next().map_or(0, |(k, _)| k.shape()[2])
     }
 
     /// Bytes the cached keys and values take.

@@ -131,6 +131,9 @@ pub struct Model {
     /// The compiled decode step when the language model has one (traced on
     /// first use; engine thread only).
     compiled_decode: Option<RefCell<CompiledDecode>>,
+    /// KV cache bytes one position takes in every layer (measured by
+    /// [`Self::warm_up`]): what the scheduler reserves per position.
+    pub kv_bytes_per_position: u64,
 }
 
 impl Model {
@@ -145,7 +148,7 @@ impl Model {
     ) -> Self {
         let prompter = Arc::new(prompt::Prompter { tokenizer, template });
         let compiled_decode = lm.decode_graph().map(|g| RefCell::new(CompiledDecode::new(g)));
-        Self { lm, prompter, eos_ids, vision, compiled_decode }
+        Self { lm, prompter, eos_ids, vision, compiled_decode, kv_bytes_per_position: 0 }
     }
 
     /// How this model's decode steps are built when `wanted`: compiled only
@@ -169,12 +172,15 @@ impl Model {
 
     /// Runs one token through the model: materializes the (lazily
     /// dequantized) weights so load time and memory are accounted at load,
-    /// and MLX's first-use costs are not paid by the first request.
-    pub fn warm_up(&self) -> Result<()> {
+    /// and MLX's first-use costs are not paid by the first request. Also
+    /// measures what one KV position costs (the cache's bytes over its
+    /// capacity), so no family has to state its KV layout.
+    pub fn warm_up(&mut self) -> Result<()> {
         let ids = mlx_rs::Array::from_slice(&[0u32], &[1, 1]);
         let mut cache = KvCache::new(self.lm.num_layers());
         let h = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, None)?;
         self.lm.logits(&h)?.eval()?;
+        self.kv_bytes_per_position = cache.nbytes() / cache.capacity().max(1) as u64;
         Ok(())
     }
 

@@ -3,6 +3,7 @@
 //! library, the `mlxbc` CLI, and raw frames.
 
 mod bad_input;
+mod batching;
 mod cli;
 mod clients;
 mod crash_soak;

@@ -1,0 +1,214 @@
+//! Continuous batching: the decode steps of every sequence on one model as
+//! one forward pass over a batch KV cache whose rows are aligned at their
+//! ends by left padding (mlx-lm's `BatchKVCache`). A sequence joins when its
+//! prefill is done and leaves the moment it finishes; the batch never
+//! drains to let anyone in.
+//!
+//! The steps are pipelined as mlx-lm's `generate_step` does for one stream:
+//! each step is queued on the device before the previous step's tokens are
+//! read back, so the device never waits for the host's stop checks and
+//! streaming. `ahead` holds, per row, the token that follows everything in
+//! the cache: computed by the step in flight, or (for a row that has just
+//! joined) the first token, which its prefill already streamed.
+
+use super::error::EngineError;
+use super::sequence::{inference, Sequence};
+use crate::model::decode_step::DecodeMode;
+use crate::model::kv_cache::KvCache;
+use crate::model::Model;
+use mlx_rs::ops::indexing::argmax_axis;
+use mlx_rs::transforms::async_eval;
+use mlx_rs::Array;
+use std::rc::Rc;
+
+/// A sequence's key in the scheduler.
+pub type SeqId = u64;
+
+struct Row {
+    seq: SeqId,
+    /// Its `ahead` token was already taken (it came from the prefill).
+    taken: bool,
+}
+
+/// The decode batch of one model (or of one sequence whose positions
+/// cannot share a batch: multimodal rope).
+pub struct DecodeBatch {
+    model: Rc<Model>,
+    mode: DecodeMode,
+    cache: Option<KvCache>,
+    rows: Vec<Row>,
+    ahead: Option<Array>,
+    profile: Profile,
+}
+
+/// Where a batch's steps spend host time, logged every [`PROFILE_EVERY`]
+/// steps (at `info`): queueing a step (building its graph and dispatching
+/// it) against waiting for the tokens; which dominates says what bounds decode.
+#[derive(Default)]
+struct Profile {
+    steps: u32,
+    /// Steps built with the compiled single-row graph.
+    compiled: u32,
+    rows: usize,
+    queue_s: f64,
+    wait_s: f64,
+    since: Option<std::time::Instant>,
+}
+
+const PROFILE_EVERY: u32 = 64;
+
+impl Profile {
+    fn record(&mut self, rows: usize, mode: DecodeMode, queue_s: f64, wait_s: f64) {
+        self.since.get_or_insert_with(std::time::Instant::now);
+        self.steps += 1;
+        self.compiled += u32::from(mode == DecodeMode::Compiled);
+        self.rows += rows;
+        self.queue_s += queue_s;
+        self.wait_s += wait_s;
+        if self.steps == PROFILE_EVERY {
+            self.flush();
+        }
+    }
+
+    /// Logs what was recorded and starts over.
+    fn flush(&mut self) {
+        if let Some(since) = self.since.filter(|_| self.steps > 0) {
+            let per = |x: f64| x * 1e3 / f64::from(self.steps);
+            let mode = match self.compiled {
+                0 => "Eager",
+                c if c == self.steps => "Compiled",
+                _ => "Compiled alone, Eager batched",
+            };
+            tracing::info!(
+                "decode ({mode}): {} steps, {:.1} rows on average, {:.2} ms/step: queueing {:.2}, waiting {:.2}",
+                self.steps,
+                self.rows as f64 / f64::from(self.steps),
+                per(since.elapsed().as_secs_f64()),
+                per(self.queue_s),
+                per(self.wait_s)
+            );
+        }
+        *self = Profile::default();
+    }
+}
+
+impl DecodeBatch {
+    /// An empty batch for `model`; a single row decodes as `mode` says
+    /// (several rows always eagerly: the compiled step is one row's).
+    pub fn new(model: Rc<Model>, mode: DecodeMode) -> Self {
+        Self { model, mode, cache: None, rows: Vec::new(), ahead: None, profile: Profile::default() }
+    }
+
+    /// Rows in the batch.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// The sequences in it.
+    pub fn sequences(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.rows.iter().map(|r| r.seq)
+    }
+
+    /// Adds a sequence whose prefill is done: its cache and its first token.
+    pub fn join(&mut self, seq: SeqId, cache: KvCache, first: Array) -> Result<(), EngineError> {
+        match (self.cache.as_mut(), self.ahead.take()) {
+            (Some(mine), Some(ahead)) => {
+                mine.join(cache).map_err(inference)?;
+                self.ahead = Some(mlx_rs::ops::concatenate(&[ahead, first], 0).map_err(inference)?);
+            }
+            _ => {
+                self.cache = Some(cache);
+                self.ahead = Some(first);
+            }
+        }
+        self.rows.push(Row { seq, taken: true });
+        Ok(())
+    }
+
+    /// Drops the rows of `gone` sequences (finished, cancelled, failed).
+    pub fn remove(&mut self, gone: &[SeqId]) -> Result<(), EngineError> {
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|&i| !gone.contains(&self.rows[i].seq)).collect();
+        if keep.len() == self.rows.len() {
+            return Ok(());
+        }
+        if keep.is_empty() {
+            self.profile.flush();
+            self.rows.clear();
+            self.cache = None;
+            self.ahead = None;
+            return Ok(());
+        }
+        if let Some(cache) = self.cache.as_mut() {
+            cache.keep_rows(&keep).map_err(inference)?;
+        }
+        if let Some(ahead) = self.ahead.take() {
+            let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
+            let idx = Array::from_slice(&idx, &[idx.len() as i32]);
+            self.ahead = Some(ahead.take_axis(&idx, 0).map_err(inference)?);
+        }
+        let mut i = 0;
+        self.rows.retain(|_| {
+            i += 1;
+            keep.contains(&(i - 1))
+        });
+        Ok(())
+    }
+
+    /// One decode step for every row: queues the next tokens, then hands
+    /// each sequence the token that was ahead. `seqs` are the rows'
+    /// sequences in [`Self::sequences`]' order. Returns the sequences that
+    /// ended (with how), for the caller to answer and [`Self::remove`].
+    pub fn step(
+        &mut self,
+        mut seqs: Vec<&mut Sequence>,
+    ) -> Result<Vec<(SeqId, Result<super::generate::Finished, EngineError>)>, EngineError> {
+        if seqs.len() != self.rows.len() {
+            return Err(EngineError::Internal("a batch row lost its sequence".into()));
+        }
+        let (Some(cache), Some(ahead)) = (self.cache.as_mut(), self.ahead.take()) else {
+            return Ok(Vec::new());
+        };
+        let t = std::time::Instant::now();
+        let lm = &self.model.lm;
+        let alone = self.rows.len() == 1 && !cache.is_padded();
+        let mode = if alone { self.model.decode_mode(self.mode) } else { DecodeMode::Eager };
+        let logits = if alone {
+            self.model.decode_logits(&ahead, cache, self.mode)
+        } else {
+            lm.embed(&ahead).and_then(|x| lm.forward(&x, cache, None)).and_then(|h| lm.logits(&h))
+        }
+        .map_err(inference)?;
+        // Each row picks with its own sampler; an all-greedy batch with one argmax.
+        let next = if seqs.iter_mut().all(|s| s.sampler().is_greedy()) {
+            argmax_axis(&logits, -1, None).and_then(|a| a.reshape(&[-1, 1]))
+        } else {
+            let mut picks = Vec::with_capacity(seqs.len());
+            for (i, s) in seqs.iter_mut().enumerate() {
+                let row = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0).map_err(inference)?;
+                picks.push(s.sampler().pick(&row).map_err(inference)?);
+            }
+            mlx_rs::ops::concatenate(&picks, 0)
+        }
+        .map_err(inference)?;
+        async_eval([&next]).map_err(inference)?;
+        let queued = t.elapsed().as_secs_f64();
+        ahead.eval().map_err(inference)?;
+        let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
+        self.profile.record(self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
+        let mut ended = Vec::new();
+        for ((row, s), &token) in self.rows.iter_mut().zip(seqs).zip(&tokens) {
+            if std::mem::replace(&mut row.taken, false) {
+                continue;
+            }
+            if let Some(end) = s.accept(token) {
+                ended.push((row.seq, end));
+            }
+        }
+        self.ahead = Some(next);
+        Ok(ended)
+    }
+}
