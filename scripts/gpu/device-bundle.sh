@@ -7,7 +7,12 @@
 # graph settings, both engines under each; 6: the benchmark
 # (scripts/bench.d/text_bench.py: mlxbcd through its socket, mlx-lm in
 # process on the same weights) with RUN_ENV (e.g. "MLX_MAX_OPS_PER_BUFFER=100")
-# applied to both; 7: the tiny models' benchmark and the prefill chunk sweep.
+# applied to both; 7: the tiny models' benchmark and the prefill chunk sweep;
+# 8 (SmolLM2) and 9 (the Qwen2.5-0.5B shape), after 4: many clients at once
+# (mlxbc-bench --concurrency: 1, 4, 16, 64 clients of 128 tokens, each
+# batched answer compared with its prompt alone, a short question during a
+# 1,000-token answer) beside mlx-lm's BatchGenerator on the same packed f16
+# weights.
 set -u
 step=$1
 PY=/opt/torch/.venv/bin/python3
@@ -84,4 +89,12 @@ case $step in
   echo "=== prefill chunk sweep (4096-token prompt)" | tee -a $OUT/chunks.md
   BENCH_TIMEOUT=300 bench --prompt 4096 --decode 8 --chunks 256,512,1024,2048,4096 "$smol" "$qwen" | tee -a $OUT/chunks.md
   echo STEP7_DONE ;;
+8|9)
+  g=$([[ $step == 8 ]] && echo SmolLM2-135M-Instruct.Q4_1 || echo qwen2.5-coder-0.5b-shape)
+  echo "=== concurrency: $g" | tee $OUT/concurrency-$g.md
+  MLXBC_BENCH_CHECK_IDS=1 timeout 420 "$B/bin/mlxbc-bench" --concurrency /tmp/models/$g.gguf ${CLIENTS:-1,4,16,64} 128 1000 \
+    > $OUT/conc-$g.json 2> $OUT/conc-$g.log
+  timeout 150 $PY scripts/bench.d/mlx_lm_batch.py /tmp/bench-models/$g-f16 ${CLIENTS:-1,4,16,64} 128 > $OUT/conc-mlxlm-$g.json
+  $PY scripts/bench.d/concurrency_table.py $OUT/conc-$g.json $OUT/conc-mlxlm-$g.json 128 "$g" | tee -a $OUT/concurrency-$g.md
+  echo STEP${step}_DONE ;;
 esac

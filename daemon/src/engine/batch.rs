@@ -58,8 +58,8 @@ struct Profile {
 const PROFILE_EVERY: u32 = 64;
 
 impl Profile {
-    fn record(&mut self, rows: usize, mode: DecodeMode, queue_s: f64, wait_s: f64) {
-        self.since.get_or_insert_with(std::time::Instant::now);
+    fn record(&mut self, started: std::time::Instant, rows: usize, mode: DecodeMode, queue_s: f64, wait_s: f64) {
+        self.since.get_or_insert(started);
         self.steps += 1;
         self.compiled += u32::from(mode == DecodeMode::Compiled);
         self.rows += rows;
@@ -93,8 +93,8 @@ impl Profile {
 }
 
 impl DecodeBatch {
-    /// An empty batch for `model`; a single row decodes as `mode` says
-    /// (several rows always eagerly: the compiled step is one row's).
+    /// An empty batch for `model`; a single row decodes as `mode` says,
+    /// several rows eagerly.
     pub fn new(model: Rc<Model>, mode: DecodeMode) -> Self {
         Self { model, mode, cache: None, rows: Vec::new(), ahead: None, profile: Profile::default() }
     }
@@ -113,8 +113,9 @@ impl DecodeBatch {
         self.rows.iter().map(|r| r.seq)
     }
 
-    /// Adds a sequence whose prefill is done: its cache and its first token.
-    pub fn join(&mut self, seq: SeqId, cache: KvCache, first: Array) -> Result<(), EngineError> {
+    /// Adds sequences whose prefill is done: their cache (one row each, in
+    /// order) and their first tokens `[rows, 1]`, which were streamed already.
+    pub fn join(&mut self, seqs: &[SeqId], cache: KvCache, first: Array) -> Result<(), EngineError> {
         match (self.cache.as_mut(), self.ahead.take()) {
             (Some(mine), Some(ahead)) => {
                 mine.join(cache).map_err(inference)?;
@@ -125,7 +126,7 @@ impl DecodeBatch {
                 self.ahead = Some(first);
             }
         }
-        self.rows.push(Row { seq, taken: true });
+        self.rows.extend(seqs.iter().map(|&seq| Row { seq, taken: true }));
         Ok(())
     }
 
@@ -173,9 +174,12 @@ impl DecodeBatch {
             return Ok(Vec::new());
         };
         let t = std::time::Instant::now();
-        let lm = &self.model.lm;
+        // The compiled step is one row's: on the CPU a new batch size would
+        // retrace it and compile new kernels (seconds, measured), so rows
+        // of a batch decode eagerly.
         let alone = self.rows.len() == 1 && !cache.is_padded();
         let mode = if alone { self.model.decode_mode(self.mode) } else { DecodeMode::Eager };
+        let lm = &self.model.lm;
         let logits = if alone {
             self.model.decode_logits(&ahead, cache, self.mode)
         } else {
@@ -183,22 +187,12 @@ impl DecodeBatch {
         }
         .map_err(inference)?;
         // Each row picks with its own sampler; an all-greedy batch with one argmax.
-        let next = if seqs.iter_mut().all(|s| s.sampler().is_greedy()) {
-            argmax_axis(&logits, -1, None).and_then(|a| a.reshape(&[-1, 1]))
-        } else {
-            let mut picks = Vec::with_capacity(seqs.len());
-            for (i, s) in seqs.iter_mut().enumerate() {
-                let row = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0).map_err(inference)?;
-                picks.push(s.sampler().pick(&row).map_err(inference)?);
-            }
-            mlx_rs::ops::concatenate(&picks, 0)
-        }
-        .map_err(inference)?;
+        let next = pick_rows(&logits, &mut seqs)?;
         async_eval([&next]).map_err(inference)?;
         let queued = t.elapsed().as_secs_f64();
         ahead.eval().map_err(inference)?;
         let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
-        self.profile.record(self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
+        self.profile.record(t, self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
         let mut ended = Vec::new();
         for ((row, s), &token) in self.rows.iter_mut().zip(seqs).zip(&tokens) {
             if std::mem::replace(&mut row.taken, false) {
@@ -211,4 +205,68 @@ impl DecodeBatch {
         self.ahead = Some(next);
         Ok(ended)
     }
+}
+
+/// Each row's next token `[B, 1]` from logits `[B, vocab]`, picked by that
+/// row's sampler; a batch of greedy rows with one argmax.
+pub fn pick_rows(logits: &Array, seqs: &mut [&mut Sequence]) -> Result<Array, EngineError> {
+    if seqs.iter_mut().all(|s| s.sampler().is_greedy()) {
+        return argmax_axis(logits, -1, None).and_then(|a| a.reshape(&[-1, 1])).map_err(inference);
+    }
+    let mut picks = Vec::with_capacity(seqs.len());
+    for (i, s) in seqs.iter_mut().enumerate() {
+        let row = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0).map_err(inference)?;
+        picks.push(s.sampler().pick(&row).map_err(inference)?);
+    }
+    mlx_rs::ops::concatenate(&picks, 0).map_err(inference)
+}
+
+/// Prefills several prompts of one model as one left-padded batch (as
+/// mlx-lm's `BatchGenerator` does): all but each prompt's last position in
+/// chunks of `chunk` columns, then the last column alone, and each row's
+/// first token. A burst of new requests then costs one pass over the
+/// weights per chunk instead of one per request. Returns the batch's cache,
+/// the first tokens `[B, 1]` (streamed by each sequence already) and, per
+/// row, how its sequence ended if it ended on its first token.
+#[allow(clippy::type_complexity)]
+pub fn prefill_together(
+    model: &Model,
+    seqs: &mut [&mut Sequence],
+    chunk: usize,
+) -> Result<(KvCache, Array, Vec<Option<Result<super::generate::Finished, EngineError>>>), EngineError> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let lm = &model.lm;
+    let longest = seqs.iter().map(|s| s.prompt_tokens()).max().unwrap_or(0) as i32;
+    let mut rows = Vec::with_capacity(seqs.len());
+    let mut pads = Vec::with_capacity(seqs.len());
+    for s in seqs.iter_mut() {
+        s.prefill_started();
+        let e = s.prompt_embeds();
+        let pad = longest - e.shape()[1];
+        pads.push(pad);
+        rows.push(if pad == 0 {
+            e.clone()
+        } else {
+            let zeros = mlx_rs::ops::zeros_dtype(&[1, pad, e.shape()[2]], e.dtype()).map_err(inference)?;
+            mlx_rs::ops::concatenate(&[zeros, e.clone()], 1).map_err(inference)?
+        });
+    }
+    let embeds = mlx_rs::ops::concatenate(&rows, 0).map_err(inference)?;
+    drop(rows);
+    let mut cache = KvCache::batch(lm.num_layers(), pads);
+    let mut at = 0;
+    while at < longest - 1 {
+        let end = (at + chunk as i32).min(longest - 1);
+        lm.forward(&embeds.index((.., at..end, ..)), &mut cache, None).map_err(inference)?;
+        if end < longest - 1 {
+            mlx_rs::transforms::eval(cache.arrays()).map_err(inference)?;
+        }
+        at = end;
+    }
+    let h = lm.forward(&embeds.index((.., longest - 1..longest, ..)), &mut cache, None).map_err(inference)?;
+    let next = pick_rows(&lm.logits(&h).map_err(inference)?, seqs)?;
+    next.eval().map_err(inference)?;
+    let tokens: Vec<u32> = next.as_slice::<u32>().to_vec();
+    let ends = seqs.iter_mut().zip(tokens).map(|(s, t)| s.prefilled_together(t)).collect();
+    Ok((cache, next, ends))
 }

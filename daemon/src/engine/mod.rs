@@ -320,6 +320,7 @@ pub fn spawn(
                 prefill_budget: prefill_chunk,
             }),
             last_publish: Instant::now(),
+            last_housekeeping: Instant::now(),
             max_tokens_limit: settings.max_tokens_limit,
             routes: HashMap::new(),
             snapshot,
@@ -399,6 +400,7 @@ struct Engine {
     prefill_chunk: usize,
     scheduler: scheduler::Scheduler,
     last_publish: Instant,
+    last_housekeeping: Instant,
     max_tokens_limit: Option<u32>,
     /// Requested model names (None: the default) and what they resolved to.
     routes: HashMap<Option<String>, String>,
@@ -467,7 +469,8 @@ impl Engine {
                 for ended in ended {
                     self.answer(ended);
                 }
-                if !self.scheduler.is_empty() {
+                // While generating, keep-alive and memory pressure are looked at every PRESSURE_POLL.
+                if !self.scheduler.is_empty() && self.last_housekeeping.elapsed() < PRESSURE_POLL {
                     continue;
                 }
             }
@@ -479,6 +482,7 @@ impl Engine {
                 self.publish();
                 continue;
             }
+            self.last_housekeeping = Instant::now();
             // Models generating are in use: their idle clocks restart.
             for name in self.scheduler.models_in_use() {
                 self.residency.touch(&name, None);

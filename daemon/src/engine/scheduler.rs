@@ -11,7 +11,7 @@
 //! resident models and the reservations of those running, or while its
 //! model's batch is full.
 
-use super::batch::{DecodeBatch, SeqId};
+use super::batch::{prefill_together, DecodeBatch, SeqId};
 use super::error::EngineError;
 use super::generate::Finished;
 use super::prefix::PrefixCache;
@@ -277,6 +277,11 @@ impl Scheduler {
 
     fn prefill(&mut self, prefixes: &mut PrefixCache, ended: &mut Vec<Ended>) {
         let mut budget = self.limits.prefill_budget;
+        // A burst of new prompts on one model is prefilled as one batch.
+        if let Some((group, cost)) = self.prefill_group(budget) {
+            budget = budget.saturating_sub(cost);
+            self.prefill_group_now(&group, ended);
+        }
         while budget > 0 {
             let Some(&id) = self.prefilling.front() else { return };
             let Some(a) = self.active.get_mut(&id) else {
@@ -295,7 +300,7 @@ impl Scheduler {
                         BatchKey { model: Rc::as_ptr(&model) as usize, alone: cache.mrope.is_some().then_some(id) };
                     self.changed = true;
                     let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model, mode));
-                    if let Err(e) = batch.join(id, cache, first) {
+                    if let Err(e) = batch.join(&[id], cache, first) {
                         let a = self.take(id).expect("a prefilled sequence");
                         ended.push((a, Err(e)));
                     }
@@ -307,6 +312,92 @@ impl Scheduler {
                 Err(e) => {
                     let a = self.take(id).expect("a prefilling sequence");
                     ended.push((a, Err(e)));
+                }
+            }
+        }
+    }
+
+    /// The oldest prefilling sequences on the first one's model that can be
+    /// prefilled together, while the padded batch (rows × longest prompt)
+    /// stays within `budget` tokens; `None` unless at least two.
+    fn prefill_group(&self, budget: usize) -> Option<(Vec<SeqId>, usize)> {
+        let head = self.active.get(self.prefilling.front()?)?;
+        if !head.seq.can_prefill_together() {
+            return None;
+        }
+        let model = Rc::as_ptr(head.seq.model());
+        let (mut group, mut longest) = (Vec::new(), 0);
+        for &id in &self.prefilling {
+            let Some(a) = self.active.get(&id) else { continue };
+            if Rc::as_ptr(a.seq.model()) != model || !a.seq.can_prefill_together() {
+                continue;
+            }
+            let n = a.seq.prompt_tokens().max(longest);
+            if !group.is_empty() && (n * (group.len() + 1) > budget || group.len() >= self.limits.max_batch) {
+                break;
+            }
+            longest = n;
+            group.push(id);
+        }
+        let cost = longest * group.len();
+        (group.len() >= 2).then_some((group, cost))
+    }
+
+    /// Prefills `group` as one batch; those that did not end on their first
+    /// token join their model's decode batch together.
+    fn prefill_group_now(&mut self, group: &[SeqId], ended: &mut Vec<Ended>) {
+        let Some(head) = self.active.get(&group[0]) else { return };
+        let (model, mode) = (head.seq.model().clone(), head.seq.decode_mode());
+        let mut by_id: HashMap<SeqId, &mut Sequence> =
+            self.active.iter_mut().filter(|(i, _)| group.contains(i)).map(|(&i, a)| (i, &mut a.seq)).collect();
+        let mut seqs: Vec<&mut Sequence> = group.iter().filter_map(|i| by_id.remove(i)).collect();
+        let chunk = self.limits.prefill_budget;
+        let outcome = guarded(|| prefill_together(&model, &mut seqs, chunk));
+        drop(seqs);
+        self.prefilling.retain(|p| !group.contains(p));
+        self.changed = true;
+        let (mut cache, mut first, ends) = match outcome {
+            Ok(made) => made,
+            Err(e) => {
+                for &id in group {
+                    if let Some(a) = self.take(id) {
+                        ended.push((a, Err(e.clone())));
+                    }
+                }
+                return;
+            }
+        };
+        let mut keep = Vec::new();
+        for (i, (&id, end)) in group.iter().zip(ends).enumerate() {
+            match end {
+                Some(end) => {
+                    if let Some(a) = self.take(id) {
+                        ended.push((a, end));
+                    }
+                }
+                None => keep.push(i),
+            }
+        }
+        if keep.is_empty() {
+            return;
+        }
+        let joined: Vec<SeqId> = keep.iter().map(|&i| group[i]).collect();
+        let kept = || -> Result<(), EngineError> {
+            if keep.len() < group.len() {
+                cache.keep_rows(&keep).map_err(super::sequence::inference)?;
+                let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
+                first = first
+                    .take_axis(mlx_rs::Array::from_slice(&idx, &[idx.len() as i32]), 0)
+                    .map_err(super::sequence::inference)?;
+            }
+            let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None };
+            let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model.clone(), mode));
+            batch.join(&joined, cache, first)
+        };
+        if let Err(e) = kept() {
+            for &id in &joined {
+                if let Some(a) = self.take(id) {
+                    ended.push((a, Err(e.clone())));
                 }
             }
         }

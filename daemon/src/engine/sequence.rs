@@ -193,6 +193,38 @@ impl Sequence {
         self.handoff.take()
     }
 
+    /// True when its prompt can be prefilled in one batch with others':
+    /// not begun, nothing reused or kept, no image blocks that must see each
+    /// other, no multimodal rope.
+    pub fn can_prefill_together(&self) -> bool {
+        self.prefill_at == Some(0)
+            && self.s.keep_prefix.is_none()
+            && self.s.blocks.is_none()
+            && self.s.cache.mrope.is_none()
+            && self.s.reused == 0
+            && self.s.cache.offset == 0
+    }
+
+    /// The prompt's embeddings `[1, L, hidden]`, for a batched prefill.
+    pub fn prompt_embeds(&self) -> &Array {
+        &self.s.embeds
+    }
+
+    /// A batched prefill has begun with this sequence in it.
+    pub fn prefill_started(&mut self) {
+        self.t_prefill.get_or_insert_with(Instant::now);
+    }
+
+    /// The first token, from a batched prefill (the KV cache is the batch's):
+    /// streamed like any token; `Some` when the sequence ended on it.
+    pub fn prefilled_together(&mut self, token: u32) -> Option<Result<Finished, EngineError>> {
+        self.t_first = Some(Instant::now());
+        self.prefill_at = None;
+        self.s.embeds = Array::from_int(0);
+        self.s.cache = KvCache::new(0);
+        self.accept(token)
+    }
+
     /// One prompt chunk (or the last position and the first token).
     pub fn prefill(&mut self, prefixes: &mut PrefixCache) -> Result<Prefilled, EngineError> {
         let Some(at) = self.prefill_at else {

@@ -109,7 +109,7 @@ impl KvCache {
     }
 
     /// Each row's padding (zeros when unpadded).
-    fn paddings(&self) -> Vec<i32> {
+    pub fn paddings(&self) -> Vec<i32> {
         if self.left_padding.is_empty() {
             vec![0; self.rows()]
         } else {

@@ -263,6 +263,19 @@ async fn concurrency_bench(model: &std::path::Path, clients: &[usize], tokens: u
     };
     let mut c = b.client().await;
     timed(&mut c, ask(0, 4)).await?; // load and warm up
+                                     // MLXBC_BENCH_CHECK_IDS=1: each client's prompt alone first, so every
+                                     // batched answer can be compared with it token for token (where batched
+                                     // matrix products change the last bits enough to flip an id, this
+                                     // counts how often and how early).
+    let check_ids = std::env::var("MLXBC_BENCH_CHECK_IDS").is_ok_and(|v| v == "1");
+    let most = clients.iter().copied().max().unwrap_or(0);
+    let mut alone_ids = Vec::new();
+    if check_ids {
+        for i in 0..most {
+            let (_, s) = timed(&mut c, ask(i + 1, tokens)).await?;
+            alone_ids.push(s.token_ids);
+        }
+    }
     let mut rows = Vec::new();
     for &n in clients {
         let mut conns = Vec::new();
@@ -283,9 +296,16 @@ async fn concurrency_bench(model: &std::path::Path, clients: &[usize], tokens: u
             .collect();
         let mut ttft = Vec::new();
         let (mut generated, mut per_stream, mut wall) = (0u64, Vec::new(), 0.0f64);
-        for task in tasks {
+        let (mut same, mut first_diff) = (0usize, Vec::new());
+        for (i, task) in tasks.into_iter().enumerate() {
             let (r, done) = task.await?;
             let (stats, client_tps) = r?;
+            if let Some(want) = alone_ids.get(i) {
+                match stats.token_ids.iter().zip(want).position(|(a, b)| a != b) {
+                    None if stats.token_ids.len() == want.len() => same += 1,
+                    at => first_diff.push(at.unwrap_or(want.len().min(stats.token_ids.len()))),
+                }
+            }
             // First token as the daemon counts it: from receipt of the request.
             ttft.push(stats.time_to_first_token_ms);
             generated += stats.generated_tokens as u64;
@@ -295,6 +315,8 @@ async fn concurrency_bench(model: &std::path::Path, clients: &[usize], tokens: u
         rows.push(serde_json::json!({
             "clients": n, "total_tps": generated as f64 / wall, "per_stream_tps": median(per_stream),
             "ttft_p50_ms": percentile(ttft.clone(), 0.5), "ttft_p99_ms": percentile(ttft, 0.99), "wall_s": wall,
+            "ids_equal_alone": if check_ids { serde_json::json!(same) } else { serde_json::Value::Null },
+            "first_differing_token": first_diff,
         }));
     }
     // A short question during a long answer.
