@@ -3,7 +3,8 @@
 # (1-7, back to back: the machine keeps /tmp while warm). 1-3: install the
 # CUDA bundle as a user would (extract, point bin/nvidia at the machine's
 # CUDA 13 libraries); 4: the smoke test, the fused quantized matmul check and
-# greedy ids against mlx-lm on the same arrays (check_ids.py); 5: MLX's CUDA
+# greedy ids against mlx-lm on the same arrays (check_ids.py; QUICK=1: only
+# the f16 exports steps 8 and 9 need); 5: MLX's CUDA
 # graph settings, both engines under each; 6: the benchmark
 # (scripts/bench.d/text_bench.py: mlxbcd through its socket, mlx-lm in
 # process on the same weights) with RUN_ENV (e.g. "MLX_MAX_OPS_PER_BUFFER=100")
@@ -48,6 +49,12 @@ case $step in
       /tmp/models/qwen2.5-coder-0.5b-shape.gguf
   export MLXBC_HOME=/tmp/mlxbc-home; mkdir -p $MLXBC_HOME/models
   ln -sf /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf $MLXBC_HOME/models/
+  if [[ -n ${QUICK:-} ]]; then # only what steps 8 and 9 need: the f16 exports for mlx-lm
+    for g in SmolLM2-135M-Instruct.Q4_1 qwen2.5-coder-0.5b-shape; do
+      "$B/bin/mlxbc-gguf-to-mlx" /tmp/models/$g.gguf /tmp/bench-models/$g-f16 float16 >/dev/null
+    done
+    echo STEP4_DONE; exit 0
+  fi
   echo "=== smoke: mlxbc ask through the bundle's launcher (first request on this machine compiles CUDA kernels)"
   timeout 300 "$B/bin/mlxbc" ask -v -n 24 "What is the capital of France?" 2>&1 | tee $OUT/smoke.txt
   timeout 60 "$B/bin/mlxbc" ask -v -n 24 --temperature 0.7 --seed 1 "Name a colour." 2>&1 | tee -a $OUT/smoke.txt

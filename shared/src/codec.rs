@@ -7,7 +7,7 @@
 //!
 //! Inside a frame, every length the peer declares (a string's, a vector's)
 //! is bounded too: bincode decodes under a byte limit of the smallest tier
-//! that holds the payload ([`decode_limit`]), and refuses a declared length
+//! that holds what the payload may claim ([`decode_limit`]), and refuses a declared length
 //! above it *before* allocating. Without the limit a 15-byte frame declaring
 //! a 2^62-byte string made the decoder allocate it and abort the daemon.
 
@@ -50,13 +50,25 @@ fn config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
-/// The byte limit a payload of `len` bytes is decoded under: the smallest of
-/// 4 KiB, 64 KiB, 1 MiB and [`MAX_FRAME_BYTES`] that holds it. A valid
-/// payload never reads more than its own length, so the limit only ever
-/// refuses lies; and what a lying frame can make the decoder allocate is
-/// at most 16 times its own size (4 KiB for a tiny one).
+/// How many bytes a decoded value may claim per payload byte. bincode's
+/// limit counts what containers claim in memory (`len × size_of` of their
+/// elements), not the bytes read: a token id is a 1–3 byte varint but a
+/// 4-byte `u32`, an empty string one byte but a 24-byte `String`. A valid
+/// payload claims at most this many times its own length.
+pub const DECODE_EXPANSION: usize = 32;
+
+/// Decode limits, each 4 times the last, up to 1 GiB.
+const TIERS: [usize; 10] =
+    [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30];
+
+/// The byte limit a payload of `len` bytes is decoded under: the smallest
+/// tier that holds [`DECODE_EXPANSION`] times its length. A valid payload
+/// never claims more, so the limit only ever refuses lies; and what a lying
+/// frame can make the decoder allocate is at most 4 × 32 = 128 times its own
+/// size (4 KiB for a tiny one), never over 1 GiB.
 pub fn decode_limit(len: usize) -> usize {
-    [4 << 10, 64 << 10, 1 << 20, MAX_FRAME_BYTES].into_iter().find(|&t| len <= t).unwrap_or(MAX_FRAME_BYTES)
+    let need = len.saturating_mul(DECODE_EXPANSION);
+    TIERS.into_iter().find(|&t| need <= t).unwrap_or(TIERS[TIERS.len() - 1])
 }
 
 fn decode_with<T: DeserializeOwned, C: bincode::config::Config>(bytes: &[u8], c: C) -> Result<T, FrameError> {
@@ -81,10 +93,16 @@ pub fn from_payload<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FrameError> 
         return Err(FrameError::TooLarge { len: bytes.len(), max: MAX_FRAME_BYTES });
     }
     match decode_limit(bytes.len()) {
-        l if l == 4 << 10 => decode_with(bytes, config().with_limit::<{ 4 << 10 }>()),
-        l if l == 64 << 10 => decode_with(bytes, config().with_limit::<{ 64 << 10 }>()),
-        l if l == 1 << 20 => decode_with(bytes, config().with_limit::<{ 1 << 20 }>()),
-        _ => decode_with(bytes, config().with_limit::<MAX_FRAME_BYTES>()),
+        l if l == TIERS[0] => decode_with(bytes, config().with_limit::<{ TIERS[0] }>()),
+        l if l == TIERS[1] => decode_with(bytes, config().with_limit::<{ TIERS[1] }>()),
+        l if l == TIERS[2] => decode_with(bytes, config().with_limit::<{ TIERS[2] }>()),
+        l if l == TIERS[3] => decode_with(bytes, config().with_limit::<{ TIERS[3] }>()),
+        l if l == TIERS[4] => decode_with(bytes, config().with_limit::<{ TIERS[4] }>()),
+        l if l == TIERS[5] => decode_with(bytes, config().with_limit::<{ TIERS[5] }>()),
+        l if l == TIERS[6] => decode_with(bytes, config().with_limit::<{ TIERS[6] }>()),
+        l if l == TIERS[7] => decode_with(bytes, config().with_limit::<{ TIERS[7] }>()),
+        l if l == TIERS[8] => decode_with(bytes, config().with_limit::<{ TIERS[8] }>()),
+        _ => decode_with(bytes, config().with_limit::<{ TIERS[9] }>()),
     }
 }
 

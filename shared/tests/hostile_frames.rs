@@ -121,6 +121,45 @@ fn honest_payloads_of_every_tier_decode() {
     }
 }
 
+/// Honest payloads that claim more memory than they have bytes decode: a
+/// long answer's `Done` (each token id a 1-3 byte varint, a 4-byte `u32`
+/// decoded; before, a 1,000-token answer's statistics were refused as
+/// `LimitExceeded`, found on the H200), a request of many empty messages
+/// (one byte each, a whole `ChatMessage` decoded), and a status with many
+/// sequences.
+#[test]
+fn honest_payloads_that_expand_when_decoded_still_decode() {
+    for n in [300usize, 1_000, 4_000, 100_000] {
+        let stats = mlxbc_shared::GenerationStats {
+            model: "m".into(),
+            prompt_tokens: 40,
+            generated_tokens: n as u32,
+            time_to_first_token_ms: 1.0,
+            load_ms: 0.0,
+            prefill_tokens_per_s: 1.0,
+            decode_tokens_per_s: 1.0,
+            stop_reason: mlxbc_shared::StopReason::MaxTokens,
+            token_ids: (0..n as u32).map(|i| i % 200).collect(),
+            encoder_hits: 0,
+            encoder_misses: 0,
+            encode_ms: 0.0,
+            lookup_ms: 0.0,
+            preprocess_ms: 0.0,
+            prefix_tokens_reused: 0,
+            prefill_ms: 0.0,
+            warnings: vec![],
+        };
+        let done = Response::Done { stats };
+        let payload = to_payload(&done).unwrap();
+        assert_eq!(from_payload::<Response>(&payload).unwrap(), done, "{n} token ids");
+    }
+    let mut request = GenerateRequest::ask("");
+    request.messages = vec![mlxbc_shared::ChatMessage::user(""); 2_000];
+    let request = Request::Generate(request);
+    let payload = to_payload(&request).unwrap();
+    assert_eq!(from_payload::<Request>(&payload).unwrap(), request, "2,000 empty messages");
+}
+
 /// The structure-aware fuzzer: a million decodes (requests and responses)
 /// in the suite; `scripts/fuzz` runs ten million and more
 /// (`MLXBC_FUZZ_EXECS`, `MLXBC_FUZZ_SEED`).

@@ -57,3 +57,8 @@ impl EngineError {
         EngineError::Inference(format!("{e:#}"))
     }
 }
+
+/// What a caught panic said (its `String` or `&str` payload), for the log.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic.downcast_ref::<String>().map(String::as_str).or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("?")
+}

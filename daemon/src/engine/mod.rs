@@ -507,11 +507,7 @@ impl Engine {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(job))) {
             Ok(pending) => pending,
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or_else(|| panic.downcast_ref::<&str>().copied())
-                    .unwrap_or("?");
+                let what = error::panic_message(&*panic);
                 tracing::error!("a job panicked ({what}); its client was answered with an error");
                 false
             }

@@ -465,11 +465,7 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineErr
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("?");
+            let what = super::error::panic_message(&*panic);
             tracing::error!("a step panicked ({what})");
             Err(EngineError::Internal(format!("the engine hit a bug ({what}); the request was dropped")))
         }

@@ -109,13 +109,16 @@ impl FusedLinear {
         match self {
             FusedLinear::Fused { linear, splits } => {
                 let parts = linear.forward(x)?.split_at_indices(splits, -1)?;
-                // For more than one position each part is a strided view into
-                // one buffer, and MLX 0.32.2's CUDA rope misreads such a view
-                // that starts past the buffer's beginning (an H200: wrong
-                // keys in prefill, garbage answers; exact at one position:
+                // For more than one row (positions, or a batch's sequences)
+                // each part is a strided view into one buffer, and MLX
+                // 0.32.2's CUDA rope misreads such a view that starts past
+                // the buffer's beginning (an H200: wrong keys in prefill,
+                // garbage answers, and in batched decode illegal memory
+                // accesses; exact for a single row:
                 // scripts/gpu/fused_qmm_check.py). A copy per part is little
-                // next to a prefill's matmuls; decode keeps the views.
-                if x.shape().len() >= 2 && x.shape()[x.shape().len() - 2] > 1 {
+                // next to the matmuls; one row's decode keeps the views.
+                let rows = x.shape()[..x.shape().len().saturating_sub(1)].iter().product::<i32>();
+                if rows > 1 {
                     Ok(parts.iter().map(Array::contiguous).collect::<std::result::Result<_, _>>()?)
                 } else {
                     Ok(parts)

@@ -278,6 +278,18 @@ async fn concurrency_bench(model: &std::path::Path, clients: &[usize], tokens: u
     }
     let mut rows = Vec::new();
     for &n in clients {
+        // A short warm-up round at this batch size first: a GPU compiles
+        // kernels for each new shape on first use (seconds, once per daemon).
+        let warm: Vec<_> = (0..n)
+            .map(|i| {
+                let socket = b.home.path().join("mlxbcd.sock");
+                let req = ask(i + 1, 8);
+                tokio::spawn(async move { timed(&mut Client::connect(&socket).await?, req).await })
+            })
+            .collect();
+        for w in warm {
+            w.await??;
+        }
         let mut conns = Vec::new();
         for _ in 0..n {
             conns.push(b.client().await);
