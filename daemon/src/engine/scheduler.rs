@@ -130,11 +130,12 @@ impl Scheduler {
     pub fn describe(&self) -> Vec<SequenceInfo> {
         let batch_of: HashMap<SeqId, usize> =
             self.batches.values().flat_map(|b| b.sequences().map(move |s| (s, b.len()))).collect();
+        let waiting: std::collections::HashSet<SeqId> = self.waiting.iter().copied().collect();
         let mut out: Vec<(SeqId, SequenceInfo)> = self
             .active
             .iter()
             .map(|(&id, a)| {
-                let state = if self.waiting.contains(&id) {
+                let state = if waiting.contains(&id) {
                     "waiting"
                 } else if a.seq.is_prefilling() {
                     "prefill"
@@ -203,11 +204,11 @@ impl Scheduler {
             };
             let need = kv_need(&a.seq);
             let model = Rc::as_ptr(a.seq.model()) as usize;
-            let admitted_of_model = self
-                .active
-                .iter()
-                .filter(|(i, o)| !self.waiting.contains(i) && Rc::as_ptr(o.seq.model()) as usize == model)
-                .count();
+            // Admitted: prefilling, or a row of one of the model's batches.
+            let of_model =
+                |id: &SeqId| self.active.get(id).is_some_and(|o| Rc::as_ptr(o.seq.model()) as usize == model);
+            let admitted_of_model = self.prefilling.iter().filter(|i| of_model(i)).count()
+                + self.batches.iter().filter(|(k, _)| k.model == model).map(|(_, b)| b.len()).sum::<usize>();
             let fits = self.reserved_bytes + need <= free_bytes;
             if fits && admitted_of_model < self.limits.max_batch {
                 self.waiting.pop_front();
