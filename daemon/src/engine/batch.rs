@@ -12,7 +12,7 @@
 //! joined) the first token, which its prefill already streamed.
 
 use super::error::EngineError;
-use super::sequence::{inference, Sequence};
+use super::sequence::Sequence;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
@@ -118,8 +118,8 @@ impl DecodeBatch {
     pub fn join(&mut self, seqs: &[SeqId], cache: KvCache, first: Array) -> Result<(), EngineError> {
         match (self.cache.as_mut(), self.ahead.take()) {
             (Some(mine), Some(ahead)) => {
-                mine.join(cache).map_err(inference)?;
-                self.ahead = Some(mlx_rs::ops::concatenate(&[ahead, first], 0).map_err(inference)?);
+                mine.join(cache).map_err(EngineError::inference)?;
+                self.ahead = Some(mlx_rs::ops::concatenate(&[ahead, first], 0).map_err(EngineError::inference)?);
             }
             _ => {
                 self.cache = Some(cache);
@@ -144,12 +144,12 @@ impl DecodeBatch {
             return Ok(());
         }
         if let Some(cache) = self.cache.as_mut() {
-            cache.keep_rows(&keep).map_err(inference)?;
+            cache.keep_rows(&keep).map_err(EngineError::inference)?;
         }
         if let Some(ahead) = self.ahead.take() {
             let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
             let idx = Array::from_slice(&idx, &[idx.len() as i32]);
-            self.ahead = Some(ahead.take_axis(&idx, 0).map_err(inference)?);
+            self.ahead = Some(ahead.take_axis(&idx, 0).map_err(EngineError::inference)?);
         }
         let mut i = 0;
         self.rows.retain(|_| {
@@ -185,12 +185,12 @@ impl DecodeBatch {
         } else {
             lm.embed(&ahead).and_then(|x| lm.forward(&x, cache, None)).and_then(|h| lm.logits(&h))
         }
-        .map_err(inference)?;
+        .map_err(EngineError::inference)?;
         // Each row picks with its own sampler; an all-greedy batch with one argmax.
         let next = pick_rows(&logits, &mut seqs)?;
-        async_eval([&next]).map_err(inference)?;
+        async_eval([&next]).map_err(EngineError::inference)?;
         let queued = t.elapsed().as_secs_f64();
-        ahead.eval().map_err(inference)?;
+        ahead.eval().map_err(EngineError::inference)?;
         let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
         self.profile.record(t, self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
         let mut ended = Vec::new();
@@ -211,14 +211,14 @@ impl DecodeBatch {
 /// row's sampler; a batch of greedy rows with one argmax.
 pub fn pick_rows(logits: &Array, seqs: &mut [&mut Sequence]) -> Result<Array, EngineError> {
     if seqs.iter_mut().all(|s| s.sampler().is_greedy()) {
-        return argmax_axis(logits, -1, None).and_then(|a| a.reshape(&[-1, 1])).map_err(inference);
+        return argmax_axis(logits, -1, None).and_then(|a| a.reshape(&[-1, 1])).map_err(EngineError::inference);
     }
     let mut picks = Vec::with_capacity(seqs.len());
     for (i, s) in seqs.iter_mut().enumerate() {
-        let row = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0).map_err(inference)?;
-        picks.push(s.sampler().pick(&row).map_err(inference)?);
+        let row = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0).map_err(EngineError::inference)?;
+        picks.push(s.sampler().pick(&row).map_err(EngineError::inference)?);
     }
-    mlx_rs::ops::concatenate(&picks, 0).map_err(inference)
+    mlx_rs::ops::concatenate(&picks, 0).map_err(EngineError::inference)
 }
 
 /// Prefills several prompts of one model as one left-padded batch (as
@@ -247,25 +247,26 @@ pub fn prefill_together(
         rows.push(if pad == 0 {
             e.clone()
         } else {
-            let zeros = mlx_rs::ops::zeros_dtype(&[1, pad, e.shape()[2]], e.dtype()).map_err(inference)?;
-            mlx_rs::ops::concatenate(&[zeros, e.clone()], 1).map_err(inference)?
+            let zeros = mlx_rs::ops::zeros_dtype(&[1, pad, e.shape()[2]], e.dtype()).map_err(EngineError::inference)?;
+            mlx_rs::ops::concatenate(&[zeros, e.clone()], 1).map_err(EngineError::inference)?
         });
     }
-    let embeds = mlx_rs::ops::concatenate(&rows, 0).map_err(inference)?;
+    let embeds = mlx_rs::ops::concatenate(&rows, 0).map_err(EngineError::inference)?;
     drop(rows);
     let mut cache = KvCache::batch(lm.num_layers(), pads);
     let mut at = 0;
     while at < longest - 1 {
         let end = (at + chunk as i32).min(longest - 1);
-        lm.forward(&embeds.index((.., at..end, ..)), &mut cache, None).map_err(inference)?;
+        lm.forward(&embeds.index((.., at..end, ..)), &mut cache, None).map_err(EngineError::inference)?;
         if end < longest - 1 {
-            mlx_rs::transforms::eval(cache.arrays()).map_err(inference)?;
+            mlx_rs::transforms::eval(cache.arrays()).map_err(EngineError::inference)?;
         }
         at = end;
     }
-    let h = lm.forward(&embeds.index((.., longest - 1..longest, ..)), &mut cache, None).map_err(inference)?;
-    let next = pick_rows(&lm.logits(&h).map_err(inference)?, seqs)?;
-    next.eval().map_err(inference)?;
+    let h =
+        lm.forward(&embeds.index((.., longest - 1..longest, ..)), &mut cache, None).map_err(EngineError::inference)?;
+    let next = pick_rows(&lm.logits(&h).map_err(EngineError::inference)?, seqs)?;
+    next.eval().map_err(EngineError::inference)?;
     let tokens: Vec<u32> = next.as_slice::<u32>().to_vec();
     let ends = seqs.iter_mut().zip(tokens).map(|(s, t)| s.prefilled_together(t)).collect();
     Ok((cache, next, ends))

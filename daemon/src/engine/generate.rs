@@ -69,10 +69,6 @@ pub fn fits_by_tokens(model: &str, context: usize, tokens: usize) -> Result<(), 
 
 type Failure = EngineError;
 
-fn inference<E: std::fmt::Display>(e: E) -> Failure {
-    EngineError::Inference(format!("{e:#}"))
-}
-
 /// How a generation ended, when it did not fail.
 pub enum Finished {
     /// Answered; `Done` is to be sent with these statistics.
@@ -130,7 +126,7 @@ fn prompt_here(
             .expand(&prompt, &rows)
             .ok_or_else(|| EngineError::BadMedia("the prompt's image placeholders do not match its images".into()))?;
     }
-    Ok(Some((model.encode(&prompt).map_err(inference)?, features, media_stats)))
+    Ok(Some((model.encode(&prompt).map_err(EngineError::inference)?, features, media_stats)))
 }
 
 /// What setting a request up came to.
@@ -237,7 +233,7 @@ pub fn begin(
         start: prefix.unwrap_or(0).max(reused),
         keep_prefix,
         reused,
-        sampler: Sampler::new(request.sampling.clone()).map_err(inference)?,
+        sampler: Sampler::new(request.sampling.clone()).map_err(EngineError::inference)?,
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,
         limit: asked.min(room),

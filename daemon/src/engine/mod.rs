@@ -383,6 +383,10 @@ pub fn max_batch_for(on_gpu: bool) -> usize {
     }
 }
 
+/// Jobs (new requests' setup, loads, prefetches) taken between two ticks
+/// while generations run.
+const JOBS_PER_TICK: usize = 16;
+
 /// How often status is republished while generations run.
 const PUBLISH_EVERY: Duration = Duration::from_millis(200);
 
@@ -429,7 +433,14 @@ impl Engine {
             } else {
                 None
             };
+            // While generating, at most JOBS_PER_TICK jobs are taken before
+            // the next step, so a flood of requests cannot stall the streams.
+            let mut taken = 0;
             loop {
+                if taken >= JOBS_PER_TICK && !self.scheduler.is_empty() {
+                    break;
+                }
+                taken += 1;
                 let control = match first.take() {
                     Some(c) => c,
                     None => match rx.try_recv() {

@@ -385,11 +385,11 @@ impl Scheduler {
         let joined: Vec<SeqId> = keep.iter().map(|&i| group[i]).collect();
         let kept = || -> Result<(), EngineError> {
             if keep.len() < group.len() {
-                cache.keep_rows(&keep).map_err(super::sequence::inference)?;
+                cache.keep_rows(&keep).map_err(EngineError::inference)?;
                 let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
                 first = first
                     .take_axis(mlx_rs::Array::from_slice(&idx, &[idx.len() as i32]), 0)
-                    .map_err(super::sequence::inference)?;
+                    .map_err(EngineError::inference)?;
             }
             let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None };
             let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model.clone(), mode));

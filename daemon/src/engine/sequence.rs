@@ -27,10 +27,6 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-pub(super) fn inference<E: std::fmt::Display>(e: E) -> EngineError {
-    EngineError::Inference(format!("{e:#}"))
-}
-
 /// Where a prefill chunk starting at `from` may end: at most `to`, and
 /// never inside an image whose positions must see each other (`blocks`,
 /// present only for such models, names each position's image or -1).
@@ -47,7 +43,7 @@ fn chunk_end(blocks: Option<&[i32]>, from: usize, to: usize, chunk: usize) -> us
 /// Positions `from..to` of `[1, L, hidden]` embeddings.
 fn positions(embeds: &Array, from: usize, to: usize) -> Result<Array, EngineError> {
     let idx: Vec<i32> = (from as i32..to as i32).collect();
-    embeds.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 1).map_err(inference)
+    embeds.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 1).map_err(EngineError::inference)
 }
 
 /// Everything a sequence starts from.
@@ -241,13 +237,13 @@ impl Sequence {
             let end = chunk_end(self.s.blocks.as_deref(), at, to, self.s.prefill_chunk);
             let lm = &self.s.model.lm;
             lm.forward(&positions(&self.s.embeds, at, end)?, &mut self.s.cache, self.s.blocks.as_deref())
-                .map_err(inference)?;
+                .map_err(EngineError::inference)?;
             // The prompt's final chunk is queued, not waited for: the host
             // builds the last position's step while the device computes it.
             if end < to || keeping {
-                eval(self.s.cache.arrays()).map_err(inference)?;
+                eval(self.s.cache.arrays()).map_err(EngineError::inference)?;
             } else {
-                async_eval(self.s.cache.arrays()).map_err(inference)?;
+                async_eval(self.s.cache.arrays()).map_err(EngineError::inference)?;
             }
             if self.gone() {
                 return Ok(Prefilled::Finished(Finished::Abandoned));
@@ -270,10 +266,11 @@ impl Sequence {
         // The last prompt position alone, then the first token.
         let last = positions(&self.s.embeds, n - 1, n)?;
         let lm = &self.s.model.lm;
-        let h = lm.forward(&last, &mut self.s.cache, None).map_err(inference)?;
-        let next = self.s.sampler.pick(&lm.logits(&h).map_err(inference)?).map_err(inference)?;
-        async_eval([&next]).map_err(inference)?;
-        let token = next.try_item_cast::<u32>().map_err(inference)?;
+        let h = lm.forward(&last, &mut self.s.cache, None).map_err(EngineError::inference)?;
+        let next =
+            self.s.sampler.pick(&lm.logits(&h).map_err(EngineError::inference)?).map_err(EngineError::inference)?;
+        async_eval([&next]).map_err(EngineError::inference)?;
+        let token = next.try_item_cast::<u32>().map_err(EngineError::inference)?;
         self.t_first = Some(Instant::now());
         self.prefill_at = None;
         // The prompt's embeddings are not needed any more.
@@ -305,7 +302,7 @@ impl Sequence {
             &mut st.prefix_index,
         ) {
             Ok(piece) => piece,
-            Err(e) => return Some(Err(inference(e))),
+            Err(e) => return Some(Err(EngineError::inference(e))),
         };
         if let Some(piece) = piece {
             let (text, stop) = match self.s.stops.push(&piece) {
