@@ -97,11 +97,19 @@ case $step in
   BENCH_TIMEOUT=300 bench --prompt 4096 --decode 8 --chunks 256,512,1024,2048,4096 "$smol" "$qwen" | tee -a $OUT/chunks.md
   echo STEP7_DONE ;;
 8|9)
+  # ROUNDS (default 3) rounds, the two engines interleaved (ours, then
+  # mlx-lm's, per round); the first of ours also compares every batched
+  # answer with its prompt alone. Medians (concurrency_median.py).
   g=$([[ $step == 8 ]] && echo SmolLM2-135M-Instruct.Q4_1 || echo qwen2.5-coder-0.5b-shape)
-  echo "=== concurrency: $g" | tee $OUT/concurrency-$g.md
-  MLXBC_BENCH_CHECK_IDS=1 timeout 420 "$B/bin/mlxbc-bench" --concurrency /tmp/models/$g.gguf ${CLIENTS:-1,4,16,64} 128 1000 \
-    > $OUT/conc-$g.json 2> $OUT/conc-$g.log
-  timeout 150 $PY scripts/bench.d/mlx_lm_batch.py /tmp/bench-models/$g-f16 ${CLIENTS:-1,4,16,64} 128 > $OUT/conc-mlxlm-$g.json
+  echo "=== concurrency: $g, ${ROUNDS:-3} rounds" | tee $OUT/concurrency-$g.md
+  for r in $(seq 1 ${ROUNDS:-3}); do
+    check=$([[ $r == 1 ]] && echo 1 || echo 0)
+    MLXBC_BENCH_LOG=${MLXBC_BENCH_LOG:-info} MLXBC_BENCH_CHECK_IDS=$check timeout 300 "$B/bin/mlxbc-bench" --concurrency /tmp/models/$g.gguf ${CLIENTS:-1,4,16,64} 128 1000 \
+      > $OUT/conc-$g-r$r.json 2> $OUT/conc-$g-r$r.log
+    timeout 150 $PY scripts/bench.d/mlx_lm_batch.py /tmp/bench-models/$g-f16 ${CLIENTS:-1,4,16,64} 128 1 > $OUT/conc-mlxlm-$g-r$r.json
+  done
+  $PY scripts/bench.d/concurrency_median.py $OUT/conc-$g-r*.json > $OUT/conc-$g.json
+  $PY scripts/bench.d/concurrency_median.py $OUT/conc-mlxlm-$g-r*.json > $OUT/conc-mlxlm-$g.json
   $PY scripts/bench.d/concurrency_table.py $OUT/conc-$g.json $OUT/conc-mlxlm-$g.json 128 "$g" | tee -a $OUT/concurrency-$g.md
   echo STEP${step}_DONE ;;
 esac
