@@ -8,15 +8,20 @@
 //! never wrong features and never errors. The store is bounded on disk too:
 //! least-recently-used entries are evicted past the budget.
 //!
+//! The prompt cache's disk tier lives here too ([`BlockStore`]): KV blocks
+//! of prompt prefixes, one file each, with the same header-and-checksum rule.
+//!
 //! No MLX here: features are plain bytes plus dtype and shape, so the store
 //! can be inspected (`mlxbc cache ...`) without linking MLX.
 
 mod fingerprint;
 mod key;
+mod kv_blocks;
 mod store;
 mod value;
 
 pub use fingerprint::{TowerFingerprint, WeightFileIdentity};
+pub use kv_blocks::{BlockHash, BlockStats, BlockStore};
 pub use key::{content_hash, hex, FeatureKey, Modality, SCHEMA_VERSION};
 pub use store::{scan_for_damage, FeatureStore, StoreConfig, StoreError, StoreStats, Tier};
 pub use value::{FeatureDtype, Features};

@@ -119,6 +119,13 @@ pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) 
                         stats.model, stats.prompt_tokens, stats.generated_tokens, stats.time_to_first_token_ms, stats.load_ms,
                         stats.prefill_tokens_per_s, stats.decode_tokens_per_s, stats.stop_reason
                     );
+                    eprintln!(
+                        "prompt cache: {} tok reused ({} RAM, {} disk) | {} tok prefilled",
+                        stats.prefix_tokens_reused,
+                        stats.prefix_tokens_reused - stats.prompt_tokens_from_disk,
+                        stats.prompt_tokens_from_disk,
+                        stats.prefill_tokens_computed
+                    );
                 }
             }
             _ => {}

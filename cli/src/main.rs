@@ -146,12 +146,16 @@ pub(crate) struct ChatArgs {
 
 #[derive(Subcommand, Debug, Clone, Copy)]
 pub(crate) enum CacheCmd {
-    /// Entries, sizes, hits and misses.
+    /// Entries, sizes, hits and misses (the feature store and the prompt cache).
     Stats,
     /// Every stored feature entry.
     Ls,
-    /// Remove every entry.
-    Clear,
+    /// Remove every entry (with --prompts: every prompt KV block instead).
+    Clear {
+        /// Clear the prompt cache (RAM and disk), not the feature store.
+        #[arg(long)]
+        prompts: bool,
+    },
     /// Read every entry and drop damaged ones.
     Verify,
 }

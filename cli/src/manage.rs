@@ -140,7 +140,8 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             let cmd = match command {
                 CacheCmd::Stats => CacheCommand::Stats,
                 CacheCmd::Ls => CacheCommand::List,
-                CacheCmd::Clear => CacheCommand::Clear,
+                CacheCmd::Clear { prompts: false } => CacheCommand::Clear,
+                CacheCmd::Clear { prompts: true } => CacheCommand::ClearPrompts,
                 CacheCmd::Verify => CacheCommand::Verify,
             };
             let r = client.cache(cmd).await?;
@@ -148,7 +149,8 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 writeln!(out, "{}  tower {}  {}", e.content, e.tower, gib(e.bytes))?;
             }
             match command {
-                CacheCmd::Clear => writeln!(out, "removed {} entries", r.removed)?,
+                CacheCmd::Clear { prompts: false } => writeln!(out, "removed {} entries", r.removed)?,
+                CacheCmd::Clear { prompts: true } => writeln!(out, "removed {} prompt KV blocks from disk (and RAM)", r.removed)?,
                 CacheCmd::Verify => writeln!(out, "{} entries ok, {} damaged entries removed", r.entries, r.removed)?,
                 CacheCmd::Ls => {}
                 CacheCmd::Stats => {
@@ -166,6 +168,23 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         out,
                         "hits:      {} RAM, {} disk; misses {}; evictions {}; corrupt {}",
                         r.ram_hits, r.disk_hits, r.misses, r.evictions, r.corrupt
+                    )?;
+                    let p = &r.prompts;
+                    writeln!(out, "prompts:   {} ({} tokens per block)", p.path, p.block_tokens)?;
+                    writeln!(
+                        out,
+                        "blocks:    {} on disk ({} of {}); {} in RAM ({} of {})",
+                        p.disk_blocks,
+                        gib(p.disk_bytes),
+                        gib(p.disk_budget_bytes),
+                        p.ram_blocks,
+                        gib(p.ram_bytes),
+                        gib(p.ram_budget_bytes)
+                    )?;
+                    writeln!(
+                        out,
+                        "reused:    {} prompt tokens from RAM, {} from disk; {} blocks stored; evictions {} RAM, {} disk; corrupt {}; writes dropped {}",
+                        p.ram_hit_tokens, p.disk_hit_tokens, p.stored_blocks, p.ram_evictions, p.disk_evictions, p.corrupt, p.writes_dropped
                     )?;
                 }
             }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +69,8 @@ pub enum CacheCommand {
     Clear,
     /// Read every entry and drop damaged ones.
     Verify,
+    /// Remove every prompt KV block (RAM and disk); the feature store stays.
+    ClearPrompts,
 }
 
 /// An image (or other media) by content hash; the bytes travel only when the
@@ -122,6 +124,33 @@ pub struct CacheReport {
     pub removed: u64,
     /// Filled by List.
     pub listing: Vec<CacheEntry>,
+    /// The prompt cache (KV blocks of prompt prefixes).
+    pub prompts: PromptCacheReport,
+}
+
+/// The prompt cache's state, in [`CacheReport`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PromptCacheReport {
+    pub path: String,
+    /// Prompt positions per block.
+    pub block_tokens: u32,
+    pub ram_blocks: u64,
+    pub ram_bytes: u64,
+    pub ram_budget_bytes: u64,
+    pub disk_blocks: u64,
+    pub disk_bytes: u64,
+    pub disk_budget_bytes: u64,
+    /// Prompt positions served from RAM / disk since the daemon started.
+    pub ram_hit_tokens: u64,
+    pub disk_hit_tokens: u64,
+    /// Blocks stored since the daemon started.
+    pub stored_blocks: u64,
+    pub ram_evictions: u64,
+    pub disk_evictions: u64,
+    /// Damaged blocks found on disk (removed, never served).
+    pub corrupt: u64,
+    /// Blocks not written to disk because the writer was behind.
+    pub writes_dropped: u64,
 }
 
 /// A message from the daemon to a client.
@@ -334,8 +363,13 @@ pub struct GenerationStats {
     /// normalizing, patchifying), off the engine thread: other clients'
     /// tokens keep flowing meanwhile.
     pub preprocess_ms: f64,
-    /// Prompt tokens whose KV state was reused from an earlier request.
+    /// Prompt tokens whose KV state was reused from an earlier request
+    /// (the prompt cache: RAM and disk together).
     pub prefix_tokens_reused: u32,
+    /// Of those, the ones read from disk (the rest came from RAM).
+    pub prompt_tokens_from_disk: u32,
+    /// Prompt tokens prefilled now (the prompt less what was reused).
+    pub prefill_tokens_computed: u32,
     /// Time spent in prefill proper (time to first token = queue + load + lookup + encode + prefill).
     pub prefill_ms: f64,
     /// What went wrong after the answer was complete, e.g. a session turn

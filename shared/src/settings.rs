@@ -33,8 +33,16 @@ pub struct SettingsFile {
     pub feature_cache_mib: Option<u64>,
     /// RAM tier of the feature store, in MiB (default 256).
     pub feature_ram_mib: Option<u64>,
-    /// Prompt prefixes (with images) whose KV state is kept in RAM (default 8).
+    /// Replaced by the prompt cache (`prompt_cache_ram_mib`); still read so
+    /// an older config.toml keeps working, and ignored.
     pub prefix_cache_entries: Option<usize>,
+    /// Where prompt KV blocks are stored (default: <data dir>/cache/prompts).
+    pub prompt_cache_dir: Option<PathBuf>,
+    /// Disk budget of the prompt cache, in MiB (default 8192; 0: no disk tier).
+    pub prompt_cache_mib: Option<u64>,
+    /// RAM tier of the prompt cache, in MiB (default: 1024, at most 1/8 of
+    /// the machine's RAM); counted in the memory budget and shed first.
+    pub prompt_cache_ram_mib: Option<u64>,
     /// Most models resident at once; loading one more unloads the least
     /// recently used unpinned one (default 3).
     pub max_loaded_models: Option<usize>,
@@ -99,7 +107,10 @@ pub struct Settings {
     pub feature_cache_dir: PathBuf,
     pub feature_cache_bytes: u64,
     pub feature_ram_bytes: u64,
-    pub prefix_cache_entries: usize,
+    pub prompt_cache_dir: PathBuf,
+    pub prompt_cache_disk_bytes: u64,
+    /// None: the daemon's default (1 GiB, at most 1/8 of RAM).
+    pub prompt_cache_ram_bytes: Option<u64>,
     pub max_loaded_models: usize,
     /// None: 3/4 of physical memory, decided by the daemon.
     pub memory_budget_bytes: Option<u64>,
@@ -173,7 +184,9 @@ impl Settings {
             feature_cache_dir: file.feature_cache_dir.unwrap_or_else(|| paths.home.join("cache/features")),
             feature_cache_bytes: file.feature_cache_mib.unwrap_or(4096) << 20,
             feature_ram_bytes: file.feature_ram_mib.unwrap_or(256) << 20,
-            prefix_cache_entries: file.prefix_cache_entries.unwrap_or(8),
+            prompt_cache_dir: file.prompt_cache_dir.unwrap_or_else(|| paths.home.join("cache/prompts")),
+            prompt_cache_disk_bytes: file.prompt_cache_mib.unwrap_or(8192) << 20,
+            prompt_cache_ram_bytes: file.prompt_cache_ram_mib.map(|m| m << 20),
             max_loaded_models: file.max_loaded_models.unwrap_or(3).max(1),
             memory_budget_bytes: file.memory_budget_mib.map(|m| m << 20),
             low_memory_bytes: file.low_memory_mib.map(|m| m << 20),

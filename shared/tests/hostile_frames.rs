@@ -146,6 +146,8 @@ fn honest_payloads_that_expand_when_decoded_still_decode() {
             lookup_ms: 0.0,
             preprocess_ms: 0.0,
             prefix_tokens_reused: 0,
+            prompt_tokens_from_disk: 0,
+            prefill_tokens_computed: 0,
             prefill_ms: 0.0,
             warnings: vec![],
         };

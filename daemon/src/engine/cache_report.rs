@@ -5,11 +5,19 @@
 
 use super::media::SharedStore;
 use mlxbc_cache::hex;
-use mlxbc_shared::{CacheCommand, CacheEntry, CacheReport, ErrorKind, Response};
+use mlxbc_shared::{CacheCommand, CacheEntry, CacheReport, ErrorKind, PromptCacheReport, Response};
 use std::path::Path;
 
-/// Runs a cache command and reports the store's state afterwards.
-pub fn run(store: Option<&SharedStore>, path: &Path, command: CacheCommand) -> Response {
+/// Runs a cache command and reports the store's state afterwards, beside
+/// the prompt cache's (`prompts`; `removed_prompts` blocks a
+/// `ClearPrompts` removed from disk).
+pub fn run(
+    store: Option<&SharedStore>,
+    path: &Path,
+    command: CacheCommand,
+    prompts: PromptCacheReport,
+    removed_prompts: u64,
+) -> Response {
     let Some(store) = store else {
         return Response::Error {
             kind: ErrorKind::Internal,
@@ -39,6 +47,7 @@ pub fn run(store: Option<&SharedStore>, path: &Path, command: CacheCommand) -> R
             Err(e) => return Response::Error { kind: ErrorKind::Internal, message: e.to_string() },
         },
         CacheCommand::Verify => {}
+        CacheCommand::ClearPrompts => removed = removed_prompts,
     }
     let s = store.stats();
     Response::Cache(CacheReport {
@@ -55,5 +64,6 @@ pub fn run(store: Option<&SharedStore>, path: &Path, command: CacheCommand) -> R
         corrupt: s.corrupt,
         removed,
         listing,
+        prompts,
     })
 }

@@ -1,11 +1,11 @@
 //! One chat completion's setup: template → tokens (unless prepared off the
-//! engine thread), media features, embeddings, the prefix cache. What comes
+//! engine thread), media features, embeddings, the prompt cache. What comes
 //! out is a [`super::sequence::Sequence`] for the scheduler, which runs its
 //! chunked prefill and batches its decode steps with the others'.
 
 use super::error::EngineError;
 use super::media::{self, MediaStats, PreparedMedia, Resolved, SharedStore};
-use super::prefix::PrefixCache;
+use super::prompt_cache::{self, PromptCache, PromptKeys};
 use super::sampling::Sampler;
 use super::sequence::{stats_without_decode, Sequence, Setup};
 use super::stop::StopFilter;
@@ -32,7 +32,7 @@ pub struct GenerationContext<'a> {
     pub decode: DecodeMode,
     pub received: Instant,
     pub store: Option<&'a SharedStore>,
-    pub prefixes: &'a mut PrefixCache,
+    pub prompts: &'a mut PromptCache,
     /// The settings' ceiling on `max_tokens`, if any (the context always bounds it).
     pub max_tokens_limit: Option<u32>,
     /// The prompt's ids, if they were made before the job reached the engine.
@@ -163,10 +163,10 @@ pub fn begin(
     // reached the engine (off this thread); it is used when it was made by
     // this very model's prompter.
     let prepared = ctx.prepared.take().filter(|p| media.is_empty() && p.is_for(ctx.model_name, &model.prompter));
-    let (ids, features, media_stats) = match prepared {
-        Some(p) => (p.ids, Vec::new(), MediaStats::default()),
+    let (ids, features, media_stats, stored) = match prepared {
+        Some(p) => (p.ids, Vec::new(), MediaStats::default(), Some(p.stored)),
         None => match prompt_here(&model, ctx, request, &media, events)? {
-            Some(made) => made,
+            Some((ids, features, stats)) => (ids, features, stats, None),
             None => return Ok(Begun::Finished(Finished::AskedForMedia)),
         },
     };
@@ -189,23 +189,23 @@ pub fn begin(
         _ => model.lm.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
     }
     .map_err(|e| EngineError::BadMedia(format!("{e:#}")))?;
-    let n = ids.len();
-    // The prefix that ends after the last image has an identity; its KV state
-    // is kept so the next question about the same images skips it.
-    let prefix = model
-        .vision
-        .as_ref()
-        .and_then(|v| ids.iter().rposition(|&t| t == v.image_token_id))
-        .map(|p| p + 1)
-        .filter(|&p| p < n);
-    let identity = prefix.map(|p| PrefixCache::identity(ctx.model_name, &ids[..p], &media));
-    let mut reused = 0;
-    let mut cache = match identity.as_ref().and_then(|id| ctx.prefixes.get(id)) {
-        Some(c) => {
-            reused = prefix.unwrap_or(0);
-            c
+    // The longest cached prefix (RAM, or disk blocks read while the prompt
+    // was tokenized), computed only for a model whose KV identity is known.
+    let spans = match &model.vision {
+        Some(v) => {
+            let hashes: Vec<[u8; 32]> = media.iter().map(|m| m.sha256).collect();
+            prompt_cache::media_spans(&ids, v.image_token_id, &hashes)
         }
-        None => KvCache::new(model.lm.num_layers()),
+        None => Vec::new(),
+    };
+    let keys = model.kv_root.map(|root| PromptKeys::of(&root, &ids, &spans));
+    let reuse = keys.as_ref().and_then(|k| {
+        let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
+        ctx.prompts.lookup(k, stored, model.lm.num_layers())
+    });
+    let (mut cache, reused, from_disk) = match reuse {
+        Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens),
+        None => (KvCache::new(model.lm.num_layers()), 0, 0),
     };
     if let Some(v) = &model.vision {
         cache.mrope = v.tower.rope_positions(&ids, &features);
@@ -214,11 +214,6 @@ pub fn begin(
     // positions see each other during prefill.
     let blocks = match (&model.vision, model.lm.media_attention()) {
         (Some(v), MediaAttention::BidirectionalWithinImage) => Some(v.image_blocks(&ids)),
-        _ => None,
-    };
-    // The prefix to keep: prefilled first, alone, and stored when done.
-    let keep_prefix = match (prefix, identity, reused) {
-        (Some(p), Some(id), 0) => Some((p, id)),
         _ => None,
     };
     let room = context - ids.len();
@@ -230,9 +225,10 @@ pub fn begin(
         embeds,
         cache,
         blocks,
-        start: prefix.unwrap_or(0).max(reused),
-        keep_prefix,
+        start: reused,
+        keys,
         reused,
+        from_disk,
         sampler: Sampler::new(request.sampling.clone()).map_err(EngineError::inference)?,
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,

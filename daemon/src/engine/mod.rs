@@ -11,7 +11,7 @@ pub mod error;
 pub mod generate;
 pub mod media;
 pub mod memory;
-mod prefix;
+pub mod prompt_cache;
 pub mod registry;
 mod residency;
 pub mod sampling;
@@ -72,6 +72,9 @@ pub enum Job {
         prepared: Option<media::PreparedMedia>,
         reply: oneshot::Sender<Response>,
     },
+    /// Drop the prompt cache's RAM tier (`cache clear --prompts`; the disk
+    /// tier is cleared off the engine thread); replies with the blocks dropped.
+    ClearPromptRam { reply: oneshot::Sender<u64> },
 }
 
 /// A turn of a named session, begun before its job was queued.
@@ -90,6 +93,9 @@ pub struct PreparedPrompt {
     /// are not trusted and the engine tokenizes again.
     pub prompter: Arc<Prompter>,
     pub ids: Vec<u32>,
+    /// The prompt cache's blocks for these ids that were on disk (and not
+    /// in RAM), read off the engine thread.
+    pub stored: prompt_cache::StoredBlocks,
 }
 
 impl PreparedPrompt {
@@ -111,6 +117,8 @@ pub struct PromptRoute {
     pub placeholder: Option<String>,
     /// A vision model's preprocessing and store-key parts.
     pub media: Option<media::MediaRoute>,
+    /// The model's KV identity, where the prompt cache's block names start.
+    pub kv_root: Option<[u8; 32]>,
 }
 
 impl std::fmt::Debug for PromptRoute {
@@ -144,6 +152,31 @@ pub struct EngineSnapshot {
     pub reserved_kv_bytes: u64,
     pub max_batch: u32,
     pub max_queue: u32,
+    /// The prompt cache's RAM tier.
+    pub prompt_ram: PromptRamState,
+}
+
+/// The prompt cache's RAM tier as status and `cache stats` see it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PromptRamState {
+    pub blocks: u64,
+    pub bytes: u64,
+    pub budget_bytes: u64,
+    pub counters: prompt_cache::PromptCacheCounters,
+}
+
+/// Opens the prompt cache's disk tier, or says in the log why not.
+fn open_prompt_disk(settings: &Settings) -> Option<Arc<mlxbc_cache::BlockStore>> {
+    if settings.prompt_cache_disk_bytes == 0 {
+        return None;
+    }
+    match mlxbc_cache::BlockStore::open(&settings.prompt_cache_dir, settings.prompt_cache_disk_bytes) {
+        Ok(s) => Some(Arc::new(s)),
+        Err(e) => {
+            tracing::warn!(path = %settings.prompt_cache_dir.display(), error = %e, "the prompt cache's disk tier could not be opened: RAM only");
+            None
+        }
+    }
 }
 
 /// Requested model names remembered for tokenizing off the engine thread.
@@ -167,9 +200,39 @@ pub struct EngineHandle {
     /// the engine; and where it lives.
     pub store: Option<media::SharedStore>,
     pub store_path: std::path::PathBuf,
+    /// The prompt cache's disk tier (`None`: off, or it could not be
+    /// opened) and the set of blocks in its RAM tier, for reading a
+    /// prompt's blocks off the engine thread.
+    pub prompt_disk: Option<Arc<mlxbc_cache::BlockStore>>,
+    pub prompt_ram_index: Arc<Mutex<std::collections::HashSet<mlxbc_cache::BlockHash>>>,
+    pub prompt_path: std::path::PathBuf,
 }
 
 impl EngineHandle {
+    /// The prompt cache's state: its RAM tier as last published, its disk
+    /// tier now.
+    pub fn prompt_report(&self) -> mlxbc_shared::PromptCacheReport {
+        let ram = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).prompt_ram;
+        let disk = self.prompt_disk.as_ref().map(|d| d.stats()).unwrap_or_default();
+        mlxbc_shared::PromptCacheReport {
+            path: self.prompt_path.display().to_string(),
+            block_tokens: prompt_cache::BLOCK_TOKENS as u32,
+            ram_blocks: ram.blocks,
+            ram_bytes: ram.bytes,
+            ram_budget_bytes: ram.budget_bytes,
+            disk_blocks: disk.blocks,
+            disk_bytes: disk.bytes,
+            disk_budget_bytes: disk.budget_bytes,
+            ram_hit_tokens: ram.counters.ram_hit_tokens,
+            disk_hit_tokens: ram.counters.disk_hit_tokens,
+            stored_blocks: ram.counters.stored_blocks,
+            ram_evictions: ram.counters.ram_evictions,
+            disk_evictions: disk.evictions,
+            corrupt: disk.corrupt,
+            writes_dropped: ram.counters.writes_dropped,
+        }
+    }
+
     /// Queues a job. Fails only when the engine thread is gone.
     pub fn submit(&self, job: Job) -> Result<(), EngineError> {
         if self.stopping.load(Ordering::SeqCst) {
@@ -283,6 +346,9 @@ pub fn spawn(
         device: device_name.to_string(),
         store: store.clone(),
         store_path: settings.feature_cache_dir.clone(),
+        prompt_disk: open_prompt_disk(settings),
+        prompt_ram_index: Arc::default(),
+        prompt_path: settings.prompt_cache_dir.clone(),
     };
     let form =
         crate::options::ModelOptions { form: WeightForm::for_device(&device, options.weights), fusion: options.fusion };
@@ -297,18 +363,26 @@ pub fn spawn(
     );
     let settings = settings.clone();
     let prefill_chunk = settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu));
+    let prompt_ram_bytes =
+        settings.prompt_cache_ram_bytes.unwrap_or_else(|| (1u64 << 30).min(memory::total_bytes() / 8));
+    let (prompt_disk, prompt_ram_index) = (handle.prompt_disk.clone(), handle.prompt_ram_index.clone());
+    let device_for_keys = device_name.to_string();
     // The engine is built on its own thread: models hold compiled MLX
     // functions, which must stay on the thread that made them.
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || {
         let mut engine = Engine {
             store,
-            prefixes: prefix::PrefixCache::new(settings.prefix_cache_entries),
+            prompts: prompt_cache::PromptCache::new(prompt_ram_bytes, prompt_disk, prompt_ram_index),
             registry,
-            residency: Residency::new(
-                settings.keep_alive,
-                settings.max_loaded_models,
-                settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
-            ),
+            residency: {
+                let mut r = Residency::new(
+                    settings.keep_alive,
+                    settings.max_loaded_models,
+                    settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
+                );
+                r.device = device_for_keys;
+                r
+            },
             low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
             sessions,
             form,
@@ -352,6 +426,7 @@ fn refuse(job: Job) {
         Job::Load { reply, .. } | Job::Unload { reply, .. } | Job::Prefetch { reply, .. } => {
             let _ = reply.send(err());
         }
+        Job::ClearPromptRam { .. } => {}
     }
 }
 
@@ -392,7 +467,7 @@ const PUBLISH_EVERY: Duration = Duration::from_millis(200);
 
 struct Engine {
     store: Option<media::SharedStore>,
-    prefixes: prefix::PrefixCache,
+    prompts: prompt_cache::PromptCache,
     registry: Arc<ModelRegistry>,
     residency: Residency,
     /// Below this much available memory, shed.
@@ -470,8 +545,10 @@ impl Engine {
                 }
             }
             if !self.scheduler.is_empty() {
-                let free = self.residency.budget_bytes().saturating_sub(self.residency.used_bytes());
-                let ended = self.scheduler.tick(&mut self.prefixes, free);
+                // The prompt cache's RAM tier counts in the budget.
+                let used = self.residency.used_bytes() + self.prompts.ram_usage().1;
+                let free = self.residency.budget_bytes().saturating_sub(used);
+                let ended = self.scheduler.tick(&mut self.prompts, free);
                 // Status follows arrivals, admissions and ends at once (before
                 // a client hears its answer is done), token counts every PUBLISH_EVERY.
                 if self.scheduler.take_changed() || self.last_publish.elapsed() >= PUBLISH_EVERY {
@@ -499,11 +576,11 @@ impl Engine {
                 self.residency.touch(&name, None);
             }
             for name in self.residency.expire() {
-                self.prefixes.clear();
+                self.prompts.clear_ram();
                 tracing::info!(model = %name, "keep-alive expired: unloaded");
             }
             if !self.residency.take_evicted().is_empty() {
-                self.prefixes.clear();
+                self.prompts.clear_ram();
             }
             self.relieve_memory_pressure();
             self.publish();
@@ -583,7 +660,7 @@ impl Engine {
                             decode: self.decode,
                             received,
                             store: self.store.as_ref(),
-                            prefixes: &mut self.prefixes,
+                            prompts: &mut self.prompts,
                             max_tokens_limit: self.max_tokens_limit,
                             prepared,
                             media,
@@ -606,6 +683,11 @@ impl Engine {
                     Ok(generate::Begun::Finished(f)) => self.finish(Ok(f), &events, &request.stop, turn),
                     Err(e) => self.finish(Err(e), &events, &request.stop, turn),
                 }
+            }
+            Job::ClearPromptRam { reply } => {
+                let dropped = self.prompts.clear_ram() as u64;
+                self.publish();
+                let _ = reply.send(dropped);
             }
             Job::Prefetch { model, media, prepared, reply } => {
                 let response = match self.load(model.as_deref(), None) {
@@ -648,7 +730,7 @@ impl Engine {
                 return for_request;
             }
             Job::Unload { model, reply } => {
-                self.prefixes.clear();
+                self.prompts.clear_ram();
                 let response = match self.registry.resolve(Some(&model)) {
                     Ok(resolved) => {
                         Response::Unloaded { was_loaded: self.residency.unload(&resolved.name), model: resolved.name }
@@ -693,7 +775,7 @@ impl Engine {
     }
 
     /// Under memory pressure, lets go of one tier at a time — the encoder RAM
-    /// tier, then idle KV prefixes, then the least recently used unpinned
+    /// tier, then the prompt cache's RAM tier, then the least recently used unpinned
     /// model — re-reading available memory after each, until it recovers.
     fn relieve_memory_pressure(&mut self) {
         loop {
@@ -703,11 +785,11 @@ impl Engine {
             }
             let shed = if let Some(n) = self.store.as_ref().map(|s| s.lock().shed_ram()).filter(|&n| n > 0) {
                 ("encoder RAM tier", "cached image features".to_string(), n as u64)
-            } else if !self.prefixes.is_empty() {
-                let bytes = self.prefixes.bytes();
-                ("KV prefixes", format!("{} prompt prefixes", self.prefixes.clear()), bytes)
+            } else if !self.prompts.is_empty() {
+                let bytes = self.prompts.ram_usage().1;
+                ("prompt cache RAM tier", format!("{} prompt KV blocks", self.prompts.clear_ram()), bytes)
             } else if let Some((name, bytes)) = self.residency.shed_one() {
-                self.prefixes.clear();
+                self.prompts.clear_ram();
                 ("model", name, bytes)
             } else {
                 return; // nothing left that may go: pinned models stay
@@ -747,10 +829,18 @@ impl Engine {
                     context: m.lm.context_length() as usize,
                     placeholder: m.vision.as_ref().map(|v| v.placeholder.clone()),
                     media: media::MediaRoute::of(m),
+                    kv_root: m.kv_root,
                 };
                 Some((asked.clone(), route))
             })
             .collect();
+        let (blocks, bytes) = self.prompts.ram_usage();
+        snap.prompt_ram = PromptRamState {
+            blocks,
+            bytes,
+            budget_bytes: self.prompts.ram_budget(),
+            counters: self.prompts.counters,
+        };
         snap.mlx_active_bytes = mlx_rs::memory::active_memory().unwrap_or(0) as u64;
         snap.mlx_peak_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
     }

@@ -55,6 +55,8 @@ pub struct Residency {
     budget_bytes: u64,
     /// Models unloaded to make room since the engine last asked.
     evicted: Vec<String>,
+    /// The compute device ("cpu", "gpu"): part of a model's KV identity.
+    pub device: String,
 }
 
 /// Memory a model will take once loaded in `form`, from its files alone
@@ -94,6 +96,7 @@ impl Residency {
             max_loaded: max_loaded.max(1),
             budget_bytes,
             evicted: vec![],
+            device: String::new(),
         }
     }
 
@@ -182,6 +185,13 @@ impl Residency {
         model.warm_up().map_err(|e| {
             EngineError::ModelLoad(format!("running model {} for the first time: {e:#}", resolved.name))
         })?;
+        model.kv_root = match super::prompt_cache::model_root(&resolved.path, &format!("{form:?}"), &self.device) {
+            Ok(root) => Some(root),
+            Err(e) => {
+                tracing::warn!(model = %resolved.name, error = %e, "no KV identity: prompts of this model are not cached");
+                None
+            }
+        };
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
         tracing::info!(model = %resolved.name, load_ms, memory_bytes, "model loaded");

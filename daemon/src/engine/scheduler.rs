@@ -14,7 +14,7 @@
 use super::batch::{prefill_together, DecodeBatch, SeqId};
 use super::error::EngineError;
 use super::generate::Finished;
-use super::prefix::PrefixCache;
+use super::prompt_cache::PromptCache;
 use super::sequence::{Prefilled, Sequence};
 use super::SessionTurn;
 use mlxbc_shared::{KeepAlive, SequenceInfo};
@@ -255,7 +255,7 @@ impl Scheduler {
 
     /// One round: admission, a budget of prefill chunks, then one decode
     /// step of every batch. Returns the sequences that ended.
-    pub fn tick(&mut self, prefixes: &mut PrefixCache, free_bytes: u64) -> Vec<Ended> {
+    pub fn tick(&mut self, prompts: &mut PromptCache, free_bytes: u64) -> Vec<Ended> {
         let mut ended = Vec::new();
         // A client that left while its request waited is let go at once.
         let gone: Vec<SeqId> = self
@@ -271,12 +271,12 @@ impl Scheduler {
             }
         }
         self.admit(free_bytes, &mut ended);
-        self.prefill(prefixes, &mut ended);
+        self.prefill(prompts, &mut ended);
         self.decode(&mut ended);
         ended
     }
 
-    fn prefill(&mut self, prefixes: &mut PrefixCache, ended: &mut Vec<Ended>) {
+    fn prefill(&mut self, prompts: &mut PromptCache, ended: &mut Vec<Ended>) {
         let mut budget = self.limits.prefill_budget;
         // A burst of new prompts on one model is prefilled as one batch.
         if let Some((group, cost)) = self.prefill_group(budget) {
@@ -289,7 +289,7 @@ impl Scheduler {
                 self.prefilling.pop_front();
                 continue;
             };
-            let step = guarded(|| a.seq.prefill(prefixes));
+            let step = guarded(|| a.seq.prefill(prompts));
             match step {
                 Ok(Prefilled::Chunk { tokens }) => budget = budget.saturating_sub(tokens.max(1)),
                 Ok(Prefilled::Ready) => {

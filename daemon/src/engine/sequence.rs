@@ -12,7 +12,7 @@
 use super::error::EngineError;
 use super::generate::Finished;
 use super::media::MediaStats;
-use super::prefix::{PrefixCache, PrefixId};
+use super::prompt_cache::{PromptCache, PromptKeys};
 use super::sampling::Sampler;
 use super::stop::{Filtered, StopFilter};
 use crate::model::decode_step::DecodeMode;
@@ -56,10 +56,13 @@ pub struct Setup {
     pub blocks: Option<Vec<i32>>,
     /// The first prompt position still to prefill (after a reused prefix).
     pub start: usize,
-    /// A prefix to prefill first and keep: its end and identity.
-    pub keep_prefix: Option<(usize, PrefixId)>,
-    /// Prompt positions whose KV came from the prefix cache.
+    /// The prompt's cache keys (None: the model's KV has no identity), for
+    /// storing its blocks once prefilled.
+    pub keys: Option<PromptKeys>,
+    /// Prompt positions whose KV came from the prompt cache, and of those
+    /// the ones read from disk.
     pub reused: usize,
+    pub from_disk: usize,
     pub sampler: Sampler,
     pub stops: StopFilter,
     pub ignore_eos: bool,
@@ -113,10 +116,7 @@ pub struct Sequence {
 impl Sequence {
     /// A sequence about to prefill.
     pub fn new(setup: Setup) -> Self {
-        let at = match &setup.keep_prefix {
-            Some(_) => 0,
-            None => setup.start,
-        };
+        let at = setup.start;
         Self {
             s: setup,
             prefill_at: Some(at),
@@ -190,11 +190,11 @@ impl Sequence {
     }
 
     /// True when its prompt can be prefilled in one batch with others':
-    /// not begun, nothing reused or kept, no image blocks that must see each
-    /// other, no multimodal rope.
+    /// not begun, nothing reused, no image blocks that must see each
+    /// other, no multimodal rope. (Its blocks are then not stored: the
+    /// batch's cache is padded.)
     pub fn can_prefill_together(&self) -> bool {
         self.prefill_at == Some(0)
-            && self.s.keep_prefix.is_none()
             && self.s.blocks.is_none()
             && self.s.cache.mrope.is_none()
             && self.s.reused == 0
@@ -222,17 +222,13 @@ impl Sequence {
     }
 
     /// One prompt chunk (or the last position and the first token).
-    pub fn prefill(&mut self, prefixes: &mut PrefixCache) -> Result<Prefilled, EngineError> {
+    pub fn prefill(&mut self, prompts: &mut PromptCache) -> Result<Prefilled, EngineError> {
         let Some(at) = self.prefill_at else {
             return Err(EngineError::Internal("prefill after the prompt was done".into()));
         };
         self.t_prefill.get_or_insert_with(Instant::now);
         let n = self.s.ids.len();
-        // The kept prefix is prefilled alone and waited for, then stored.
-        let (to, keeping) = match &self.s.keep_prefix {
-            Some((p, _)) if at < *p => (*p, true),
-            _ => (n - 1, false),
-        };
+        let to = n - 1;
         if at < to {
             let end = chunk_end(self.s.blocks.as_deref(), at, to, self.s.prefill_chunk);
             let lm = &self.s.model.lm;
@@ -240,7 +236,7 @@ impl Sequence {
                 .map_err(EngineError::inference)?;
             // The prompt's final chunk is queued, not waited for: the host
             // builds the last position's step while the device computes it.
-            if end < to || keeping {
+            if end < to {
                 eval(self.s.cache.arrays()).map_err(EngineError::inference)?;
             } else {
                 async_eval(self.s.cache.arrays()).map_err(EngineError::inference)?;
@@ -248,20 +244,8 @@ impl Sequence {
             if self.gone() {
                 return Ok(Prefilled::Finished(Finished::Abandoned));
             }
-            if keeping && end == to {
-                if let Some((_, id)) = self.s.keep_prefix.take() {
-                    prefixes.put(id, &self.s.cache);
-                }
-                self.prefill_at = Some(self.s.start.max(to));
-            } else {
-                self.prefill_at = Some(end);
-            }
+            self.prefill_at = Some(end);
             return Ok(Prefilled::Chunk { tokens: end - at });
-        }
-        if keeping {
-            // An empty kept prefix (cannot happen: it ends after an image).
-            self.s.keep_prefix = None;
-            return Ok(Prefilled::Chunk { tokens: 0 });
         }
         // The last prompt position alone, then the first token.
         let last = positions(&self.s.embeds, n - 1, n)?;
@@ -275,6 +259,11 @@ impl Sequence {
         self.prefill_at = None;
         // The prompt's embeddings are not needed any more.
         self.s.embeds = Array::from_int(0);
+        // The first token is out: the prompt's new blocks are kept (RAM
+        // now, disk behind), computed by the chunks above.
+        if let Some(keys) = self.s.keys.take() {
+            prompts.store(&keys, &self.s.cache);
+        }
         if let Some(end) = self.accept(token) {
             return end.map(Prefilled::Finished);
         }
@@ -348,6 +337,8 @@ impl Sequence {
         stats.stop_reason = stop_reason;
         stats.token_ids = std::mem::take(&mut self.generated);
         stats.prefix_tokens_reused = self.s.reused as u32;
+        stats.prompt_tokens_from_disk = self.s.from_disk as u32;
+        stats.prefill_tokens_computed = (self.s.ids.len() - self.s.reused) as u32;
         stats.prefill_ms = prefill_s * 1000.0;
         Ok(Finished::Done(stats))
     }
@@ -372,6 +363,8 @@ pub fn stats_without_decode(model: &str, prompt_tokens: usize, load_ms: f64, m: 
         lookup_ms: m.lookup_ms,
         preprocess_ms: m.preprocess_ms,
         prefix_tokens_reused: 0,
+        prompt_tokens_from_disk: 0,
+        prefill_tokens_computed: 0,
         prefill_ms: 0.0,
         warnings: vec![],
     }

@@ -57,6 +57,30 @@ impl KvCache {
         Self { left_padding: if padded { left_padding } else { Vec::new() }, ..Self::new(layers) }
     }
 
+    /// A one-row cache holding `positions` positions whose keys and values
+    /// per layer are `layers` (`[1, heads, positions, head_dim]` each), as
+    /// the prompt cache reassembles them.
+    pub fn from_prefix(layers: Vec<(Array, Array)>, positions: i32) -> Self {
+        Self { layers: layers.into_iter().map(Some).collect(), offset: positions, ..Self::new(0) }
+    }
+
+    /// Positions `from..to` of every layer's keys and values, stacked into
+    /// one fresh array `[2 * layers, 1, heads, to - from, head_dim]` (k0,
+    /// v0, k1, ...), lazily. One unpadded row only; layers must agree in
+    /// shape.
+    pub fn positions(&self, from: i32, to: i32) -> Result<Array> {
+        use mlx_rs::ops::indexing::IndexOp;
+        anyhow::ensure!(!self.is_padded() && self.rows() == 1, "positions of a batched cache");
+        anyhow::ensure!(0 <= from && from < to && to <= self.offset, "positions {from}..{to} of {}", self.offset);
+        let mut parts = Vec::with_capacity(2 * self.layers.len());
+        for slot in &self.layers {
+            let (k, v) = slot.as_ref().ok_or_else(|| anyhow::anyhow!("a layer holds nothing"))?;
+            parts.push(k.index((.., .., from..to, ..)));
+            parts.push(v.index((.., .., from..to, ..)));
+        }
+        Ok(mlx_rs::ops::stack(&parts, 0)?)
+    }
+
     /// True when some row is padded: attention then needs each row's own
     /// mask and rope positions (an unpadded batch computes exactly as one row).
     pub fn is_padded(&self) -> bool {

@@ -134,6 +134,9 @@ pub struct Model {
     /// KV cache bytes one position takes in every layer (measured by
     /// [`Self::warm_up`]): what the scheduler reserves per position.
     pub kv_bytes_per_position: u64,
+    /// The identity of this model's KV (weights, load form, device), which
+    /// the prompt cache's block names start from; `None`: not cached.
+    pub kv_root: Option<[u8; 32]>,
 }
 
 impl Model {
@@ -148,7 +151,7 @@ impl Model {
     ) -> Self {
         let prompter = Arc::new(prompt::Prompter { tokenizer, template });
         let compiled_decode = lm.decode_graph().map(|g| RefCell::new(CompiledDecode::new(g)));
-        Self { lm, prompter, eos_ids, vision, compiled_decode, kv_bytes_per_position: 0 }
+        Self { lm, prompter, eos_ids, vision, compiled_decode, kv_bytes_per_position: 0, kv_root: None }
     }
 
     /// How this model's decode steps are built when `wanted`: compiled only

@@ -14,6 +14,7 @@
 
 use crate::engine::generate::{fits_by_bytes, fits_by_tokens};
 use crate::engine::media::{self, PreparedMedia, Resolved};
+use crate::engine::prompt_cache;
 use crate::engine::sessions::SessionStore;
 use crate::engine::EngineHandle;
 use crate::engine::{EngineError, Job, PreparedPrompt, PromptRoute, SessionTurn};
@@ -96,7 +97,7 @@ pub async fn prepare(
             Resolved::Ready(media) => Ok(ready(request, None, Some(media), turn)),
         };
     }
-    let prepared = tokenize(&route, &request).await?;
+    let prepared = tokenize(engine, &route, &request).await?;
     Ok(ready(request, prepared, None, turn))
 }
 
@@ -128,25 +129,40 @@ async fn load(engine: &EngineHandle, request: &GenerateRequest) -> f64 {
     }
 }
 
-/// The prompt's ids, when the text can be tokenized here.
-async fn tokenize(route: &PromptRoute, request: &GenerateRequest) -> Result<Option<PreparedPrompt>, EngineError> {
+/// The prompt's ids, when the text can be tokenized here, with the prompt
+/// cache's blocks of them that are on disk (read here, not on the engine).
+async fn tokenize(
+    engine: &EngineHandle,
+    route: &PromptRoute,
+    request: &GenerateRequest,
+) -> Result<Option<PreparedPrompt>, EngineError> {
     fits_by_bytes(&route.model, route.context, request.messages.iter().map(|m| m.content.len()).sum())?;
     let (prompter, messages) = (route.prompter.clone(), request.messages.clone());
     let placeholder = route.placeholder.clone();
-    let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Vec<u32>>> {
+    let (kv_root, context) = (route.kv_root, route.context);
+    let (disk, in_ram) = (engine.prompt_disk.clone(), engine.prompt_ram_index.clone());
+    type Made = Option<(Vec<u32>, prompt_cache::StoredBlocks)>;
+    let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Made> {
         let text = prompter.template.render(&messages)?;
         if placeholder.is_some_and(|p| text.contains(p.as_str())) {
             // Placeholders typed without images: left to the engine, which refuses them.
             return Ok(None);
         }
-        prompter.encode(&text).map(Some)
+        let ids = prompter.encode(&text)?;
+        let stored = match (kv_root, &disk) {
+            (Some(root), Some(disk)) if ids.len() < context => {
+                prompt_cache::read_stored(&prompt_cache::PromptKeys::of(&root, &ids, &[]), &in_ram, disk)
+            }
+            _ => Default::default(),
+        };
+        Ok(Some((ids, stored)))
     })
     .await
     .map_err(joined)?
     .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
-    let Some(ids) = made else { return Ok(None) };
+    let Some((ids, stored)) = made else { return Ok(None) };
     fits_by_tokens(&route.model, route.context, ids.len())?;
-    Ok(Some(PreparedPrompt { model: route.model.clone(), prompter: route.prompter.clone(), ids }))
+    Ok(Some(PreparedPrompt { model: route.model.clone(), prompter: route.prompter.clone(), ids, stored }))
 }
 
 /// A prefetch's media, prepared as a generation's is; `Err(response)` is

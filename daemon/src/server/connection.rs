@@ -279,11 +279,24 @@ async fn answer(state: &AppState, request: Request) -> Response {
             Err(answer) => answer,
         },
         Request::Cache(command) => {
-            // Store maintenance runs beside the engine, not on it.
+            // Store maintenance runs beside the engine, not on it; only the
+            // prompt cache's RAM tier is the engine's to drop.
+            let mut removed_prompts = 0;
+            if command == mlxbc_shared::CacheCommand::ClearPrompts {
+                let disk = state.engine.prompt_disk.clone();
+                removed_prompts = tokio::task::spawn_blocking(move || disk.map_or(0, |d| d.clear())).await.unwrap_or(0);
+                let (reply, answer) = oneshot::channel();
+                if state.engine.submit(Job::ClearPromptRam { reply }).is_ok() {
+                    let _ = tokio::time::timeout(Duration::from_secs(30), answer).await;
+                }
+            }
+            let prompts = state.engine.prompt_report();
             let (store, path) = (state.engine.store.clone(), state.engine.store_path.clone());
-            tokio::task::spawn_blocking(move || crate::engine::cache_report::run(store.as_ref(), &path, command))
-                .await
-                .unwrap_or_else(|e| error(ErrorKind::Internal, format!("cache command failed: {e}")))
+            tokio::task::spawn_blocking(move || {
+                crate::engine::cache_report::run(store.as_ref(), &path, command, prompts, removed_prompts)
+            })
+            .await
+            .unwrap_or_else(|e| error(ErrorKind::Internal, format!("cache command failed: {e}")))
         }
         Request::Sessions(command) => {
             use mlxbc_shared::SessionCommand;

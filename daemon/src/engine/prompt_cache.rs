@@ -1,0 +1,496 @@
+//! The prompt cache: no prompt prefix is prefilled twice, in RAM and on
+//! disk, across requests, sessions and restarts (vLLM's automatic prefix
+//! caching, llama-server's cache reuse).
+//!
+//! A prompt is cut into blocks of [`BLOCK_TOKENS`] positions. Each block is
+//! named by a chained hash: the model's identity ([`model_root`]: weights,
+//! how they were loaded, the device, the KV layout), the previous block's
+//! hash, the block's token ids and the content hashes of the images whose
+//! placeholders it holds. So a block's name covers everything before its
+//! end, and equal names mean equal KV. A request reuses the longest run of
+//! cached blocks from its start and prefills only the rest; the prefix that
+//! ends right after its last image is kept too (a *tail* block shorter than
+//! [`BLOCK_TOKENS`]), so a second question about the same images skips both
+//! the tower and the image's prefill.
+//!
+//! Blocks are stored after a prompt's prefill: in RAM (this module, a byte
+//! budget, least recently used out, shed first under memory pressure) and,
+//! written behind the request by a thread of their own, on disk
+//! ([`mlxbc_cache::BlockStore`]), where they outlive the daemon. A request's
+//! blocks on disk are read off the engine thread, while its prompt is
+//! tokenized (`requests::prepare`); the engine only joins arrays.
+//!
+//! Only positions computed inside prefill chunks are stored, never the
+//! prompt's last (computed alone, as mlx-lm's `generate_step` does): a later
+//! prompt computes that position inside a chunk, and the cache must give
+//! the very KV it would have computed, so greedy ids with the cache equal
+//! ids without it.
+
+use crate::model::kv_cache::KvCache;
+use lru::LruCache;
+use mlx_rs::{Array, Dtype};
+use mlxbc_cache::{BlockHash, BlockStore, FeatureDtype, Features, WeightFileIdentity};
+use sha2::{Digest, Sha256};
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+/// Positions per block: small enough that a turn appended to a chat
+/// reuses all but its last partial block, big enough that a 4,000-token
+/// prefix is 63 reads.
+pub const BLOCK_TOKENS: usize = 64;
+
+/// The identity of a model's KV: its weight files (identity and sampled
+/// bytes), `form` (how the weights were loaded, which changes the
+/// numbers), the device and MLX's version. The chain of every block starts
+/// from it, so a model whose weights change gets new keys.
+///
+/// Sampled, not a hash of every byte: hashing a 4 GB model at each load
+/// would cost seconds; a changed file has a new size, mtime or inode, and
+/// 16 slices of 64 KiB across each file catch a rewrite that keeps those.
+pub fn model_root(path: &Path, form: &str, device: &str) -> std::io::Result<[u8; 32]> {
+    let mut files: Vec<std::path::PathBuf> = if path.is_dir() {
+        std::fs::read_dir(path)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension().is_some_and(|x| x == "safetensors" || x == "json" || x == "gguf" || x == "model")
+            })
+            .collect()
+    } else {
+        vec![path.to_path_buf()]
+    };
+    files.sort();
+    let mut h = Sha256::new();
+    h.update(b"mlxbc-kv-v1\0");
+    h.update(form.as_bytes());
+    h.update(device.as_bytes());
+    h.update(mlx_version().as_bytes());
+    let mut buf = vec![0u8; 64 << 10];
+    for f in &files {
+        let id = WeightFileIdentity::of(f)?;
+        h.update(f.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+        h.update(format!("{}:{}:{}", id.ino, id.size, id.mtime_ns).as_bytes());
+        let mut file = std::fs::File::open(f)?;
+        for i in 0..16u64 {
+            file.seek(SeekFrom::Start(id.size / 16 * i))?;
+            let n = file.read(&mut buf)?;
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(h.finalize().into())
+}
+
+/// MLX's version (a new MLX may compute other bits).
+fn mlx_version() -> String {
+    // SAFETY: mlx-c fills a fresh string handle, read while alive, then freed.
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        if mlx_sys::mlx_version(&mut s) != 0 {
+            return String::new();
+        }
+        let text = std::ffi::CStr::from_ptr(mlx_sys::mlx_string_data(s)).to_string_lossy().into_owned();
+        mlx_sys::mlx_string_free(s);
+        text
+    }
+}
+
+/// One image's placeholder positions in a prompt and its content hash.
+#[derive(Debug, Clone, Copy)]
+pub struct MediaSpan {
+    pub start: usize,
+    pub end: usize,
+    pub hash: [u8; 32],
+}
+
+/// The images' spans: each run of `image_token` in `ids` is the next image.
+pub fn media_spans(ids: &[u32], image_token: u32, hashes: &[[u8; 32]]) -> Vec<MediaSpan> {
+    let mut spans = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        if ids[i] != image_token {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < ids.len() && ids[i] == image_token {
+            i += 1;
+        }
+        let hash = hashes.get(spans.len()).copied().unwrap_or([0; 32]);
+        spans.push(MediaSpan { start, end: i, hash });
+    }
+    spans
+}
+
+/// The cache keys of one prompt.
+#[derive(Debug, Clone, Default)]
+pub struct PromptKeys {
+    /// Block `i` covers positions `i*B .. (i+1)*B`; only blocks that may be
+    /// reused or stored (ending before the prompt's last position).
+    pub blocks: Vec<BlockHash>,
+    /// The prefix ending right after the last image, when that is not a
+    /// block boundary: its end and hash (it continues block `end / B - 1`).
+    pub tail: Option<(usize, BlockHash)>,
+    /// Ends a reused prefix may not have: inside an image (its positions
+    /// were computed seeing the whole image, and the prefill that follows
+    /// must start on a boundary it can see from).
+    inside_images: Vec<(usize, usize)>,
+}
+
+impl PromptKeys {
+    /// Keys of `ids` (with its images' spans) for the model of `root`.
+    pub fn of(root: &[u8; 32], ids: &[u32], media: &[MediaSpan]) -> Self {
+        let reusable = ids.len().saturating_sub(1);
+        let link = |prev: &[u8; 32], from: usize, to: usize| -> BlockHash {
+            let mut h = Sha256::new();
+            h.update(prev);
+            h.update(((to - from) as u32).to_le_bytes());
+            for id in &ids[from..to] {
+                h.update(id.to_le_bytes());
+            }
+            for m in media.iter().filter(|m| m.start < to && m.end > from) {
+                h.update(m.hash);
+            }
+            h.finalize().into()
+        };
+        let mut blocks = Vec::new();
+        let mut prev = *root;
+        while (blocks.len() + 1) * BLOCK_TOKENS <= reusable {
+            let from = blocks.len() * BLOCK_TOKENS;
+            prev = link(&prev, from, from + BLOCK_TOKENS);
+            blocks.push(prev);
+        }
+        let tail = media.last().map(|m| m.end).filter(|&p| p <= reusable && p % BLOCK_TOKENS != 0).map(|p| {
+            let full = p / BLOCK_TOKENS;
+            let before = if full == 0 { *root } else { blocks[full - 1] };
+            (p, link(&before, full * BLOCK_TOKENS, p))
+        });
+        Self { blocks, tail, inside_images: media.iter().map(|m| (m.start, m.end)).collect() }
+    }
+
+    fn may_end_at(&self, end: usize) -> bool {
+        !self.inside_images.iter().any(|&(s, e)| s < end && end < e)
+    }
+}
+
+/// Blocks read from disk for one prompt (off the engine thread), by hash.
+pub type StoredBlocks = HashMap<BlockHash, Features>;
+
+/// Reads `keys`' longest run of blocks that RAM (`in_ram`) or the disk
+/// has, the disk's from the disk. Runs on a blocking task.
+pub fn read_stored(keys: &PromptKeys, in_ram: &Mutex<HashSet<BlockHash>>, disk: &BlockStore) -> StoredBlocks {
+    let mut out = StoredBlocks::new();
+    let chain = keys.blocks.iter().chain(keys.tail.as_ref().map(|(_, h)| h));
+    for hash in chain {
+        if in_ram.lock().unwrap().contains(hash) {
+            continue;
+        }
+        match disk.read(hash) {
+            Some(block) => {
+                out.insert(*hash, block);
+            }
+            None => break,
+        }
+    }
+    out
+}
+
+/// What a lookup found.
+pub struct Reuse {
+    /// A cache holding the reused positions (one row).
+    pub cache: KvCache,
+    /// Positions from RAM and from disk.
+    pub ram_tokens: usize,
+    pub disk_tokens: usize,
+}
+
+/// Counters since the daemon started.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PromptCacheCounters {
+    pub ram_hit_tokens: u64,
+    pub disk_hit_tokens: u64,
+    pub stored_blocks: u64,
+    pub ram_evictions: u64,
+    /// Blocks not written to disk because the writer was behind.
+    pub writes_dropped: u64,
+}
+
+struct RamBlock {
+    /// `[2 * layers, 1, kv heads, positions, head dim]`: every layer's keys
+    /// and values, one array (one fresh buffer: it holds no request's cache).
+    data: Array,
+    positions: usize,
+    bytes: u64,
+}
+
+/// The RAM tier and the way to the disk tier; owned by the engine thread.
+pub struct PromptCache {
+    ram: LruCache<BlockHash, RamBlock>,
+    ram_bytes: u64,
+    ram_budget: u64,
+    /// The hashes in RAM, for `read_stored` off the engine thread.
+    in_ram: Arc<Mutex<HashSet<BlockHash>>>,
+    writer: Option<std::sync::mpsc::SyncSender<(BlockHash, Features)>>,
+    disk: Option<Arc<BlockStore>>,
+    pub counters: PromptCacheCounters,
+}
+
+impl PromptCache {
+    /// A RAM tier of `ram_budget` bytes whose block names are kept in
+    /// `in_ram` (shared with request preparation), writing blocks to `disk`
+    /// (if any) from a thread of its own.
+    pub fn new(ram_budget: u64, disk: Option<Arc<BlockStore>>, in_ram: Arc<Mutex<HashSet<BlockHash>>>) -> Self {
+        let writer = disk.clone().map(|disk| {
+            // A bounded queue: when the disk falls behind, blocks are
+            // dropped (counted), never waited for.
+            let (tx, rx) = std::sync::mpsc::sync_channel::<(BlockHash, Features)>(256);
+            std::thread::Builder::new()
+                .name("mlxbc-kv-writer".into())
+                .spawn(move || {
+                    for (hash, block) in rx {
+                        if let Err(e) = disk.write(&hash, &block) {
+                            tracing::warn!(error = %e, "could not write a prompt cache block");
+                        }
+                    }
+                })
+                .expect("spawning the prompt cache writer");
+            tx
+        });
+        Self {
+            ram: LruCache::unbounded(),
+            ram_bytes: 0,
+            ram_budget,
+            in_ram,
+            writer,
+            disk,
+            counters: PromptCacheCounters::default(),
+        }
+    }
+
+    /// [`read_stored`] on the engine thread, for a prompt that was not
+    /// tokenized before its job came (its model was not resident: the
+    /// engine has just spent far longer loading it than these reads take).
+    pub fn read_stored_here(&self, keys: &PromptKeys) -> StoredBlocks {
+        match &self.disk {
+            Some(disk) => read_stored(keys, &self.in_ram, disk),
+            None => StoredBlocks::new(),
+        }
+    }
+
+    /// Blocks and bytes in RAM.
+    pub fn ram_usage(&self) -> (u64, u64) {
+        (self.ram.len() as u64, self.ram_bytes)
+    }
+
+    /// The RAM budget.
+    pub fn ram_budget(&self) -> u64 {
+        self.ram_budget
+    }
+
+    /// Nothing in RAM.
+    pub fn is_empty(&self) -> bool {
+        self.ram.is_empty()
+    }
+
+    /// Drops the RAM tier (memory pressure, `cache clear --prompts`);
+    /// returns the blocks dropped.
+    pub fn clear_ram(&mut self) -> usize {
+        let n = self.ram.len();
+        self.ram.clear();
+        self.ram_bytes = 0;
+        self.in_ram.lock().unwrap().clear();
+        n
+    }
+
+    /// The longest cached prefix of the prompt `keys` names: RAM blocks
+    /// and those `stored` read from disk (which join RAM), as a cache of
+    /// `layers` layers. `None` when not even the first block is cached.
+    pub fn lookup(&mut self, keys: &PromptKeys, mut stored: StoredBlocks, layers: usize) -> Option<Reuse> {
+        let mut run: Vec<(BlockHash, bool)> = Vec::new();
+        for hash in &keys.blocks {
+            let in_ram = self.ram.contains(hash);
+            if !in_ram && !stored.contains_key(hash) {
+                break;
+            }
+            run.push((*hash, in_ram));
+        }
+        // The tail continues the run only where the run reaches its block.
+        let mut tail = None;
+        if let Some((end, hash)) = keys.tail {
+            if run.len() == end / BLOCK_TOKENS && (self.ram.contains(&hash) || stored.contains_key(&hash)) {
+                tail = Some((end, hash, self.ram.contains(&hash)));
+            }
+        }
+        // Never end inside an image.
+        if tail.is_none() {
+            while !run.is_empty() && !keys.may_end_at(run.len() * BLOCK_TOKENS) {
+                run.pop();
+            }
+        }
+        let chain: Vec<(BlockHash, bool)> = run.into_iter().chain(tail.map(|(_, h, r)| (h, r))).collect();
+        if chain.is_empty() {
+            return None;
+        }
+        let mut pieces = Vec::with_capacity(chain.len());
+        let (mut ram_tokens, mut disk_tokens) = (0, 0);
+        for (hash, in_ram) in chain {
+            if in_ram {
+                let b = self.ram.get(&hash).expect("checked above");
+                ram_tokens += b.positions;
+                pieces.push(b.data.clone());
+            } else {
+                let Some(data) = stored.remove(&hash).and_then(|f| to_array(&f)) else { break };
+                let positions = data.shape()[3] as usize;
+                disk_tokens += positions;
+                self.put_ram(hash, data.clone(), positions);
+                pieces.push(data);
+            }
+        }
+        if pieces.is_empty() {
+            return None;
+        }
+        let cache = assemble(&pieces, layers).ok()?;
+        self.counters.ram_hit_tokens += ram_tokens as u64;
+        self.counters.disk_hit_tokens += disk_tokens as u64;
+        Some(Reuse { cache, ram_tokens, disk_tokens })
+    }
+
+    /// Stores the blocks of `keys` that `cache` (one unpadded row holding
+    /// at least their positions) covers and RAM does not have yet: in RAM,
+    /// and queued for the disk.
+    pub fn store(&mut self, keys: &PromptKeys, cache: &KvCache) {
+        let have = cache.offset.max(0) as usize;
+        let mut spans: Vec<(BlockHash, usize, usize)> = keys
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (*h, i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS))
+            .collect();
+        if let Some((end, hash)) = keys.tail {
+            spans.push((hash, end / BLOCK_TOKENS * BLOCK_TOKENS, end));
+        }
+        for (hash, from, to) in spans {
+            if to > have || self.ram.contains(&hash) {
+                continue;
+            }
+            let data = match cache.positions(from as i32, to as i32) {
+                Ok(d) => d,
+                Err(e) => {
+                    // A model whose layers' KV differ in shape: not cached.
+                    tracing::debug!(error = %format!("{e:#}"), "prompt cache: block not stored");
+                    return;
+                }
+            };
+            if let Err(e) = data.eval() {
+                tracing::warn!(error = %e, "prompt cache: block not stored");
+                return;
+            }
+            if let Some(w) = &self.writer {
+                if let Some(f) = to_features(&data) {
+                    if w.try_send((hash, f)).is_err() {
+                        self.counters.writes_dropped += 1;
+                    }
+                }
+            }
+            self.put_ram(hash, data, to - from);
+            self.counters.stored_blocks += 1;
+        }
+    }
+
+    fn put_ram(&mut self, hash: BlockHash, data: Array, positions: usize) {
+        let bytes = data.nbytes() as u64;
+        if bytes > self.ram_budget {
+            return;
+        }
+        self.ram_bytes += bytes;
+        self.ram.put(hash, RamBlock { data, positions, bytes });
+        self.in_ram.lock().unwrap().insert(hash);
+        while self.ram_bytes > self.ram_budget {
+            let Some((old, b)) = self.ram.pop_lru() else { break };
+            self.ram_bytes -= b.bytes;
+            self.in_ram.lock().unwrap().remove(&old);
+            self.counters.ram_evictions += 1;
+        }
+    }
+}
+
+/// A cache of the blocks `pieces` (in order), each `[2L, 1, H, n, D]`.
+fn assemble(pieces: &[Array], layers: usize) -> anyhow::Result<KvCache> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let mut per_layer = Vec::with_capacity(layers);
+    for l in 0..layers as i32 {
+        let part = |i: i32| -> anyhow::Result<Array> {
+            let parts: Vec<Array> = pieces.iter().map(|p| p.index(i)).collect();
+            Ok(if parts.len() == 1 { parts[0].clone() } else { mlx_rs::ops::concatenate(&parts, 2)? })
+        };
+        per_layer.push((part(2 * l)?, part(2 * l + 1)?));
+    }
+    let positions: i32 = pieces.iter().map(|p| p.shape()[3]).sum();
+    Ok(KvCache::from_prefix(per_layer, positions))
+}
+
+fn feature_dtype(d: Dtype) -> Option<FeatureDtype> {
+    Some(match d {
+        Dtype::Float32 => FeatureDtype::F32,
+        Dtype::Float16 => FeatureDtype::F16,
+        Dtype::Bfloat16 => FeatureDtype::BF16,
+        _ => return None,
+    })
+}
+
+/// An evaluated block's bytes, for the disk.
+fn to_features(a: &Array) -> Option<Features> {
+    let dtype = feature_dtype(a.dtype())?;
+    let bytes: &[u8] = match dtype {
+        FeatureDtype::F32 => bytes_of(a.as_slice::<f32>()),
+        FeatureDtype::F16 => bytes_of(a.as_slice::<half::f16>()),
+        FeatureDtype::BF16 => bytes_of(a.as_slice::<half::bf16>()),
+    };
+    Some(Features { dtype, shape: a.shape().iter().map(|&d| d as u32).collect(), data: bytes.to_vec() })
+}
+
+fn bytes_of<T>(values: &[T]) -> &[u8] {
+    // SAFETY: plain floating-point elements, no padding; the bytes are
+    // read (little-endian machine, as the stored format says) while
+    // `values` is borrowed.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+fn to_array(f: &Features) -> Option<Array> {
+    let dtype = match f.dtype {
+        FeatureDtype::F32 => Dtype::Float32,
+        FeatureDtype::F16 => Dtype::Float16,
+        FeatureDtype::BF16 => Dtype::Bfloat16,
+    };
+    let shape: Vec<i32> = f.shape.iter().map(|&d| d as i32).collect();
+    if shape.len() != 5 {
+        return None;
+    }
+    // SAFETY: `f.data` holds exactly shape's elements of `dtype` (checked
+    // by Features::decode); MLX copies them.
+    Some(unsafe { Array::from_raw_data(f.data.as_ptr().cast(), &shape, dtype) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_prefixes_share_block_names_and_any_difference_before_a_block_changes_it() {
+        let root = [7u8; 32];
+        let a: Vec<u32> = (0..300).collect();
+        let mut b = a.clone();
+        b[200] = 9999;
+        let (ka, kb) = (PromptKeys::of(&root, &a, &[]), PromptKeys::of(&root, &b, &[]));
+        assert_eq!(ka.blocks.len(), 4, "299 reusable positions: 4 whole blocks");
+        assert_eq!(ka.blocks[..3], kb.blocks[..3]);
+        assert_ne!(ka.blocks[3], kb.blocks[3], "position 200 is in block 3");
+        assert_ne!(PromptKeys::of(&[8u8; 32], &a, &[]).blocks[0], ka.blocks[0], "another model");
+        // An image's hash is part of the blocks holding its placeholders.
+        let img = |h: u8| vec![MediaSpan { start: 10, end: 100, hash: [h; 32] }];
+        let (i1, i2) = (PromptKeys::of(&root, &a, &img(1)), PromptKeys::of(&root, &a, &img(2)));
+        assert_ne!(i1.blocks[0], i2.blocks[0]);
+        assert_eq!(i1.tail.map(|t| t.0), Some(100), "the prefix ending after the image");
+        assert!(!i1.may_end_at(64) && i1.may_end_at(128));
+    }
+}
