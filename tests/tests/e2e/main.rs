@@ -14,6 +14,7 @@ mod hostile;
 mod hostile_gateway;
 mod http;
 mod lifecycle;
+mod prompt_cache;
 mod pull;
 mod reference;
 mod residency;
