@@ -6,6 +6,7 @@
 //!        mlxbc-bench --image VLM_DIR IMAGE_FILE
 //!        mlxbc-bench --queued-images VLM_DIR [N=8]
 //!        mlxbc-bench --concurrency MODEL CLIENTS,... TOKENS LONG_TOKENS
+//!        mlxbc-bench --prompts MODEL SYSTEM_TOKENS TURNS TURN_TOKENS ANSWER_TOKENS LONG_TOKENS
 
 use anyhow::{bail, Context, Result};
 use mlxbc_client::{Client, GenerateRequest, Response};
@@ -118,6 +119,93 @@ impl Bench {
         let _ = self.daemon.wait();
         self.home
     }
+}
+
+/// Text of about `tokens` tokens (numbered facts, ~12 tokens each), `tag`
+/// making it unique.
+fn facts(tag: &str, tokens: usize) -> String {
+    (0..tokens.div_ceil(12)).map(|i| format!("Fact {tag}{i}: item {i} weighs {} grams. ", i * 7 + 3)).collect()
+}
+
+/// `scripts/bench prompts`: an agent loop (a system prompt, then turns that
+/// each append a user message and the answer), each turn asked of a daemon
+/// with the prompt cache and of one without (interleaved), time to first
+/// token per turn; then a long prefix served from disk after a restart
+/// against its cold prefill; then misses with and without the cache.
+async fn prompts_bench(
+    model: &std::path::Path,
+    system_tokens: usize,
+    turns: usize,
+    turn_tokens: usize,
+    answer_tokens: usize,
+    long_tokens: usize,
+) -> Result<()> {
+    use mlxbc_client::{ChatMessage, Role};
+    let model = model.canonicalize()?;
+    let cold_home = tempfile::Builder::new().prefix("mlxbc-bench").tempdir_in("/tmp")?;
+    std::fs::create_dir(cold_home.path().join("models"))?;
+    std::fs::write(cold_home.path().join("config.toml"), "prompt_cache_ram_mib = 0\nprompt_cache_mib = 0\n")?;
+    let cold = Bench::start(&model, Some(cold_home))?;
+    let mut cached = Bench::start(&model, None)?;
+    let name = cached.name.clone();
+    let request = |messages: Vec<ChatMessage>, max_tokens: usize| {
+        let mut r = GenerateRequest::ask("");
+        r.messages = messages;
+        r.model = Some(name.clone());
+        r.max_tokens = max_tokens as u32;
+        r.ignore_eos = true;
+        r
+    };
+    // Load both models first.
+    timed(&mut cold.client().await, request(vec![ChatMessage::user("hi")], 1)).await?;
+    timed(&mut cached.client().await, request(vec![ChatMessage::user("hi")], 1)).await?;
+    let mut messages = vec![ChatMessage { role: Role::System, ..ChatMessage::user(facts("s", system_tokens)) }];
+    let mut rows = Vec::new();
+    for turn in 1..=turns {
+        messages.push(ChatMessage::user(format!("{}Question {turn}: what does item {turn} weigh?", facts(&format!("t{turn}-"), turn_tokens))));
+        let (with_ms, with) = timed(&mut cached.client().await, request(messages.clone(), answer_tokens)).await?;
+        let (without_ms, without) = timed(&mut cold.client().await, request(messages.clone(), answer_tokens)).await?;
+        rows.push(serde_json::json!({
+            "turn": turn, "prompt_tokens": with.prompt_tokens, "ttft_cached_ms": with_ms, "ttft_cold_ms": without_ms,
+            "reused": with.prefix_tokens_reused, "prefilled": with.prefill_tokens_computed,
+            "ids_equal": with.token_ids == without.token_ids,
+        }));
+        // The answer as the next turn sends it back: generated tokens are
+        // not cached (only prompts), so its text only has to be new.
+        let answer = format!("Item {turn} weighs {} grams, as fact t{turn} says; {}", turn * 7 + 3, facts("a", answer_tokens));
+        messages.push(ChatMessage { role: Role::Assistant, ..ChatMessage::user(answer) });
+    }
+    // A long prefix on disk after a restart, against its cold prefill.
+    let long = vec![
+        ChatMessage { role: Role::System, ..ChatMessage::user(facts("L", long_tokens)) },
+        ChatMessage::user("Which item weighs titanic?"),
+    ];
+    timed(&mut cached.client().await, request(long.clone(), 1)).await?;
+    let home = cached.stop().await;
+    cached = Bench::start(&model, Some(home))?;
+    timed(&mut cached.client().await, request(vec![ChatMessage::user("hi")], 1)).await?;
+    let (disk_ms, disk) = timed(&mut cached.client().await, request(long.clone(), 1)).await?;
+    let (long_cold_ms, long_cold) = timed(&mut cold.client().await, request(long.clone(), 1)).await?;
+    // Misses: prompts neither daemon has seen, interleaved.
+    let (mut miss_with, mut miss_without) = (Vec::new(), Vec::new());
+    for i in 0..3 {
+        let fresh = vec![ChatMessage::user(facts(&format!("m{i}-"), 300))];
+        miss_with.push(timed(&mut cached.client().await, request(fresh.clone(), 1)).await?.0);
+        miss_without.push(timed(&mut cold.client().await, request(fresh, 1)).await?.0);
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "model": name, "system_tokens": system_tokens, "turn_tokens": turn_tokens, "answer_tokens": answer_tokens,
+            "turns": rows,
+            "disk": {"prompt_tokens": disk.prompt_tokens, "from_disk": disk.prompt_tokens_from_disk, "ttft_disk_ms": disk_ms,
+                     "ttft_cold_ms": long_cold_ms, "ids_equal": disk.token_ids == long_cold.token_ids},
+            "miss": {"ttft_cached_ms": median(miss_with), "ttft_cold_ms": median(miss_without)},
+        })
+    );
+    cached.stop().await;
+    cold.stop().await;
+    Ok(())
 }
 
 /// The image section: time to first token for a new image (miss), a RAM hit,
@@ -369,6 +457,10 @@ async fn main() -> Result<()> {
     if args.len() == 6 && args[1] == "--concurrency" {
         let clients: Vec<usize> = args[3].split(',').map(|n| n.parse()).collect::<Result<_, _>>()?;
         return concurrency_bench(std::path::Path::new(&args[2]), &clients, args[4].parse()?, args[5].parse()?).await;
+    }
+    if args.len() == 8 && args[1] == "--prompts" {
+        let n: Vec<usize> = args[3..8].iter().map(|a| a.parse()).collect::<Result<_, _>>()?;
+        return prompts_bench(std::path::Path::new(&args[2]), n[0], n[1], n[2], n[3], n[4]).await;
     }
     if args.len() >= 3 && args[1] == "--queued-images" {
         let n = args.get(3).map(|n| n.parse()).transpose()?.unwrap_or(8);

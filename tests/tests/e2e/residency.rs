@@ -67,7 +67,7 @@ async fn the_memory_budget_evicts_unpinned_models_and_refuses_what_cannot_fit() 
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn under_memory_pressure_it_sheds_encoder_ram_then_prefixes_then_unpinned_models() {
+async fn under_memory_pressure_it_sheds_encoder_ram_then_prompt_blocks_then_unpinned_models() {
     // A threshold far above this machine's memory: the daemon reads the
     // real MemAvailable and finds it below, i.e. it is under pressure throughout.
     let d = daemon_with_config("low_memory_mib = 100000000\n");
@@ -84,7 +84,7 @@ async fn under_memory_pressure_it_sheds_encoder_ram_then_prefixes_then_unpinned_
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let tiers: Vec<&str> = status.memory_sheds.iter().map(|e| e.tier.as_str()).collect();
-    assert_eq!(tiers, ["encoder RAM tier", "KV prefixes", "model"], "{:?}", status.memory_sheds);
+    assert_eq!(tiers, ["encoder RAM tier", "prompt cache RAM tier", "model"], "{:?}", status.memory_sheds);
     assert_eq!(status.memory_sheds[2].what, "tiny-gemma3-vlm");
     assert!(status.loaded.is_empty());
     assert!(d.log_text().contains("memory pressure: shed"));

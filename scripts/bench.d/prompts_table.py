@@ -1,0 +1,27 @@
+"""Prints `scripts/bench prompts` tables from mlxbc-bench --prompts JSON.
+   prompts_table.py RESULT.json"""
+import json
+import pathlib
+import sys
+
+r = json.loads(pathlib.Path(sys.argv[1]).read_text())
+print(f"\nAgent loop: {r['model']}, system prompt ~{r['system_tokens']} tokens, each turn appends ~{r['turn_tokens']} "
+      f"tokens and an answer of ~{r['answer_tokens']}; time to first token (client), the prompt cache on and off\n")
+print("| turn | prompt tokens | reused | prefilled | TTFT with cache (ms) | TTFT without (ms) | ids equal |")
+print("|---:|---:|---:|---:|---:|---:|:---:|")
+for t in r["turns"]:
+    print(f"| {t['turn']} | {t['prompt_tokens']} | {t['reused']} | {t['prefilled']} | {t['ttft_cached_ms']:.0f} | "
+          f"{t['ttft_cold_ms']:.0f} | {'yes' if t['ids_equal'] else 'NO'} |")
+turns = r["turns"]
+if len(turns) >= 2:
+    last, second = turns[-1], turns[1]
+    print(f"\nturn {last['turn']} / turn 2 time to first token, with the cache: "
+          f"{last['ttft_cached_ms'] / second['ttft_cached_ms']:.2f}x (target <= 1.5x); without: "
+          f"{last['ttft_cold_ms'] / second['ttft_cold_ms']:.2f}x")
+d = r["disk"]
+print(f"\nafter a restart, a {d['prompt_tokens']}-token prompt whose prefix is on disk ({d['from_disk']} tokens read): "
+      f"{d['ttft_disk_ms']:.0f} ms against a cold prefill of {d['ttft_cold_ms']:.0f} ms = "
+      f"{100 * d['ttft_disk_ms'] / d['ttft_cold_ms']:.0f}% (target <= 20%); ids equal: {d['ids_equal']}")
+m = r["miss"]
+print(f"a miss (300-token prompt never seen; medians of 3): {m['ttft_cached_ms']:.0f} ms with the cache, "
+      f"{m['ttft_cold_ms']:.0f} ms without ({100 * (m['ttft_cached_ms'] / m['ttft_cold_ms'] - 1):+.1f}%; target <= +2%)")
