@@ -1,23 +1,26 @@
 """Prints `scripts/bench prompts` tables from mlxbc-bench --prompts JSON.
-   prompts_table.py RESULT.json"""
+   prompts_table.py RESULT.json [MLX_LM_SERVER.json]"""
 import json
 import pathlib
 import sys
 
 r = json.loads(pathlib.Path(sys.argv[1]).read_text())
+ref = json.loads(pathlib.Path(sys.argv[2]).read_text()) if len(sys.argv) > 2 else {}
+ref_turns = {t["turn"]: t["ttft_ms"] for t in ref.get("turns", [])}
 print(f"\nAgent loop: {r['model']}, system prompt ~{r['system_tokens']} tokens, each turn appends ~{r['turn_tokens']} "
       f"tokens and an answer of ~{r['answer_tokens']}; time to first token (client), the prompt cache on and off\n")
-print("| turn | prompt tokens | reused | prefilled | TTFT with cache (ms) | TTFT without (ms) | ids equal |")
-print("|---:|---:|---:|---:|---:|---:|:---:|")
+print("| turn | prompt tokens | reused | prefilled | TTFT with cache (ms) | TTFT without (ms) | mlx-lm server TTFT (ms) | ids equal |")
+print("|---:|---:|---:|---:|---:|---:|---:|:---:|")
 for t in r["turns"]:
     print(f"| {t['turn']} | {t['prompt_tokens']} | {t['reused']} | {t['prefilled']} | {t['ttft_cached_ms']:.0f} | "
-          f"{t['ttft_cold_ms']:.0f} | {'yes' if t['ids_equal'] else 'NO'} |")
+          f"{t['ttft_cold_ms']:.0f} | {ref_turns.get(t['turn'], float('nan')):.0f} | {'yes' if t['ids_equal'] else 'NO'} |")
 turns = r["turns"]
 if len(turns) >= 2:
     last, second = turns[-1], turns[1]
     print(f"\nturn {last['turn']} / turn 2 time to first token, with the cache: "
           f"{last['ttft_cached_ms'] / second['ttft_cached_ms']:.2f}x (target <= 1.5x); without: "
-          f"{last['ttft_cold_ms'] / second['ttft_cold_ms']:.2f}x")
+          f"{last['ttft_cold_ms'] / second['ttft_cold_ms']:.2f}x"
+          + (f"; mlx-lm's server: {ref_turns[last['turn']] / ref_turns[2]:.2f}x" if ref_turns.get(2) and ref_turns.get(last['turn']) else ""))
 d = r["disk"]
 print(f"\nafter a restart, a {d['prompt_tokens']}-token prompt whose prefix is on disk ({d['from_disk']} tokens read): "
       f"{d['ttft_disk_ms']:.0f} ms against a cold prefill of {d['ttft_cold_ms']:.0f} ms = "

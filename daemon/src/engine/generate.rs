@@ -201,7 +201,7 @@ pub fn begin(
     let keys = model.kv_root.map(|root| PromptKeys::of(&root, &ids, &spans));
     let reuse = keys.as_ref().and_then(|k| {
         let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
-        ctx.prompts.lookup(k, stored, model.lm.num_layers())
+        ctx.prompts.lookup(k, stored, model.lm.num_layers(), model.kv_bytes_per_position)
     });
     let (mut cache, reused, from_disk) = match reuse {
         Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens),

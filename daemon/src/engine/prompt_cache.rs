@@ -304,8 +304,16 @@ impl PromptCache {
 
     /// The longest cached prefix of the prompt `keys` names: RAM blocks
     /// and those `stored` read from disk (which join RAM), as a cache of
-    /// `layers` layers. `None` when not even the first block is cached.
-    pub fn lookup(&mut self, keys: &PromptKeys, mut stored: StoredBlocks, layers: usize) -> Option<Reuse> {
+    /// `layers` layers whose positions take `bytes_per_position` (a disk
+    /// block of any other layout is refused). `None` when not even the
+    /// first block is cached.
+    pub fn lookup(
+        &mut self,
+        keys: &PromptKeys,
+        mut stored: StoredBlocks,
+        layers: usize,
+        bytes_per_position: u64,
+    ) -> Option<Reuse> {
         let mut run: Vec<(BlockHash, bool)> = Vec::new();
         for hash in &keys.blocks {
             let in_ram = self.ram.contains(hash);
@@ -327,20 +335,34 @@ impl PromptCache {
                 run.pop();
             }
         }
-        let chain: Vec<(BlockHash, bool)> = run.into_iter().chain(tail.map(|(_, h, r)| (h, r))).collect();
+        // Each link with the positions it must hold.
+        let chain: Vec<(BlockHash, bool, usize)> = run
+            .into_iter()
+            .map(|(h, r)| (h, r, BLOCK_TOKENS))
+            .chain(tail.map(|(end, h, r)| (h, r, end % BLOCK_TOKENS)))
+            .collect();
         if chain.is_empty() {
             return None;
         }
         let mut pieces = Vec::with_capacity(chain.len());
         let (mut ram_tokens, mut disk_tokens) = (0, 0);
-        for (hash, in_ram) in chain {
+        for (hash, in_ram, positions) in chain {
             if in_ram {
                 let b = self.ram.get(&hash).expect("checked above");
                 ram_tokens += b.positions;
                 pieces.push(b.data.clone());
             } else {
-                let Some(data) = stored.remove(&hash).and_then(|f| to_array(&f)) else { break };
-                let positions = data.shape()[3] as usize;
+                // A block from disk must have this model's layout (a file
+                // that passed its checksum may still be someone else's).
+                let fits = |a: &Array| {
+                    let s = a.shape();
+                    s.len() == 5
+                        && s[0] as usize == 2 * layers
+                        && s[1] == 1
+                        && s[3] as usize == positions
+                        && a.nbytes() as u64 == bytes_per_position * positions as u64
+                };
+                let Some(data) = stored.remove(&hash).and_then(|f| to_array(&f)).filter(fits) else { break };
                 disk_tokens += positions;
                 self.put_ram(hash, data.clone(), positions);
                 pieces.push(data);
