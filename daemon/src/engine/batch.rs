@@ -233,6 +233,7 @@ pub fn prefill_together(
     model: &Model,
     seqs: &mut [&mut Sequence],
     chunk: usize,
+    prompts: &mut super::prompt_cache::PromptCache,
 ) -> Result<(KvCache, Array, Vec<Option<Result<super::generate::Finished, EngineError>>>), EngineError> {
     use mlx_rs::ops::indexing::IndexOp;
     let lm = &model.lm;
@@ -268,6 +269,11 @@ pub fn prefill_together(
     let next = pick_rows(&lm.logits(&h).map_err(EngineError::inference)?, seqs)?;
     next.eval().map_err(EngineError::inference)?;
     let tokens: Vec<u32> = next.as_slice::<u32>().to_vec();
-    let ends = seqs.iter_mut().zip(tokens).map(|(s, t)| s.prefilled_together(t)).collect();
+    let ends = seqs
+        .iter_mut()
+        .zip(tokens)
+        .enumerate()
+        .map(|(row, (s, t))| s.prefilled_together(t, &cache, row, prompts))
+        .collect();
     Ok((cache, next, ends))
 }

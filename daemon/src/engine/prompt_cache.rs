@@ -377,11 +377,10 @@ impl PromptCache {
         Some(Reuse { cache, ram_tokens, disk_tokens })
     }
 
-    /// Stores the blocks of `keys` that `cache` (one unpadded row holding
-    /// at least their positions) covers and RAM does not have yet: in RAM,
-    /// and queued for the disk.
-    pub fn store(&mut self, keys: &PromptKeys, cache: &KvCache) {
-        let have = cache.offset.max(0) as usize;
+    /// Stores the blocks of `keys` that row `row` of `cache` covers and
+    /// RAM does not have yet: in RAM, and queued for the disk.
+    pub fn store(&mut self, keys: &PromptKeys, cache: &KvCache, row: usize) {
+        let have = (cache.offset - cache.paddings().get(row).copied().unwrap_or(0)).max(0) as usize;
         let mut spans: Vec<(BlockHash, usize, usize)> = keys
             .blocks
             .iter()
@@ -395,7 +394,7 @@ impl PromptCache {
             if to > have || self.ram.contains(&hash) {
                 continue;
             }
-            let data = match cache.positions(from as i32, to as i32) {
+            let data = match cache.positions(row, from as i32, to as i32) {
                 Ok(d) => d,
                 Err(e) => {
                     // A model whose layers' KV differ in shape: not cached.
@@ -496,6 +495,24 @@ fn to_array(f: &Features) -> Option<Array> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_model_whose_weights_change_gets_a_new_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("m.gguf");
+        std::fs::write(&f, vec![1u8; 1 << 20]).unwrap();
+        let a = model_root(&f, "Dense", "cpu").unwrap();
+        assert_eq!(model_root(&f, "Dense", "cpu").unwrap(), a, "stable");
+        assert_ne!(model_root(&f, "Packed", "cpu").unwrap(), a, "another load form");
+        assert_ne!(model_root(&f, "Dense", "gpu").unwrap(), a, "another device");
+        let mut bytes = std::fs::read(&f).unwrap();
+        bytes[(1 << 20) / 16 * 3 + 5] = 2; // inside a sampled slice
+        let mtime = std::fs::metadata(&f).unwrap().modified().unwrap();
+        std::fs::write(&f, bytes).unwrap();
+        // Even with the old mtime restored, the sampled bytes differ.
+        std::fs::File::options().write(true).open(&f).unwrap().set_modified(mtime).unwrap();
+        assert_ne!(model_root(&f, "Dense", "cpu").unwrap(), a);
+    }
 
     #[test]
     fn equal_prefixes_share_block_names_and_any_difference_before_a_block_changes_it() {

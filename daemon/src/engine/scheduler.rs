@@ -281,7 +281,7 @@ impl Scheduler {
         // A burst of new prompts on one model is prefilled as one batch.
         if let Some((group, cost)) = self.prefill_group(budget) {
             budget = budget.saturating_sub(cost);
-            self.prefill_group_now(&group, ended);
+            self.prefill_group_now(&group, prompts, ended);
         }
         while budget > 0 {
             let Some(&id) = self.prefilling.front() else { return };
@@ -346,14 +346,15 @@ impl Scheduler {
 
     /// Prefills `group` as one batch; those that did not end on their first
     /// token join their model's decode batch together.
-    fn prefill_group_now(&mut self, group: &[SeqId], ended: &mut Vec<Ended>) {
+    fn prefill_group_now(&mut self, group: &[SeqId], prompts: &mut PromptCache, ended: &mut Vec<Ended>) {
         let Some(head) = self.active.get(&group[0]) else { return };
         let (model, mode) = (head.seq.model().clone(), head.seq.decode_mode());
         let mut by_id: HashMap<SeqId, &mut Sequence> =
             self.active.iter_mut().filter(|(i, _)| group.contains(i)).map(|(&i, a)| (i, &mut a.seq)).collect();
         let mut seqs: Vec<&mut Sequence> = group.iter().filter_map(|i| by_id.remove(i)).collect();
         let chunk = self.limits.prefill_budget;
-        let outcome = guarded(|| prefill_together(&model, &mut seqs, chunk));
+        tracing::debug!(rows = seqs.len(), "prompts prefilled together");
+        let outcome = guarded(|| prefill_together(&model, &mut seqs, chunk, prompts));
         drop(seqs);
         self.prefilling.retain(|p| !group.contains(p));
         self.changed = true;

@@ -191,8 +191,7 @@ impl Sequence {
 
     /// True when its prompt can be prefilled in one batch with others':
     /// not begun, nothing reused, no image blocks that must see each
-    /// other, no multimodal rope. (Its blocks are then not stored: the
-    /// batch's cache is padded.)
+    /// other, no multimodal rope.
     pub fn can_prefill_together(&self) -> bool {
         self.prefill_at == Some(0)
             && self.s.blocks.is_none()
@@ -211,9 +210,19 @@ impl Sequence {
         self.t_prefill.get_or_insert_with(Instant::now);
     }
 
-    /// The first token, from a batched prefill (the KV cache is the batch's):
-    /// streamed like any token; `Some` when the sequence ended on it.
-    pub fn prefilled_together(&mut self, token: u32) -> Option<Result<Finished, EngineError>> {
+    /// The first token, from a batched prefill whose cache holds this
+    /// sequence as row `row` (its blocks are stored from there): streamed
+    /// like any token; `Some` when the sequence ended on it.
+    pub fn prefilled_together(
+        &mut self,
+        token: u32,
+        batch: &KvCache,
+        row: usize,
+        prompts: &mut PromptCache,
+    ) -> Option<Result<Finished, EngineError>> {
+        if let Some(keys) = self.s.keys.take() {
+            prompts.store(&keys, batch, row);
+        }
         self.t_first = Some(Instant::now());
         self.prefill_at = None;
         self.s.embeds = Array::from_int(0);
@@ -262,7 +271,7 @@ impl Sequence {
         // The first token is out: the prompt's new blocks are kept (RAM
         // now, disk behind), computed by the chunks above.
         if let Some(keys) = self.s.keys.take() {
-            prompts.store(&keys, &self.s.cache);
+            prompts.store(&keys, &self.s.cache, 0);
         }
         if let Some(end) = self.accept(token) {
             return end.map(Prefilled::Finished);

@@ -64,19 +64,21 @@ impl KvCache {
         Self { layers: layers.into_iter().map(Some).collect(), offset: positions, ..Self::new(0) }
     }
 
-    /// Positions `from..to` of every layer's keys and values, stacked into
-    /// one fresh array `[2 * layers, 1, heads, to - from, head_dim]` (k0,
-    /// v0, k1, ...), lazily. One unpadded row only; layers must agree in
-    /// shape.
-    pub fn positions(&self, from: i32, to: i32) -> Result<Array> {
+    /// Positions `from..to` of row `row` (counted from that row's own
+    /// start, past its padding) of every layer's keys and values, stacked
+    /// into one fresh array `[2 * layers, 1, heads, to - from, head_dim]`
+    /// (k0, v0, k1, ...), lazily. Layers must agree in shape.
+    pub fn positions(&self, row: usize, from: i32, to: i32) -> Result<Array> {
         use mlx_rs::ops::indexing::IndexOp;
-        anyhow::ensure!(!self.is_padded() && self.rows() == 1, "positions of a batched cache");
-        anyhow::ensure!(0 <= from && from < to && to <= self.offset, "positions {from}..{to} of {}", self.offset);
+        anyhow::ensure!(row < self.rows(), "row {row} of {}", self.rows());
+        let pad = self.paddings()[row];
+        anyhow::ensure!(0 <= from && from < to && pad + to <= self.offset, "positions {from}..{to} of row {row}");
+        let (r, a, b) = (row as i32, pad + from, pad + to);
         let mut parts = Vec::with_capacity(2 * self.layers.len());
         for slot in &self.layers {
             let (k, v) = slot.as_ref().ok_or_else(|| anyhow::anyhow!("a layer holds nothing"))?;
-            parts.push(k.index((.., .., from..to, ..)));
-            parts.push(v.index((.., .., from..to, ..)));
+            parts.push(k.index((r..r + 1, .., a..b, ..)));
+            parts.push(v.index((r..r + 1, .., a..b, ..)));
         }
         Ok(mlx_rs::ops::stack(&parts, 0)?)
     }

@@ -164,11 +164,18 @@ async fn prompts_bench(
     for turn in 1..=turns {
         messages.push(ChatMessage::user(format!("{}Question {turn}: what does item {turn} weigh?", facts(&format!("t{turn}-"), turn_tokens))));
         let (with_ms, with) = timed(&mut cached.client().await, request(messages.clone(), answer_tokens)).await?;
-        let (without_ms, without) = timed(&mut cold.client().await, request(messages.clone(), answer_tokens)).await?;
+        // MLXBC_BENCH_COLD_TURNS=0: the loop on the cached daemon only (a
+        // long loop's cold turns take many minutes on a small CPU).
+        let (without_ms, without) = if std::env::var("MLXBC_BENCH_COLD_TURNS").is_ok_and(|v| v == "0") {
+            (f64::NAN, with.clone())
+        } else {
+            timed(&mut cold.client().await, request(messages.clone(), answer_tokens)).await?
+        };
         rows.push(serde_json::json!({
-            "turn": turn, "prompt_tokens": with.prompt_tokens, "ttft_cached_ms": with_ms, "ttft_cold_ms": without_ms,
+            "turn": turn, "prompt_tokens": with.prompt_tokens, "ttft_cached_ms": with_ms,
+            "ttft_cold_ms": if without_ms.is_nan() { serde_json::Value::Null } else { without_ms.into() },
             "reused": with.prefix_tokens_reused, "prefilled": with.prefill_tokens_computed,
-            "ids_equal": with.token_ids == without.token_ids,
+            "ids_equal": if without_ms.is_nan() { serde_json::Value::Null } else { (with.token_ids == without.token_ids).into() },
         }));
         // The answer as the next turn sends it back: generated tokens are
         // not cached (only prompts), so its text only has to be new.
@@ -188,10 +195,16 @@ async fn prompts_bench(
     let (long_cold_ms, long_cold) = timed(&mut cold.client().await, request(long.clone(), 1)).await?;
     // Misses: prompts neither daemon has seen, interleaved.
     let (mut miss_with, mut miss_without) = (Vec::new(), Vec::new());
-    for i in 0..3 {
+    // Order alternates, so neither daemon always runs right after the other.
+    for i in 0..5 {
         let fresh = vec![ChatMessage::user(facts(&format!("m{i}-"), 300))];
-        miss_with.push(timed(&mut cached.client().await, request(fresh.clone(), 1)).await?.0);
-        miss_without.push(timed(&mut cold.client().await, request(fresh, 1)).await?.0);
+        if i % 2 == 0 {
+            miss_with.push(timed(&mut cached.client().await, request(fresh.clone(), 1)).await?.0);
+            miss_without.push(timed(&mut cold.client().await, request(fresh, 1)).await?.0);
+        } else {
+            miss_without.push(timed(&mut cold.client().await, request(fresh.clone(), 1)).await?.0);
+            miss_with.push(timed(&mut cached.client().await, request(fresh, 1)).await?.0);
+        }
     }
     println!(
         "{}",

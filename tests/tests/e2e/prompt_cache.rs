@@ -150,3 +150,39 @@ async fn a_daemon_killed_while_writing_blocks_restarts_serving_only_correct_ones
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn blocks_stored_from_a_batched_prefill_give_the_ids_a_cold_prefill_gives() {
+    let cached = daemon(true);
+    let cold = daemon(false);
+    // Three new prompts at once are prefilled as one padded batch; each
+    // row's blocks are stored from it.
+    let firsts: Vec<GenerateRequest> =
+        ["What is rule 1?", "What is rule 2? Answer in one word.", "What is rule 5 about, in short?"]
+            .iter()
+            .map(|q| chat(QWEN3, &[], q))
+            .collect();
+    let tasks: Vec<_> = firsts
+        .iter()
+        .cloned()
+        .map(|r| {
+            let socket = cached.socket.clone();
+            tokio::spawn(async move { ask(&socket, r).await.unwrap() })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap().0);
+    }
+    let log = cached.log_text();
+    for (first, answer) in firsts.iter().zip(&answers) {
+        let q = first.messages.last().unwrap().content.clone();
+        let mut next = first.clone();
+        next.messages.push(ChatMessage { role: Role::Assistant, ..ChatMessage::user(answer.clone()) });
+        next.messages.push(ChatMessage::user("And why?"));
+        let (_, want) = ask_ok(&cold, next.clone()).await;
+        let (_, got) = ask_ok(&cached, next).await;
+        assert!(got.prefix_tokens_reused >= 128, "{q}: blocks from the batched prefill are reused: {got:?}\n{log}");
+        assert_eq!(got.token_ids, want.token_ids, "{q}: ids differ");
+    }
+}
