@@ -16,7 +16,7 @@ model, system, turns, turn_tokens, answer, long_tokens = sys.argv[1], *map(int, 
 
 def facts(tag, tokens):
     # Must match mlxbc-bench's `facts`.
-    return "".join(f"Fact {tag}{i}: item {i} weighs {i * 7 + 3} grams. " for i in range(-(-tokens // 12)))
+    return "".join(f"Fact {tag}{i}: item {i} weighs {i * 7 + 3} grams. " for i in range(-(-tokens // 20)))
 
 
 def free_port():

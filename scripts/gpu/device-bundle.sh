@@ -13,7 +13,9 @@
 # (mlxbc-bench --concurrency: 1, 4, 16, 64 clients of 128 tokens, each
 # batched answer compared with its prompt alone, a short question during a
 # 1,000-token answer) beside mlx-lm's BatchGenerator on the same packed f16
-# weights.
+# weights; 10, after 4: the prompt cache's agent loop (mlxbc-bench --prompts:
+# 2,000-token system prompt, 20 turns of ~200 tokens, a 4,000-token prefix
+# from disk after a restart, misses) beside mlx-lm's server on the same loop.
 set -u
 step=$1
 PY=/opt/torch/.venv/bin/python3
@@ -112,4 +114,11 @@ case $step in
   $PY scripts/bench.d/concurrency_median.py $OUT/conc-mlxlm-$g-r*.json > $OUT/conc-mlxlm-$g.json
   $PY scripts/bench.d/concurrency_table.py $OUT/conc-$g.json $OUT/conc-mlxlm-$g.json 128 "$g" | tee -a $OUT/concurrency-$g.md
   echo STEP${step}_DONE ;;
+10)
+  for g in SmolLM2-135M-Instruct.Q4_1 qwen2.5-coder-0.5b-shape; do
+    timeout 240 "$B/bin/mlxbc-bench" --prompts /tmp/models/$g.gguf 2000 20 200 32 4000 > $OUT/prompts-$g.json 2> $OUT/prompts-$g.log
+    timeout 120 $PY scripts/bench.d/mlx_lm_server_loop.py /tmp/bench-models/$g-f16 2000 20 200 32 4000 > $OUT/prompts-mlxlm-$g.json
+    $PY scripts/bench.d/prompts_table.py $OUT/prompts-$g.json $OUT/prompts-mlxlm-$g.json | tee $OUT/prompts-$g.md
+  done
+  echo STEP10_DONE ;;
 esac
