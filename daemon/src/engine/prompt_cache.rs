@@ -277,6 +277,12 @@ impl PromptCache {
         }
     }
 
+    /// False when both tiers are off (no RAM budget, no disk): then nothing
+    /// is copied, stored or looked up.
+    pub fn is_on(&self) -> bool {
+        self.ram_budget > 0 || self.writer.is_some()
+    }
+
     /// Blocks and bytes in RAM.
     pub fn ram_usage(&self) -> (u64, u64) {
         (self.ram.len() as u64, self.ram_bytes)
@@ -314,6 +320,9 @@ impl PromptCache {
         layers: usize,
         bytes_per_position: u64,
     ) -> Option<Reuse> {
+        if !self.is_on() {
+            return None;
+        }
         let mut run: Vec<(BlockHash, bool)> = Vec::new();
         for hash in &keys.blocks {
             let in_ram = self.ram.contains(hash);
@@ -380,6 +389,9 @@ impl PromptCache {
     /// Stores the blocks of `keys` that row `row` of `cache` covers and
     /// RAM does not have yet: in RAM, and queued for the disk.
     pub fn store(&mut self, keys: &PromptKeys, cache: &KvCache, row: usize) {
+        if !self.is_on() {
+            return;
+        }
         let have = (cache.offset - cache.paddings().get(row).copied().unwrap_or(0)).max(0) as usize;
         let mut spans: Vec<(BlockHash, usize, usize)> = keys
             .blocks
