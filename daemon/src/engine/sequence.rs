@@ -220,14 +220,16 @@ impl Sequence {
         row: usize,
         prompts: &mut PromptCache,
     ) -> Option<Result<Finished, EngineError>> {
-        if let Some(keys) = self.s.keys.take() {
-            prompts.store(&keys, batch, row);
-        }
         self.t_first = Some(Instant::now());
         self.prefill_at = None;
         self.s.embeds = Array::from_int(0);
         self.s.cache = KvCache::new(0);
-        self.accept(token)
+        let ended = self.accept(token);
+        // After the first token is streamed: this row's blocks are kept.
+        if let Some(keys) = self.s.keys.take() {
+            prompts.store(&keys, batch, row);
+        }
+        ended
     }
 
     /// One prompt chunk (or the last position and the first token).
@@ -268,12 +270,13 @@ impl Sequence {
         self.prefill_at = None;
         // The prompt's embeddings are not needed any more.
         self.s.embeds = Array::from_int(0);
-        // The first token is out: the prompt's new blocks are kept (RAM
-        // now, disk behind), computed by the chunks above.
+        let ended = self.accept(token);
+        // The first token is out (streamed by `accept`): now the prompt's
+        // new blocks are kept (RAM now, disk behind), computed by the chunks above.
         if let Some(keys) = self.s.keys.take() {
             prompts.store(&keys, &self.s.cache, 0);
         }
-        if let Some(end) = self.accept(token) {
+        if let Some(end) = ended {
             return end.map(Prefilled::Finished);
         }
         let cache = std::mem::replace(&mut self.s.cache, KvCache::new(0));
