@@ -447,7 +447,7 @@ pub struct LoadedModel {
 pub struct ShedEvent {
     /// Seconds since it happened.
     pub ago_s: u64,
-    /// "encoder RAM tier", "KV prefixes" or "model".
+    /// "encoder RAM tier", "prompt cache RAM tier" or "model".
     pub tier: String,
     /// What was dropped (a model's name, a count of entries).
     pub what: String,

@@ -50,7 +50,7 @@ pub struct SettingsFile {
     /// of the machine's RAM). A model that cannot fit is refused.
     pub memory_budget_mib: Option<u64>,
     /// Below this much available memory (MiB) the daemon sheds, in order: the
-    /// encoder RAM tier, idle KV prefixes, unpinned models (default: 5% of RAM).
+    /// encoder RAM tier, the prompt cache's RAM tier, unpinned models (default: 5% of RAM).
     pub low_memory_mib: Option<u64>,
     /// When started by launchd/systemd socket activation: exit after this
     /// long with no client and no model loaded (default "10m"; "forever": never).
