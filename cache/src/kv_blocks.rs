@@ -28,6 +28,9 @@ use std::time::SystemTime;
 const MAGIC: &[u8; 4] = b"MXKB";
 const FORMAT_VERSION: u16 = 1;
 const SUFFIX: &str = "kv";
+/// No block is larger (64 positions of a large model's KV are tens of MB);
+/// a bigger file under a block's name is not read into memory.
+const MAX_BLOCK_BYTES: u64 = 1 << 30;
 
 /// A block's identity: its chained hash.
 pub type BlockHash = [u8; 32];
@@ -131,7 +134,8 @@ impl BlockStore {
             return None;
         }
         let path = self.path(hash);
-        let block = std::fs::read(&path).ok().and_then(|b| decode(&b, hash));
+        let small_enough = std::fs::metadata(&path).is_ok_and(|m| m.len() <= MAX_BLOCK_BYTES);
+        let block = small_enough.then(|| std::fs::read(&path).ok()).flatten().and_then(|b| decode(&b, hash));
         let mut index = self.index.lock().unwrap();
         match block {
             Some(f) => {
