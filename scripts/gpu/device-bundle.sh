@@ -114,8 +114,8 @@ case $step in
   $PY scripts/bench.d/concurrency_median.py $OUT/conc-mlxlm-$g-r*.json > $OUT/conc-mlxlm-$g.json
   $PY scripts/bench.d/concurrency_table.py $OUT/conc-$g.json $OUT/conc-mlxlm-$g.json 128 "$g" | tee -a $OUT/concurrency-$g.md
   echo STEP${step}_DONE ;;
-10)
-  for g in SmolLM2-135M-Instruct.Q4_1 qwen2.5-coder-0.5b-shape; do
+10) # G=one model's file stem runs only that one (each run fits a call)
+  for g in ${G:-SmolLM2-135M-Instruct.Q4_1 qwen2.5-coder-0.5b-shape}; do
     timeout 240 "$B/bin/mlxbc-bench" --prompts /tmp/models/$g.gguf 2000 20 200 32 4000 > $OUT/prompts-$g.json 2> $OUT/prompts-$g.log
     timeout 120 $PY scripts/bench.d/mlx_lm_server_loop.py /tmp/bench-models/$g-f16 2000 20 200 32 4000 > $OUT/prompts-mlxlm-$g.json
     $PY scripts/bench.d/prompts_table.py $OUT/prompts-$g.json $OUT/prompts-mlxlm-$g.json | tee $OUT/prompts-$g.md

@@ -402,22 +402,27 @@ impl PromptCache {
         if let Some((end, hash)) = keys.tail {
             spans.push((hash, end / BLOCK_TOKENS * BLOCK_TOKENS, end));
         }
+        let mut fresh: Vec<(BlockHash, Array, usize)> = Vec::new();
         for (hash, from, to) in spans {
             if to > have || self.ram.contains(&hash) {
                 continue;
             }
-            let data = match cache.positions(row, from as i32, to as i32) {
-                Ok(d) => d,
+            match cache.positions(row, from as i32, to as i32) {
+                Ok(data) => fresh.push((hash, data, to - from)),
                 Err(e) => {
                     // A model whose layers' KV differ in shape: not cached.
                     tracing::debug!(error = %format!("{e:#}"), "prompt cache: block not stored");
                     return;
                 }
-            };
-            if let Err(e) = data.eval() {
-                tracing::warn!(error = %e, "prompt cache: block not stored");
-                return;
             }
+        }
+        // One evaluation for all of them: on a GPU each evaluation waits
+        // for the device, so one per block would be one round trip each.
+        if let Err(e) = mlx_rs::transforms::eval(fresh.iter().map(|(_, d, _)| d)) {
+            tracing::warn!(error = %e, "prompt cache: blocks not stored");
+            return;
+        }
+        for (hash, data, positions) in fresh {
             if let Some(w) = &self.writer {
                 if let Some(f) = to_features(&data) {
                     if w.try_send((hash, f)).is_err() {
@@ -425,7 +430,7 @@ impl PromptCache {
                     }
                 }
             }
-            self.put_ram(hash, data, to - from);
+            self.put_ram(hash, data, positions);
             self.counters.stored_blocks += 1;
         }
     }
@@ -447,19 +452,15 @@ impl PromptCache {
     }
 }
 
-/// A cache of the blocks `pieces` (in order), each `[2L, 1, H, n, D]`.
+/// A cache of the blocks `pieces` (in order), each `[2L, 1, H, n, D]`:
+/// joined once along the positions, then each layer's keys and values are
+/// views of the whole (one copy per block; joining layer by layer would be
+/// 2L copies per block, thousands of kernel launches for a long prompt).
 fn assemble(pieces: &[Array], layers: usize) -> anyhow::Result<KvCache> {
     use mlx_rs::ops::indexing::IndexOp;
-    let mut per_layer = Vec::with_capacity(layers);
-    for l in 0..layers as i32 {
-        let part = |i: i32| -> anyhow::Result<Array> {
-            let parts: Vec<Array> = pieces.iter().map(|p| p.index(i)).collect();
-            Ok(if parts.len() == 1 { parts[0].clone() } else { mlx_rs::ops::concatenate(&parts, 2)? })
-        };
-        per_layer.push((part(2 * l)?, part(2 * l + 1)?));
-    }
-    let positions: i32 = pieces.iter().map(|p| p.shape()[3]).sum();
-    Ok(KvCache::from_prefix(per_layer, positions))
+    let whole = if pieces.len() == 1 { pieces[0].clone() } else { mlx_rs::ops::concatenate(pieces, 3)? };
+    let per_layer = (0..layers as i32).map(|l| (whole.index(2 * l), whole.index(2 * l + 1))).collect();
+    Ok(KvCache::from_prefix(per_layer, whole.shape()[3]))
 }
 
 fn feature_dtype(d: Dtype) -> Option<FeatureDtype> {

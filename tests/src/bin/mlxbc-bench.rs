@@ -16,6 +16,11 @@ use std::time::{Duration, Instant};
 /// The prompt length warm time to first token is measured at.
 const TTFT_PROMPT_TOKENS: u32 = 50;
 
+/// A count from the environment, or `default`.
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -146,7 +151,7 @@ async fn prompts_bench(
     let cold_home = tempfile::Builder::new().prefix("mlxbc-bench").tempdir_in("/tmp")?;
     std::fs::create_dir(cold_home.path().join("models"))?;
     std::fs::write(cold_home.path().join("config.toml"), "prompt_cache_ram_mib = 0\nprompt_cache_mib = 0\n")?;
-    let cold = Bench::start(&model, Some(cold_home))?;
+    let mut cold = Bench::start(&model, Some(cold_home))?;
     let mut cached = Bench::start(&model, None)?;
     let name = cached.name.clone();
     let request = |messages: Vec<ChatMessage>, max_tokens: usize| {
@@ -184,27 +189,51 @@ async fn prompts_bench(
             "ttft_cold_ms": if without_ms.is_nan() { serde_json::Value::Null } else { without_ms.into() },
             "reused": with.prefix_tokens_reused, "prefilled": with.prefill_tokens_computed,
             "ids_equal": if without_ms.is_nan() { serde_json::Value::Null } else { (with.token_ids == without.token_ids).into() },
+            // Where the answers part, when they do (None: equal).
+            "ids_part_at": with.token_ids.iter().zip(&without.token_ids).position(|(a, b)| a != b),
         }));
         // The answer as the next turn sends it back: generated tokens are
         // not cached (only prompts), so its text only has to be new.
         let answer = format!("Item {turn} weighs {} grams, as fact t{turn} says; {}", turn * 7 + 3, facts("a", answer_tokens));
         messages.push(ChatMessage { role: Role::Assistant, ..ChatMessage::user(answer) });
     }
-    // A long prefix on disk after a restart, against its cold prefill.
+    // A long prefix on disk after a restart, against its cold prefill: each
+    // round restarts both daemons (a fresh process pays its first use of each
+    // shape, e.g. a GPU's run-time kernel compiles, with or without the
+    // cache), warms each with one short request, then asks the long prompt,
+    // in alternating order; medians over the rounds.
     let long = vec![
         ChatMessage { role: Role::System, ..ChatMessage::user(facts("L", long_tokens)) },
         ChatMessage::user("Which item weighs titanic?"),
     ];
     timed(&mut cached.client().await, request(long.clone(), 1)).await?;
-    let home = cached.stop().await;
-    cached = Bench::start(&model, Some(home))?;
-    timed(&mut cached.client().await, request(vec![ChatMessage::user("hi")], 1)).await?;
-    let (disk_ms, disk) = timed(&mut cached.client().await, request(long.clone(), 1)).await?;
-    let (long_cold_ms, long_cold) = timed(&mut cold.client().await, request(long.clone(), 1)).await?;
+    let rounds = env_count("MLXBC_BENCH_DISK_ROUNDS", 3);
+    let (mut disk_ms, mut long_cold_ms) = (Vec::new(), Vec::new());
+    let (mut disk, mut long_cold) = (None, None);
+    for round in 0..rounds {
+        let home = cached.stop().await;
+        cached = Bench::start(&model, Some(home))?;
+        let home = cold.stop().await;
+        cold = Bench::start(&model, Some(home))?;
+        timed(&mut cached.client().await, request(vec![ChatMessage::user("hi")], 1)).await?;
+        timed(&mut cold.client().await, request(vec![ChatMessage::user("hi")], 1)).await?;
+        let (d, c) = if round % 2 == 0 {
+            let d = timed(&mut cached.client().await, request(long.clone(), 1)).await?;
+            (d, timed(&mut cold.client().await, request(long.clone(), 1)).await?)
+        } else {
+            let c = timed(&mut cold.client().await, request(long.clone(), 1)).await?;
+            (timed(&mut cached.client().await, request(long.clone(), 1)).await?, c)
+        };
+        disk_ms.push(d.0);
+        long_cold_ms.push(c.0);
+        disk = Some(d.1);
+        long_cold = Some(c.1);
+    }
+    let (disk, long_cold) = (disk.expect("one round"), long_cold.expect("one round"));
     // Misses: prompts neither daemon has seen, interleaved.
     let (mut miss_with, mut miss_without) = (Vec::new(), Vec::new());
     // Order alternates, so neither daemon always runs right after the other.
-    for i in 0..5 {
+    for i in 0..env_count("MLXBC_BENCH_MISSES", 9) {
         let fresh = vec![ChatMessage::user(facts(&format!("m{i}-"), 300))];
         if i % 2 == 0 {
             miss_with.push(timed(&mut cached.client().await, request(fresh.clone(), 1)).await?.0);
@@ -219,9 +248,11 @@ async fn prompts_bench(
         serde_json::json!({
             "model": name, "system_tokens": system_tokens, "turn_tokens": turn_tokens, "answer_tokens": answer_tokens,
             "turns": rows,
-            "disk": {"prompt_tokens": disk.prompt_tokens, "from_disk": disk.prompt_tokens_from_disk, "ttft_disk_ms": disk_ms,
-                     "ttft_cold_ms": long_cold_ms, "ids_equal": disk.token_ids == long_cold.token_ids},
-            "miss": {"ttft_cached_ms": median(miss_with), "ttft_cold_ms": median(miss_without)},
+            "disk": {"prompt_tokens": disk.prompt_tokens, "from_disk": disk.prompt_tokens_from_disk, "ttft_disk_ms": median(disk_ms.clone()),
+                     "ttft_cold_ms": median(long_cold_ms.clone()), "rounds_disk_ms": disk_ms, "rounds_cold_ms": long_cold_ms,
+                     "ids_equal": disk.token_ids == long_cold.token_ids},
+            "miss": {"ttft_cached_ms": median(miss_with.clone()), "ttft_cold_ms": median(miss_without.clone()),
+                     "pairs_cached_ms": miss_with, "pairs_cold_ms": miss_without},
         })
     );
     cached.stop().await;
