@@ -127,6 +127,11 @@ impl BlockStore {
         self.index.lock().unwrap().entries.contains_key(hash)
     }
 
+    /// The size on disk of the block of that hash, if there is one.
+    pub fn size(&self, hash: &BlockHash) -> Option<u64> {
+        self.index.lock().unwrap().entries.get(hash).map(|e| e.bytes)
+    }
+
     /// The block, verified; `None` when absent or damaged (then removed).
     pub fn read(&self, hash: &BlockHash) -> Option<Features> {
         if !self.contains(hash) {
@@ -290,7 +295,11 @@ mod tests {
         std::fs::write(&path_b, bytes).unwrap();
         let store = BlockStore::open(dir.path(), 1 << 20).unwrap();
         assert_eq!(store.stats().blocks, 2, "the .tmp file is not a block");
-        assert!(std::fs::read_dir(dir.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().ends_with(".tmp")));
+        assert!(std::fs::read_dir(dir.path()).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .ends_with(".tmp")));
         assert_eq!(store.read(&a), Some(block(1.0)));
         assert_eq!(store.read(&b), None, "a flipped bit is a miss");
         assert!(!path_b.exists(), "and the damaged file is removed");

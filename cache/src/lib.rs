@@ -21,7 +21,7 @@ mod store;
 mod value;
 
 pub use fingerprint::{TowerFingerprint, WeightFileIdentity};
-pub use kv_blocks::{BlockHash, BlockStats, BlockStore};
 pub use key::{content_hash, hex, FeatureKey, Modality, SCHEMA_VERSION};
+pub use kv_blocks::{BlockHash, BlockStats, BlockStore};
 pub use store::{scan_for_damage, FeatureStore, StoreConfig, StoreError, StoreStats, Tier};
 pub use value::{FeatureDtype, Features};

@@ -150,7 +150,9 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             }
             match command {
                 CacheCmd::Clear { prompts: false } => writeln!(out, "removed {} entries", r.removed)?,
-                CacheCmd::Clear { prompts: true } => writeln!(out, "removed {} prompt KV blocks from disk (and RAM)", r.removed)?,
+                CacheCmd::Clear { prompts: true } => {
+                    writeln!(out, "removed {} prompt KV blocks from disk (and RAM)", r.removed)?
+                }
                 CacheCmd::Verify => writeln!(out, "{} entries ok, {} damaged entries removed", r.entries, r.removed)?,
                 CacheCmd::Ls => {}
                 CacheCmd::Stats => {
@@ -186,6 +188,13 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         "reused:    {} prompt tokens from RAM, {} from disk; {} blocks stored; evictions {} RAM, {} disk; corrupt {}; writes dropped {}",
                         p.ram_hit_tokens, p.disk_hit_tokens, p.stored_blocks, p.ram_evictions, p.disk_evictions, p.corrupt, p.writes_dropped
                     )?;
+                    if p.disk_skipped_tokens > 0 {
+                        writeln!(
+                            out,
+                            "computed:  {} prompt tokens on disk were prefilled instead of read (measured faster on this device)",
+                            p.disk_skipped_tokens
+                        )?;
+                    }
                 }
             }
         }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -151,6 +151,10 @@ pub struct PromptCacheReport {
     pub corrupt: u64,
     /// Blocks not written to disk because the writer was behind.
     pub writes_dropped: u64,
+    /// Prompt positions on disk that were computed instead, because
+    /// prefilling them was measured cheaper than reading them (a small
+    /// model on a fast GPU).
+    pub disk_skipped_tokens: u64,
 }
 
 /// A message from the daemon to a client.

@@ -203,9 +203,9 @@ pub fn begin(
         let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
         ctx.prompts.lookup(k, stored, model.lm.num_layers(), model.kv_bytes_per_position)
     });
-    let (mut cache, reused, from_disk) = match reuse {
-        Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens),
-        None => (KvCache::new(model.lm.num_layers()), 0, 0),
+    let (mut cache, reused, from_disk, disk_cost) = match reuse {
+        Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens, r.disk_cost),
+        None => (KvCache::new(model.lm.num_layers()), 0, 0, None),
     };
     if let Some(v) = &model.vision {
         cache.mrope = v.tower.rope_positions(&ids, &features);
@@ -229,6 +229,7 @@ pub fn begin(
         keys,
         reused,
         from_disk,
+        disk_cost,
         sampler: Sampler::new(request.sampling.clone()).map_err(EngineError::inference)?,
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,

@@ -12,6 +12,7 @@ pub mod generate;
 pub mod media;
 pub mod memory;
 pub mod prompt_cache;
+pub mod prompt_costs;
 pub mod registry;
 mod residency;
 pub mod sampling;
@@ -201,10 +202,11 @@ pub struct EngineHandle {
     pub store: Option<media::SharedStore>,
     pub store_path: std::path::PathBuf,
     /// The prompt cache's disk tier (`None`: off, or it could not be
-    /// opened) and the set of blocks in its RAM tier, for reading a
-    /// prompt's blocks off the engine thread.
+    /// opened), and the names of its RAM tier's blocks with the measured
+    /// costs of disk reads and prefills, for reading a prompt's blocks off
+    /// the engine thread.
     pub prompt_disk: Option<Arc<mlxbc_cache::BlockStore>>,
-    pub prompt_ram_index: Arc<Mutex<std::collections::HashSet<mlxbc_cache::BlockHash>>>,
+    pub prompt_shared: Arc<Mutex<prompt_cache::SharedIndex>>,
     pub prompt_path: std::path::PathBuf,
 }
 
@@ -230,6 +232,7 @@ impl EngineHandle {
             disk_evictions: disk.evictions,
             corrupt: disk.corrupt,
             writes_dropped: ram.counters.writes_dropped,
+            disk_skipped_tokens: self.prompt_shared.lock().unwrap_or_else(PoisonError::into_inner).costs.skipped_tokens,
         }
     }
 
@@ -347,7 +350,7 @@ pub fn spawn(
         store: store.clone(),
         store_path: settings.feature_cache_dir.clone(),
         prompt_disk: open_prompt_disk(settings),
-        prompt_ram_index: Arc::default(),
+        prompt_shared: Arc::default(),
         prompt_path: settings.prompt_cache_dir.clone(),
     };
     let form =
@@ -365,14 +368,14 @@ pub fn spawn(
     let prefill_chunk = settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu));
     let prompt_ram_bytes =
         settings.prompt_cache_ram_bytes.unwrap_or_else(|| (1u64 << 30).min(memory::total_bytes() / 8));
-    let (prompt_disk, prompt_ram_index) = (handle.prompt_disk.clone(), handle.prompt_ram_index.clone());
+    let (prompt_disk, prompt_shared) = (handle.prompt_disk.clone(), handle.prompt_shared.clone());
     let device_for_keys = device_name.to_string();
     // The engine is built on its own thread: models hold compiled MLX
     // functions, which must stay on the thread that made them.
     let thread = std::thread::Builder::new().name("mlx-engine".into()).spawn(move || {
         let mut engine = Engine {
             store,
-            prompts: prompt_cache::PromptCache::new(prompt_ram_bytes, prompt_disk, prompt_ram_index),
+            prompts: prompt_cache::PromptCache::new(prompt_ram_bytes, prompt_disk, prompt_shared),
             registry,
             residency: {
                 let mut r = Residency::new(
@@ -835,12 +838,8 @@ impl Engine {
             })
             .collect();
         let (blocks, bytes) = self.prompts.ram_usage();
-        snap.prompt_ram = PromptRamState {
-            blocks,
-            bytes,
-            budget_bytes: self.prompts.ram_budget(),
-            counters: self.prompts.counters,
-        };
+        snap.prompt_ram =
+            PromptRamState { blocks, bytes, budget_bytes: self.prompts.ram_budget(), counters: self.prompts.counters };
         snap.mlx_active_bytes = mlx_rs::memory::active_memory().unwrap_or(0) as u64;
         snap.mlx_peak_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
     }

@@ -32,6 +32,8 @@ use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{BlockHash, BlockStore, FeatureDtype, Features, WeightFileIdentity};
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
+
+use super::prompt_costs::PromptCosts;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -53,9 +55,7 @@ pub fn model_root(path: &Path, form: &str, device: &str) -> std::io::Result<[u8;
     let mut files: Vec<std::path::PathBuf> = if path.is_dir() {
         std::fs::read_dir(path)?
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.extension().is_some_and(|x| x == "safetensors" || x == "json" || x == "gguf" || x == "model")
-            })
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors" || x == "json" || x == "gguf" || x == "model"))
             .collect()
     } else {
         vec![path.to_path_buf()]
@@ -125,6 +125,8 @@ pub fn media_spans(ids: &[u32], image_token: u32, hashes: &[[u8; 32]]) -> Vec<Me
 /// The cache keys of one prompt.
 #[derive(Debug, Clone, Default)]
 pub struct PromptKeys {
+    /// The model's KV root the names start from.
+    pub root: BlockHash,
     /// Block `i` covers positions `i*B .. (i+1)*B`; only blocks that may be
     /// reused or stored (ending before the prompt's last position).
     pub blocks: Vec<BlockHash>,
@@ -165,7 +167,7 @@ impl PromptKeys {
             let before = if full == 0 { *root } else { blocks[full - 1] };
             (p, link(&before, full * BLOCK_TOKENS, p))
         });
-        Self { blocks, tail, inside_images: media.iter().map(|m| (m.start, m.end)).collect() }
+        Self { root: *root, blocks, tail, inside_images: media.iter().map(|m| (m.start, m.end)).collect() }
     }
 
     fn may_end_at(&self, end: usize) -> bool {
@@ -173,25 +175,70 @@ impl PromptKeys {
     }
 }
 
-/// Blocks read from disk for one prompt (off the engine thread), by hash.
-pub type StoredBlocks = HashMap<BlockHash, Features>;
+/// What request preparation (off the engine thread) shares with the
+/// engine thread's [`PromptCache`]: the names of the blocks in RAM, and the
+/// measured costs that say whether a disk run is worth reading.
+#[derive(Debug, Default)]
+pub struct SharedIndex {
+    pub in_ram: HashSet<BlockHash>,
+    pub costs: PromptCosts,
+}
 
-/// Reads `keys`' longest run of blocks that RAM (`in_ram`) or the disk
-/// has, the disk's from the disk. Runs on a blocking task.
-pub fn read_stored(keys: &PromptKeys, in_ram: &Mutex<HashSet<BlockHash>>, disk: &BlockStore) -> StoredBlocks {
-    let mut out = StoredBlocks::new();
-    let chain = keys.blocks.iter().chain(keys.tail.as_ref().map(|(_, h)| h));
-    for hash in chain {
-        if in_ram.lock().unwrap().contains(hash) {
+/// Blocks read from disk for one prompt (off the engine thread), by hash,
+/// with what reading them took.
+#[derive(Default)]
+pub struct StoredBlocks {
+    blocks: HashMap<BlockHash, Features>,
+    bytes: u64,
+    read_s: f64,
+}
+
+/// Reads `keys`' longest run of blocks that RAM or the disk has, the
+/// disk's from the disk, unless computing those positions was measured
+/// cheaper (a small model on a fast GPU). Runs on a blocking task.
+pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockStore) -> StoredBlocks {
+    let chain: Vec<(BlockHash, usize)> = keys
+        .blocks
+        .iter()
+        .map(|h| (*h, BLOCK_TOKENS))
+        .chain(keys.tail.map(|(end, h)| (h, end % BLOCK_TOKENS)))
+        .collect();
+    // The disk part of the run: its size, before reading anything.
+    let (mut bytes, mut tokens) = (0u64, 0usize);
+    {
+        let shared = shared.lock().unwrap();
+        for (hash, positions) in &chain {
+            if shared.in_ram.contains(hash) {
+                continue;
+            }
+            match disk.size(hash) {
+                Some(b) => (bytes, tokens) = (bytes + b, tokens + positions),
+                None => break,
+            }
+        }
+    }
+    if tokens == 0 {
+        return StoredBlocks::default();
+    }
+    if !shared.lock().unwrap().costs.disk_pays(&keys.root, bytes, tokens) {
+        shared.lock().unwrap().costs.skipped_tokens += tokens as u64;
+        return StoredBlocks::default();
+    }
+    let started = std::time::Instant::now();
+    let mut out = StoredBlocks::default();
+    for (hash, _) in &chain {
+        if shared.lock().unwrap().in_ram.contains(hash) {
             continue;
         }
         match disk.read(hash) {
             Some(block) => {
-                out.insert(*hash, block);
+                out.bytes += block.data.len() as u64;
+                out.blocks.insert(*hash, block);
             }
             None => break,
         }
     }
+    out.read_s = started.elapsed().as_secs_f64();
     out
 }
 
@@ -202,6 +249,9 @@ pub struct Reuse {
     /// Positions from RAM and from disk.
     pub ram_tokens: usize,
     pub disk_tokens: usize,
+    /// The disk blocks' bytes and the seconds reading and converting them
+    /// took (for [`PromptCache::note_prefilled`]); `None` without any.
+    pub disk_cost: Option<(u64, f64)>,
 }
 
 /// Counters since the daemon started.
@@ -228,8 +278,9 @@ pub struct PromptCache {
     ram: LruCache<BlockHash, RamBlock>,
     ram_bytes: u64,
     ram_budget: u64,
-    /// The hashes in RAM, for `read_stored` off the engine thread.
-    in_ram: Arc<Mutex<HashSet<BlockHash>>>,
+    /// The hashes in RAM and the measured costs, shared with `read_stored`
+    /// off the engine thread.
+    shared: Arc<Mutex<SharedIndex>>,
     writer: Option<std::sync::mpsc::SyncSender<(BlockHash, Features)>>,
     disk: Option<Arc<BlockStore>>,
     pub counters: PromptCacheCounters,
@@ -237,9 +288,9 @@ pub struct PromptCache {
 
 impl PromptCache {
     /// A RAM tier of `ram_budget` bytes whose block names are kept in
-    /// `in_ram` (shared with request preparation), writing blocks to `disk`
+    /// `shared` (with request preparation), writing blocks to `disk`
     /// (if any) from a thread of its own.
-    pub fn new(ram_budget: u64, disk: Option<Arc<BlockStore>>, in_ram: Arc<Mutex<HashSet<BlockHash>>>) -> Self {
+    pub fn new(ram_budget: u64, disk: Option<Arc<BlockStore>>, shared: Arc<Mutex<SharedIndex>>) -> Self {
         let writer = disk.clone().map(|disk| {
             // A bounded queue: when the disk falls behind, blocks are
             // dropped (counted), never waited for.
@@ -260,7 +311,7 @@ impl PromptCache {
             ram: LruCache::unbounded(),
             ram_bytes: 0,
             ram_budget,
-            in_ram,
+            shared,
             writer,
             disk,
             counters: PromptCacheCounters::default(),
@@ -272,8 +323,8 @@ impl PromptCache {
     /// engine has just spent far longer loading it than these reads take).
     pub fn read_stored_here(&self, keys: &PromptKeys) -> StoredBlocks {
         match &self.disk {
-            Some(disk) => read_stored(keys, &self.in_ram, disk),
-            None => StoredBlocks::new(),
+            Some(disk) => read_stored(keys, &self.shared, disk),
+            None => StoredBlocks::default(),
         }
     }
 
@@ -304,7 +355,7 @@ impl PromptCache {
         let n = self.ram.len();
         self.ram.clear();
         self.ram_bytes = 0;
-        self.in_ram.lock().unwrap().clear();
+        self.shared.lock().unwrap().in_ram.clear();
         n
     }
 
@@ -326,7 +377,7 @@ impl PromptCache {
         let mut run: Vec<(BlockHash, bool)> = Vec::new();
         for hash in &keys.blocks {
             let in_ram = self.ram.contains(hash);
-            if !in_ram && !stored.contains_key(hash) {
+            if !in_ram && !stored.blocks.contains_key(hash) {
                 break;
             }
             run.push((*hash, in_ram));
@@ -334,7 +385,7 @@ impl PromptCache {
         // The tail continues the run only where the run reaches its block.
         let mut tail = None;
         if let Some((end, hash)) = keys.tail {
-            if run.len() == end / BLOCK_TOKENS && (self.ram.contains(&hash) || stored.contains_key(&hash)) {
+            if run.len() == end / BLOCK_TOKENS && (self.ram.contains(&hash) || stored.blocks.contains_key(&hash)) {
                 tail = Some((end, hash, self.ram.contains(&hash)));
             }
         }
@@ -355,6 +406,7 @@ impl PromptCache {
         }
         let mut pieces = Vec::with_capacity(chain.len());
         let (mut ram_tokens, mut disk_tokens) = (0, 0);
+        let converting = std::time::Instant::now();
         for (hash, in_ram, positions) in chain {
             if in_ram {
                 let b = self.ram.get(&hash).expect("checked above");
@@ -371,7 +423,7 @@ impl PromptCache {
                         && s[3] as usize == positions
                         && a.nbytes() as u64 == bytes_per_position * positions as u64
                 };
-                let Some(data) = stored.remove(&hash).and_then(|f| to_array(&f)).filter(fits) else { break };
+                let Some(data) = stored.blocks.remove(&hash).and_then(|f| to_array(&f)).filter(fits) else { break };
                 disk_tokens += positions;
                 self.put_ram(hash, data.clone(), positions);
                 pieces.push(data);
@@ -380,10 +432,30 @@ impl PromptCache {
         if pieces.is_empty() {
             return None;
         }
+        let disk_cost = (disk_tokens > 0).then(|| (stored.bytes, stored.read_s + converting.elapsed().as_secs_f64()));
         let cache = assemble(&pieces, layers).ok()?;
         self.counters.ram_hit_tokens += ram_tokens as u64;
         self.counters.disk_hit_tokens += disk_tokens as u64;
-        Some(Reuse { cache, ram_tokens, disk_tokens })
+        Some(Reuse { cache, ram_tokens, disk_tokens, disk_cost })
+    }
+
+    /// After a prompt's first token: its prefill (`computed` positions in
+    /// `prefill_s`) measures the model's rate when nothing came from disk;
+    /// otherwise it adds to what the disk blocks cost (`disk`: their bytes
+    /// and read time) whatever it took beyond computing its own positions
+    /// (joining the blocks, moving them to the device).
+    pub fn note_prefilled(&mut self, keys: &PromptKeys, computed: usize, prefill_s: f64, disk: Option<(u64, f64)>) {
+        if !self.is_on() {
+            return;
+        }
+        let costs = &mut self.shared.lock().unwrap().costs;
+        match disk {
+            None => costs.note_prefill(&keys.root, computed, prefill_s),
+            Some((bytes, read_s)) => {
+                let own = costs.prefill_estimate(&keys.root, computed).unwrap_or(0.0);
+                costs.note_disk(bytes, read_s + (prefill_s - own).max(0.0));
+            }
+        }
     }
 
     /// Stores the blocks of `keys` that row `row` of `cache` covers and
@@ -393,18 +465,18 @@ impl PromptCache {
             return;
         }
         let have = (cache.offset - cache.paddings().get(row).copied().unwrap_or(0)).max(0) as usize;
-        let mut spans: Vec<(BlockHash, usize, usize)> = keys
-            .blocks
-            .iter()
-            .enumerate()
-            .map(|(i, h)| (*h, i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS))
-            .collect();
+        let mut spans: Vec<(BlockHash, usize, usize)> =
+            keys.blocks.iter().enumerate().map(|(i, h)| (*h, i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)).collect();
         if let Some((end, hash)) = keys.tail {
             spans.push((hash, end / BLOCK_TOKENS * BLOCK_TOKENS, end));
         }
         let mut fresh: Vec<(BlockHash, Array, usize)> = Vec::new();
         for (hash, from, to) in spans {
             if to > have || self.ram.contains(&hash) {
+                continue;
+            }
+            // With no RAM tier a block already on disk needs nothing.
+            if self.ram_budget == 0 && self.disk.as_ref().is_some_and(|d| d.contains(&hash)) {
                 continue;
             }
             match cache.positions(row, from as i32, to as i32) {
@@ -442,11 +514,11 @@ impl PromptCache {
         }
         self.ram_bytes += bytes;
         self.ram.put(hash, RamBlock { data, positions, bytes });
-        self.in_ram.lock().unwrap().insert(hash);
+        self.shared.lock().unwrap().in_ram.insert(hash);
         while self.ram_bytes > self.ram_budget {
             let Some((old, b)) = self.ram.pop_lru() else { break };
             self.ram_bytes -= b.bytes;
-            self.in_ram.lock().unwrap().remove(&old);
+            self.shared.lock().unwrap().in_ram.remove(&old);
             self.counters.ram_evictions += 1;
         }
     }

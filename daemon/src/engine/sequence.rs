@@ -63,6 +63,8 @@ pub struct Setup {
     /// the ones read from disk.
     pub reused: usize,
     pub from_disk: usize,
+    /// What those disk blocks cost (bytes, seconds to read and convert).
+    pub disk_cost: Option<(u64, f64)>,
     pub sampler: Sampler,
     pub stops: StopFilter,
     pub ignore_eos: bool,
@@ -227,6 +229,7 @@ impl Sequence {
         let ended = self.accept(token);
         // After the first token is streamed: this row's blocks are kept.
         if let Some(keys) = self.s.keys.take() {
+            self.note_prefill_costs(&keys, prompts);
             prompts.store(&keys, batch, row);
         }
         ended
@@ -274,6 +277,7 @@ impl Sequence {
         // The first token is out (streamed by `accept`): now the prompt's
         // new blocks are kept (RAM now, disk behind), computed by the chunks above.
         if let Some(keys) = self.s.keys.take() {
+            self.note_prefill_costs(&keys, prompts);
             prompts.store(&keys, &self.s.cache, 0);
         }
         if let Some(end) = ended {
@@ -325,6 +329,14 @@ impl Sequence {
             return Some(Ok(Finished::Abandoned));
         }
         None
+    }
+
+    /// Tells the prompt cache what this prompt's prefill took (it weighs
+    /// disk reads against prefills with it).
+    fn note_prefill_costs(&self, keys: &PromptKeys, prompts: &mut PromptCache) {
+        let (Some(first), Some(start)) = (self.t_first, self.t_prefill) else { return };
+        let computed = self.s.ids.len() - self.s.reused;
+        prompts.note_prefilled(keys, computed, first.duration_since(start).as_secs_f64(), self.s.disk_cost);
     }
 
     fn finish(&mut self, stop_reason: StopReason) -> Result<Finished, EngineError> {

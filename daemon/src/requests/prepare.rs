@@ -140,7 +140,7 @@ async fn tokenize(
     let (prompter, messages) = (route.prompter.clone(), request.messages.clone());
     let placeholder = route.placeholder.clone();
     let (kv_root, context) = (route.kv_root, route.context);
-    let (disk, in_ram) = (engine.prompt_disk.clone(), engine.prompt_ram_index.clone());
+    let (disk, in_ram) = (engine.prompt_disk.clone(), engine.prompt_shared.clone());
     type Made = Option<(Vec<u32>, prompt_cache::StoredBlocks)>;
     let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Made> {
         let text = prompter.template.render(&messages)?;

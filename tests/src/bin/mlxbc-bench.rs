@@ -168,7 +168,10 @@ async fn prompts_bench(
     let mut messages = vec![ChatMessage { role: Role::System, ..ChatMessage::user(facts("s", system_tokens)) }];
     let mut rows = Vec::new();
     for turn in 1..=turns {
-        messages.push(ChatMessage::user(format!("{}Question {turn}: what does item {turn} weigh?", facts(&format!("t{turn}-"), turn_tokens))));
+        messages.push(ChatMessage::user(format!(
+            "{}Question {turn}: what does item {turn} weigh?",
+            facts(&format!("t{turn}-"), turn_tokens)
+        )));
         let (with_ms, with) = match timed(&mut cached.client().await, request(messages.clone(), answer_tokens)).await {
             Ok(made) => made,
             Err(e) => {
@@ -194,7 +197,8 @@ async fn prompts_bench(
         }));
         // The answer as the next turn sends it back: generated tokens are
         // not cached (only prompts), so its text only has to be new.
-        let answer = format!("Item {turn} weighs {} grams, as fact t{turn} says; {}", turn * 7 + 3, facts("a", answer_tokens));
+        let answer =
+            format!("Item {turn} weighs {} grams, as fact t{turn} says; {}", turn * 7 + 3, facts("a", answer_tokens));
         messages.push(ChatMessage { role: Role::Assistant, ..ChatMessage::user(answer) });
     }
     // A long prefix on disk after a restart, against its cold prefill: each

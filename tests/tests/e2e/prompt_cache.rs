@@ -101,7 +101,10 @@ async fn a_session_prefills_only_its_new_turn() {
     }
     let (total, computed) = *prefilled.last().unwrap();
     assert!(total > 200, "{prefilled:?}");
-    assert!(computed < 100, "turn 4 prefills its own turn (and the rest of its last block), not the history: {prefilled:?}");
+    assert!(
+        computed < 100,
+        "turn 4 prefills its own turn (and the rest of its last block), not the history: {prefilled:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
