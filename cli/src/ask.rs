@@ -2,7 +2,7 @@
 
 use crate::{keep_alive, AskArgs};
 use anyhow::Result;
-use mlxbc_client::{ChatMessage, Client, ClientError, GenerateRequest, MediaRef, Response, SamplingParams};
+use mlxbc_client::{ChatMessage, Client, ClientError, Constraint, GenerateRequest, MediaRef, Response, SamplingParams};
 use std::io::{IsTerminal, Read, Write};
 
 /// Reads image files with the user's own permissions (the daemon never opens
@@ -62,7 +62,23 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         keep_alive: keep_alive(&args.keep_alive)?,
         ignore_eos: args.ignore_eos,
         session: args.session.clone(),
+        constraint: constraint(args)?,
     })
+}
+
+/// The constraint `--json-schema`, `--json-object` or `--regex` asks for.
+fn constraint(args: &AskArgs) -> Result<Option<Constraint>> {
+    if let Some(path) = &args.json_schema {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("reading the JSON schema {}: {e}", path.display()))?;
+        serde_json::from_str::<serde_json::Value>(&text)
+            .map_err(|e| anyhow::anyhow!("{} is not JSON: {e}", path.display()))?;
+        return Ok(Some(Constraint::JsonSchema(text)));
+    }
+    if args.json_object {
+        return Ok(Some(Constraint::JsonObject));
+    }
+    Ok(args.regex.clone().map(Constraint::Regex))
 }
 
 pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) -> Result<()> {

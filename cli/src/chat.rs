@@ -89,6 +89,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             keep_alive: None,
             ignore_eos: false,
             session: args.session.clone(),
+            constraint: None,
         };
         let mut stream = client.generate(request).await?;
         let mut answer = String::new();

@@ -203,6 +203,16 @@ pub(crate) struct AskArgs {
     /// Continue (or start) a conversation the daemon keeps under this name.
     #[arg(long)]
     session: Option<String>,
+    /// The answer is JSON valid under this JSON Schema file (enforced while
+    /// generating).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "json_object"])]
+    json_schema: Option<std::path::PathBuf>,
+    /// The answer is a JSON object.
+    #[arg(long, conflicts_with = "regex")]
+    json_object: bool,
+    /// The whole answer matches this regular expression.
+    #[arg(long, value_name = "REGEX")]
+    regex: Option<String>,
     /// Print statistics to stderr.
     #[arg(long, short)]
     verbose: bool,

@@ -102,6 +102,13 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
         keep_alive: keep_alive(rng),
         ignore_eos: rng.one_in(4),
         session: rng.one_in(4).then(|| rng.string()),
+        constraint: match rng.below(6) {
+            0 => Some(Constraint::JsonObject),
+            1 => Some(Constraint::JsonSchema(rng.string())),
+            2 => Some(Constraint::Regex(rng.string())),
+            3 => Some(Constraint::Lark(rng.string())),
+            _ => None,
+        },
     }
 }
 

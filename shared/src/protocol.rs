@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -252,6 +252,24 @@ pub struct GenerateRequest {
     /// A named conversation the daemon keeps (across restarts): its history
     /// goes before `messages`, and this exchange is appended to it.
     pub session: Option<String>,
+    /// The answer must match this (structured output), enforced token by
+    /// token: a token that would break it is never sampled.
+    pub constraint: Option<Constraint>,
+}
+
+/// What a constrained answer must be. Schemas and grammars travel as text
+/// (bincode has no JSON values); the daemon compiles them with llguidance
+/// and answers `BadRequest` with its message when it cannot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Constraint {
+    /// Any JSON object (OpenAI's `json_object`, ollama's `format: "json"`).
+    JsonObject,
+    /// JSON valid under this JSON Schema (its text).
+    JsonSchema(String),
+    /// Text matching this regular expression (whole answer).
+    Regex(String),
+    /// Text in this Lark grammar (llguidance's dialect).
+    Lark(String),
 }
 
 impl GenerateRequest {
@@ -266,6 +284,7 @@ impl GenerateRequest {
             keep_alive: None,
             ignore_eos: false,
             session: None,
+            constraint: None,
         }
     }
 }

@@ -186,15 +186,37 @@ impl DecodeBatch {
             lm.embed(&ahead).and_then(|x| lm.forward(&x, cache, None)).and_then(|h| lm.logits(&h))
         }
         .map_err(EngineError::inference)?;
+        let mut ended = Vec::new();
+        // A constrained row's mask needs the token ahead, read first: such
+        // a batch's steps are not pipelined (the others' are).
+        let constrained = seqs.iter().any(|s| s.is_constrained());
+        if constrained {
+            ahead.eval().map_err(EngineError::inference)?;
+            ended = self.accept_rows(&ahead, &mut seqs);
+        }
         // Each row picks with its own sampler; an all-greedy batch with one argmax.
         let next = pick_rows(&logits, &mut seqs)?;
         async_eval([&next]).map_err(EngineError::inference)?;
         let queued = t.elapsed().as_secs_f64();
-        ahead.eval().map_err(EngineError::inference)?;
-        let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
+        if !constrained {
+            ahead.eval().map_err(EngineError::inference)?;
+            ended = self.accept_rows(&ahead, &mut seqs);
+        }
         self.profile.record(t, self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
+        self.ahead = Some(next);
+        Ok(ended)
+    }
+
+    /// Hands each row's sequence its token of `ahead` (evaluated), except
+    /// rows whose token was taken already; the sequences that ended.
+    fn accept_rows(
+        &mut self,
+        ahead: &Array,
+        seqs: &mut [&mut Sequence],
+    ) -> Vec<(SeqId, Result<super::generate::Finished, EngineError>)> {
+        let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
         let mut ended = Vec::new();
-        for ((row, s), &token) in self.rows.iter_mut().zip(seqs).zip(&tokens) {
+        for ((row, s), &token) in self.rows.iter_mut().zip(seqs.iter_mut()).zip(&tokens) {
             if std::mem::replace(&mut row.taken, false) {
                 continue;
             }
@@ -202,21 +224,20 @@ impl DecodeBatch {
                 ended.push((row.seq, end));
             }
         }
-        self.ahead = Some(next);
-        Ok(ended)
+        ended
     }
 }
 
 /// Each row's next token `[B, 1]` from logits `[B, vocab]`, picked by that
 /// row's sampler; a batch of greedy rows with one argmax.
 pub fn pick_rows(logits: &Array, seqs: &mut [&mut Sequence]) -> Result<Array, EngineError> {
-    if seqs.iter_mut().all(|s| s.sampler().is_greedy()) {
+    if seqs.iter().all(|s| s.picks_argmax()) {
         return argmax_axis(logits, -1, None).and_then(|a| a.reshape(&[-1, 1])).map_err(EngineError::inference);
     }
     let mut picks = Vec::with_capacity(seqs.len());
     for (i, s) in seqs.iter_mut().enumerate() {
         let row = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0).map_err(EngineError::inference)?;
-        picks.push(s.sampler().pick(&row).map_err(EngineError::inference)?);
+        picks.push(s.pick(&row)?);
     }
     mlx_rs::ops::concatenate(&picks, 0).map_err(EngineError::inference)
 }

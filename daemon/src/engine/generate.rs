@@ -231,6 +231,15 @@ pub fn begin(
         from_disk,
         disk_cost,
         sampler: Sampler::new(request.sampling.clone()).map_err(EngineError::inference)?,
+        constraint: match &request.constraint {
+            Some(c) => Some(
+                model
+                    .constraint_factory()
+                    .and_then(|f| super::constraint::Constrained::new(&f, c))
+                    .map_err(EngineError::BadRequest)?,
+            ),
+            None => None,
+        },
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,
         limit: asked.min(room),

@@ -11,6 +11,7 @@ pub mod error;
 pub mod generate;
 pub mod media;
 pub mod memory;
+pub mod constraint;
 pub mod prompt_cache;
 pub mod prompt_costs;
 pub mod registry;

@@ -12,6 +12,7 @@
 use super::error::EngineError;
 use super::generate::Finished;
 use super::media::MediaStats;
+use super::constraint::Constrained;
 use super::prompt_cache::{PromptCache, PromptKeys};
 use super::sampling::Sampler;
 use super::stop::{Filtered, StopFilter};
@@ -66,6 +67,8 @@ pub struct Setup {
     /// What those disk blocks cost (bytes, seconds to read and convert).
     pub disk_cost: Option<(u64, f64)>,
     pub sampler: Sampler,
+    /// The constraint the answer must match (structured output), if any.
+    pub constraint: Option<Constrained>,
     pub stops: StopFilter,
     pub ignore_eos: bool,
     /// Tokens to generate at most (the request's and the context's bound),
@@ -176,9 +179,30 @@ impl Sequence {
         self.s.received
     }
 
-    /// Its sampler, for the batch to pick its row's token.
-    pub fn sampler(&mut self) -> &mut Sampler {
-        &mut self.s.sampler
+    /// True when the next token depends on a host-side mask (a
+    /// constraint): its step cannot be queued before this one's token is read.
+    pub fn is_constrained(&self) -> bool {
+        self.s.constraint.is_some()
+    }
+
+    /// True when its next token is the argmax of its logits.
+    pub fn picks_argmax(&self) -> bool {
+        self.s.constraint.is_none() && self.s.sampler.is_greedy()
+    }
+
+    /// Its next token `[1, 1]` from its row's logits: masked by its
+    /// constraint, then picked by its sampler.
+    pub fn pick(&mut self, logits: &Array) -> Result<Array, EngineError> {
+        let masked;
+        // (A row that just ended still gets a pick from its batch: unmasked.)
+        let logits = match &mut self.s.constraint {
+            Some(c) if !c.is_done() => {
+                masked = c.mask(logits).map_err(EngineError::inference)?;
+                &masked
+            }
+            _ => logits,
+        };
+        self.s.sampler.pick(logits).map_err(EngineError::inference)
     }
 
     /// The client cancelled or went away.
@@ -265,8 +289,8 @@ impl Sequence {
         let last = positions(&self.s.embeds, n - 1, n)?;
         let lm = &self.s.model.lm;
         let h = lm.forward(&last, &mut self.s.cache, None).map_err(EngineError::inference)?;
-        let next =
-            self.s.sampler.pick(&lm.logits(&h).map_err(EngineError::inference)?).map_err(EngineError::inference)?;
+        let logits = lm.logits(&h).map_err(EngineError::inference)?;
+        let next = self.pick(&logits)?;
         async_eval([&next]).map_err(EngineError::inference)?;
         let token = next.try_item_cast::<u32>().map_err(EngineError::inference)?;
         self.t_first = Some(Instant::now());
@@ -295,6 +319,11 @@ impl Sequence {
         if !self.s.ignore_eos && self.s.model.eos_ids.contains(&token) {
             return Some(self.finish(StopReason::Eos));
         }
+        if let Some(c) = &mut self.s.constraint {
+            if let Err(e) = c.consume(token) {
+                return Some(Err(EngineError::Inference(format!("{e:#}"))));
+            }
+        }
         self.generated.push(token);
         let tokenizer = &self.s.model.prompter.tokenizer;
         let st = &mut self.stream;
@@ -320,6 +349,10 @@ impl Sequence {
             if stop {
                 return Some(self.finish(StopReason::StopString));
             }
+        }
+        // A complete constrained answer ends here (its grammar admits no more).
+        if self.s.constraint.as_ref().is_some_and(|c| c.is_done()) {
+            return Some(self.finish(StopReason::Eos));
         }
         if self.generated.len() >= self.s.limit {
             let reason = if self.s.limit < self.s.asked { StopReason::ContextFull } else { StopReason::MaxTokens };

@@ -97,6 +97,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
         Err(e) => return error_response(ErrorKind::BadRequest, format!("request body: {e}")),
     };
     let stream = parsed.stream;
+    let include_usage = parsed.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let request = match parsed.into_generate() {
         Ok(r) => r,
         Err(e) => return error_response(ErrorKind::BadRequest, e.0),
@@ -140,7 +141,13 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
                     Some(Wire::Done { stats }) => {
                         let finish = openai::finish_reason(stats.stop_reason);
                         let last = openai::chunk(&id, created, &model, json!({}), Some(finish));
-                        return Some((vec![last.to_string(), "[DONE]".into()], (rx, guard, true)));
+                        let mut out = vec![last.to_string()];
+                        if include_usage {
+                            let usage = openai::usage_chunk(&id, created, &model, stats.prompt_tokens, stats.generated_tokens);
+                            out.push(usage.to_string());
+                        }
+                        out.push("[DONE]".into());
+                        return Some((out, (rx, guard, true)));
                     }
                     Some(Wire::Error { message, .. }) => json!({"error": {"message": message, "type": "server_error"}}),
                     Some(_) => return Some((vec![], (rx, guard, false))),

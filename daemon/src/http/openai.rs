@@ -2,7 +2,7 @@
 //! bodies and stream chunks out, and the conversion to our own request.
 
 use base64::Engine as _;
-use mlxbc_shared::{ChatMessage, GenerateRequest, MediaRef, Role, SamplingParams, StopReason};
+use mlxbc_shared::{ChatMessage, Constraint, GenerateRequest, MediaRef, Role, SamplingParams, StopReason};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -20,6 +20,30 @@ pub struct ChatCompletionRequest {
     pub max_completion_tokens: Option<u32>,
     pub stop: Option<Stop>,
     pub seed: Option<u64>,
+    /// `json_object` or `json_schema`: the answer is constrained to it.
+    pub response_format: Option<ResponseFormat>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    #[allow(dead_code)]
+    pub name: Option<String>,
+    pub schema: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -131,6 +155,15 @@ impl ChatCompletionRequest {
             keep_alive: None,
             ignore_eos: false,
             session: None,
+            constraint: match self.response_format {
+                None | Some(ResponseFormat::Text) => None,
+                Some(ResponseFormat::JsonObject) => Some(Constraint::JsonObject),
+                // A schema-less json_schema is any JSON object.
+                Some(ResponseFormat::JsonSchema { json_schema }) => Some(match json_schema.schema {
+                    Some(schema) => Constraint::JsonSchema(schema.to_string()),
+                    None => Constraint::JsonObject,
+                }),
+            },
         })
     }
 }
@@ -147,6 +180,12 @@ pub fn finish_reason(r: StopReason) -> &'static str {
 pub fn chunk(id: &str, created: u64, model: &str, delta: Value, finish: Option<&str>) -> Value {
     json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+}
+
+/// The last chunk of a stream that asked `stream_options.include_usage`.
+pub fn usage_chunk(id: &str, created: u64, model: &str, prompt: u32, generated: u32) -> Value {
+    json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+           "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}})
 }
 
 /// A whole `chat.completion`.

@@ -137,9 +137,23 @@ pub struct Model {
     /// The identity of this model's KV (weights, load form, device), which
     /// the prompt cache's block names start from; `None`: not cached.
     pub kv_root: Option<[u8; 32]>,
+    /// llguidance's view of the tokenizer, for constrained requests (built
+    /// on the first one: a trie of every token's bytes).
+    constraints: std::cell::OnceCell<Result<Arc<llguidance::ParserFactory>, String>>,
 }
 
 impl Model {
+    /// The parser factory for this model's constrained requests.
+    pub fn constraint_factory(&self) -> Result<Arc<llguidance::ParserFactory>, String> {
+        self.constraints
+            .get_or_init(|| {
+                let eos: Vec<u32> = self.eos_ids.iter().copied().collect();
+                crate::engine::constraint::factory(&self.prompter.tokenizer, &eos)
+                    .map_err(|e| format!("this model's tokenizer cannot be used for constraints: {e:#}"))
+            })
+            .clone()
+    }
+
     /// Assembles a loaded model (on the engine thread: it may hold a
     /// compiled function).
     pub fn new(
@@ -151,7 +165,16 @@ impl Model {
     ) -> Self {
         let prompter = Arc::new(prompt::Prompter { tokenizer, template });
         let compiled_decode = lm.decode_graph().map(|g| RefCell::new(CompiledDecode::new(g)));
-        Self { lm, prompter, eos_ids, vision, compiled_decode, kv_bytes_per_position: 0, kv_root: None }
+        Self {
+            lm,
+            prompter,
+            eos_ids,
+            vision,
+            compiled_decode,
+            kv_bytes_per_position: 0,
+            kv_root: None,
+            constraints: Default::default(),
+        }
     }
 
     /// How this model's decode steps are built when `wanted`: compiled only

@@ -82,6 +82,9 @@ pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid
     if let Some(name) = &request.session {
         crate::engine::sessions::check_name(name).map_err(|e| Invalid(e.to_string()))?;
     }
+    if let Some(c) = &request.constraint {
+        crate::engine::constraint::check(c).map_err(Invalid)?;
+    }
     Ok(())
 }
 

@@ -116,3 +116,26 @@ fn a_non_loopback_http_address_is_refused_at_start() {
     assert!(stderr.contains("must be a loopback address"), "{stderr}");
     d.child = None;
 }
+
+/// Runs a client-SDK script of tests/clients/ with the pinned clients venv
+/// (scripts/test-fixtures makes it); its assertions are the test's.
+pub fn run_client_script(script: &str, args: &[&str]) {
+    let python = fixture("clients/bin/python");
+    let out = std::process::Command::new(python)
+        .arg(workspace().join("tests/clients").join(script))
+        .args(args)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{stderr}");
+    assert!(stdout.trim_end().ends_with("OK"), "{script} did not finish:\n{stdout}\n{stderr}");
+    eprintln!("{stdout}");
+}
+
+/// The `openai` SDK: json_schema answers (20 at once) all validate,
+/// json_object answers parse, streamed usage, a bad schema is a 400.
+#[test]
+fn openai_sdk_structured_output_always_parses_and_validates() {
+    let (_d, base) = gateway(DaemonOptions::default().models);
+    run_client_script("openai_structured.py", &[&base, SMOLLM2]);
+}
