@@ -63,6 +63,8 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         ignore_eos: args.ignore_eos,
         session: args.session.clone(),
         constraint: constraint(args)?,
+        tools: vec![],
+        tool_choice: Default::default(),
     })
 }
 

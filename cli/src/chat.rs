@@ -90,6 +90,8 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             ignore_eos: false,
             session: args.session.clone(),
             constraint: None,
+            tools: vec![],
+            tool_choice: Default::default(),
         };
         let mut stream = client.generate(request).await?;
         let mut answer = String::new();

@@ -22,9 +22,9 @@ pub use spawn::{daemon_program, log_path};
 pub use error::ClientError;
 /// The wire types a caller builds requests from and reads events as.
 pub use mlxbc_shared::protocol::{
-    CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, ErrorKind, GenerateRequest, GenerationStats,
-    KeepAlive, LoadedModel, MediaRef, ModelInfo, PromptCacheReport, Request, Response, Role, SamplingParams,
-    SessionCommand, SessionInfo, ShedEvent, StopReason, PROTOCOL_VERSION,
+    CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, ErrorKind, GenerateRequest,
+    GenerationStats, KeepAlive, LoadedModel, MediaRef, ModelInfo, PromptCacheReport, Request, Response, Role,
+    SamplingParams, SessionCommand, SessionInfo, ShedEvent, StopReason, PROTOCOL_VERSION,
 };
 pub use mlxbc_shared::settings::Settings;
 /// Framing errors a [`ClientError::Frame`] carries.

@@ -73,6 +73,8 @@ fn messages(case: &serde_json::Value) -> Vec<ChatMessage> {
             },
             content: m["content"].as_str().unwrap().to_string(),
             images: vec![],
+            tool_calls: vec![],
+            tool_call_id: None,
         })
         .collect()
 }

@@ -323,6 +323,8 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
             role: Role::User,
             content: question.into(),
             images: vec![mlxbc_shared::MediaRef::from_bytes(bytes.clone())],
+            tool_calls: vec![],
+            tool_call_id: None,
         }];
         let prompt = vision.expand(&model.prompter.template.render(&messages).unwrap(), &[rows as usize]).unwrap();
         let ours = model.encode(&prompt).unwrap();

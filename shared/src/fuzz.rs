@@ -73,9 +73,12 @@ fn media(rng: &mut Rng) -> MediaRef {
 }
 
 fn message(rng: &mut Rng) -> ChatMessage {
-    let role = [Role::System, Role::User, Role::Assistant][rng.below(3) as usize];
+    let role = [Role::System, Role::User, Role::Assistant, Role::Tool][rng.below(4) as usize];
     let images = if rng.one_in(6) { (0..rng.below(3)).map(|_| media(rng)).collect() } else { vec![] };
-    ChatMessage { role, content: rng.string(), images }
+    let tool_calls =
+        (0..rng.below(2)).map(|_| ToolCall { id: rng.string(), name: rng.string(), arguments: rng.string() }).collect();
+    let tool_call_id = rng.one_in(4).then(|| rng.string());
+    ChatMessage { role, content: rng.string(), images, tool_calls, tool_call_id }
 }
 
 fn keep_alive(rng: &mut Rng) -> Option<KeepAlive> {
@@ -108,6 +111,15 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
             2 => Some(Constraint::Regex(rng.string())),
             3 => Some(Constraint::Lark(rng.string())),
             _ => None,
+        },
+        tools: (0..rng.below(3))
+            .map(|_| Tool { name: rng.string(), description: rng.string(), parameters: rng.string() })
+            .collect(),
+        tool_choice: match rng.below(4) {
+            0 => ToolChoice::Auto,
+            1 => ToolChoice::None,
+            2 => ToolChoice::Required,
+            _ => ToolChoice::Function(rng.string()),
         },
     }
 }

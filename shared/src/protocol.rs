@@ -198,20 +198,39 @@ pub struct ChatMessage {
     pub content: String,
     /// Images that come with this message, in order, before its text.
     pub images: Vec<MediaRef>,
+    /// An assistant message's tool calls (an earlier turn that called tools).
+    #[serde(default)]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `Role::Tool` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
+    fn empty() -> Self {
+        Self {
+            role: Role::User,
+            content: String::new(),
+            images: Vec::new(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+    /// A tool's result for the call `id`.
+    pub fn tool(id: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: Role::Tool, content: content.into(), tool_call_id: Some(id.into()), ..Self::empty() }
+    }
     /// A message from the user.
     pub fn user(content: impl Into<String>) -> Self {
-        Self { role: Role::User, content: content.into(), images: Vec::new() }
+        Self { role: Role::User, content: content.into(), ..Self::empty() }
     }
     /// A system prompt.
     pub fn system(content: impl Into<String>) -> Self {
-        Self { role: Role::System, content: content.into(), images: Vec::new() }
+        Self { role: Role::System, content: content.into(), ..Self::empty() }
     }
     /// An earlier answer of the model.
     pub fn assistant(content: impl Into<String>) -> Self {
-        Self { role: Role::Assistant, content: content.into(), images: Vec::new() }
+        Self { role: Role::Assistant, content: content.into(), ..Self::empty() }
     }
 }
 
@@ -221,6 +240,8 @@ pub enum Role {
     System,
     User,
     Assistant,
+    /// A tool's result (answers an assistant's tool call).
+    Tool,
 }
 
 impl Role {
@@ -230,6 +251,7 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
@@ -255,6 +277,44 @@ pub struct GenerateRequest {
     /// The answer must match this (structured output), enforced token by
     /// token: a token that would break it is never sampled.
     pub constraint: Option<Constraint>,
+    /// Functions the model may call (rendered through its chat template);
+    /// calls come back in the statistics' `tool_calls`, not as text.
+    pub tools: Vec<Tool>,
+    pub tool_choice: ToolChoice,
+}
+
+/// A function the model may call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tool {
+    pub name: String,
+    pub description: String,
+    /// Its arguments' JSON Schema (text).
+    pub parameters: String,
+}
+
+/// Whether the model must call a tool.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub enum ToolChoice {
+    /// The model decides.
+    #[default]
+    Auto,
+    /// Tools are described but never called.
+    None,
+    /// At least one call (enforced by a grammar: it always parses and
+    /// matches its schema).
+    Required,
+    /// A call of this function (enforced likewise).
+    Function(String),
+}
+
+/// A call the model made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Unique within the answer (`call_...`), for the tool's reply.
+    pub id: String,
+    pub name: String,
+    /// Its arguments, a JSON object (text).
+    pub arguments: String,
 }
 
 /// What a constrained answer must be. Schemas and grammars travel as text
@@ -285,6 +345,8 @@ impl GenerateRequest {
             ignore_eos: false,
             session: None,
             constraint: None,
+            tools: Vec::new(),
+            tool_choice: ToolChoice::Auto,
         }
     }
 }
@@ -399,6 +461,8 @@ pub struct GenerationStats {
     /// that could not be saved (the disk is full). Empty when all is well;
     /// clients show these and exit non-zero.
     pub warnings: Vec<String>,
+    /// The tools the model called (their text is not in the stream).
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// What went wrong, for callers that branch on it.

@@ -150,6 +150,7 @@ fn honest_payloads_that_expand_when_decoded_still_decode() {
             prefill_tokens_computed: 0,
             prefill_ms: 0.0,
             warnings: vec![],
+            tool_calls: vec![],
         };
         let done = Response::Done { stats };
         let payload = to_payload(&done).unwrap();

@@ -62,18 +62,21 @@ pub fn factory(tokenizer: &tokenizers::Tokenizer, eos_ids: &[u32]) -> anyhow::Re
 /// One sequence's constraint.
 pub struct Constrained {
     matcher: Matcher,
+    /// The model's end-of-sequence ids: all allowed where the grammar may
+    /// end (llguidance's mask names only one of them).
+    eos_ids: Vec<u32>,
 }
 
 impl Constrained {
     /// Compiles `c` for the model `factory` serves; the error is the
     /// client's (`BadRequest`): a schema llguidance cannot compile.
-    pub fn new(factory: &ParserFactory, c: &Constraint) -> Result<Self, String> {
+    pub fn new(factory: &ParserFactory, c: &Constraint, eos_ids: Vec<u32>) -> Result<Self, String> {
         let parser = factory.create_parser(grammar(c)?).map_err(|e| format!("the constraint does not compile: {e}"))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(format!("the constraint does not compile: {e}"));
         }
-        Ok(Self { matcher })
+        Ok(Self { matcher, eos_ids })
     }
 
     /// `logits` (`[1, vocab]` or `[vocab]`) with every token the constraint
@@ -83,7 +86,14 @@ impl Constrained {
         let vocab = logits.shape()[logits.ndim() - 1] as usize;
         // Tokens past the tokenizer's vocabulary (padding rows of the
         // embedding) are never allowed.
-        let keep: Vec<bool> = (0..vocab).map(|t| t < allowed.len() && allowed.is_allowed(t as u32)).collect();
+        let mut keep: Vec<bool> = (0..vocab).map(|t| t < allowed.len() && allowed.is_allowed(t as u32)).collect();
+        if self.matcher.is_accepting().unwrap_or(false) {
+            for &e in &self.eos_ids {
+                if let Some(k) = keep.get_mut(e as usize) {
+                    *k = true;
+                }
+            }
+        }
         let keep = Array::from_slice(&keep, &[vocab as i32]);
         Ok(mlx_rs::ops::select(&keep, logits, Array::from_f32(f32::NEG_INFINITY))?)
     }

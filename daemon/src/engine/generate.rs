@@ -91,8 +91,10 @@ fn prompt_here(
     media: &[&MediaRef],
     events: &UnboundedSender<Response>,
 ) -> Result<Option<(Vec<u32>, Vec<Array>, MediaStats)>, Failure> {
+    let template = &model.prompter.template;
+    let tools = super::tools::for_prompt(template, request).map_err(EngineError::BadRequest)?;
     let mut prompt =
-        model.prompter.template.render(&request.messages).map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
+        template.render_with_tools(&request.messages, tools).map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
     if let Some(v) = &model.vision {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
         if placeholders != media.len() {
@@ -218,6 +220,8 @@ pub fn begin(
     };
     let room = context - ids.len();
     let asked = request.max_tokens.min(ctx.max_tokens_limit.unwrap_or(u32::MAX)) as usize;
+    let calls_tools =
+        !super::tools::for_prompt(&model.prompter.template, request).map_err(EngineError::BadRequest)?.is_empty();
     let setup = Setup {
         model: model.clone(),
         name: ctx.model_name.to_string(),
@@ -231,15 +235,8 @@ pub fn begin(
         from_disk,
         disk_cost,
         sampler: Sampler::new(request.sampling.clone()).map_err(EngineError::inference)?,
-        constraint: match &request.constraint {
-            Some(c) => Some(
-                model
-                    .constraint_factory()
-                    .and_then(|f| super::constraint::Constrained::new(&f, c))
-                    .map_err(EngineError::BadRequest)?,
-            ),
-            None => None,
-        },
+        constraint: constraint_of(&model, request)?,
+        tool_filter: calls_tools.then(|| super::tools::ToolCallFilter::new(&model.prompter.tokenizer, &request.tools)),
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,
         limit: asked.min(room),
@@ -253,4 +250,32 @@ pub fn begin(
         media_stats,
     };
     Ok(Begun::Sequence(Box::new(Sequence::new(setup))))
+}
+
+/// The constraint a request's answer is generated under: its own
+/// (structured output), or the grammar of a required tool call.
+fn constraint_of(
+    model: &Model,
+    request: &GenerateRequest,
+) -> Result<Option<super::constraint::Constrained>, EngineError> {
+    let tokenizer = &model.prompter.tokenizer;
+    let required = super::tools::required_call_grammar(
+        &request.tools,
+        &request.tool_choice,
+        tokenizer.token_to_id("<tool_call>"),
+        tokenizer.token_to_id("</tool_call>"),
+    );
+    let c = match (&request.constraint, required) {
+        (Some(_), Some(_)) => {
+            return Err(EngineError::BadRequest(
+                "a response format and a required tool call cannot both constrain one answer".into(),
+            ))
+        }
+        (Some(c), None) => c.clone(),
+        (None, Some(c)) => c,
+        (None, None) => return Ok(None),
+    };
+    let eos: Vec<u32> = model.eos_ids.iter().copied().collect();
+    let compiled = model.constraint_factory().and_then(|f| super::constraint::Constrained::new(&f, &c, eos));
+    compiled.map(Some).map_err(EngineError::BadRequest)
 }

@@ -6,12 +6,12 @@
 
 mod batch;
 pub mod cache_report;
+pub mod constraint;
 pub mod discovery;
 pub mod error;
 pub mod generate;
 pub mod media;
 pub mod memory;
-pub mod constraint;
 pub mod prompt_cache;
 pub mod prompt_costs;
 pub mod registry;
@@ -21,6 +21,7 @@ mod scheduler;
 mod sequence;
 pub mod sessions;
 mod stop;
+pub mod tools;
 
 use crate::model::prompt::Prompter;
 use crate::model::weights::WeightForm;

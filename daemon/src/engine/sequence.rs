@@ -9,13 +9,14 @@
 //! the last token in chunks, then the last token alone), so the computation,
 //! and therefore the greedy token ids, are the reference's.
 
+use super::constraint::Constrained;
 use super::error::EngineError;
 use super::generate::Finished;
 use super::media::MediaStats;
-use super::constraint::Constrained;
 use super::prompt_cache::{PromptCache, PromptKeys};
 use super::sampling::Sampler;
 use super::stop::{Filtered, StopFilter};
+use super::tools::ToolCallFilter;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
@@ -69,6 +70,8 @@ pub struct Setup {
     pub sampler: Sampler,
     /// The constraint the answer must match (structured output), if any.
     pub constraint: Option<Constrained>,
+    /// Takes tool calls out of the answer's text (a request with tools).
+    pub tool_filter: Option<ToolCallFilter>,
     pub stops: StopFilter,
     pub ignore_eos: bool,
     /// Tokens to generate at most (the request's and the context's bound),
@@ -338,11 +341,22 @@ impl Sequence {
             Ok(piece) => piece,
             Err(e) => return Some(Err(EngineError::inference(e))),
         };
+        // A tool-call marker is a special token the decoder does not print:
+        // its text goes to the tool filter as if it had.
+        let marker = self.s.tool_filter.as_ref().and_then(|f| f.marker(token));
+        let piece = match (piece, marker) {
+            (Some(p), Some(m)) => Some(p + m),
+            (None, Some(m)) => Some(m.to_string()),
+            (p, None) => p,
+        };
         if let Some(piece) = piece {
-            let (text, stop) = match self.s.stops.push(&piece) {
+            let (mut text, stop) = match self.s.stops.push(&piece) {
                 Filtered::Emit(t) => (t, false),
                 Filtered::Stop(t) => (t, true),
             };
+            if let Some(f) = &mut self.s.tool_filter {
+                text = f.push(&text);
+            }
             if !text.is_empty() && self.s.events.send(Response::Token { text }).is_err() {
                 return Some(Ok(Finished::Abandoned));
             }
@@ -373,11 +387,15 @@ impl Sequence {
     }
 
     fn finish(&mut self, stop_reason: StopReason) -> Result<Finished, EngineError> {
-        let tail = self.s.stops.finish();
-        if stop_reason != StopReason::StopString
-            && !tail.is_empty()
-            && self.s.events.send(Response::Token { text: tail }).is_err()
-        {
+        let mut tail = if stop_reason != StopReason::StopString { self.s.stops.finish() } else { String::new() };
+        let (mut tool_calls, mut warnings) = (Vec::new(), Vec::new());
+        if let Some(f) = &mut self.s.tool_filter {
+            tail = f.push(&tail);
+            tail.push_str(&f.finish());
+            tool_calls = std::mem::take(&mut f.calls);
+            warnings = std::mem::take(&mut f.warnings);
+        }
+        if !tail.is_empty() && self.s.events.send(Response::Token { text: tail }).is_err() {
             return Ok(Finished::Abandoned);
         }
         let t_first = self.t_first.unwrap_or_else(Instant::now);
@@ -397,6 +415,8 @@ impl Sequence {
         stats.prompt_tokens_from_disk = self.s.from_disk as u32;
         stats.prefill_tokens_computed = (self.s.ids.len() - self.s.reused) as u32;
         stats.prefill_ms = prefill_s * 1000.0;
+        stats.tool_calls = tool_calls;
+        stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))
     }
 }
@@ -424,5 +444,6 @@ pub fn stats_without_decode(model: &str, prompt_tokens: usize, load_ms: f64, m: 
         prefill_tokens_computed: 0,
         prefill_ms: 0.0,
         warnings: vec![],
+        tool_calls: vec![],
     }
 }

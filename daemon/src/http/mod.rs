@@ -139,11 +139,19 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
                 let data = match rx.recv().await {
                     Some(Wire::Token { text }) => openai::chunk(&id, created, &model, json!({"content": text}), None),
                     Some(Wire::Done { stats }) => {
-                        let finish = openai::finish_reason(stats.stop_reason);
+                        let mut out = Vec::new();
+                        let mut finish = openai::finish_reason(stats.stop_reason);
+                        if !stats.tool_calls.is_empty() {
+                            // The calls, whole, as one delta (parsed once closed).
+                            let calls = json!({"tool_calls": openai::tool_calls(&stats.tool_calls, true)});
+                            out.push(openai::chunk(&id, created, &model, calls, None).to_string());
+                            finish = "tool_calls";
+                        }
                         let last = openai::chunk(&id, created, &model, json!({}), Some(finish));
-                        let mut out = vec![last.to_string()];
+                        out.push(last.to_string());
                         if include_usage {
-                            let usage = openai::usage_chunk(&id, created, &model, stats.prompt_tokens, stats.generated_tokens);
+                            let usage =
+                                openai::usage_chunk(&id, created, &model, stats.prompt_tokens, stats.generated_tokens);
                             out.push(usage.to_string());
                         }
                         out.push("[DONE]".into());
@@ -167,16 +175,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
         match rx.recv().await {
             Some(Wire::Token { text: t }) => text.push_str(&t),
             Some(Wire::Done { stats }) => {
-                let finish = openai::finish_reason(stats.stop_reason);
-                let body = openai::completion(
-                    &id,
-                    created,
-                    &model,
-                    &text,
-                    finish,
-                    stats.prompt_tokens,
-                    stats.generated_tokens,
-                );
+                let body = openai::completion(&id, created, &model, &text, &stats);
                 drop(guard);
                 return Json(body).into_response();
             }

@@ -2,7 +2,9 @@
 //! bodies and stream chunks out, and the conversion to our own request.
 
 use base64::Engine as _;
-use mlxbc_shared::{ChatMessage, Constraint, GenerateRequest, MediaRef, Role, SamplingParams, StopReason};
+use mlxbc_shared::{
+    ChatMessage, Constraint, GenerateRequest, MediaRef, Role, SamplingParams, StopReason, Tool, ToolCall, ToolChoice,
+};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -23,6 +25,49 @@ pub struct ChatCompletionRequest {
     /// `json_object` or `json_schema`: the answer is constrained to it.
     pub response_format: Option<ResponseFormat>,
     pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub tools: Vec<ToolDef>,
+    pub tool_choice: Option<ToolChoiceDef>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ToolDef {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDef,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FunctionDef {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub parameters: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ToolChoiceDef {
+    Mode(String),
+    Named { function: NamedFunction },
+}
+
+#[derive(Debug, Deserialize)]
+pub struct NamedFunction {
+    pub name: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CallDef {
+    pub id: String,
+    pub function: CallFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CallFunction {
+    pub name: String,
+    /// A JSON object as text (OpenAI's form).
+    pub arguments: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -51,6 +96,9 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    #[serde(default)]
+    pub tool_calls: Vec<CallDef>,
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -108,9 +156,16 @@ impl ChatCompletionRequest {
                 "system" | "developer" => Role::System,
                 "user" => Role::User,
                 "assistant" => Role::Assistant,
+                "tool" => Role::Tool,
                 other => return Err(BadRequest(format!("unsupported message role {other:?}"))),
             };
-            let mut msg = ChatMessage { role, content: String::new(), images: vec![] };
+            let mut msg = ChatMessage { role, ..ChatMessage::user("") };
+            msg.tool_call_id = m.tool_call_id;
+            msg.tool_calls = m
+                .tool_calls
+                .into_iter()
+                .map(|c| ToolCall { id: c.id, name: c.function.name, arguments: c.function.arguments })
+                .collect();
             match m.content {
                 None => {}
                 Some(Content::Text(t)) => msg.content = t,
@@ -155,6 +210,37 @@ impl ChatCompletionRequest {
             keep_alive: None,
             ignore_eos: false,
             session: None,
+            tools: self
+                .tools
+                .into_iter()
+                .map(|t| {
+                    if t.kind != "function" {
+                        return Err(BadRequest(format!(
+                            "tools of type {:?} are not supported (only \"function\")",
+                            t.kind
+                        )));
+                    }
+                    let parameters =
+                        t.function.parameters.unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+                    Ok(Tool {
+                        name: t.function.name,
+                        description: t.function.description,
+                        parameters: parameters.to_string(),
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            tool_choice: match self.tool_choice {
+                None => ToolChoice::Auto,
+                Some(ToolChoiceDef::Mode(m)) => match m.as_str() {
+                    "auto" => ToolChoice::Auto,
+                    "none" => ToolChoice::None,
+                    "required" => ToolChoice::Required,
+                    other => {
+                        return Err(BadRequest(format!("tool_choice {other:?}: auto, none, required or a function")))
+                    }
+                },
+                Some(ToolChoiceDef::Named { function }) => ToolChoice::Function(function.name),
+            },
             constraint: match self.response_format {
                 None | Some(ResponseFormat::Text) => None,
                 Some(ResponseFormat::JsonObject) => Some(Constraint::JsonObject),
@@ -188,10 +274,38 @@ pub fn usage_chunk(id: &str, created: u64, model: &str, prompt: u32, generated: 
            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}})
 }
 
+/// Calls as OpenAI writes them (`index` for stream deltas).
+pub fn tool_calls(calls: &[ToolCall], with_index: bool) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v =
+                    json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}});
+                if with_index {
+                    v["index"] = json!(i);
+                }
+                v
+            })
+            .collect(),
+    )
+}
+
 /// A whole `chat.completion`.
-pub fn completion(id: &str, created: u64, model: &str, text: &str, finish: &str, prompt: u32, generated: u32) -> Value {
+pub fn completion(id: &str, created: u64, model: &str, text: &str, stats: &mlxbc_shared::GenerationStats) -> Value {
+    let (prompt, generated) = (stats.prompt_tokens, stats.generated_tokens);
+    let mut message = json!({"role": "assistant", "content": text});
+    let mut finish = finish_reason(stats.stop_reason);
+    if !stats.tool_calls.is_empty() {
+        message["tool_calls"] = tool_calls(&stats.tool_calls, false);
+        if text.trim().is_empty() {
+            message["content"] = Value::Null;
+        }
+        finish = "tool_calls";
+    }
     json!({"id": id, "object": "chat.completion", "created": created, "model": model,
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+           "choices": [{"index": 0, "message": message, "finish_reason": finish}],
            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}})
 }
 

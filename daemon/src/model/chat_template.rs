@@ -3,13 +3,15 @@
 
 use anyhow::{Context, Result};
 use minijinja::{context, Environment, Error, ErrorKind};
-use mlxbc_shared::ChatMessage;
+use mlxbc_shared::{ChatMessage, Tool};
 
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// How this template writes tool calls (`None`: it takes no tools).
+    pub tool_format: Option<crate::engine::tools::ToolFormat>,
 }
 
 impl ChatTemplate {
@@ -21,28 +23,59 @@ impl ChatTemplate {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_function("strftime_now", |fmt: String| -> String { strftime_today(&fmt) });
+        let tool_format = crate::engine::tools::ToolFormat::of_template(&source);
         env.add_template_owned("chat", source).context("compiling the chat template")?;
-        Ok(Self { env, bos_token, eos_token })
+        Ok(Self { env, bos_token, eos_token, tool_format })
     }
 
     /// The prompt text for `messages`, ending where the assistant's answer starts.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.render_with_tools(messages, &[])
+    }
+
+    /// [`Self::render`] with `tools` the model may call (the template's
+    /// `tools` variable, absent when there are none).
+    pub fn render_with_tools(&self, messages: &[ChatMessage], tools: &[Tool]) -> Result<String> {
         // Messages with images use HF's content-list form, which multimodal
         // templates expect: [{"type": "image"}, ..., {"type": "text", "text": ...}].
         let messages: Vec<_> = messages
             .iter()
             .map(|m| {
-                if m.images.is_empty() {
-                    return context! { role => m.role.as_str(), content => m.content.clone() };
+                let content = if m.images.is_empty() {
+                    minijinja::Value::from(m.content.clone())
+                } else {
+                    let mut parts: Vec<minijinja::Value> =
+                        m.images.iter().map(|_| context! { type => "image" }).collect();
+                    parts.push(context! { type => "text", text => m.content.clone() });
+                    minijinja::Value::from(parts)
+                };
+                // Arguments as objects, as HF passes them (templates `tojson` them).
+                let calls: Vec<serde_json::Value> = m
+                    .tool_calls
+                    .iter()
+                    .map(|c| {
+                        let arguments: serde_json::Value =
+                            serde_json::from_str(&c.arguments).unwrap_or(serde_json::Value::String(c.arguments.clone()));
+                        serde_json::json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments}})
+                    })
+                    .collect();
+                let mut v = serde_json::json!({"role": m.role.as_str()});
+                if !calls.is_empty() {
+                    v["tool_calls"] = serde_json::Value::Array(calls);
                 }
-                let mut parts: Vec<minijinja::Value> = m.images.iter().map(|_| context! { type => "image" }).collect();
-                parts.push(context! { type => "text", text => m.content.clone() });
-                context! { role => m.role.as_str(), content => parts }
+                if let Some(id) = &m.tool_call_id {
+                    v["tool_call_id"] = serde_json::Value::String(id.clone());
+                }
+                let base = minijinja::Value::from_serialize(&v);
+                context! { content => content, ..base }
             })
             .collect();
+        let tools =
+            (!tools.is_empty()).then(|| minijinja::Value::from_serialize(crate::engine::tools::template_tools(tools)));
         let tmpl = self.env.get_template("chat")?;
         tmpl.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => true,
             bos_token => self.bos_token.clone(),
             eos_token => self.eos_token.clone(),

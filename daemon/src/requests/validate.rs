@@ -44,6 +44,10 @@ fn check_name(what: &str, name: &str) -> Result<(), Invalid> {
     Ok(())
 }
 
+/// Tools one request may describe, and the bytes of each one's schema or description.
+pub const MAX_TOOLS: usize = 128;
+pub const MAX_TOOL_BYTES: usize = 32 * 1024;
+
 /// Checks a generation request.
 pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid> {
     let s = &request.sampling;
@@ -82,6 +86,12 @@ pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid
     if let Some(name) = &request.session {
         crate::engine::sessions::check_name(name).map_err(|e| Invalid(e.to_string()))?;
     }
+    if request.tools.len() > MAX_TOOLS
+        || request.tools.iter().any(|t| t.parameters.len() > MAX_TOOL_BYTES || t.description.len() > MAX_TOOL_BYTES)
+    {
+        return bad(format!("tools: at most {MAX_TOOLS}, each description and schema at most {MAX_TOOL_BYTES} bytes"));
+    }
+    crate::engine::tools::check(&request.tools, &request.tool_choice).map_err(Invalid)?;
     if let Some(c) = &request.constraint {
         crate::engine::constraint::check(c).map_err(Invalid)?;
     }

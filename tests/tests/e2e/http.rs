@@ -139,3 +139,14 @@ fn openai_sdk_structured_output_always_parses_and_validates() {
     let (_d, base) = gateway(DaemonOptions::default().models);
     run_client_script("openai_structured.py", &[&base, SMOLLM2]);
 }
+
+/// The `openai` SDK: a tool round trip on Qwen2.5-Coder-0.5B (required,
+/// streamed, named, then the tool's result), and a model without tools.
+#[test]
+fn openai_sdk_tool_round_trip_on_qwen25_coder() {
+    let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+    let mut models = DaemonOptions::default().models;
+    models.push((qwen, fixture(&format!("models/{qwen}"))));
+    let (_d, base) = gateway(models);
+    run_client_script("openai_tools.py", &[&base, qwen]);
+}

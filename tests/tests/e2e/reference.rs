@@ -44,6 +44,8 @@ async fn assert_matches_reference_in(model: &'static str, path: PathBuf, golden:
                 role: if m["role"] == "system" { Role::System } else { Role::User },
                 content: m["content"].as_str().unwrap().into(),
                 images: vec![],
+                tool_calls: vec![],
+                tool_call_id: None,
             })
             .collect();
         let mut req = greedy(Some(model), "", case["max_tokens"].as_u64().unwrap() as u32);
@@ -155,6 +157,8 @@ async fn fixture_vlms_through_the_daemon_match_mlx_vlm_generate() {
             role: Role::User,
             content: g["question"].as_str().unwrap().into(),
             images: vec![mlxbc_client::MediaRef::from_bytes(image.clone())],
+            tool_calls: vec![],
+            tool_call_id: None,
         }];
         let (_, stats) = ask(&d.socket, req).await.unwrap();
         let their_prompt = want["prompt_ids"].as_array().unwrap().len();
