@@ -7,6 +7,7 @@
 //! owner can reach, still takes paths).
 
 mod guard;
+mod ollama;
 mod openai;
 
 use crate::state::AppState;
@@ -44,6 +45,12 @@ pub async fn serve(
     let app = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/api/version", get(ollama::version))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/show", post(ollama::show))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
         // Bodies carry base64 images: the socket's frame cap, no more.
         .layer(axum::extract::DefaultBodyLimit::max(mlxbc_shared::MAX_FRAME_BYTES))
         .layer(axum::middleware::from_fn_with_state(guard, guard::check))
@@ -91,6 +98,36 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// A generation the gateway started: its events after `Started`, the guard
+/// that cancels it when dropped, and the model's name.
+struct Begun {
+    rx: tokio::sync::mpsc::UnboundedReceiver<Wire>,
+    guard: CancelOnDrop,
+    model: String,
+}
+
+/// Checks and starts `request` for an HTTP client (whatever its API); the
+/// error is the kind and message for that API's error shape.
+async fn begin(state: &AppState, request: mlxbc_shared::GenerateRequest) -> Result<Begun, (ErrorKind, String)> {
+    crate::requests::validate::generate(&request, state.limits).map_err(|e| (ErrorKind::BadRequest, e.0))?;
+    if let Some(name) = &request.model {
+        if !crate::engine::registry::is_plain_name(name) {
+            return Err((
+                ErrorKind::UnknownModel,
+                format!("model {name:?} is a path; over HTTP name a model that the model list shows (paths are accepted on the socket only)"),
+            ));
+        }
+    }
+    let (mut rx, cancel) = state.start_generation(request).await.map_err(|e| (e.kind(), e.to_string()))?;
+    let guard = CancelOnDrop(cancel);
+    // The first event decides the status: an error before any output is an HTTP error.
+    match rx.recv().await {
+        Some(Wire::Started { model, .. }) => Ok(Begun { rx, guard, model }),
+        Some(Wire::Error { kind, message }) => Err((kind, message)),
+        other => Err((ErrorKind::Internal, format!("unexpected first event {other:?}"))),
+    }
+}
+
 async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
     let parsed: ChatCompletionRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -102,29 +139,9 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
         Ok(r) => r,
         Err(e) => return error_response(ErrorKind::BadRequest, e.0),
     };
-    if let Err(e) = crate::requests::validate::generate(&request, state.limits) {
-        return error_response(ErrorKind::BadRequest, e.0);
-    }
-    if let Some(name) = &request.model {
-        if !crate::engine::registry::is_plain_name(name) {
-            return error_response(
-                ErrorKind::UnknownModel,
-                format!(
-                    "model {name:?} is a path; over HTTP name a model that GET /v1/models lists (paths are accepted on the socket only)"
-                ),
-            );
-        }
-    }
-    let (mut rx, cancel) = match state.start_generation(request).await {
-        Ok(started) => started,
-        Err(e) => return error_response(e.kind(), e.to_string()),
-    };
-    let guard = CancelOnDrop(cancel);
-    // The first event decides the status: an error before any output is an HTTP error.
-    let model = match rx.recv().await {
-        Some(Wire::Started { model, .. }) => model,
-        Some(Wire::Error { kind, message }) => return error_response(kind, message),
-        other => return error_response(ErrorKind::Internal, format!("unexpected first event {other:?}")),
+    let Begun { mut rx, guard, model } = match begin(&state, request).await {
+        Ok(b) => b,
+        Err((kind, message)) => return error_response(kind, message),
     };
     let id = format!("chatcmpl-{:x}", rand::random::<u64>());
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());

@@ -150,3 +150,18 @@ fn openai_sdk_tool_round_trip_on_qwen25_coder() {
     let (_d, base) = gateway(models);
     run_client_script("openai_tools.py", &[&base, qwen]);
 }
+
+/// The `ollama` Python client: list, show (capabilities), chat plain and
+/// streamed, generate, `format=` a schema, tools on Qwen2.5-Coder, an image.
+#[test]
+fn ollama_client_lists_shows_chats_generates_with_tools_formats_and_images() {
+    let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+    let vlm = "tiny-gemma3-vlm";
+    let mut models = DaemonOptions::default().models;
+    models.push((qwen, fixture(&format!("models/{qwen}"))));
+    models.push((vlm, fixture("mlx/tiny-gemma3-vlm")));
+    let (_d, base) = gateway(models);
+    let png = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(png.path(), crate::vision::png(64, 48, 5)).unwrap();
+    run_client_script("ollama_client.py", &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
+}
