@@ -112,3 +112,83 @@ async fn thirty_two_concurrent_http_streams_complete_and_agree() {
         assert_eq!(t.await.unwrap(), want);
     }
 }
+
+/// Every route the gateway serves (OpenAI and ollama alike) passes the same
+/// guard: a foreign Host or Origin is refused, the token is required, and
+/// loopback with it is served; bad bodies get each API's error shape.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_route_is_guarded_and_bad_bodies_get_their_apis_error_shape() {
+    let (_d, base, port) = gateway_with("http_token = \"s3cret\"\n");
+    let http = reqwest::Client::new();
+    let chat = json!({"model": SMOLLM2, "messages": [{"role": "user", "content": "hi"}], "stream": false,
+                      "options": {"num_predict": 2, "temperature": 0}});
+    let routes: Vec<(reqwest::Method, &str, Option<Value>)> = vec![
+        (reqwest::Method::GET, "/v1/models", None),
+        (reqwest::Method::POST, "/v1/chat/completions", Some(body(2))),
+        (reqwest::Method::GET, "/api/version", None),
+        (reqwest::Method::GET, "/api/tags", None),
+        (reqwest::Method::GET, "/api/ps", None),
+        (reqwest::Method::POST, "/api/show", Some(json!({"model": SMOLLM2}))),
+        (reqwest::Method::POST, "/api/chat", Some(chat.clone())),
+        (
+            reqwest::Method::POST,
+            "/api/generate",
+            Some(json!({"model": SMOLLM2, "prompt": "hi", "stream": false,
+                                                             "options": {"num_predict": 2}})),
+        ),
+    ];
+    for (method, path, b) in &routes {
+        let req = |token: bool, host: Option<String>, origin: Option<&str>| {
+            let mut r = http.request(method.clone(), format!("{base}{path}"));
+            if token {
+                r = r.bearer_auth("s3cret");
+            }
+            if let Some(h) = host {
+                r = r.header("Host", h);
+            }
+            if let Some(o) = origin {
+                r = r.header("Origin", o);
+            }
+            if let Some(b) = b {
+                r = r.json(b);
+            }
+            r
+        };
+        let status = |r: reqwest::RequestBuilder| async move { r.send().await.unwrap().status().as_u16() };
+        assert_eq!(status(req(true, Some(format!("attacker.example:{port}")), None)).await, 403, "{path} Host");
+        assert_eq!(status(req(true, None, Some("https://attacker.example"))).await, 403, "{path} Origin");
+        assert_eq!(status(req(false, None, None)).await, 401, "{path} token");
+        assert_eq!(status(req(true, Some(format!("127.0.0.1:{port}")), None)).await, 200, "{path} served");
+    }
+    // Bad bodies: OpenAI's {"error": {"message"}} and ollama's {"error": "..."}.
+    let post = |path: &str, raw: String| {
+        http.post(format!("{base}{path}")).bearer_auth("s3cret").header("Content-Type", "application/json").body(raw)
+    };
+    for path in ["/api/chat", "/api/generate", "/api/show"] {
+        for raw in ["{not json".to_string(), json!({"model": 7}).to_string()] {
+            let r = post(path, raw.clone()).send().await.unwrap();
+            assert_eq!(r.status(), 400, "{path} {raw}");
+            let v: Value = r.json().await.unwrap();
+            assert!(v["error"].is_string(), "{path}: {v}");
+        }
+    }
+    let mut unknown = chat.clone();
+    unknown["model"] = json!("no-such-model");
+    let r = post("/api/chat", unknown.to_string()).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let mut bad_schema = chat.clone();
+    bad_schema["format"] = json!({"type": "no-such-type"});
+    let r = post("/api/chat", bad_schema.to_string()).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.json::<Value>().await.unwrap()["error"].as_str().unwrap().contains("constraint"));
+    let mut wrong = body(2);
+    wrong["response_format"] =
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}});
+    let r = post("/v1/chat/completions", wrong.to_string()).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());
+    let mut tools = body(2);
+    tools["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    tools["tool_choice"] = json!({"type": "function", "function": {"name": "not-f"}});
+    assert_eq!(post("/v1/chat/completions", tools.to_string()).send().await.unwrap().status(), 400);
+}
