@@ -84,13 +84,9 @@ impl ChatTemplate {
     }
 }
 
-/// Today's date (UTC) for the date formats chat templates use (`%d`, `%b`,
-/// `%B`, `%Y`, `%m`); other directives are left as written. Only the date,
-/// so prompts (and prefix caches) stay stable within a day.
-fn strftime_today(fmt: &str) -> String {
-    let days =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400) as i64;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+/// The (year, month, day) of `days` since 1970-01-01 (Howard Hinnant's
+/// civil-from-days algorithm).
+pub fn civil_date(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -99,7 +95,16 @@ fn strftime_today(fmt: &str) -> String {
     let mp = (5 * doy + 2) / 153;
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    (yoe + era * 400 + i64::from(month <= 2), month, day)
+}
+
+/// Today's date (UTC) for the date formats chat templates use (`%d`, `%b`,
+/// `%B`, `%Y`, `%m`); other directives are left as written. Only the date,
+/// so prompts (and prefix caches) stay stable within a day.
+fn strftime_today(fmt: &str) -> String {
+    let days =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400) as i64;
+    let (year, month, day) = civil_date(days);
     const MONTHS: [&str; 12] = [
         "January",
         "February",
