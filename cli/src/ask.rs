@@ -65,6 +65,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         constraint: constraint(args)?,
         tools: vec![],
         tool_choice: Default::default(),
+        raw: None,
     })
 }
 

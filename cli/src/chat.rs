@@ -92,6 +92,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             constraint: None,
             tools: vec![],
             tool_choice: Default::default(),
+            raw: None,
         };
         let mut stream = client.generate(request).await?;
         let mut answer = String::new();

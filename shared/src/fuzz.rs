@@ -121,6 +121,7 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
             2 => ToolChoice::Required,
             _ => ToolChoice::Function(rng.string()),
         },
+        raw: rng.one_in(5).then(|| RawPrompt { prefix: rng.string(), suffix: rng.one_in(2).then(|| rng.string()) }),
     }
 }
 

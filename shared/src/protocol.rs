@@ -281,6 +281,19 @@ pub struct GenerateRequest {
     /// calls come back in the statistics' `tool_calls`, not as text.
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
+    /// A prompt sent as text, not as messages through the chat template
+    /// (`messages` then stays empty): completions and fill-in-the-middle.
+    pub raw: Option<RawPrompt>,
+}
+
+/// An untemplated prompt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RawPrompt {
+    /// The text (with `suffix`: the code before the gap).
+    pub prefix: String,
+    /// The code after the gap: the prompt is the model's fill-in-the-middle
+    /// format around it (its FIM tokens), and the answer is the middle.
+    pub suffix: Option<String>,
 }
 
 /// A function the model may call.
@@ -347,6 +360,7 @@ impl GenerateRequest {
             constraint: None,
             tools: Vec::new(),
             tool_choice: ToolChoice::Auto,
+            raw: None,
         }
     }
 }

@@ -92,9 +92,15 @@ fn prompt_here(
     events: &UnboundedSender<Response>,
 ) -> Result<Option<(Vec<u32>, Vec<Array>, MediaStats)>, Failure> {
     let template = &model.prompter.template;
-    let tools = super::tools::for_prompt(template, request).map_err(EngineError::BadRequest)?;
-    let mut prompt =
-        template.render_with_tools(&request.messages, tools).map_err(|e| EngineError::BadRequest(format!("{e:#}")))?;
+    let mut prompt = match &request.raw {
+        Some(raw) => super::raw_prompt::text(&model.prompter.tokenizer, raw).map_err(EngineError::BadRequest)?,
+        None => {
+            let tools = super::tools::for_prompt(template, request).map_err(EngineError::BadRequest)?;
+            template
+                .render_with_tools(&request.messages, tools)
+                .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?
+        }
+    };
     if let Some(v) = &model.vision {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
         if placeholders != media.len() {
@@ -149,7 +155,7 @@ pub fn begin(
     cancel: Arc<AtomicBool>,
 ) -> Result<Begun, Failure> {
     let events = &events;
-    if request.messages.is_empty() {
+    if request.messages.is_empty() && request.raw.is_none() {
         return Err(EngineError::BadRequest("the request has no messages".into()));
     }
     let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();

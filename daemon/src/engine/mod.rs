@@ -14,6 +14,7 @@ pub mod media;
 pub mod memory;
 pub mod prompt_cache;
 pub mod prompt_costs;
+pub mod raw_prompt;
 pub mod registry;
 mod residency;
 pub mod sampling;

@@ -45,6 +45,7 @@ pub async fn serve(
     let app = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
         .route("/api/version", get(ollama::version))
         .route("/api/tags", get(ollama::tags))
         .route("/api/ps", get(ollama::ps))
@@ -125,6 +126,66 @@ async fn begin(state: &AppState, request: mlxbc_shared::GenerateRequest) -> Resu
         Some(Wire::Started { model, .. }) => Ok(Begun { rx, guard, model }),
         Some(Wire::Error { kind, message }) => Err((kind, message)),
         other => Err((ErrorKind::Internal, format!("unexpected first event {other:?}"))),
+    }
+}
+
+/// `POST /v1/completions`: a prompt (with `suffix`: fill-in-the-middle).
+async fn completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let parsed: openai::CompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(ErrorKind::BadRequest, format!("request body: {e}")),
+    };
+    let stream = parsed.stream;
+    let request = match parsed.into_generate() {
+        Ok(r) => r,
+        Err(e) => return error_response(ErrorKind::BadRequest, e.0),
+    };
+    let Begun { mut rx, guard, model } = match begin(&state, request).await {
+        Ok(b) => b,
+        Err((kind, message)) => return error_response(kind, message),
+    };
+    let id = format!("cmpl-{:x}", rand::random::<u64>());
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    if stream {
+        let events = futures::stream::unfold((rx, Some(guard), false), move |(mut rx, guard, done)| {
+            let (id, model) = (id.clone(), model.clone());
+            async move {
+                if done {
+                    return None;
+                }
+                let data = match rx.recv().await {
+                    Some(Wire::Token { text }) => openai::text_completion(&id, created, &model, &text, None, None),
+                    Some(Wire::Done { stats }) => {
+                        let finish = openai::finish_reason(stats.stop_reason);
+                        let last = openai::text_completion(&id, created, &model, "", Some(finish), None);
+                        return Some((vec![last.to_string(), "[DONE]".into()], (rx, guard, true)));
+                    }
+                    Some(Wire::Error { message, .. }) => json!({"error": {"message": message, "type": "server_error"}}),
+                    Some(_) => return Some((vec![], (rx, guard, false))),
+                    None => return None,
+                };
+                Some((vec![data.to_string()], (rx, guard, false)))
+            }
+        })
+        .flat_map(futures::stream::iter)
+        .map(|d| Ok::<_, std::convert::Infallible>(Event::default().data(d)));
+        return Sse::new(events).into_response();
+    }
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Wire::Token { text: t }) => text.push_str(&t),
+            Some(Wire::Done { stats }) => {
+                let finish = openai::finish_reason(stats.stop_reason);
+                let usage = (stats.prompt_tokens, stats.generated_tokens);
+                drop(guard);
+                return Json(openai::text_completion(&id, created, &model, &text, Some(finish), Some(usage)))
+                    .into_response();
+            }
+            Some(Wire::Error { kind, message }) => return error_response(kind, message),
+            Some(_) => {}
+            None => return error_response(ErrorKind::Internal, "the engine dropped the request".into()),
+        }
     }
 }
 

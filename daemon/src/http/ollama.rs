@@ -4,8 +4,7 @@
 //! `/api/show` (with capabilities: completion, tools, vision), `/api/chat`
 //! and `/api/generate` (NDJSON streams, base64 images, `format`, `tools`,
 //! `options`, `keep_alive`). Errors are ollama's `{"error": "..."}`.
-//! Not served yet, refused with a message: `raw` and `suffix` on
-//! `/api/generate`.
+//! `/api/generate` takes `raw` prompts and `suffix` (fill-in-the-middle).
 
 use super::{begin, openai, Begun};
 use crate::state::AppState;
@@ -109,6 +108,9 @@ pub async fn show(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -
         return error(ErrorKind::Internal, format!("model {name:?} could not be loaded (see the daemon's log)"));
     };
     let mut capabilities = vec!["completion"];
+    if crate::engine::raw_prompt::has_fim(&route.prompter.tokenizer) {
+        capabilities.push("insert");
+    }
     if route.prompter.template.tool_format.is_some() {
         capabilities.push("tools");
     }
@@ -255,6 +257,7 @@ fn request(
         constraint: constraint(format)?,
         tools: Vec::new(),
         tool_choice: ToolChoice::Auto,
+        raw: None,
     })
 }
 
@@ -439,12 +442,6 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: axum::body::Byte
         Ok(b) => b,
         Err(e) => return error(ErrorKind::BadRequest, format!("request body: {e}")),
     };
-    if b.raw || b.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return error(
-            ErrorKind::BadRequest,
-            "raw prompts and suffix (fill-in-the-middle) are not served yet; send a prompt to be templated".into(),
-        );
-    }
     if b.prompt.is_empty() && b.images.is_empty() {
         return preload(&state, b.model, Shape::Generate).await;
     }
@@ -458,10 +455,21 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: axum::body::Byte
         Err(e) => return error(ErrorKind::BadRequest, e),
     };
     messages.push(user);
-    let request = match request(b.model, messages, b.options, b.format, b.keep_alive) {
-        Ok(r) => r,
-        Err(e) => return error(ErrorKind::BadRequest, e),
-    };
+    let suffix = b.suffix.filter(|s| !s.is_empty());
+    let raw = (b.raw || suffix.is_some())
+        .then(|| mlxbc_shared::RawPrompt { prefix: messages.pop().map(|m| m.content).unwrap_or_default(), suffix });
+    if raw.is_some() && (!messages.is_empty() || !b.images.is_empty()) {
+        return error(
+            ErrorKind::BadRequest,
+            "a raw or fill-in-the-middle prompt takes no system prompt or images".into(),
+        );
+    }
+    let mut request =
+        match request(b.model, if raw.is_some() { Vec::new() } else { messages }, b.options, b.format, b.keep_alive) {
+            Ok(r) => r,
+            Err(e) => return error(ErrorKind::BadRequest, e),
+        };
+    request.raw = raw;
     match begin(&state, request).await {
         Ok(b2) => answer(b2, Shape::Generate, b.stream, started).await,
         Err((kind, message)) => error(kind, message),

@@ -28,6 +28,98 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub tools: Vec<ToolDef>,
     pub tool_choice: Option<ToolChoiceDef>,
+    /// Refused above 1 (one answer per request; send n requests).
+    pub n: Option<u32>,
+    /// Refused when asked (not served yet), never silently dropped.
+    #[serde(default)]
+    pub logprobs: bool,
+}
+
+/// `POST /v1/completions` body: a prompt, and with `suffix` the gap
+/// between them (fill-in-the-middle, as Continue's autocomplete asks).
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: Value,
+    pub suffix: Option<String>,
+    #[serde(default)]
+    pub stream: bool,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub max_tokens: Option<u32>,
+    pub stop: Option<Stop>,
+    pub seed: Option<u64>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub echo: bool,
+    pub logprobs: Option<u32>,
+}
+
+impl CompletionRequest {
+    /// Our request for it.
+    pub fn into_generate(self) -> Result<GenerateRequest, BadRequest> {
+        refuse_unserved(self.n, self.logprobs.is_some())?;
+        if self.echo {
+            return Err(BadRequest("echo is not served".into()));
+        }
+        let prompt = match self.prompt {
+            Value::String(p) => p,
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+            _ => return Err(BadRequest("prompt must be one string".into())),
+        };
+        Ok(GenerateRequest {
+            model: self.model.filter(|m| !m.is_empty()),
+            messages: Vec::new(),
+            sampling: SamplingParams {
+                temperature: self.temperature.unwrap_or(1.0),
+                top_k: 0,
+                top_p: self.top_p.unwrap_or(1.0),
+                seed: self.seed,
+            },
+            // OpenAI's default for completions.
+            max_tokens: self.max_tokens.unwrap_or(16),
+            stop: stops(self.stop),
+            raw: Some(mlxbc_shared::RawPrompt { prefix: prompt, suffix: self.suffix }),
+            ..GenerateRequest::ask("")
+        })
+    }
+}
+
+fn stops(stop: Option<Stop>) -> Vec<String> {
+    match stop {
+        None => vec![],
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    }
+}
+
+/// What the gateway does not serve is refused with a sentence.
+fn refuse_unserved(n: Option<u32>, logprobs: bool) -> Result<(), BadRequest> {
+    if n.is_some_and(|n| n > 1) {
+        return Err(BadRequest("n > 1 is not served: send n requests (they are batched)".into()));
+    }
+    if logprobs {
+        return Err(BadRequest("logprobs are not served yet".into()));
+    }
+    Ok(())
+}
+
+/// One `text_completion` (or a stream chunk of one).
+pub fn text_completion(
+    id: &str,
+    created: u64,
+    model: &str,
+    text: &str,
+    finish: Option<&str>,
+    usage: Option<(u32, u32)>,
+) -> Value {
+    let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]});
+    if let Some((p, g)) = usage {
+        v["usage"] = json!({"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g});
+    }
+    v
 }
 
 #[derive(Debug, Deserialize)]
@@ -150,6 +242,7 @@ fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
 impl ChatCompletionRequest {
     /// Our request for it.
     pub fn into_generate(self) -> Result<GenerateRequest, BadRequest> {
+        refuse_unserved(self.n, self.logprobs)?;
         let mut messages = Vec::with_capacity(self.messages.len());
         for m in self.messages {
             let role = match m.role.as_str() {
@@ -190,11 +283,7 @@ impl ChatCompletionRequest {
         if messages.is_empty() {
             return Err(BadRequest("messages must not be empty".into()));
         }
-        let stop = match self.stop {
-            None => vec![],
-            Some(Stop::One(s)) => vec![s],
-            Some(Stop::Many(v)) => v,
-        };
+        let stop = stops(self.stop);
         Ok(GenerateRequest {
             model: self.model.filter(|m| !m.is_empty()),
             messages,
@@ -241,6 +330,7 @@ impl ChatCompletionRequest {
                 },
                 Some(ToolChoiceDef::Named { function }) => ToolChoice::Function(function.name),
             },
+            raw: None,
             constraint: match self.response_format {
                 None | Some(ResponseFormat::Text) => None,
                 Some(ResponseFormat::JsonObject) => Some(Constraint::JsonObject),

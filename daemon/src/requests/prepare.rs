@@ -136,15 +136,26 @@ async fn tokenize(
     route: &PromptRoute,
     request: &GenerateRequest,
 ) -> Result<Option<PreparedPrompt>, EngineError> {
-    fits_by_bytes(&route.model, route.context, request.messages.iter().map(|m| m.content.len()).sum())?;
+    let raw_bytes = request.raw.as_ref().map_or(0, |r| r.prefix.len() + r.suffix.as_ref().map_or(0, String::len));
+    fits_by_bytes(
+        &route.model,
+        route.context,
+        request.messages.iter().map(|m| m.content.len()).sum::<usize>() + raw_bytes,
+    )?;
     let (prompter, request_copy) = (route.prompter.clone(), request.clone());
     let placeholder = route.placeholder.clone();
     let (kv_root, context) = (route.kv_root, route.context);
     let (disk, in_ram) = (engine.prompt_disk.clone(), engine.prompt_shared.clone());
     type Made = Option<(Vec<u32>, prompt_cache::StoredBlocks)>;
     let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Made> {
-        let tools = crate::engine::tools::for_prompt(&prompter.template, &request_copy).map_err(anyhow::Error::msg)?;
-        let text = prompter.template.render_with_tools(&request_copy.messages, tools)?;
+        let text = match &request_copy.raw {
+            Some(raw) => crate::engine::raw_prompt::text(&prompter.tokenizer, raw).map_err(anyhow::Error::msg)?,
+            None => {
+                let tools =
+                    crate::engine::tools::for_prompt(&prompter.template, &request_copy).map_err(anyhow::Error::msg)?;
+                prompter.template.render_with_tools(&request_copy.messages, tools)?
+            }
+        };
         if placeholder.is_some_and(|p| text.contains(p.as_str())) {
             // Placeholders typed without images: left to the engine, which refuses them.
             return Ok(None);

@@ -60,8 +60,20 @@ pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid
     if !s.top_p.is_finite() || s.top_p <= 0.0 || s.top_p > 1.0 {
         return bad(format!("top_p must be above 0 and at most 1 (1 disables it), not {}", s.top_p));
     }
-    if request.messages.is_empty() {
+    if request.messages.is_empty() && request.raw.is_none() {
         return bad("the request has no messages".into());
+    }
+    if let Some(raw) = &request.raw {
+        if !request.messages.is_empty() || request.session.is_some() || !request.tools.is_empty() {
+            return bad("a raw prompt comes alone: no messages, session or tools with it".into());
+        }
+        let bytes = raw.prefix.len() + raw.suffix.as_ref().map_or(0, String::len);
+        if bytes > limits.max_prompt_bytes {
+            return bad(format!(
+                "the prompt is {bytes} bytes; this daemon accepts at most {}",
+                limits.max_prompt_bytes
+            ));
+        }
     }
     if request.messages.len() > MAX_MESSAGES {
         return bad(format!("{} messages; at most {MAX_MESSAGES}", request.messages.len()));

@@ -165,3 +165,14 @@ fn ollama_client_lists_shows_chats_generates_with_tools_formats_and_images() {
     std::fs::write(png.path(), crate::vision::png(64, 48, 5)).unwrap();
     run_client_script("ollama_client.py", &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
 }
+
+/// The `openai` SDK's completions: fill-in-the-middle on Qwen2.5-Coder
+/// fills the gap; plain and streamed agree; n > 1 and logprobs refused.
+#[test]
+fn openai_sdk_completions_fill_in_the_middle_on_qwen25_coder() {
+    let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+    let mut models = DaemonOptions::default().models;
+    models.push((qwen, fixture(&format!("models/{qwen}"))));
+    let (_d, base) = gateway(models);
+    run_client_script("openai_completions.py", &[&base, qwen, SMOLLM2]);
+}
