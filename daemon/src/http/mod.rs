@@ -21,7 +21,7 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use mlxbc_shared::{ErrorKind, Response as Wire};
 use openai::ChatCompletionRequest;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -129,6 +129,65 @@ async fn begin(state: &AppState, request: mlxbc_shared::GenerateRequest) -> Resu
     }
 }
 
+/// Streams a generation as server-sent events: `first` (if any), then
+/// `token`'s data for each piece of text, then `done`'s lines and `[DONE]`.
+fn sse(
+    begun: Begun,
+    first: Option<Value>,
+    token: impl Fn(&str) -> Value + Send + Sync + 'static,
+    done: impl Fn(&mlxbc_shared::GenerationStats) -> Vec<Value> + Send + Sync + 'static,
+) -> Response {
+    let Begun { rx, guard, .. } = begun;
+    let (token, done) = (Arc::new(token), Arc::new(done));
+    let events = futures::stream::unfold((rx, Some(guard), false), move |(mut rx, guard, finished)| {
+        let (token, done) = (token.clone(), done.clone());
+        async move {
+            if finished {
+                return None;
+            }
+            let data = match rx.recv().await {
+                Some(Wire::Token { text }) => token(&text),
+                Some(Wire::Done { stats }) => {
+                    let mut out: Vec<String> = done(&stats).iter().map(Value::to_string).collect();
+                    out.push("[DONE]".into());
+                    return Some((out, (rx, guard, true)));
+                }
+                Some(Wire::Error { message, .. }) => json!({"error": {"message": message, "type": "server_error"}}),
+                Some(_) => return Some((vec![], (rx, guard, false))),
+                None => return None,
+            };
+            Some((vec![data.to_string()], (rx, guard, false)))
+        }
+    })
+    .flat_map(futures::stream::iter);
+    let all = futures::stream::iter(first.map(|f| f.to_string()))
+        .chain(events)
+        .map(|d| Ok::<_, std::convert::Infallible>(Event::default().data(d)));
+    Sse::new(all).into_response()
+}
+
+/// A whole generation's text and statistics, or the error response.
+async fn collect(begun: Begun) -> Result<(String, mlxbc_shared::GenerationStats), Response> {
+    let Begun { mut rx, guard, .. } = begun;
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Wire::Token { text: t }) => text.push_str(&t),
+            Some(Wire::Done { stats }) => {
+                drop(guard);
+                return Ok((text, stats));
+            }
+            Some(Wire::Error { kind, message }) => return Err(error_response(kind, message)),
+            Some(_) => {}
+            None => return Err(error_response(ErrorKind::Internal, "the engine dropped the request".into())),
+        }
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
 /// `POST /v1/completions`: a prompt (with `suffix`: fill-in-the-middle).
 async fn completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
     let parsed: openai::CompletionRequest = match serde_json::from_slice(&body) {
@@ -140,52 +199,30 @@ async fn completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes
         Ok(r) => r,
         Err(e) => return error_response(ErrorKind::BadRequest, e.0),
     };
-    let Begun { mut rx, guard, model } = match begin(&state, request).await {
+    let begun = match begin(&state, request).await {
         Ok(b) => b,
         Err((kind, message)) => return error_response(kind, message),
     };
-    let id = format!("cmpl-{:x}", rand::random::<u64>());
-    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (id, created, model) = (format!("cmpl-{:x}", rand::random::<u64>()), now_secs(), begun.model.clone());
     if stream {
-        let events = futures::stream::unfold((rx, Some(guard), false), move |(mut rx, guard, done)| {
-            let (id, model) = (id.clone(), model.clone());
-            async move {
-                if done {
-                    return None;
-                }
-                let data = match rx.recv().await {
-                    Some(Wire::Token { text }) => openai::text_completion(&id, created, &model, &text, None, None),
-                    Some(Wire::Done { stats }) => {
-                        let finish = openai::finish_reason(stats.stop_reason);
-                        let last = openai::text_completion(&id, created, &model, "", Some(finish), None);
-                        return Some((vec![last.to_string(), "[DONE]".into()], (rx, guard, true)));
-                    }
-                    Some(Wire::Error { message, .. }) => json!({"error": {"message": message, "type": "server_error"}}),
-                    Some(_) => return Some((vec![], (rx, guard, false))),
-                    None => return None,
-                };
-                Some((vec![data.to_string()], (rx, guard, false)))
-            }
-        })
-        .flat_map(futures::stream::iter)
-        .map(|d| Ok::<_, std::convert::Infallible>(Event::default().data(d)));
-        return Sse::new(events).into_response();
-    }
-    let mut text = String::new();
-    loop {
-        match rx.recv().await {
-            Some(Wire::Token { text: t }) => text.push_str(&t),
-            Some(Wire::Done { stats }) => {
+        let (id2, model2) = (id.clone(), model.clone());
+        return sse(
+            begun,
+            None,
+            move |text| openai::text_completion(&id, created, &model, text, None, None),
+            move |stats| {
                 let finish = openai::finish_reason(stats.stop_reason);
-                let usage = (stats.prompt_tokens, stats.generated_tokens);
-                drop(guard);
-                return Json(openai::text_completion(&id, created, &model, &text, Some(finish), Some(usage)))
-                    .into_response();
-            }
-            Some(Wire::Error { kind, message }) => return error_response(kind, message),
-            Some(_) => {}
-            None => return error_response(ErrorKind::Internal, "the engine dropped the request".into()),
+                vec![openai::text_completion(&id2, created, &model2, "", Some(finish), None)]
+            },
+        );
+    }
+    match collect(begun).await {
+        Ok((text, stats)) => {
+            let finish = openai::finish_reason(stats.stop_reason);
+            let usage = (stats.prompt_tokens, stats.generated_tokens);
+            Json(openai::text_completion(&id, created, &model, &text, Some(finish), Some(usage))).into_response()
         }
+        Err(response) => response,
     }
 }
 
@@ -200,66 +237,38 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
         Ok(r) => r,
         Err(e) => return error_response(ErrorKind::BadRequest, e.0),
     };
-    let Begun { mut rx, guard, model } = match begin(&state, request).await {
+    let begun = match begin(&state, request).await {
         Ok(b) => b,
         Err((kind, message)) => return error_response(kind, message),
     };
-    let id = format!("chatcmpl-{:x}", rand::random::<u64>());
-    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (id, created, model) = (format!("chatcmpl-{:x}", rand::random::<u64>()), now_secs(), begun.model.clone());
     if stream {
         let first = openai::chunk(&id, created, &model, json!({"role": "assistant", "content": ""}), None);
-        let events = futures::stream::unfold((rx, Some(guard), false), move |(mut rx, guard, done)| {
-            let (id, model) = (id.clone(), model.clone());
-            async move {
-                if done {
-                    return None;
+        let (id2, model2) = (id.clone(), model.clone());
+        return sse(
+            begun,
+            Some(first),
+            move |text| openai::chunk(&id, created, &model, json!({"content": text}), None),
+            move |stats| {
+                let (id, model) = (&id2, &model2);
+                let mut out = Vec::new();
+                let mut finish = openai::finish_reason(stats.stop_reason);
+                if !stats.tool_calls.is_empty() {
+                    // The calls, whole, as one delta (parsed once closed).
+                    let calls = json!({"tool_calls": openai::tool_calls(&stats.tool_calls, true)});
+                    out.push(openai::chunk(id, created, model, calls, None));
+                    finish = "tool_calls";
                 }
-                let data = match rx.recv().await {
-                    Some(Wire::Token { text }) => openai::chunk(&id, created, &model, json!({"content": text}), None),
-                    Some(Wire::Done { stats }) => {
-                        let mut out = Vec::new();
-                        let mut finish = openai::finish_reason(stats.stop_reason);
-                        if !stats.tool_calls.is_empty() {
-                            // The calls, whole, as one delta (parsed once closed).
-                            let calls = json!({"tool_calls": openai::tool_calls(&stats.tool_calls, true)});
-                            out.push(openai::chunk(&id, created, &model, calls, None).to_string());
-                            finish = "tool_calls";
-                        }
-                        let last = openai::chunk(&id, created, &model, json!({}), Some(finish));
-                        out.push(last.to_string());
-                        if include_usage {
-                            let usage =
-                                openai::usage_chunk(&id, created, &model, stats.prompt_tokens, stats.generated_tokens);
-                            out.push(usage.to_string());
-                        }
-                        out.push("[DONE]".into());
-                        return Some((out, (rx, guard, true)));
-                    }
-                    Some(Wire::Error { message, .. }) => json!({"error": {"message": message, "type": "server_error"}}),
-                    Some(_) => return Some((vec![], (rx, guard, false))),
-                    None => return None,
-                };
-                Some((vec![data.to_string()], (rx, guard, false)))
-            }
-        })
-        .flat_map(futures::stream::iter);
-        let all = futures::stream::once(async move { first.to_string() })
-            .chain(events)
-            .map(|d| Ok::<_, std::convert::Infallible>(Event::default().data(d)));
-        return Sse::new(all).into_response();
+                out.push(openai::chunk(id, created, model, json!({}), Some(finish)));
+                if include_usage {
+                    out.push(openai::usage_chunk(id, created, model, stats.prompt_tokens, stats.generated_tokens));
+                }
+                out
+            },
+        );
     }
-    let mut text = String::new();
-    loop {
-        match rx.recv().await {
-            Some(Wire::Token { text: t }) => text.push_str(&t),
-            Some(Wire::Done { stats }) => {
-                let body = openai::completion(&id, created, &model, &text, &stats);
-                drop(guard);
-                return Json(body).into_response();
-            }
-            Some(Wire::Error { kind, message }) => return error_response(kind, message),
-            Some(_) => {}
-            None => return error_response(ErrorKind::Internal, "the engine dropped the request".into()),
-        }
+    match collect(begun).await {
+        Ok((text, stats)) => Json(openai::completion(&id, created, &model, &text, &stats)).into_response(),
+        Err(response) => response,
     }
 }
