@@ -171,7 +171,15 @@ mod tests {
                     if let Request::Generate(g) = &r {
                         assert!(g.sampling.temperature.is_finite() && g.sampling.temperature >= 0.0);
                         assert!(g.sampling.top_p > 0.0 && g.sampling.top_p <= 1.0);
-                        assert!(!g.messages.is_empty());
+                        // Messages, or a raw prompt alone within the byte limit.
+                        match &g.raw {
+                            None => assert!(!g.messages.is_empty()),
+                            Some(raw) => {
+                                assert!(g.messages.is_empty() && g.session.is_none() && g.tools.is_empty());
+                                let bytes = raw.prefix.len() + raw.suffix.as_ref().map_or(0, String::len);
+                                assert!(bytes <= LIMITS.max_prompt_bytes);
+                            }
+                        }
                     }
                 }
                 Err(_) => refused += 1,
