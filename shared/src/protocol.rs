@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -477,6 +477,8 @@ pub struct GenerationStats {
     pub warnings: Vec<String>,
     /// The tools the model called (their text is not in the stream).
     pub tool_calls: Vec<ToolCall>,
+    /// The stop string that ended the answer (with [`StopReason::StopString`]).
+    pub stop_string: Option<String>,
 }
 
 /// What went wrong, for callers that branch on it.

@@ -151,6 +151,7 @@ fn honest_payloads_that_expand_when_decoded_still_decode() {
             prefill_ms: 0.0,
             warnings: vec![],
             tool_calls: vec![],
+            stop_string: None,
         };
         let done = Response::Done { stats };
         let payload = to_payload(&done).unwrap();

@@ -119,6 +119,8 @@ pub struct Sequence {
     stream: StreamState,
     t_prefill: Option<Instant>,
     t_first: Option<Instant>,
+    /// The stop string that ended it, once one did.
+    stop_string: Option<String>,
 }
 
 impl Sequence {
@@ -133,6 +135,7 @@ impl Sequence {
             stream: StreamState::default(),
             t_prefill: None,
             t_first: None,
+            stop_string: None,
         }
     }
 
@@ -351,8 +354,8 @@ impl Sequence {
         };
         if let Some(piece) = piece {
             let (mut text, stop) = match self.s.stops.push(&piece) {
-                Filtered::Emit(t) => (t, false),
-                Filtered::Stop(t) => (t, true),
+                Filtered::Emit(t) => (t, None),
+                Filtered::Stop(t, matched) => (t, Some(matched)),
             };
             if let Some(f) = &mut self.s.tool_filter {
                 text = f.push(&text);
@@ -360,7 +363,8 @@ impl Sequence {
             if !text.is_empty() && self.s.events.send(Response::Token { text }).is_err() {
                 return Some(Ok(Finished::Abandoned));
             }
-            if stop {
+            if let Some(matched) = stop {
+                self.stop_string = Some(matched);
                 return Some(self.finish(StopReason::StopString));
             }
         }
@@ -416,6 +420,7 @@ impl Sequence {
         stats.prefill_tokens_computed = (self.s.ids.len() - self.s.reused) as u32;
         stats.prefill_ms = prefill_s * 1000.0;
         stats.tool_calls = tool_calls;
+        stats.stop_string = self.stop_string.take();
         stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))
     }
@@ -445,5 +450,6 @@ pub fn stats_without_decode(model: &str, prompt_tokens: usize, load_ms: f64, m: 
         prefill_ms: 0.0,
         warnings: vec![],
         tool_calls: vec![],
+        stop_string: None,
     }
 }

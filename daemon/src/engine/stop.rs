@@ -12,8 +12,8 @@ pub struct StopFilter {
 pub enum Filtered {
     /// Emit this (possibly empty) text and go on.
     Emit(String),
-    /// Emit this text, then stop: a stop string matched.
-    Stop(String),
+    /// Emit this text, then stop: the stop string (second) matched.
+    Stop(String, String),
 }
 
 impl StopFilter {
@@ -25,10 +25,13 @@ impl StopFilter {
     /// Feeds generated text.
     pub fn push(&mut self, text: &str) -> Filtered {
         self.pending.push_str(text);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some((at, stop)) =
+            self.stops.iter().filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, s))).min_by_key(|(at, _)| *at)
+        {
             let out = self.pending[..at].to_string();
+            let stop = stop.clone();
             self.pending.clear();
-            return Filtered::Stop(out);
+            return Filtered::Stop(out, stop);
         }
         // Keep the longest tail that is a prefix of some stop string.
         let hold = self
@@ -60,7 +63,7 @@ mod tests {
         let mut f = StopFilter::new(&["\nUser:".to_string()]);
         assert_eq!(f.push("Hello"), Filtered::Emit("Hello".into()));
         assert_eq!(f.push(" there\nUs"), Filtered::Emit(" there".into()));
-        assert_eq!(f.push("er: hi"), Filtered::Stop("".into()));
+        assert_eq!(f.push("er: hi"), Filtered::Stop("".into(), "\nUser:".into()));
     }
 
     #[test]

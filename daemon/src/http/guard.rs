@@ -7,7 +7,8 @@
 //! does not), a cross-site `Origin` is refused unless the settings allow it,
 //! request bodies must be `application/json` (which a page cannot send
 //! without a preflight), and with `http_token` set, `Authorization: Bearer`
-//! must carry it (the only thing that keeps other local users out).
+//! (or `x-api-key`, as the Anthropic SDK and Claude Code send it) must carry
+//! it (the only thing that keeps other local users out).
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -70,12 +71,16 @@ impl Guard {
 
     fn token_ok(&self, headers: &HeaderMap) -> bool {
         let Some(want) = &self.token else { return true };
-        let got = headers
+        let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        constant_time_eq(got.trim().as_bytes(), want.as_bytes())
+        let api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("");
+        // Both are compared (no early exit on the first).
+        let by_bearer = constant_time_eq(bearer.trim().as_bytes(), want.as_bytes());
+        let by_key = constant_time_eq(api_key.trim().as_bytes(), want.as_bytes());
+        by_bearer | by_key
     }
 }
 
@@ -124,7 +129,7 @@ pub async fn check(State(guard): State<Arc<Guard>>, request: Request<Body>, next
         let mut r = StatusCode::NO_CONTENT.into_response();
         let h = r.headers_mut();
         h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
-        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("authorization, content-type"));
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("authorization, content-type, x-api-key, anthropic-version"));
         h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
         return cors(r);
     }
@@ -178,5 +183,7 @@ mod tests {
         assert!(g.token_ok(&headers(&[(header::AUTHORIZATION, "Bearer s3cret")])));
         assert!(!g.token_ok(&headers(&[(header::AUTHORIZATION, "Bearer s3cre")])));
         assert!(!g.token_ok(&HeaderMap::new()));
+        assert!(g.token_ok(&headers(&[(header::HeaderName::from_static("x-api-key"), "s3cret")])));
+        assert!(!g.token_ok(&headers(&[(header::HeaderName::from_static("x-api-key"), "s3cre")])));
     }
 }

@@ -6,6 +6,7 @@
 //! (`registry::is_plain_name`), never a path (the socket, which only its
 //! owner can reach, still takes paths).
 
+mod anthropic;
 mod guard;
 mod ollama;
 mod openai;
@@ -46,6 +47,8 @@ pub async fn serve(
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/api/version", get(ollama::version))
         .route("/api/tags", get(ollama::tags))
         .route("/api/ps", get(ollama::ps))
@@ -100,11 +103,12 @@ impl Drop for CancelOnDrop {
 }
 
 /// A generation the gateway started: its events after `Started`, the guard
-/// that cancels it when dropped, and the model's name.
+/// that cancels it when dropped, the model's name and the prompt's length.
 struct Begun {
     rx: tokio::sync::mpsc::UnboundedReceiver<Wire>,
     guard: CancelOnDrop,
     model: String,
+    prompt_tokens: u32,
 }
 
 /// Checks and starts `request` for an HTTP client (whatever its API); the
@@ -123,51 +127,77 @@ async fn begin(state: &AppState, request: mlxbc_shared::GenerateRequest) -> Resu
     let guard = CancelOnDrop(cancel);
     // The first event decides the status: an error before any output is an HTTP error.
     match rx.recv().await {
-        Some(Wire::Started { model, .. }) => Ok(Begun { rx, guard, model }),
+        Some(Wire::Started { model, prompt_tokens }) => Ok(Begun { rx, guard, model, prompt_tokens }),
         Some(Wire::Error { kind, message }) => Err((kind, message)),
         other => Err((ErrorKind::Internal, format!("unexpected first event {other:?}"))),
     }
 }
 
-/// Streams a generation as server-sent events: `first` (if any), then
-/// `token`'s data for each piece of text, then `done`'s lines and `[DONE]`.
+/// The prompt's length in tokens as the model would see it (images and
+/// tools included): the request is set up with nothing to generate, so it
+/// is rendered, checked and counted, and nothing is computed.
+async fn count_prompt_tokens(
+    state: &AppState,
+    mut request: mlxbc_shared::GenerateRequest,
+) -> Result<(String, u32), (ErrorKind, String)> {
+    request.max_tokens = 0;
+    let begun = begin(state, request).await?;
+    Ok((begun.model, begun.prompt_tokens))
+}
+
+/// Streams a generation as server-sent events: `first`, then what `on`
+/// makes of each engine event; `on` says when its events were the last.
+fn event_stream<F>(begun: Begun, first: Vec<Event>, on: F) -> Response
+where
+    F: FnMut(Wire) -> (Vec<Event>, bool) + Send + 'static,
+{
+    let Begun { rx, guard, .. } = begun;
+    let events = futures::stream::unfold((rx, guard, on, false), |(mut rx, guard, mut on, finished)| async move {
+        if finished {
+            return None;
+        }
+        let (out, last) = on(rx.recv().await?);
+        Some((out, (rx, guard, on, last)))
+    })
+    .flat_map(futures::stream::iter);
+    Sse::new(futures::stream::iter(first).chain(events).map(Ok::<_, std::convert::Infallible>)).into_response()
+}
+
+/// An SSE event with only data (OpenAI's chat and text completions).
+fn data_event(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// An SSE event with a name and data (the Anthropic and Responses streams).
+fn named_event(v: Value) -> Event {
+    let name = v["type"].as_str().unwrap_or("message").to_string();
+    Event::default().event(name).data(v.to_string())
+}
+
+/// Streams a generation as OpenAI's server-sent events: `first` (if any),
+/// then `token`'s data for each piece of text, then `done`'s and `[DONE]`.
 fn sse(
     begun: Begun,
     first: Option<Value>,
     token: impl Fn(&str) -> Value + Send + Sync + 'static,
     done: impl Fn(&mlxbc_shared::GenerationStats) -> Vec<Value> + Send + Sync + 'static,
 ) -> Response {
-    let Begun { rx, guard, .. } = begun;
-    let (token, done) = (Arc::new(token), Arc::new(done));
-    let events = futures::stream::unfold((rx, Some(guard), false), move |(mut rx, guard, finished)| {
-        let (token, done) = (token.clone(), done.clone());
-        async move {
-            if finished {
-                return None;
-            }
-            let data = match rx.recv().await {
-                Some(Wire::Token { text }) => token(&text),
-                Some(Wire::Done { stats }) => {
-                    let mut out: Vec<String> = done(&stats).iter().map(Value::to_string).collect();
-                    out.push("[DONE]".into());
-                    return Some((out, (rx, guard, true)));
-                }
-                Some(Wire::Error { message, .. }) => json!({"error": {"message": message, "type": "server_error"}}),
-                Some(_) => return Some((vec![], (rx, guard, false))),
-                None => return None,
-            };
-            Some((vec![data.to_string()], (rx, guard, false)))
+    event_stream(begun, first.iter().map(data_event).collect(), move |event| match event {
+        Wire::Token { text } => (vec![data_event(&token(&text))], false),
+        Wire::Done { stats } => {
+            let mut out: Vec<Event> = done(&stats).iter().map(data_event).collect();
+            out.push(Event::default().data("[DONE]"));
+            (out, true)
         }
+        Wire::Error { message, .. } => {
+            (vec![data_event(&json!({"error": {"message": message, "type": "server_error"}}))], true)
+        }
+        _ => (vec![], false),
     })
-    .flat_map(futures::stream::iter);
-    let all = futures::stream::iter(first.map(|f| f.to_string()))
-        .chain(events)
-        .map(|d| Ok::<_, std::convert::Infallible>(Event::default().data(d)));
-    Sse::new(all).into_response()
 }
 
-/// A whole generation's text and statistics, or the error response.
-async fn collect(begun: Begun) -> Result<(String, mlxbc_shared::GenerationStats), Response> {
+/// A whole generation's text and statistics, or the error's kind and message.
+async fn collect(begun: Begun) -> Result<(String, mlxbc_shared::GenerationStats), (ErrorKind, String)> {
     let Begun { mut rx, guard, .. } = begun;
     let mut text = String::new();
     loop {
@@ -177,9 +207,9 @@ async fn collect(begun: Begun) -> Result<(String, mlxbc_shared::GenerationStats)
                 drop(guard);
                 return Ok((text, stats));
             }
-            Some(Wire::Error { kind, message }) => return Err(error_response(kind, message)),
+            Some(Wire::Error { kind, message }) => return Err((kind, message)),
             Some(_) => {}
-            None => return Err(error_response(ErrorKind::Internal, "the engine dropped the request".into())),
+            None => return Err((ErrorKind::Internal, "the engine dropped the request".into())),
         }
     }
 }
@@ -222,7 +252,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes
             let usage = (stats.prompt_tokens, stats.generated_tokens);
             Json(openai::text_completion(&id, created, &model, &text, Some(finish), Some(usage))).into_response()
         }
-        Err(response) => response,
+        Err((kind, message)) => error_response(kind, message),
     }
 }
 
@@ -269,6 +299,6 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
     }
     match collect(begun).await {
         Ok((text, stats)) => Json(openai::completion(&id, created, &model, &text, &stats)).into_response(),
-        Err(response) => response,
+        Err((kind, message)) => error_response(kind, message),
     }
 }

@@ -359,22 +359,14 @@ fn line(shape: Shape, model: &str, text: &str, done: Option<(&GenerationStats, s
 
 /// Answers a started generation as one object or an NDJSON stream.
 async fn answer(begun: Begun, shape: Shape, stream: bool, started: std::time::Instant) -> Response {
-    let Begun { mut rx, guard, model } = begun;
     if !stream {
-        let mut text = String::new();
-        loop {
-            match rx.recv().await {
-                Some(Wire::Token { text: t }) => text.push_str(&t),
-                Some(Wire::Done { stats }) => {
-                    drop(guard);
-                    return Json(line(shape, &model, &text, Some((&stats, started.elapsed())))).into_response();
-                }
-                Some(Wire::Error { kind, message }) => return error(kind, message),
-                Some(_) => {}
-                None => return error(ErrorKind::Internal, "the engine dropped the request".into()),
-            }
-        }
+        let model = begun.model.clone();
+        return match super::collect(begun).await {
+            Ok((text, stats)) => Json(line(shape, &model, &text, Some((&stats, started.elapsed())))).into_response(),
+            Err((kind, message)) => error(kind, message),
+        };
     }
+    let Begun { rx, guard, model, .. } = begun;
     let lines = futures::stream::unfold((rx, Some(guard), false), move |(mut rx, guard, done)| {
         let model = model.clone();
         async move {

@@ -122,9 +122,13 @@ async fn every_route_is_guarded_and_bad_bodies_get_their_apis_error_shape() {
     let http = reqwest::Client::new();
     let chat = json!({"model": SMOLLM2, "messages": [{"role": "user", "content": "hi"}], "stream": false,
                       "options": {"num_predict": 2, "temperature": 0}});
+    let messages = json!({"model": SMOLLM2, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
     let routes: Vec<(reqwest::Method, &str, Option<Value>)> = vec![
         (reqwest::Method::GET, "/v1/models", None),
         (reqwest::Method::POST, "/v1/chat/completions", Some(body(2))),
+        (reqwest::Method::POST, "/v1/completions", Some(json!({"model": SMOLLM2, "prompt": "hi", "max_tokens": 2}))),
+        (reqwest::Method::POST, "/v1/messages", Some(messages.clone())),
+        (reqwest::Method::POST, "/v1/messages/count_tokens", Some(messages.clone())),
         (reqwest::Method::GET, "/api/version", None),
         (reqwest::Method::GET, "/api/tags", None),
         (reqwest::Method::GET, "/api/ps", None),
@@ -172,6 +176,15 @@ async fn every_route_is_guarded_and_bad_bodies_get_their_apis_error_shape() {
             assert!(v["error"].is_string(), "{path}: {v}");
         }
     }
+    // Anthropic's {"type": "error", "error": {"type", "message"}}; its SDK's x-api-key carries the token.
+    for raw in ["{not json".to_string(), json!({"model": SMOLLM2, "messages": []}).to_string()] {
+        let r = post("/v1/messages", raw.clone()).send().await.unwrap();
+        assert_eq!(r.status(), 400, "{raw}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("invalid_request_error")));
+    }
+    let by_key = http.post(format!("{base}/v1/messages")).header("x-api-key", "s3cret").json(&messages);
+    assert_eq!(by_key.send().await.unwrap().status(), 200);
     let mut unknown = chat.clone();
     unknown["model"] = json!("no-such-model");
     let r = post("/api/chat", unknown.to_string()).send().await.unwrap();

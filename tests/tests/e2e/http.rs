@@ -166,6 +166,22 @@ fn ollama_client_lists_shows_chats_generates_with_tools_formats_and_images() {
     run_client_script("ollama_client.py", &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
 }
 
+/// The `anthropic` SDK: messages plain and streamed equal to chat
+/// completions, stop sequences, count_tokens, structured output, a tool
+/// round trip on Qwen2.5-Coder, an image on a vision model, refusals.
+#[test]
+fn anthropic_sdk_messages_tools_images_and_count_tokens() {
+    let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+    let vlm = "tiny-gemma3-vlm";
+    let mut models = DaemonOptions::default().models;
+    models.push((qwen, fixture(&format!("models/{qwen}"))));
+    models.push((vlm, fixture("mlx/tiny-gemma3-vlm")));
+    let (_d, base) = gateway(models);
+    let png = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(png.path(), crate::vision::png(64, 48, 5)).unwrap();
+    run_client_script("anthropic_messages.py", &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
+}
+
 /// The `openai` SDK's completions: fill-in-the-middle on Qwen2.5-Coder
 /// fills the gap; plain and streamed agree; n > 1 and logprobs refused.
 #[test]
