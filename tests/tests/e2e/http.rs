@@ -182,6 +182,17 @@ fn anthropic_sdk_messages_tools_images_and_count_tokens() {
     run_client_script("anthropic_messages.py", &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
 }
 
+/// The `openai` SDK's Responses API (Codex's): text equal to chat
+/// completions, events in order, json_schema, a function-call round trip.
+#[test]
+fn openai_sdk_responses_text_events_schema_and_function_calls() {
+    let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+    let mut models = DaemonOptions::default().models;
+    models.push((qwen, fixture(&format!("models/{qwen}"))));
+    let (_d, base) = gateway(models);
+    run_client_script("openai_responses.py", &[&base, SMOLLM2, qwen]);
+}
+
 /// The `openai` SDK's completions: fill-in-the-middle on Qwen2.5-Coder
 /// fills the gap; plain and streamed agree; n > 1 and logprobs refused.
 #[test]
