@@ -66,6 +66,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         tools: vec![],
         tool_choice: Default::default(),
         raw: None,
+        logprobs: None,
     })
 }
 

@@ -93,6 +93,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             tools: vec![],
             tool_choice: Default::default(),
             raw: None,
+            logprobs: None,
         };
         let mut stream = client.generate(request).await?;
         let mut answer = String::new();

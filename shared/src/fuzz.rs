@@ -122,6 +122,7 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
             _ => ToolChoice::Function(rng.string()),
         },
         raw: rng.one_in(5).then(|| RawPrompt { prefix: rng.string(), suffix: rng.one_in(2).then(|| rng.string()) }),
+        logprobs: rng.one_in(4).then(|| rng.below(40) as u8),
     }
 }
 

@@ -284,6 +284,29 @@ pub struct GenerateRequest {
     /// A prompt sent as text, not as messages through the chat template
     /// (`messages` then stays empty): completions and fill-in-the-middle.
     pub raw: Option<RawPrompt>,
+    /// Report each generated token's log-probability and this many of the
+    /// likeliest alternatives (0–20) in [`GenerationStats::logprobs`].
+    pub logprobs: Option<u8>,
+}
+
+/// The most alternatives [`GenerateRequest::logprobs`] may ask for (OpenAI's cap).
+pub const MAX_TOP_LOGPROBS: u8 = 20;
+
+/// One generated token's log-probability under the model (before
+/// temperature, top-k/p and constraints), with the likeliest alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: TokenText,
+    pub logprob: f32,
+    /// Likeliest first.
+    pub top: Vec<(TokenText, f32)>,
+}
+
+/// A token's id and its text alone (a piece of a character may decode to U+FFFD).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenText {
+    pub id: u32,
+    pub text: String,
 }
 
 /// An untemplated prompt.
@@ -361,6 +384,7 @@ impl GenerateRequest {
             tools: Vec::new(),
             tool_choice: ToolChoice::Auto,
             raw: None,
+            logprobs: None,
         }
     }
 }
@@ -479,6 +503,8 @@ pub struct GenerationStats {
     pub tool_calls: Vec<ToolCall>,
     /// The stop string that ended the answer (with [`StopReason::StopString`]).
     pub stop_string: Option<String>,
+    /// Per generated token, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// What went wrong, for callers that branch on it.

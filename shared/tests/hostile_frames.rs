@@ -152,6 +152,7 @@ fn honest_payloads_that_expand_when_decoded_still_decode() {
             warnings: vec![],
             tool_calls: vec![],
             stop_string: None,
+            logprobs: vec![],
         };
         let done = Response::Done { stats };
         let payload = to_payload(&done).unwrap();

@@ -60,6 +60,29 @@ assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5,
 assert chunks[-1].choices == [], chunks[-1]
 print(f"include_usage: {chunks[-1].usage}")
 
+# logprobs with top_logprobs: one entry per token, spelling the answer; the
+# greedy token is the likeliest; streamed, the last chunk carries the same.
+r = client.chat.completions.create(model=model, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3,
+                                   messages=[{"role": "user", "content": "Say hi."}])
+content = r.choices[0].logprobs.content
+assert len(content) == r.usage.completion_tokens == 6, r
+assert "".join(c.token for c in content) == r.choices[0].message.content, r
+for c in content:
+    assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token, c
+    assert c.logprob <= 0 and abs(c.top_logprobs[0].logprob - c.logprob) < 1e-4, c
+    assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob, c
+streamed = [ch for ch in client.chat.completions.create(
+    model=model, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True,
+    messages=[{"role": "user", "content": "Say hi."}]) if ch.choices and ch.choices[0].logprobs]
+assert [c.logprob for c in streamed[-1].choices[0].logprobs.content] == [c.logprob for c in content], streamed
+print(f"logprobs: {[(c.token, round(c.logprob, 3)) for c in content]}")
+try:
+    client.chat.completions.create(model=model, max_tokens=2, logprobs=True, top_logprobs=21,
+                                   messages=[{"role": "user", "content": "x"}])
+    raise AssertionError("top_logprobs=21 was accepted")
+except openai.BadRequestError as e:
+    print(f"top_logprobs=21: {e.status_code}")
+
 # A schema llguidance cannot compile is the client's error (400), in OpenAI's shape.
 try:
     client.chat.completions.create(

@@ -243,6 +243,7 @@ pub fn begin(
         sampler: Sampler::new(request.sampling.clone()).map_err(EngineError::inference)?,
         constraint: constraint_of(&model, request)?,
         tool_filter: calls_tools.then(|| super::tools::ToolCallFilter::new(&model.prompter.tokenizer, &request.tools)),
+        logprobs: request.logprobs.map(super::logprobs::LogprobTracker::new),
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,
         limit: asked.min(room),
@@ -265,7 +266,9 @@ fn constraint_of(
     request: &GenerateRequest,
 ) -> Result<Option<super::constraint::Constrained>, EngineError> {
     let tokenizer = &model.prompter.tokenizer;
+    let format = model.prompter.template.tool_format.unwrap_or(super::tools::ToolFormat::Hermes);
     let required = super::tools::required_call_grammar(
+        format,
         &request.tools,
         &request.tool_choice,
         tokenizer.token_to_id("<tool_call>"),

@@ -10,6 +10,7 @@ pub mod constraint;
 pub mod discovery;
 pub mod error;
 pub mod generate;
+mod logprobs;
 pub mod media;
 pub mod memory;
 pub mod prompt_cache;

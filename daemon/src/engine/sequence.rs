@@ -72,6 +72,8 @@ pub struct Setup {
     pub constraint: Option<Constrained>,
     /// Takes tool calls out of the answer's text (a request with tools).
     pub tool_filter: Option<ToolCallFilter>,
+    /// Records the tokens' log-probabilities (a request that asked).
+    pub logprobs: Option<super::logprobs::LogprobTracker>,
     pub stops: StopFilter,
     pub ignore_eos: bool,
     /// Tokens to generate at most (the request's and the context's bound),
@@ -193,12 +195,15 @@ impl Sequence {
 
     /// True when its next token is the argmax of its logits.
     pub fn picks_argmax(&self) -> bool {
-        self.s.constraint.is_none() && self.s.sampler.is_greedy()
+        self.s.constraint.is_none() && self.s.logprobs.is_none() && self.s.sampler.is_greedy()
     }
 
     /// Its next token `[1, 1]` from its row's logits: masked by its
     /// constraint, then picked by its sampler.
     pub fn pick(&mut self, logits: &Array) -> Result<Array, EngineError> {
+        if let Some(t) = &mut self.s.logprobs {
+            t.queue(logits).map_err(EngineError::inference)?;
+        }
         let masked;
         // (A row that just ended still gets a pick from its batch: unmasked.)
         let logits = match &mut self.s.constraint {
@@ -330,8 +335,13 @@ impl Sequence {
                 return Some(Err(EngineError::Inference(format!("{e:#}"))));
             }
         }
-        self.generated.push(token);
         let tokenizer = &self.s.model.prompter.tokenizer;
+        if let Some(t) = &mut self.s.logprobs {
+            if let Err(e) = t.accept(token, tokenizer) {
+                return Some(Err(EngineError::inference(e)));
+            }
+        }
+        self.generated.push(token);
         let st = &mut self.stream;
         let piece = match tokenizers::step_decode_stream(
             tokenizer,
@@ -421,6 +431,7 @@ impl Sequence {
         stats.prefill_ms = prefill_s * 1000.0;
         stats.tool_calls = tool_calls;
         stats.stop_string = self.stop_string.take();
+        stats.logprobs = self.s.logprobs.take().map(|t| t.entries).unwrap_or_default();
         stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))
     }
@@ -451,5 +462,6 @@ pub fn stats_without_decode(model: &str, prompt_tokens: usize, load_ms: f64, m: 
         warnings: vec![],
         tool_calls: vec![],
         stop_string: None,
+        logprobs: vec![],
     }
 }

@@ -5,8 +5,10 @@
 //! variable HF templates read). Which markers its calls come in is read
 //! from the template, as mlx-lm does: Qwen2.5 / Qwen3 (Hermes style) write
 //! `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block
-//! per call. A model whose template has no tool support gets a clear
-//! `BadRequest` rather than tools it would ignore.
+//! per call; Llama 3.1 / 3.2 answer with one bare JSON object
+//! `{"name": ..., "parameters": {...}}` (their template says so and renders
+//! results as `ipython` turns). A model whose template has no tool support
+//! gets a clear `BadRequest` rather than tools it would ignore.
 
 use mlxbc_shared::{Constraint, Tool, ToolCall, ToolChoice};
 use serde_json::{json, Value};
@@ -17,6 +19,8 @@ pub enum ToolFormat {
     /// `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Qwen2.5,
     /// Qwen3, Hermes).
     Hermes,
+    /// A bare `{"name": ..., "parameters": ...}` answer (Llama 3.1 / 3.2).
+    Llama3Json,
 }
 
 const OPEN: &str = "<tool_call>";
@@ -25,7 +29,16 @@ const CLOSE: &str = "</tool_call>";
 impl ToolFormat {
     /// The format a chat template's source uses, if it takes tools at all.
     pub fn of_template(source: &str) -> Option<Self> {
-        (source.contains("tools") && source.contains(OPEN)).then_some(Self::Hermes)
+        if !source.contains("tools") {
+            return None;
+        }
+        if source.contains(OPEN) {
+            return Some(Self::Hermes);
+        }
+        // Llama 3.x: "Respond in the format {"name": function name,
+        // "parameters": dictionary of argument name and its value}".
+        let llama = source.contains("\"parameters\": dictionary") || source.contains("Environment: ipython");
+        llama.then_some(Self::Llama3Json)
     }
 }
 
@@ -90,6 +103,7 @@ pub fn check(tools: &[Tool], choice: &ToolChoice) -> Result<(), String> {
 /// schema. `open`/`close` are the marker tokens' ids when the tokenizer has
 /// them as single (special) tokens, which the model emits rather than text.
 pub fn required_call_grammar(
+    format: ToolFormat,
     tools: &[Tool],
     choice: &ToolChoice,
     open: Option<u32>,
@@ -100,15 +114,23 @@ pub fn required_call_grammar(
         ToolChoice::Function(name) => tools.iter().filter(|t| &t.name == name).collect(),
         ToolChoice::Auto | ToolChoice::None => return None,
     };
+    let key = match format {
+        ToolFormat::Hermes => "arguments",
+        ToolFormat::Llama3Json => "parameters",
+    };
     let calls: Vec<Value> = chosen
         .iter()
         .map(|t| {
             let parameters: Value = serde_json::from_str(&t.parameters).unwrap_or_else(|_| json!({}));
-            json!({"type": "object", "properties": {"name": {"const": t.name}, "arguments": parameters},
-                   "required": ["name", "arguments"], "additionalProperties": false})
+            json!({"type": "object", "properties": {"name": {"const": t.name}, key: parameters},
+                   "required": ["name", key], "additionalProperties": false})
         })
         .collect();
     let schema = json!({"anyOf": calls});
+    if format == ToolFormat::Llama3Json {
+        // The call is the whole answer, a bare object.
+        return Some(Constraint::JsonSchema(schema.to_string()));
+    }
     let marker = |id: Option<u32>, text: &str| match id {
         Some(id) => format!("<[{id}]>"),
         None => serde_json::to_string(text).expect("a string"),
@@ -315,6 +337,20 @@ mod tests {
     }
 
     #[test]
+    fn templates_say_which_format_their_calls_take() {
+        let qwen = "{% if tools %}{{ tools | tojson }} <tool_call>{% endif %}";
+        assert_eq!(ToolFormat::of_template(qwen), Some(ToolFormat::Hermes));
+        let llama = r#"{% if tools is not none %}Environment: ipython
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.{% endif %}"#;
+        assert_eq!(ToolFormat::of_template(llama), Some(ToolFormat::Llama3Json));
+        assert_eq!(ToolFormat::of_template("{{ messages[0].content }}"), None);
+        // A Llama 3 call is a bare object with "parameters".
+        let mut f = ToolCallFilter { names: vec!["get_weather".into()], ..Default::default() };
+        let text = f.push(r#"{"name": "get_weather", "parameters": {"city": "Paris"}}"#) + &f.finish();
+        assert_eq!((text.as_str(), f.calls[0].arguments.as_str()), ("", r#"{"city":"Paris"}"#));
+    }
+
+    #[test]
     fn broken_or_unclosed_calls_stay_text_with_a_warning() {
         let mut f = ToolCallFilter::default();
         let mut text = f.push("a <tool_call>not json</tool_call> b <tool_call>{\"name\"");
@@ -328,11 +364,13 @@ mod tests {
     fn a_required_call_grammar_names_the_tools() {
         let tools =
             [Tool { name: "get_weather".into(), description: "".into(), parameters: r#"{"type":"object"}"#.into() }];
-        let Some(Constraint::Lark(g)) = required_call_grammar(&tools, &ToolChoice::Required, Some(7), Some(8)) else {
-            panic!()
-        };
+        let hermes = required_call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Required, Some(7), Some(8));
+        let Some(Constraint::Lark(g)) = hermes else { panic!() };
         assert!(g.contains("<[7]>") && g.contains("<[8]>") && g.contains("get_weather"), "{g}");
-        assert!(required_call_grammar(&tools, &ToolChoice::Auto, None, None).is_none());
+        assert!(required_call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Auto, None, None).is_none());
+        let llama = required_call_grammar(ToolFormat::Llama3Json, &tools, &ToolChoice::Required, None, None);
+        let Some(Constraint::JsonSchema(schema)) = llama else { panic!() };
+        assert!(schema.contains(r#""required":["name","parameters"]"#), "{schema}");
         assert!(check(&tools, &ToolChoice::Function("nope".into())).is_err());
     }
 }

@@ -1,7 +1,10 @@
-//! The optional OpenAI-compatible HTTP gateway for editors
-//! (`mlxbcd --http 127.0.0.1:PORT`; off by default, loopback only):
-//! `POST /v1/chat/completions` (streaming as server-sent events, images as
-//! `data:` URLs) and `GET /v1/models`, on the same engine as the socket.
+//! The optional HTTP gateway for editors and agents
+//! (`mlxbcd --http 127.0.0.1:PORT`; off by default, loopback only), on the
+//! same engine as the socket: OpenAI's chat and text completions,
+//! `/v1/models` and `/v1/responses` ([`openai`], [`responses`]), ollama's
+//! native API ([`ollama`]) and Anthropic's Messages API ([`anthropic`]);
+//! streams are server-sent events (NDJSON for ollama), images `data:`
+//! URLs or base64.
 //! Every request passes [`guard`] first; a model must be a plain name
 //! (`registry::is_plain_name`), never a path (the socket, which only its
 //! owner can reach, still takes paths).
@@ -10,6 +13,7 @@ mod anthropic;
 mod guard;
 mod ollama;
 mod openai;
+mod responses;
 
 use crate::state::AppState;
 use anyhow::{bail, Context, Result};
@@ -47,6 +51,7 @@ pub async fn serve(
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/api/version", get(ollama::version))
@@ -82,12 +87,21 @@ fn error_response(kind: ErrorKind, message: String) -> Response {
         .into_response()
 }
 
+/// `GET /v1/models`: every model the daemon can serve; a resident one also
+/// says its context length (others would have to be loaded to know it).
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let data: Vec<_> = state
         .registry
         .list()
         .into_iter()
-        .map(|m| json!({"id": m.name, "object": "model", "created": 0, "owned_by": "mlxbc"}))
+        .map(|m| {
+            let mut v = json!({"id": m.name, "object": "model", "created": 0, "owned_by": "mlxbc",
+                               "loaded": m.loaded});
+            if let Some(route) = m.loaded.then(|| state.engine.route(&Some(m.name.clone()))).flatten() {
+                v["context_length"] = json!(route.context);
+            }
+            v
+        })
         .collect();
     Json(json!({"object": "list", "data": data}))
 }
@@ -242,7 +256,11 @@ async fn completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes
             move |text| openai::text_completion(&id, created, &model, text, None, None),
             move |stats| {
                 let finish = openai::finish_reason(stats.stop_reason);
-                vec![openai::text_completion(&id2, created, &model2, "", Some(finish), None)]
+                let mut last = openai::text_completion(&id2, created, &model2, "", Some(finish), None);
+                if !stats.logprobs.is_empty() {
+                    last["choices"][0]["logprobs"] = openai::completion_logprobs(&stats.logprobs);
+                }
+                vec![last]
             },
         );
     }
@@ -250,7 +268,11 @@ async fn completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes
         Ok((text, stats)) => {
             let finish = openai::finish_reason(stats.stop_reason);
             let usage = (stats.prompt_tokens, stats.generated_tokens);
-            Json(openai::text_completion(&id, created, &model, &text, Some(finish), Some(usage))).into_response()
+            let mut v = openai::text_completion(&id, created, &model, &text, Some(finish), Some(usage));
+            if !stats.logprobs.is_empty() {
+                v["choices"][0]["logprobs"] = openai::completion_logprobs(&stats.logprobs);
+            }
+            Json(v).into_response()
         }
         Err((kind, message)) => error_response(kind, message),
     }
@@ -289,7 +311,12 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
                     out.push(openai::chunk(id, created, model, calls, None));
                     finish = "tool_calls";
                 }
-                out.push(openai::chunk(id, created, model, json!({}), Some(finish)));
+                let mut last = openai::chunk(id, created, model, json!({}), Some(finish));
+                if !stats.logprobs.is_empty() {
+                    // All the answer's tokens, on its last chunk (they are read as it ends).
+                    last["choices"][0]["logprobs"] = openai::chat_logprobs(&stats.logprobs);
+                }
+                out.push(last);
                 if include_usage {
                     out.push(openai::usage_chunk(id, created, model, stats.prompt_tokens, stats.generated_tokens));
                 }

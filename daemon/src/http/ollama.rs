@@ -258,6 +258,7 @@ fn request(
         tools: Vec::new(),
         tool_choice: ToolChoice::Auto,
         raw: None,
+        logprobs: None,
     })
 }
 

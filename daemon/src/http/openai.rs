@@ -30,9 +30,10 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<ToolChoiceDef>,
     /// Refused above 1 (one answer per request; send n requests).
     pub n: Option<u32>,
-    /// Refused when asked (not served yet), never silently dropped.
+    /// Each token's log-probability, with `top_logprobs` alternatives.
     #[serde(default)]
     pub logprobs: bool,
+    pub top_logprobs: Option<u8>,
 }
 
 /// `POST /v1/completions` body: a prompt, and with `suffix` the gap
@@ -59,7 +60,8 @@ pub struct CompletionRequest {
 impl CompletionRequest {
     /// Our request for it.
     pub fn into_generate(self) -> Result<GenerateRequest, BadRequest> {
-        refuse_unserved(self.n, self.logprobs.is_some())?;
+        refuse_unserved(self.n)?;
+        let logprobs = self.logprobs.map(top_logprobs).transpose()?;
         if self.echo {
             return Err(BadRequest("echo is not served".into()));
         }
@@ -81,6 +83,7 @@ impl CompletionRequest {
             max_tokens: self.max_tokens.unwrap_or(16),
             stop: stops(self.stop),
             raw: Some(mlxbc_shared::RawPrompt { prefix: prompt, suffix: self.suffix }),
+            logprobs,
             ..GenerateRequest::ask("")
         })
     }
@@ -95,14 +98,53 @@ fn stops(stop: Option<Stop>) -> Vec<String> {
 }
 
 /// What the gateway does not serve is refused with a sentence.
-fn refuse_unserved(n: Option<u32>, logprobs: bool) -> Result<(), BadRequest> {
+fn refuse_unserved(n: Option<u32>) -> Result<(), BadRequest> {
     if n.is_some_and(|n| n > 1) {
         return Err(BadRequest("n > 1 is not served: send n requests (they are batched)".into()));
     }
-    if logprobs {
-        return Err(BadRequest("logprobs are not served yet".into()));
-    }
     Ok(())
+}
+
+/// How many alternatives a request asks for (OpenAI caps them at 20).
+fn top_logprobs(k: u32) -> Result<u8, BadRequest> {
+    u8::try_from(k)
+        .ok()
+        .filter(|&k| k <= mlxbc_shared::MAX_TOP_LOGPROBS)
+        .ok_or_else(|| BadRequest(format!("logprobs: at most {} alternatives, not {k}", mlxbc_shared::MAX_TOP_LOGPROBS)))
+}
+
+fn token_json(t: &mlxbc_shared::TokenText, logprob: f32) -> Value {
+    json!({"token": t.text, "logprob": logprob, "bytes": t.text.as_bytes()})
+}
+
+/// A chat choice's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+pub fn chat_logprobs(entries: &[mlxbc_shared::TokenLogprob]) -> Value {
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let mut v = token_json(&e.token, e.logprob);
+            v["top_logprobs"] = e.top.iter().map(|(t, lp)| token_json(t, *lp)).collect();
+            v
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// A text completion choice's `logprobs` (the legacy shape: parallel lists).
+pub fn completion_logprobs(entries: &[mlxbc_shared::TokenLogprob]) -> Value {
+    let mut offset = 0;
+    let mut offsets = Vec::with_capacity(entries.len());
+    for e in entries {
+        offsets.push(offset);
+        offset += e.token.text.len();
+    }
+    let tops: Vec<Value> = entries
+        .iter()
+        .map(|e| Value::Object(e.top.iter().map(|(t, lp)| (t.text.clone(), json!(lp))).collect()))
+        .collect();
+    json!({"tokens": entries.iter().map(|e| e.token.text.clone()).collect::<Vec<_>>(),
+           "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+           "top_logprobs": tops, "text_offset": offsets})
 }
 
 /// One `text_completion` (or a stream chunk of one).
@@ -226,7 +268,7 @@ pub struct BadRequest(pub String);
 
 /// The image bytes of a `data:` URL. Other URLs are refused: the daemon
 /// never fetches from the network on a client's behalf.
-fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
+pub fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
     let rest = url.strip_prefix("data:").ok_or_else(|| {
         BadRequest("image_url must be a data: URL (data:image/png;base64,...); mlxbcd does not fetch URLs".into())
     })?;
@@ -242,7 +284,12 @@ fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
 impl ChatCompletionRequest {
     /// Our request for it.
     pub fn into_generate(self) -> Result<GenerateRequest, BadRequest> {
-        refuse_unserved(self.n, self.logprobs)?;
+        refuse_unserved(self.n)?;
+        let logprobs = match (self.logprobs, self.top_logprobs) {
+            (false, Some(_)) => return Err(BadRequest("top_logprobs needs logprobs: true".into())),
+            (false, None) => None,
+            (true, k) => Some(top_logprobs(u32::from(k.unwrap_or(0)))?),
+        };
         let mut messages = Vec::with_capacity(self.messages.len());
         for m in self.messages {
             let role = match m.role.as_str() {
@@ -331,6 +378,7 @@ impl ChatCompletionRequest {
                 Some(ToolChoiceDef::Named { function }) => ToolChoice::Function(function.name),
             },
             raw: None,
+            logprobs,
             constraint: match self.response_format {
                 None | Some(ResponseFormat::Text) => None,
                 Some(ResponseFormat::JsonObject) => Some(Constraint::JsonObject),
@@ -394,8 +442,9 @@ pub fn completion(id: &str, created: u64, model: &str, text: &str, stats: &mlxbc
         }
         finish = "tool_calls";
     }
+    let logprobs = (!stats.logprobs.is_empty()).then(|| chat_logprobs(&stats.logprobs));
     json!({"id": id, "object": "chat.completion", "created": created, "model": model,
-           "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+           "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}})
 }
 

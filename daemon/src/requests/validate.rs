@@ -63,6 +63,9 @@ pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid
     if request.messages.is_empty() && request.raw.is_none() {
         return bad("the request has no messages".into());
     }
+    if request.logprobs.is_some_and(|k| k > mlxbc_shared::MAX_TOP_LOGPROBS) {
+        return bad(format!("top_logprobs must be from 0 to {}", mlxbc_shared::MAX_TOP_LOGPROBS));
+    }
     if let Some(raw) = &request.raw {
         if !request.messages.is_empty() || request.session.is_some() || !request.tools.is_empty() {
             return bad("a raw prompt comes alone: no messages, session or tools with it".into());
@@ -171,6 +174,7 @@ mod tests {
                     if let Request::Generate(g) = &r {
                         assert!(g.sampling.temperature.is_finite() && g.sampling.temperature >= 0.0);
                         assert!(g.sampling.top_p > 0.0 && g.sampling.top_p <= 1.0);
+                        assert!(g.logprobs.is_none_or(|k| k <= mlxbc_shared::MAX_TOP_LOGPROBS));
                         // Messages, or a raw prompt alone within the byte limit.
                         match &g.raw {
                             None => assert!(!g.messages.is_empty()),

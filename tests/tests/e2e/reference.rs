@@ -171,3 +171,49 @@ async fn fixture_vlms_through_the_daemon_match_mlx_vlm_generate() {
         }
     }
 }
+
+/// Log-probabilities against mlx-lm's (`generate_step`'s log-softmax) on
+/// the same weights (scripts/reference/mlx_lm_logprobs.py): each greedy
+/// token's and the top 5 alternatives within 1e-3 nats, the alternatives'
+/// order wherever their values are not within that of each other; both
+/// prompts at once, so the rows also go through a batched step.
+#[tokio::test(flavor = "multi_thread")]
+async fn smollm2_logprobs_match_mlx_lm() {
+    let golden = golden("smollm2-mlx-logprobs");
+    let dir = fixture("mlx/smollm2-mlx");
+    check_weights(&dir, &golden);
+    let d = Daemon::start_with(DaemonOptions { models: vec![("smollm2-mlx", dir)], args: vec![] });
+    let top = golden["top"].as_u64().unwrap() as u8;
+    let cases = golden["cases"].as_array().unwrap();
+    let asks = cases.iter().map(|case| {
+        let mut req = greedy(Some("smollm2-mlx"), case["messages"][0]["content"].as_str().unwrap(), 0);
+        req.max_tokens = case["steps"].as_array().unwrap().len() as u32;
+        req.logprobs = Some(top);
+        ask(&d.socket, req)
+    });
+    let answers = futures::future::join_all(asks).await;
+    const TOLERANCE: f32 = 1e-3;
+    for (case, answer) in cases.iter().zip(answers) {
+        let (_, stats) = answer.unwrap();
+        let steps = case["steps"].as_array().unwrap();
+        assert_eq!(stats.logprobs.len(), steps.len(), "one entry per generated token");
+        for (i, (got, want)) in stats.logprobs.iter().zip(steps).enumerate() {
+            assert_eq!(got.token.id as u64, want["id"].as_u64().unwrap(), "token {i}");
+            let lp = want["logprob"].as_f64().unwrap() as f32;
+            assert!((got.logprob - lp).abs() < TOLERANCE, "token {i}: {} vs mlx-lm {lp}", got.logprob);
+            let want_top: Vec<(u32, f32)> = want["top"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
+                .collect();
+            assert_eq!(got.top.len(), want_top.len());
+            for (j, ((t, v), (want_id, want_v))) in got.top.iter().zip(&want_top).enumerate() {
+                assert!((v - want_v).abs() < TOLERANCE, "token {i} alternative {j}: {v} vs {want_v}");
+                let tied = want_top.iter().any(|(id, w)| id != want_id && (w - want_v).abs() < TOLERANCE);
+                assert!(tied || t.id == *want_id, "token {i} alternative {j}: id {} vs mlx-lm {want_id}", t.id);
+            }
+            assert!(got.logprob <= 0.0 && got.top[0].1 >= got.logprob - TOLERANCE);
+        }
+    }
+}
