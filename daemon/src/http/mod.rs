@@ -12,6 +12,7 @@
 mod anthropic;
 mod guard;
 mod ollama;
+mod ollama_pull;
 mod openai;
 mod responses;
 
@@ -60,6 +61,7 @@ pub async fn serve(
         .route("/api/show", post(ollama::show))
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))
+        .route("/api/pull", post(ollama_pull::pull))
         // Bodies carry base64 images: the socket's frame cap, no more.
         .layer(axum::extract::DefaultBodyLimit::max(mlxbc_shared::MAX_FRAME_BYTES))
         .layer(axum::middleware::from_fn_with_state(guard, guard::check))

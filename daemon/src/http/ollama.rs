@@ -4,7 +4,8 @@
 //! `/api/show` (with capabilities: completion, tools, vision), `/api/chat`
 //! and `/api/generate` (NDJSON streams, base64 images, `format`, `tools`,
 //! `options`, `keep_alive`). Errors are ollama's `{"error": "..."}`.
-//! `/api/generate` takes `raw` prompts and `suffix` (fill-in-the-middle).
+//! `/api/generate` takes `raw` prompts and `suffix` (fill-in-the-middle);
+//! `/api/pull` is in [`super::ollama_pull`].
 
 use super::{begin, openai, Begun};
 use crate::state::AppState;
@@ -160,7 +161,7 @@ struct OFunction {
     arguments: Value,
 }
 
-fn yes() -> bool {
+pub(super) fn yes() -> bool {
     true
 }
 

@@ -130,6 +130,57 @@ async fn pull_resumes_after_a_failure_and_the_daemon_serves_it_from_the_hf_cache
     assert!(hub.weight_ranges.lock().unwrap().len() <= 1, "no second download");
 }
 
+/// ollama's `/api/pull` on the gateway: the same fetch as `mlxbc pull`,
+/// its progress as NDJSON lines ending in `success`, then the model served
+/// under its repo name; a second pull downloads nothing; bad names and
+/// unknown repos get ollama's error shape.
+#[tokio::test(flavor = "multi_thread")]
+async fn ollama_api_pull_streams_progress_then_the_model_answers() {
+    let (hub, endpoint) = start_hub().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut d = Daemon::prepare(&DaemonOptions::default());
+    d.extra_env = vec![
+        ("HOME".into(), d.home.path().join("user")),
+        ("HF_HOME".into(), d.home.path().join("hf")),
+        ("HF_ENDPOINT".into(), endpoint.into()),
+    ];
+    d.spawn(&["--http".into(), format!("127.0.0.1:{port}")]);
+    let (http, base) = (reqwest::Client::new(), format!("http://127.0.0.1:{port}"));
+    let pull = |body: serde_json::Value| http.post(format!("{base}/api/pull")).json(&body).send();
+
+    let r = pull(serde_json::json!({"model": format!("hf.co/{REPO}")})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "application/x-ndjson");
+    let lines: Vec<serde_json::Value> =
+        r.text().await.unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0]["status"], "pulling manifest");
+    let weights: Vec<&serde_json::Value> = lines.iter().filter(|l| l["digest"] == "model.safetensors").collect();
+    assert!(weights.len() > 2, "progress lines for the weights: {lines:?}");
+    let last = weights.last().unwrap();
+    assert_eq!(last["completed"], last["total"]);
+    assert_eq!(lines.last().unwrap(), &serde_json::json!({"status": "success", "model": REPO}));
+
+    let chat = serde_json::json!({"model": REPO, "stream": false, "messages": [{"role": "user", "content": "hello"}],
+                                  "options": {"num_predict": 3, "temperature": 0}});
+    let v: serde_json::Value =
+        http.post(format!("{base}/api/chat")).json(&chat).send().await.unwrap().json().await.unwrap();
+    assert_eq!((v["done"].as_bool(), v["eval_count"].as_u64()), (Some(true), Some(3)), "{v}");
+
+    hub.weight_ranges.lock().unwrap().clear();
+    let again = pull(serde_json::json!({"model": REPO, "stream": false})).await.unwrap();
+    assert_eq!(again.status(), 200);
+    assert_eq!(again.json::<serde_json::Value>().await.unwrap()["status"], "success");
+    assert!(hub.weight_ranges.lock().unwrap().len() <= 1, "no second download");
+
+    let bad = pull(serde_json::json!({"model": "../../etc"})).await.unwrap();
+    assert_eq!(bad.status(), 400);
+    assert!(bad.json::<serde_json::Value>().await.unwrap()["error"].as_str().unwrap().contains("Hugging Face repo"));
+    let missing = pull(serde_json::json!({"model": "test-org/no-such-model", "stream": false})).await.unwrap();
+    assert_eq!(missing.status(), 502);
+    let e = missing.json::<serde_json::Value>().await.unwrap();
+    assert!(e["error"].as_str().unwrap().contains("test-org/no-such-model"), "{e}");
+}
+
 fn sha256_file(p: &std::path::Path) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(std::fs::read(p).unwrap()).iter().map(|b| format!("{b:02x}")).collect()
