@@ -196,7 +196,10 @@ impl DecodeBatch {
         }
         // Each row picks with its own sampler; an all-greedy batch with one argmax.
         let next = pick_rows(&logits, &mut seqs)?;
-        async_eval([&next]).map_err(EngineError::inference)?;
+        // Rows that report logprobs compute them with the step, not when read.
+        let mut queued = vec![&next];
+        queued.extend(seqs.iter().flat_map(|s| s.logprob_arrays()));
+        async_eval(queued).map_err(EngineError::inference)?;
         let queued = t.elapsed().as_secs_f64();
         if !constrained {
             ahead.eval().map_err(EngineError::inference)?;

@@ -56,6 +56,17 @@ impl LogprobTracker {
         Ok(())
     }
 
+    /// The newest pick's arrays, for the step to evaluate with its tokens
+    /// (read a step later without waiting on the step queued after them).
+    pub fn newest(&self) -> Vec<&Array> {
+        let Some(p) = self.pending.back() else { return Vec::new() };
+        let mut out = vec![&p.logprobs];
+        if let Some((ids, values)) = &p.top_ids {
+            out.extend([ids, values]);
+        }
+        out
+    }
+
     /// `token` was accepted from the oldest queued pick: records it.
     pub fn accept(&mut self, token: u32, tokenizer: &tokenizers::Tokenizer) -> mlx_rs::error::Result<()> {
         let Some(p) = self.pending.pop_front() else { return Ok(()) };

@@ -216,6 +216,11 @@ impl Sequence {
         self.s.sampler.pick(logits).map_err(EngineError::inference)
     }
 
+    /// The log-probability arrays its last pick queued (none when not asked).
+    pub fn logprob_arrays(&self) -> Vec<&Array> {
+        self.s.logprobs.as_ref().map(|t| t.newest()).unwrap_or_default()
+    }
+
     /// The client cancelled or went away.
     pub fn gone(&self) -> bool {
         self.s.cancel.load(Ordering::Relaxed) || self.s.events.is_closed()
