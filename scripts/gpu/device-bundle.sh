@@ -15,7 +15,9 @@
 # 1,000-token answer) beside mlx-lm's BatchGenerator on the same packed f16
 # weights; 10, after 4: the prompt cache's agent loop (mlxbc-bench --prompts:
 # 2,000-token system prompt, 20 turns of ~200 tokens, a 4,000-token prefix
-# from disk after a restart, misses) beside mlx-lm's server on the same loop.
+# from disk after a restart, misses) beside mlx-lm's server on the same loop;
+# 11, after 4: the HTTP gateway's APIs and what logprobs and json_object cost
+# (scripts/bench.d/gateway_bench.py, G as in 10).
 set -u
 step=$1
 PY=/opt/torch/.venv/bin/python3
@@ -121,4 +123,17 @@ case $step in
     $PY scripts/bench.d/prompts_table.py $OUT/prompts-$g.json $OUT/prompts-mlxlm-$g.json | tee $OUT/prompts-$g.md
   done
   echo STEP10_DONE ;;
+11)
+  export MLXBC_HOME=/tmp/mlxbc-gateway; mkdir -p $MLXBC_HOME/models
+  gs=${G:-SmolLM2-135M-Instruct.Q4_1 qwen2.5-coder-0.5b-shape}
+  for g in $gs; do ln -sf /tmp/models/$g.gguf $MLXBC_HOME/models/; done
+  "$B/bin/mlxbcd" --http 127.0.0.1:18080 2> $OUT/gateway-daemon.log & pid=$!
+  for _ in $(seq 300); do [[ -S $MLXBC_HOME/mlxbcd.sock ]] && break; sleep 0.1; done
+  for g in $gs; do
+    echo "=== $g ($(nvidia-smi --query-gpu=name --format=csv,noheader))" | tee -a $OUT/gateway.md
+    timeout ${GW_TIMEOUT:-240} $PY scripts/bench.d/gateway_bench.py http://127.0.0.1:18080 $g.gguf ${ROUNDS:-7} ${TOKENS:-128} \
+      2>&1 | tee -a $OUT/gateway.md
+  done
+  kill $pid; wait $pid 2>/dev/null
+  echo STEP11_DONE ;;
 esac
