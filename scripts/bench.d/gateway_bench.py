@@ -2,7 +2,8 @@
 logprobs and constrained decoding cost: the same greedy question through
 the socket's CLI-free path (chat completions is the baseline), OpenAI chat,
 Anthropic messages, the Responses API and ollama's /api/chat on one warm
-daemon, rounds interleaved, medians. Plain HTTP (urllib), no SDK overhead.
+daemon, rounds interleaved (each round starts one case later, so no case
+always follows the same one), medians. Plain HTTP (urllib), no SDK overhead.
     gateway_bench.py BASE_URL MODEL [ROUNDS=7] [TOKENS=64]"""
 import json
 import statistics
@@ -55,9 +56,10 @@ def generated(out):
 chat()  # warm: load, first shapes
 times = {k: [] for k in CASES}
 counts = {}
-for _ in range(rounds):
-    for name, run in CASES.items():
-        dt, out = run()
+names = list(CASES)
+for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+        dt, out = CASES[name]()
         times[name].append(dt)
         counts[name] = generated(out)
 base_ms = statistics.median(times["openai chat"]) * 1e3
