@@ -26,6 +26,8 @@ pub struct LogprobTracker {
 struct Pending {
     /// `[1, vocab]` log-probabilities.
     logprobs: Array,
+    /// `[1, 1]` the picked token's, once the pick is known (lazily).
+    chosen: Option<Array>,
     /// `[1, top]` the likeliest ids and their log-probabilities (unordered).
     top_ids: Option<(Array, Array)>,
 }
@@ -52,7 +54,16 @@ impl LogprobTracker {
         } else {
             None
         };
-        self.pending.push_back(Pending { logprobs, top_ids });
+        self.pending.push_back(Pending { logprobs, chosen: None, top_ids });
+        Ok(())
+    }
+
+    /// The newest pick's token `[1, 1]` (lazy): its log-probability is
+    /// computed with the step, so reading it later waits on nothing.
+    pub fn picked(&mut self, token: &Array) -> mlx_rs::error::Result<()> {
+        if let Some(p) = self.pending.back_mut() {
+            p.chosen = Some(take_along_axis(&p.logprobs, token.reshape(&[1, 1])?, -1)?);
+        }
         Ok(())
     }
 
@@ -60,7 +71,7 @@ impl LogprobTracker {
     /// (read a step later without waiting on the step queued after them).
     pub fn newest(&self) -> Vec<&Array> {
         let Some(p) = self.pending.back() else { return Vec::new() };
-        let mut out = vec![&p.logprobs];
+        let mut out: Vec<&Array> = p.chosen.iter().collect();
         if let Some((ids, values)) = &p.top_ids {
             out.extend([ids, values]);
         }
@@ -70,7 +81,10 @@ impl LogprobTracker {
     /// `token` was accepted from the oldest queued pick: records it.
     pub fn accept(&mut self, token: u32, tokenizer: &tokenizers::Tokenizer) -> mlx_rs::error::Result<()> {
         let Some(p) = self.pending.pop_front() else { return Ok(()) };
-        let chosen = p.logprobs.index((.., token as i32));
+        let chosen = match p.chosen {
+            Some(c) => c,
+            None => p.logprobs.index((.., token as i32)),
+        };
         let mut arrays = vec![&chosen];
         if let Some((ids, values)) = &p.top_ids {
             arrays.extend([ids, values]);
@@ -78,8 +92,8 @@ impl LogprobTracker {
         mlx_rs::transforms::eval(arrays)?;
         let text = |id: u32| TokenText { id, text: tokenizer.decode(&[id], false).unwrap_or_default() };
         let mut top: Vec<(TokenText, f32)> = match &p.top_ids {
+            // argpartition's indices are uint32 already (no conversion, no second read).
             Some((ids, values)) => {
-                let ids = ids.as_dtype(Dtype::Uint32)?;
                 ids.as_slice::<u32>().iter().zip(values.as_slice::<f32>()).map(|(&i, &v)| (text(i), v)).collect()
             }
             None => Vec::new(),

@@ -213,7 +213,11 @@ impl Sequence {
             }
             _ => logits,
         };
-        self.s.sampler.pick(logits).map_err(EngineError::inference)
+        let token = self.s.sampler.pick(logits).map_err(EngineError::inference)?;
+        if let Some(t) = &mut self.s.logprobs {
+            t.picked(&token).map_err(EngineError::inference)?;
+        }
+        Ok(token)
     }
 
     /// The log-probability arrays its last pick queued (none when not asked).
