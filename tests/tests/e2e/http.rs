@@ -155,6 +155,12 @@ fn openai_sdk_tool_round_trip_on_qwen25_coder() {
 /// streamed, generate, `format=` a schema, tools on Qwen2.5-Coder, an image.
 #[test]
 fn ollama_client_lists_shows_chats_generates_with_tools_formats_and_images() {
+    run_against_text_tools_and_vision("ollama_client.py");
+}
+
+/// Runs `script` against a gateway serving SmolLM2 (text), Qwen2.5-Coder
+/// (tools) and the tiny Gemma 3 (vision), with their names and a PNG.
+fn run_against_text_tools_and_vision(script: &str) {
     let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
     let vlm = "tiny-gemma3-vlm";
     let mut models = DaemonOptions::default().models;
@@ -163,7 +169,7 @@ fn ollama_client_lists_shows_chats_generates_with_tools_formats_and_images() {
     let (_d, base) = gateway(models);
     let png = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(png.path(), crate::vision::png(64, 48, 5)).unwrap();
-    run_client_script("ollama_client.py", &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
+    run_client_script(script, &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
 }
 
 /// The `anthropic` SDK: messages plain and streamed equal to chat
@@ -171,15 +177,7 @@ fn ollama_client_lists_shows_chats_generates_with_tools_formats_and_images() {
 /// round trip on Qwen2.5-Coder, an image on a vision model, refusals.
 #[test]
 fn anthropic_sdk_messages_tools_images_and_count_tokens() {
-    let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
-    let vlm = "tiny-gemma3-vlm";
-    let mut models = DaemonOptions::default().models;
-    models.push((qwen, fixture(&format!("models/{qwen}"))));
-    models.push((vlm, fixture("mlx/tiny-gemma3-vlm")));
-    let (_d, base) = gateway(models);
-    let png = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(png.path(), crate::vision::png(64, 48, 5)).unwrap();
-    run_client_script("anthropic_messages.py", &[&base, SMOLLM2, qwen, vlm, png.path().to_str().unwrap()]);
+    run_against_text_tools_and_vision("anthropic_messages.py");
 }
 
 /// The `openai` SDK's Responses API (Codex's): text equal to chat
@@ -194,7 +192,7 @@ fn openai_sdk_responses_text_events_schema_and_function_calls() {
 }
 
 /// The `openai` SDK's completions: fill-in-the-middle on Qwen2.5-Coder
-/// fills the gap; plain and streamed agree; n > 1 and logprobs refused.
+/// fills the gap; plain and streamed agree; logprobs; n > 1 refused.
 #[test]
 fn openai_sdk_completions_fill_in_the_middle_on_qwen25_coder() {
     let qwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
