@@ -2,6 +2,7 @@
 //! clients over a Unix socket. The binary in `bin/` is a thin shell around
 //! [`run`], so tests can also boot the daemon in-process.
 
+pub mod audio;
 pub mod engine;
 pub mod families;
 pub mod http;
