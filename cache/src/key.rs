@@ -9,6 +9,19 @@ pub const SCHEMA_VERSION: u16 = 1;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Modality {
     Image = 1,
+    /// Audio: an audio tower's output for one window of a recording (the
+    /// window named in the preprocessing part), or a recording's length.
+    Audio = 2,
+}
+
+impl Modality {
+    fn from_u8(b: u8) -> Option<Self> {
+        match b {
+            1 => Some(Modality::Image),
+            2 => Some(Modality::Audio),
+            _ => None,
+        }
+    }
 }
 
 /// The sha256 of some bytes.
@@ -42,11 +55,12 @@ impl FeatureKey {
 
     /// Parses a serialized key of the current schema.
     pub fn from_bytes(b: &[u8]) -> Option<Self> {
-        if b.len() != 99 || u16::from_be_bytes([b[0], b[1]]) != SCHEMA_VERSION || b[2] != Modality::Image as u8 {
+        if b.len() != 99 || u16::from_be_bytes([b[0], b[1]]) != SCHEMA_VERSION {
             return None;
         }
+        let modality = Modality::from_u8(b[2])?;
         let arr = |r: std::ops::Range<usize>| -> [u8; 32] { b[r].try_into().unwrap() };
-        Some(Self { modality: Modality::Image, tower: arr(3..35), preprocess: arr(35..67), content: arr(67..99) })
+        Some(Self { modality, tower: arr(3..35), preprocess: arr(35..67), content: arr(67..99) })
     }
 
     /// Hash of a preprocessing description (any stable text, e.g. JSON).
@@ -73,6 +87,9 @@ mod tests {
     fn round_trip_and_every_part_matters() {
         let k = FeatureKey { modality: Modality::Image, tower: [1; 32], preprocess: [2; 32], content: [3; 32] };
         assert_eq!(FeatureKey::from_bytes(&k.to_bytes()), Some(k));
+        let audio = FeatureKey { modality: Modality::Audio, ..k };
+        assert_eq!(FeatureKey::from_bytes(&audio.to_bytes()), Some(audio));
+        assert_ne!(audio.to_bytes(), k.to_bytes());
         let mut other = k;
         other.tower[0] = 9;
         assert_ne!(other.to_bytes(), k.to_bytes());

@@ -51,6 +51,14 @@ impl Features {
         Self { dtype: FeatureDtype::F32, shape, data: values.iter().flat_map(|v| v.to_le_bytes()).collect() }
     }
 
+    /// The values as f32 (empty unless the dtype is f32).
+    pub fn to_f32(&self) -> Vec<f32> {
+        if self.dtype != FeatureDtype::F32 {
+            return vec![];
+        }
+        self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
     /// Serializes with header and checksum.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(32 + self.data.len());

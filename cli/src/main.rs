@@ -11,6 +11,7 @@ mod manage;
 mod progress;
 mod pull;
 mod service;
+mod transcribe;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -34,6 +35,8 @@ pub(crate) enum Command {
     Ask(AskArgs),
     /// A conversation: interactive with line editing, or one turn per line of piped stdin.
     Chat(ChatArgs),
+    /// Transcribe audio files with a speech model (Whisper): text, JSON, SRT or WebVTT.
+    Transcribe(transcribe::TranscribeArgs),
     /// List the daemon's named conversations, show one, or forget one.
     Sessions {
         #[command(subcommand)]
@@ -316,6 +319,10 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => {
             let mut client = Client::connect_or_start(&settings).await?;
             chat::run(&mut client, &args, &settings.paths.home.join("chat_history")).await
+        }
+        Command::Transcribe(args) => {
+            let mut client = Client::connect_or_start(&settings).await?;
+            transcribe::run(&mut client, &args).await
         }
         command => {
             let mut client = Client::connect_or_start(&settings).await?;

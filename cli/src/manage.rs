@@ -13,13 +13,18 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
     let mut out = std::io::stdout().lock();
     match command {
         Command::Models => {
-            writeln!(out, "{:<48} {:<6} {:>12} {:<9} {:<7} ALIASES", "NAME", "FORMAT", "SIZE", "SOURCE", "LOADED")?;
+            writeln!(
+                out,
+                "{:<48} {:<6} {:<7} {:>12} {:<9} {:<7} ALIASES",
+                "NAME", "FORMAT", "KIND", "SIZE", "SOURCE", "LOADED"
+            )?;
             for m in client.list_models().await? {
                 writeln!(
                     out,
-                    "{:<48} {:<6} {:>12} {:<9} {:<7} {}",
+                    "{:<48} {:<6} {:<7} {:>12} {:<9} {:<7} {}",
                     m.name,
                     m.format,
+                    m.capability,
                     gib(m.size_bytes),
                     m.source,
                     if m.loaded { "yes" } else { "" },

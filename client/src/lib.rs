@@ -24,7 +24,8 @@ pub use error::ClientError;
 pub use mlxbc_shared::protocol::{
     CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, ErrorKind, GenerateRequest,
     GenerationStats, KeepAlive, LoadedModel, MediaRef, ModelInfo, PromptCacheReport, Request, Response, Role,
-    SamplingParams, SessionCommand, SessionInfo, ShedEvent, StopReason, PROTOCOL_VERSION,
+    SamplingParams, SessionCommand, SessionInfo, ShedEvent, StopReason, TranscribeRequest, TranscribeStats, Transcript,
+    TranscriptSegment, PROTOCOL_VERSION,
 };
 pub use mlxbc_shared::settings::Settings;
 /// Framing errors a [`ClientError::Frame`] carries.
@@ -196,6 +197,23 @@ impl Client {
         }
         match answer {
             Response::Prefetched { encoded, cached } => Ok((encoded, cached)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Transcribes an audio file with a speech model: the audio goes by
+    /// hash first, its bytes only when the daemon asks for them (a
+    /// recording it has transcribed before needs none, even after a
+    /// restart: the encoder's output is in the feature store).
+    pub async fn transcribe(&mut self, request: TranscribeRequest) -> Result<Transcript, ClientError> {
+        let mut first_try = request.clone();
+        first_try.audio.bytes = None;
+        let mut answer = self.call(Request::Transcribe(first_try)).await?;
+        if let Response::NeedMedia { .. } = &answer {
+            answer = self.call(Request::Transcribe(request)).await?;
+        }
+        match answer {
+            Response::Transcribed(t) => Ok(t),
             other => Err(unexpected(other)),
         }
     }

@@ -69,4 +69,27 @@ impl AppState {
         }
         Ok((rx, cancel))
     }
+
+    /// Queues a transcription, its audio decoded first on the blocking pool
+    /// (`requests::transcribe`): its events (one `Transcribed`, or
+    /// `NeedMedia`, or an error), and the flag that cancels it.
+    pub async fn start_transcription(
+        &self,
+        request: mlxbc_shared::TranscribeRequest,
+    ) -> Result<(mpsc::UnboundedReceiver<Response>, Arc<AtomicBool>), EngineError> {
+        use crate::requests::transcribe::{prepare, PreparedAudio};
+        let received = Instant::now();
+        let (events, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        match prepare(self.engine.store.clone(), &request).await? {
+            PreparedAudio::NeedBytes(sha) => {
+                let _ = events.send(Response::NeedMedia { missing: vec![sha] });
+            }
+            PreparedAudio::Ready(audio) => {
+                let cancel = cancel.clone();
+                self.engine.submit(Job::Transcribe { request, audio, events, cancel, received })?;
+            }
+        }
+        Ok((rx, cancel))
+    }
 }

@@ -9,8 +9,27 @@ use anyhow::{bail, Context, Result};
 use hf_hub::api::tokio::{ApiBuilder, ApiRepo};
 use hf_hub::{Repo, RepoType};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub use hf_hub::api::tokio::Progress;
+
+/// How long the hub may take to answer the repo lookup.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a download may go without receiving a byte before it is given
+/// up (a stalled mirror must not hold a pull, or the gateway's task, forever).
+/// `MLXBC_PULL_STALL_S` overrides it (the tests use a short one).
+const STALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn stall_timeout() -> Duration {
+    std::env::var("MLXBC_PULL_STALL_S")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map(Duration::from_secs)
+        .unwrap_or(STALL_TIMEOUT)
+}
 
 /// Files an MLX or HF model directory needs (weights, configs, tokenizer, template).
 const MODEL_FILES: &[&str] =
@@ -36,7 +55,11 @@ pub struct Plan {
 pub async fn plan(repo_id: &str, revision: &str, include: &[String]) -> Result<Plan> {
     let api = ApiBuilder::from_env().with_progress(false).build().context("setting up the hub client")?;
     let repo = api.repo(Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string()));
-    let info = repo.info().await.with_context(|| format!("looking up {repo_id} ({revision}) on the hub"))?;
+    let info = tokio::time::timeout(LOOKUP_TIMEOUT, repo.info())
+        .await
+        .map_err(|_| anyhow::anyhow!("the hub did not answer in {}s", LOOKUP_TIMEOUT.as_secs()))
+        .and_then(|r| r.map_err(anyhow::Error::from))
+        .with_context(|| format!("looking up {repo_id} ({revision}) on the hub"))?;
     let snapshot_dir = hf_hub::Cache::from_env()
         .path()
         .join(format!("models--{}", repo_id.replace('/', "--")))
@@ -79,11 +102,56 @@ impl Plan {
         self.snapshot_dir.join(file).is_file()
     }
 
-    /// Fetches one of the plan's files (resuming a partial one), reporting to `progress`.
+    /// Fetches one of the plan's files (resuming a partial one), reporting to
+    /// `progress`; gives up when no byte arrives for the stall timeout.
     pub async fn fetch<P: Progress + Clone + Send + Sync + 'static>(&self, file: &str, progress: P) -> Result<PathBuf> {
-        self.repo
-            .download_with_progress(file, progress)
-            .await
+        let started = Instant::now();
+        let last_byte = Arc::new(AtomicU64::new(0));
+        let watched = Watched { inner: progress, started, last_byte_ms: last_byte.clone() };
+        let stall = stall_timeout();
+        let download = self.repo.download_with_progress(file, watched);
+        tokio::pin!(download);
+        let result = loop {
+            tokio::select! {
+                r = &mut download => break r.map_err(anyhow::Error::from),
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                    let idle = started.elapsed().saturating_sub(Duration::from_millis(last_byte.load(Ordering::Relaxed)));
+                    if idle >= stall {
+                        break Err(anyhow::anyhow!("no data for {}s: the download stalled", stall.as_secs()));
+                    }
+                }
+            }
+        };
+        result
             .with_context(|| format!("downloading {file} from {} (run the same command again to resume)", self.repo_id))
+    }
+}
+
+/// Passes progress through, noting when the last bytes arrived (for the
+/// stall watchdog in [`Plan::fetch`]).
+#[derive(Clone)]
+struct Watched<P> {
+    inner: P,
+    started: Instant,
+    last_byte_ms: Arc<AtomicU64>,
+}
+
+impl<P: Progress + Send + Sync> Progress for Watched<P> {
+    async fn init(&mut self, size: usize, filename: &str) {
+        self.touch();
+        self.inner.init(size, filename).await
+    }
+    async fn update(&mut self, size: usize) {
+        self.touch();
+        self.inner.update(size).await
+    }
+    async fn finish(&mut self) {
+        self.inner.finish().await
+    }
+}
+
+impl<P> Watched<P> {
+    fn touch(&self) {
+        self.last_byte_ms.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,6 +38,95 @@ pub enum Request {
     Cache(CacheCommand),
     /// List the daemon's named conversations, or forget one.
     Sessions(SessionCommand),
+    /// Transcribe (or translate) an audio file with a speech model. Like
+    /// Generate, may be answered with [`Response::NeedMedia`] first: the
+    /// audio travels by hash until the daemon asks for its bytes.
+    Transcribe(TranscribeRequest),
+}
+
+/// A transcription request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TranscribeRequest {
+    /// A speech model (`None`: the first Whisper model the daemon has).
+    pub model: Option<String>,
+    /// The audio file (WAV, FLAC, MP3, OGG/Vorbis).
+    pub audio: MediaRef,
+    /// ISO 639-1 code; `None`: detected (multilingual models) or English.
+    pub language: Option<String>,
+    /// Translate into English instead of transcribing (multilingual models).
+    pub translate: bool,
+    /// Text that came before, to steer spelling and style.
+    pub prompt: Option<String>,
+    /// `None`: Whisper's fallback ladder 0, 0.2, ... 1.0 (a window is decoded
+    /// again hotter when its text repeats or its log probability is low).
+    pub temperature: Option<f32>,
+    /// Segment timestamps (Whisper's timestamp tokens); false decodes text only.
+    pub timestamps: bool,
+    /// Feed each window the text of the ones before (Whisper's default).
+    pub condition_on_previous_text: bool,
+    pub keep_alive: Option<KeepAlive>,
+}
+
+impl TranscribeRequest {
+    /// A request with Whisper's defaults for `audio`.
+    pub fn new(audio: MediaRef) -> Self {
+        Self {
+            model: None,
+            audio,
+            language: None,
+            translate: false,
+            prompt: None,
+            temperature: None,
+            timestamps: true,
+            condition_on_previous_text: true,
+            keep_alive: None,
+        }
+    }
+}
+
+/// One stretch of a transcript.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TranscriptSegment {
+    pub id: u32,
+    /// The window it was decoded in (its first mel frame, 100 a second).
+    pub seek: u32,
+    pub start: f64,
+    pub end: f64,
+    pub text: String,
+    /// Its tokens, timestamps included.
+    pub tokens: Vec<u32>,
+    pub temperature: f32,
+    pub avg_logprob: f64,
+    pub compression_ratio: f64,
+    pub no_speech_prob: f64,
+}
+
+/// What a transcription measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TranscribeStats {
+    pub model: String,
+    pub audio_seconds: f64,
+    /// 30-second windows decoded (a fallback decodes one again).
+    pub windows: u32,
+    /// Windows whose encoder output came from the feature store, and those encoded now.
+    pub encoder_hits: u32,
+    pub encoder_misses: u32,
+    pub decode_ms: f64,
+    pub encode_ms: f64,
+    /// Decoding the file and computing its log-mel.
+    pub preprocess_ms: f64,
+    pub load_ms: f64,
+    pub total_ms: f64,
+}
+
+/// A finished transcription.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Transcript {
+    pub text: String,
+    /// The language decoded in (given or detected).
+    pub language: String,
+    pub segments: Vec<TranscriptSegment>,
+    pub stats: TranscribeStats,
 }
 
 /// What to do with named conversations.
@@ -189,6 +278,8 @@ pub enum Response {
     Cache(CacheReport),
     /// Answer to [`Request::Sessions`] (`Delete`: the one deleted, if it existed).
     Sessions(Vec<SessionInfo>),
+    /// Answer to [`Request::Transcribe`].
+    Transcribed(Transcript),
 }
 
 /// One chat message.
@@ -554,6 +645,8 @@ pub struct ModelInfo {
     pub loaded: bool,
     /// Where it was found: "store" (the models directory), "hf-cache", "ollama", "lmstudio".
     pub source: String,
+    /// What it does: "chat", "vision" (chat with images) or "speech" (transcribes audio).
+    pub capability: String,
 }
 
 /// A resident model.

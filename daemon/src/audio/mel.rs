@@ -46,8 +46,7 @@ pub fn mel_filters(n_mels: usize) -> Vec<f32> {
     let bins = N_FFT / 2 + 1;
     let fft_freqs: Vec<f64> = (0..bins).map(|i| i as f64 * SAMPLE_RATE as f64 / N_FFT as f64).collect();
     let (lo, hi) = (hz_to_mel(0.0), hz_to_mel(SAMPLE_RATE as f64 / 2.0));
-    let mel_f: Vec<f64> =
-        (0..n_mels + 2).map(|i| mel_to_hz(lo + (hi - lo) * i as f64 / (n_mels + 1) as f64)).collect();
+    let mel_f: Vec<f64> = (0..n_mels + 2).map(|i| mel_to_hz(lo + (hi - lo) * i as f64 / (n_mels + 1) as f64)).collect();
     let mut out = vec![0f32; n_mels * bins];
     for m in 0..n_mels {
         let (left, center, right) = (mel_f[m], mel_f[m + 1], mel_f[m + 2]);
@@ -61,9 +60,14 @@ pub fn mel_filters(n_mels: usize) -> Vec<f32> {
     out
 }
 
+/// Frames per chunk of the spectrogram: an hour of audio is 360,000 frames,
+/// whose framed samples and spectrum at once would take over 2 GB.
+const CHUNK_FRAMES: usize = 30_000;
+
 /// The log-mel spectrogram `[frames, n_mels]` of `samples` (16 kHz mono)
 /// followed by `padding` zeros, as `log_mel_spectrogram(audio, n_mels,
 /// padding)` computes it; its clamp uses the maximum over all frames.
+/// Computed (and evaluated) a chunk of frames at a time.
 pub fn log_mel(samples: &[f32], padding: usize, n_mels: usize) -> Result<Array> {
     let mut x = samples.to_vec();
     x.resize(samples.len() + padding, 0.0);
@@ -74,20 +78,26 @@ pub fn log_mel(samples: &[f32], padding: usize, n_mels: usize) -> Result<Array> 
     padded.extend_from_slice(&x);
     let n = x.len();
     padded.extend((0..half).map(|i| if n >= i + 2 { x[n - 2 - i] } else { 0.0 }));
-    let frames = (padded.len() - N_FFT + HOP) / HOP;
+    drop(x);
+    // STFT frames; the last is dropped, as whisper does.
+    let frames = (padded.len() - N_FFT + HOP) / HOP - 1;
     let window = hann();
-    let mut framed = Vec::with_capacity(frames * N_FFT);
-    for f in 0..frames {
-        framed.extend(padded[f * HOP..f * HOP + N_FFT].iter().zip(&window).map(|(s, w)| s * w));
-    }
-    let framed = Array::from_slice(&framed, &[frames as i32, N_FFT as i32]);
-    let spectrum = mlx_rs::fft::rfft(&framed, N_FFT as i32, -1)?;
-    let power = spectrum.abs()?.square()?;
-    use mlx_rs::ops::indexing::IndexOp;
-    let power = power.index((..frames as i32 - 1, ..));
     let filters = Array::from_slice(&mel_filters(n_mels), &[n_mels as i32, (N_FFT / 2 + 1) as i32]);
-    let mel = mlx_rs::ops::matmul(&power, filters.t())?;
-    let log = mlx_rs::ops::maximum(&mel, Array::from_f32(1e-10))?.log10()?;
+    let mut chunks = Vec::new();
+    for start in (0..frames).step_by(CHUNK_FRAMES) {
+        let count = CHUNK_FRAMES.min(frames - start);
+        let mut framed = Vec::with_capacity(count * N_FFT);
+        for f in start..start + count {
+            framed.extend(padded[f * HOP..f * HOP + N_FFT].iter().zip(&window).map(|(s, w)| s * w));
+        }
+        let framed = Array::from_slice(&framed, &[count as i32, N_FFT as i32]);
+        let power = mlx_rs::fft::rfft(&framed, N_FFT as i32, -1)?.abs()?.square()?;
+        let mel = mlx_rs::ops::matmul(&power, filters.t())?;
+        let log = mlx_rs::ops::maximum(&mel, Array::from_f32(1e-10))?.log10()?;
+        log.eval()?;
+        chunks.push(log);
+    }
+    let log = if chunks.len() == 1 { chunks.pop().expect("one chunk") } else { mlx_rs::ops::concatenate(&chunks, 0)? };
     let floor = log.max(None)?.subtract(Array::from_f32(8.0))?;
     mlx_rs::ops::maximum(&log, &floor)?.add(Array::from_f32(4.0))?.divide(Array::from_f32(4.0))
 }

@@ -1,4 +1,5 @@
-//! Audio for the speech families (Whisper): the log-mel frontend. Decoding
-//! files and resampling come next (issue "It hears").
+//! Audio for the speech families (Whisper): files decoded and resampled to
+//! 16 kHz mono ([`decode`]), and Whisper's log-mel frontend ([`mel`]).
 
+pub mod decode;
 pub mod mel;

@@ -22,6 +22,7 @@ pub mod sampling;
 mod scheduler;
 mod sequence;
 pub mod sessions;
+mod speech;
 mod stop;
 pub mod tools;
 
@@ -80,6 +81,14 @@ pub enum Job {
     /// Drop the prompt cache's RAM tier (`cache clear --prompts`; the disk
     /// tier is cleared off the engine thread); replies with the blocks dropped.
     ClearPromptRam { reply: oneshot::Sender<u64> },
+    /// Transcribe a recording (decoded off the engine thread) into `events`.
+    Transcribe {
+        request: mlxbc_shared::TranscribeRequest,
+        audio: crate::requests::transcribe::AudioInput,
+        events: tmpsc::UnboundedSender<Response>,
+        cancel: Arc<AtomicBool>,
+        received: Instant,
+    },
 }
 
 /// A turn of a named session, begun before its job was queued.
@@ -400,6 +409,7 @@ pub fn spawn(
                 max_queue: settings.max_queue,
                 prefill_budget: prefill_chunk,
             }),
+            transcriptions: Default::default(),
             last_publish: Instant::now(),
             last_housekeeping: Instant::now(),
             max_tokens_limit: settings.max_tokens_limit,
@@ -427,7 +437,7 @@ const PRESSURE_POLL: Duration = Duration::from_secs(2);
 fn refuse(job: Job) {
     let err = || Response::Error { kind: ErrorKind::ShuttingDown, message: "mlxbcd is shutting down".into() };
     match job {
-        Job::Generate { events, .. } => {
+        Job::Generate { events, .. } | Job::Transcribe { events, .. } => {
             let _ = events.send(err());
         }
         Job::Load { reply, .. } | Job::Unload { reply, .. } | Job::Prefetch { reply, .. } => {
@@ -485,6 +495,8 @@ struct Engine {
     decode: crate::model::decode_step::DecodeMode,
     prefill_chunk: usize,
     scheduler: scheduler::Scheduler,
+    /// Transcriptions in flight, advanced one window at a time in turn.
+    transcriptions: std::collections::VecDeque<speech::ActiveTranscription>,
     last_publish: Instant,
     last_housekeeping: Instant,
     max_tokens_limit: Option<u32>,
@@ -505,7 +517,7 @@ impl Engine {
             // when nothing is generating (waking at least every
             // PRESSURE_POLL to look at the machine's memory).
             let mut pending = false;
-            let mut first = if self.scheduler.is_empty() && !stopped {
+            let mut first = if self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped {
                 let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
                 match rx.recv_timeout(wait) {
                     Ok(c) => Some(c),
@@ -545,9 +557,20 @@ impl Engine {
                         while let Ok(Control::Job(job)) = rx.try_recv() {
                             refuse(job);
                         }
+                        self.transcriptions.clear();
                         for ended in self.scheduler.refuse_waiting() {
                             self.answer(ended);
                         }
+                    }
+                }
+            }
+            // One window of one transcription per pass, taking turns.
+            if let Some(t) = self.transcriptions.pop_front() {
+                match t.step(self.store.as_ref()) {
+                    speech::Progress::Going(t) => self.transcriptions.push_back(t),
+                    speech::Progress::Ended { model, keep_alive } => {
+                        self.residency.touch(&model, keep_alive);
+                        self.publish();
                     }
                 }
             }
@@ -569,7 +592,10 @@ impl Engine {
                     continue;
                 }
             }
-            if stopped && self.scheduler.is_empty() {
+            if !self.transcriptions.is_empty() && self.last_housekeeping.elapsed() < PRESSURE_POLL {
+                continue;
+            }
+            if stopped && self.scheduler.is_empty() && self.transcriptions.is_empty() {
                 break;
             }
             if pending {
@@ -581,6 +607,9 @@ impl Engine {
             // Models generating are in use: their idle clocks restart.
             for name in self.scheduler.models_in_use() {
                 self.residency.touch(&name, None);
+            }
+            for t in &self.transcriptions {
+                self.residency.touch(t.model_name(), None);
             }
             for name in self.residency.expire() {
                 self.prompts.clear_ram();
@@ -689,6 +718,33 @@ impl Engine {
                     Ok(generate::Begun::Finished(generate::Finished::AskedForMedia)) => return true,
                     Ok(generate::Begun::Finished(f)) => self.finish(Ok(f), &events, &request.stop, turn),
                     Err(e) => self.finish(Err(e), &events, &request.stop, turn),
+                }
+            }
+            Job::Transcribe { request, audio, events, cancel, received } => {
+                let loaded = match &request.model {
+                    Some(m) => Ok(m.clone()),
+                    None => self.registry.default_speech(),
+                }
+                .and_then(|m| {
+                    let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
+                    self.residency.ensure_speech(&self.registry, &m, self.form, request.keep_alive, memo.as_ref())
+                });
+                match loaded {
+                    Err(e) => {
+                        let _ = events.send(e.into_response());
+                    }
+                    Ok((name, model, load_ms)) => {
+                        self.publish();
+                        let begun = speech::ActiveTranscription::begin(
+                            name, model, &request, audio, events, cancel, received, load_ms,
+                        );
+                        match begun {
+                            Ok(t) => self.transcriptions.push_back(t),
+                            Err((e, events)) => {
+                                let _ = events.send(e.into_response());
+                            }
+                        }
+                    }
                 }
             }
             Job::ClearPromptRam { reply } => {

@@ -35,6 +35,18 @@ impl ModelRegistry {
     }
 
     /// Resolves `name` (`None`: the default model). The error lists what is known.
+    /// The speech model a transcription that names none uses: the first
+    /// one listed (the models directory first, by name).
+    pub fn default_speech(&self) -> Result<String, EngineError> {
+        self.list().into_iter().find(|m| m.capability == "speech").map(|m| m.name).ok_or_else(|| {
+            EngineError::UnknownModel(
+                "no speech model is installed: fetch Whisper tiny.en with `scripts/fetch-models whisper-tiny.en`, \
+                 or pull one (`mlxbc pull openai/whisper-base`)"
+                    .into(),
+            )
+        })
+    }
+
     pub fn resolve(&self, name: Option<&str>) -> Result<ResolvedModel, EngineError> {
         let name = name.unwrap_or(&self.default_model);
         let target = self.aliases.get(name).map(String::as_str).unwrap_or(name);
@@ -92,6 +104,7 @@ impl ModelRegistry {
                 size_bytes,
                 loaded: false,
                 source: "store".into(),
+                capability: capability(&path).into(),
             });
         }
         for f in self.discovery.models() {
@@ -108,10 +121,28 @@ impl ModelRegistry {
                 format: format.into(),
                 size_bytes,
                 loaded: false,
+                capability: capability(&f.path).into(),
                 source: f.source.into(),
             });
         }
         out
+    }
+}
+
+/// What a model does, from its files: a directory whose config is
+/// Whisper's transcribes ("speech"), one with a vision config sees
+/// ("vision"); the rest chat.
+pub fn capability(path: &Path) -> &'static str {
+    if !path.is_dir() {
+        return "chat";
+    }
+    let Ok(Some(raw)) = crate::model::read_json(&path.join("config.json")) else { return "chat" };
+    if crate::families::model_type_of(&raw) == Some("whisper") {
+        "speech"
+    } else if raw.get("vision_config").is_some() {
+        "vision"
+    } else {
+        "chat"
     }
 }
 

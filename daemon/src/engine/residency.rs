@@ -5,6 +5,7 @@
 
 use super::error::EngineError;
 use super::registry::ModelRegistry;
+use crate::model::family::SpeechRecognizer;
 use crate::model::{weights::WeightForm, Model};
 use mlxbc_shared::{KeepAlive, LoadedModel};
 use std::collections::HashMap;
@@ -14,9 +15,25 @@ use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 
+/// A resident model of either kind.
+#[derive(Clone)]
+pub enum Servable {
+    Chat(Rc<Model>),
+    Speech(Rc<dyn SpeechRecognizer>),
+}
+
+impl Servable {
+    fn architecture(&self) -> &'static str {
+        match self {
+            Servable::Chat(m) => m.lm.architecture(),
+            Servable::Speech(s) => s.architecture(),
+        }
+    }
+}
+
 struct Resident {
     /// Shared with the generation using it (the engine is one thread).
-    model: Rc<Model>,
+    model: Servable,
     /// MLX memory the load took.
     memory_bytes: u64,
     keep_alive: KeepAlive,
@@ -160,9 +177,10 @@ impl Residency {
         Some((victim, bytes))
     }
 
-    /// Resolves `name` and loads it unless resident. Returns the canonical
-    /// name, the model, and the milliseconds spent loading (0 when already
-    /// resident).
+    /// Resolves `name` and loads it unless resident, as a chat model (a
+    /// speech model is refused with what to do instead). Returns the
+    /// canonical name, the model, and the milliseconds spent loading (0
+    /// when already resident).
     pub fn ensure_loaded(
         &mut self,
         registry: &ModelRegistry,
@@ -171,26 +189,74 @@ impl Residency {
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
     ) -> Result<Loaded, EngineError> {
+        let (name, model, load_ms) = self.ensure_any(registry, name, form, keep_alive, fingerprints)?;
+        match model {
+            Servable::Chat(model) => Ok(Loaded { name, model, load_ms }),
+            Servable::Speech(_) => Err(EngineError::BadRequest(format!(
+                "{name} is a speech model: it transcribes audio (`mlxbc transcribe FILE -m {name}`, \
+                 /v1/audio/transcriptions) and does not chat"
+            ))),
+        }
+    }
+
+    /// The same for a speech model (a chat model is refused).
+    pub fn ensure_speech(
+        &mut self,
+        registry: &ModelRegistry,
+        name: &str,
+        form: crate::options::ModelOptions,
+        keep_alive: Option<KeepAlive>,
+        fingerprints: Option<&sled::Tree>,
+    ) -> Result<(String, Rc<dyn SpeechRecognizer>, f64), EngineError> {
+        let (name, model, load_ms) = self.ensure_any(registry, Some(name), form, keep_alive, fingerprints)?;
+        match model {
+            Servable::Speech(s) => Ok((name, s, load_ms)),
+            Servable::Chat(_) => Err(EngineError::BadMedia(format!(
+                "{name} is a language model and cannot take audio; transcribe with a Whisper model \
+                 (`mlxbc models` lists them)"
+            ))),
+        }
+    }
+
+    /// Resolves `name` and loads it unless resident, whatever its kind.
+    fn ensure_any(
+        &mut self,
+        registry: &ModelRegistry,
+        name: Option<&str>,
+        form: crate::options::ModelOptions,
+        keep_alive: Option<KeepAlive>,
+        fingerprints: Option<&sled::Tree>,
+    ) -> Result<(String, Servable, f64), EngineError> {
         let resolved = registry.resolve(name)?;
         if let Some(r) = self.models.get(&resolved.name) {
-            return Ok(Loaded { model: r.model.clone(), name: resolved.name, load_ms: 0.0 });
+            return Ok((resolved.name, r.model.clone(), 0.0));
         }
         self.make_room(&resolved.name, estimated_bytes(&resolved.path, form.form))?;
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
-        let mut model = crate::families::load(&resolved.path, form, fingerprints).map_err(|e| {
+        let loaded = crate::families::load_any(&resolved.path, form, fingerprints).map_err(|e| {
             EngineError::ModelLoad(format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
         })?;
-        model.warm_up().map_err(|e| {
-            EngineError::ModelLoad(format!("running model {} for the first time: {e:#}", resolved.name))
-        })?;
-        model.kv_root = match super::prompt_cache::model_root(&resolved.path, &format!("{form:?}"), &self.device) {
-            Ok(root) => Some(root),
-            Err(e) => {
-                tracing::warn!(model = %resolved.name, error = %e, "no KV identity: prompts of this model are not cached");
-                None
+        let model = match loaded {
+            crate::families::Loaded::Chat(mut model) => {
+                model.warm_up().map_err(|e| {
+                    EngineError::ModelLoad(format!("running model {} for the first time: {e:#}", resolved.name))
+                })?;
+                model.kv_root = match super::prompt_cache::model_root(
+                    &resolved.path,
+                    &format!("{form:?}"),
+                    &self.device,
+                ) {
+                    Ok(root) => Some(root),
+                    Err(e) => {
+                        tracing::warn!(model = %resolved.name, error = %e, "no KV identity: prompts of this model are not cached");
+                        None
+                    }
+                };
+                Servable::Chat(Rc::new(model))
             }
+            crate::families::Loaded::Speech(s) => Servable::Speech(Rc::from(s)),
         };
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
@@ -202,7 +268,6 @@ impl Residency {
             self.unload(&victim);
             self.evicted.push(victim);
         }
-        let model = Rc::new(model);
         self.models.insert(
             resolved.name.clone(),
             Resident {
@@ -212,17 +277,23 @@ impl Residency {
                 last_used: Instant::now(),
             },
         );
-        Ok(Loaded { name: resolved.name, model, load_ms })
+        Ok((resolved.name, model, load_ms))
     }
 
-    /// The resident model of that canonical name, as a handle.
+    /// The resident chat model of that canonical name, as a handle.
     pub fn handle(&self, name: &str) -> Option<Rc<Model>> {
-        self.models.get(name).map(|r| r.model.clone())
+        match &self.models.get(name)?.model {
+            Servable::Chat(m) => Some(m.clone()),
+            Servable::Speech(_) => None,
+        }
     }
 
-    /// The resident model of that canonical name.
+    /// The resident chat model of that canonical name.
     pub fn get(&self, name: &str) -> Option<&Model> {
-        self.models.get(name).map(|r| &*r.model)
+        match &self.models.get(name)?.model {
+            Servable::Chat(m) => Some(m),
+            Servable::Speech(_) => None,
+        }
     }
 
     /// Restarts a model's idle clock, optionally with a new keep-alive.
@@ -282,12 +353,15 @@ impl Residency {
             .iter()
             .map(|(name, r)| LoadedModel {
                 name: name.clone(),
-                architecture: r.model.lm.architecture().to_string(),
+                architecture: r.model.architecture().to_string(),
                 memory_bytes: r.memory_bytes,
                 keep_alive: r.keep_alive,
                 expires_in_s: r.expires_at().map(|t| t.saturating_duration_since(now).as_secs()),
                 idle_s: now.duration_since(r.last_used).as_secs(),
-                context_length: r.model.lm.context_length(),
+                context_length: match &r.model {
+                    Servable::Chat(m) => m.lm.context_length(),
+                    Servable::Speech(_) => 0,
+                },
                 pinned: r.pinned(),
             })
             .collect();

@@ -7,7 +7,9 @@
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2_5_vl;
+pub mod whisper;
 
+use crate::model::family::SpeechRecognizer;
 use crate::model::gguf::{gguf_string, Gguf};
 use crate::model::Model;
 use crate::options::ModelOptions;
@@ -16,7 +18,24 @@ use std::path::Path;
 
 /// Loads a model directory: its files, its parsed `config.json`, how to
 /// hold the weights, and the store's memo of tower fingerprints.
-pub type DirLoader = fn(&Path, &serde_json::Value, ModelOptions, Option<&sled::Tree>) -> Result<Model>;
+pub type ChatDirLoader = fn(&Path, &serde_json::Value, ModelOptions, Option<&sled::Tree>) -> Result<Model>;
+/// Loads a speech model's directory, given the same.
+pub type SpeechDirLoader =
+    fn(&Path, &serde_json::Value, ModelOptions, Option<&sled::Tree>) -> Result<Box<dyn SpeechRecognizer>>;
+
+/// What a family's directories load as.
+pub enum DirLoader {
+    /// A language model (text or vision-language), answering chats.
+    Chat(ChatDirLoader),
+    /// A speech recognizer, answering transcriptions.
+    Speech(SpeechDirLoader),
+}
+
+/// A loaded model of either kind.
+pub enum Loaded {
+    Chat(Model),
+    Speech(Box<dyn SpeechRecognizer>),
+}
 
 /// Loads an opened GGUF file.
 pub type GgufLoader = fn(&Gguf, ModelOptions) -> Result<Model>;
@@ -36,12 +55,37 @@ pub const FAMILIES: &[Family] = &[
     Family {
         model_types: &["llama", "mistral", "qwen2", "qwen3"],
         gguf_architectures: &["llama", "mistral", "qwen2", "qwen3"],
-        load_dir: llama::load_dir,
+        load_dir: DirLoader::Chat(llama::load_dir),
         load_gguf: Some(llama::load_gguf),
     },
-    Family { model_types: &["gemma3"], gguf_architectures: &[], load_dir: gemma3::load_dir, load_gguf: None },
-    Family { model_types: &["qwen2_5_vl"], gguf_architectures: &[], load_dir: qwen2_5_vl::load_dir, load_gguf: None },
+    Family {
+        model_types: &["gemma3"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Chat(gemma3::load_dir),
+        load_gguf: None,
+    },
+    Family {
+        model_types: &["qwen2_5_vl"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Chat(qwen2_5_vl::load_dir),
+        load_gguf: None,
+    },
+    // mlx-whisper's config.json has no model_type: see `model_type_of`.
+    Family {
+        model_types: &["whisper"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Speech(whisper::load_dir),
+        load_gguf: None,
+    },
 ];
+
+/// A directory's `model_type`; mlx-whisper's config names none, but its
+/// `n_mels` and `n_audio_ctx` say what it is.
+pub fn model_type_of(raw: &serde_json::Value) -> Option<&str> {
+    raw.get("model_type")
+        .and_then(|t| t.as_str())
+        .or_else(|| (raw.get("n_mels").is_some() && raw.get("n_audio_ctx").is_some()).then_some("whisper"))
+}
 
 /// The `model_type`s and GGUF architectures served, for error messages.
 fn supported() -> String {
@@ -50,21 +94,35 @@ fn supported() -> String {
     names.join(", ")
 }
 
-/// Loads a `.gguf` file or a model directory with its family's loader.
+/// Loads a `.gguf` file or a chat model's directory with its family's
+/// loader (a speech model is refused: see [`load_any`]).
 /// `memo` remembers tower fingerprints per weight-file identity.
 pub fn load(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sled::Tree>) -> Result<Model> {
+    match load_any(path, options, memo)? {
+        Loaded::Chat(m) => Ok(m),
+        Loaded::Speech(s) => {
+            bail!("{} is a speech model ({}): it transcribes audio and does not chat", path.display(), s.architecture())
+        }
+    }
+}
+
+/// Loads a model of either kind.
+pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sled::Tree>) -> Result<Loaded> {
     let options = options.into();
     if path.is_dir() {
         let text = std::fs::read_to_string(path.join("config.json"))
             .with_context(|| format!("reading {}/config.json", path.display()))?;
         let raw: serde_json::Value = serde_json::from_str(&text).context("parsing config.json")?;
-        let Some(model_type) = raw.get("model_type").and_then(|t| t.as_str()) else {
+        let Some(model_type) = model_type_of(&raw) else {
             bail!("{}/config.json names no model_type", path.display());
         };
         let Some(family) = FAMILIES.iter().find(|f| f.model_types.contains(&model_type)) else {
             bail!("unsupported architecture {model_type:?} (supported: {})", supported());
         };
-        (family.load_dir)(path, &raw, options, memo)
+        match family.load_dir {
+            DirLoader::Chat(load) => load(path, &raw, options, memo).map(Loaded::Chat),
+            DirLoader::Speech(load) => load(path, &raw, options, memo).map(Loaded::Speech),
+        }
     } else if path.is_file() {
         let file = Gguf::open(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
         let arch = gguf_string(&file, "general.architecture")?;
@@ -72,7 +130,7 @@ pub fn load(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sled::T
         let Some(load_gguf) = loader else {
             bail!("unsupported architecture {arch:?} in GGUF (supported: {})", supported());
         };
-        load_gguf(&file, options)
+        load_gguf(&file, options).map(Loaded::Chat)
     } else {
         bail!("model path {} does not exist", path.display())
     }

@@ -408,7 +408,8 @@ fn stream_events(begun: Begun, id: String) -> Response {
             (out, true)
         }
         Wire::Error { kind, message } => {
-            let name = if matches!(kind, ErrorKind::OutOfMemory | ErrorKind::Busy) { "overloaded_error" } else { "api_error" };
+            let name =
+                if matches!(kind, ErrorKind::OutOfMemory | ErrorKind::Busy) { "overloaded_error" } else { "api_error" };
             (vec![named_event(json!({"type": "error", "error": {"type": name, "message": message}}))], true)
         }
         _ => (vec![], false),

@@ -129,7 +129,10 @@ pub async fn check(State(guard): State<Arc<Guard>>, request: Request<Body>, next
         let mut r = StatusCode::NO_CONTENT.into_response();
         let h = r.headers_mut();
         h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
-        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("authorization, content-type, x-api-key, anthropic-version"));
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static("authorization, content-type, x-api-key, anthropic-version"),
+        );
         h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
         return cors(r);
     }

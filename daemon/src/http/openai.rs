@@ -107,10 +107,9 @@ fn refuse_unserved(n: Option<u32>) -> Result<(), BadRequest> {
 
 /// How many alternatives a request asks for (OpenAI caps them at 20).
 fn top_logprobs(k: u32) -> Result<u8, BadRequest> {
-    u8::try_from(k)
-        .ok()
-        .filter(|&k| k <= mlxbc_shared::MAX_TOP_LOGPROBS)
-        .ok_or_else(|| BadRequest(format!("logprobs: at most {} alternatives, not {k}", mlxbc_shared::MAX_TOP_LOGPROBS)))
+    u8::try_from(k).ok().filter(|&k| k <= mlxbc_shared::MAX_TOP_LOGPROBS).ok_or_else(|| {
+        BadRequest(format!("logprobs: at most {} alternatives, not {k}", mlxbc_shared::MAX_TOP_LOGPROBS))
+    })
 }
 
 fn token_json(t: &mlxbc_shared::TokenText, logprob: f32) -> Value {

@@ -90,9 +90,9 @@ fn message_content(content: &Value, msg: &mut ChatMessage) -> Result<(), BadRequ
                 msg.content.push_str(p["text"].as_str().unwrap_or(""));
             }
             "input_image" => {
-                let url = p["image_url"].as_str().ok_or_else(|| {
-                    bad("input_image needs an image_url (a data: URL); file ids are not served")
-                })?;
+                let url = p["image_url"]
+                    .as_str()
+                    .ok_or_else(|| bad("input_image needs an image_url (a data: URL); file ids are not served"))?;
                 msg.images.push(MediaRef::from_bytes(openai::data_url_bytes(url)?));
             }
             "refusal" => {}
@@ -136,7 +136,11 @@ fn messages(instructions: Option<String>, input: Value) -> Result<Vec<ChatMessag
                 // Calls follow the assistant's text of the same turn.
                 match messages.last_mut() {
                     Some(last) if last.role == Role::Assistant => last.tool_calls.push(call),
-                    _ => messages.push(ChatMessage { role: Role::Assistant, tool_calls: vec![call], ..ChatMessage::user("") }),
+                    _ => messages.push(ChatMessage {
+                        role: Role::Assistant,
+                        tool_calls: vec![call],
+                        ..ChatMessage::user("")
+                    }),
                 }
             }
             "function_call_output" => {
@@ -395,7 +399,10 @@ mod tests {
         let roles: Vec<Role> = r.messages.iter().map(|m| m.role).collect();
         assert_eq!(roles, [Role::System, Role::System, Role::User, Role::Assistant, Role::Tool]);
         assert_eq!(r.messages[3].tool_calls[0].name, "shell");
-        assert_eq!((r.messages[4].tool_call_id.as_deref(), r.messages[4].content.as_str()), (Some("call_1"), "a.rs\nb.rs"));
+        assert_eq!(
+            (r.messages[4].tool_call_id.as_deref(), r.messages[4].content.as_str()),
+            (Some("call_1"), "a.rs\nb.rs")
+        );
         assert_eq!((r.tools.len(), r.max_tokens), (1, 50));
         assert!(matches!(r.constraint, Some(Constraint::JsonSchema(_))));
     }

@@ -7,6 +7,8 @@
 //! - [`VisionTower`] (engine thread, MLX) and [`MediaPreprocessor`] (any
 //!   thread, no MLX): media bytes → prepared pixels → features spliced into
 //!   the prompt's embeddings.
+//! - [`SpeechRecognizer`] and its [`SpeechTask`]: audio → windows → tower
+//!   features (stored) → text, for speech models (Whisper).
 
 use super::kv_cache::KvCache;
 use anyhow::Result;
@@ -106,4 +108,70 @@ pub trait VisionTower {
     fn rope_positions(&self, _ids: &[u32], _features: &[Array]) -> Option<(Vec<[i64; 3]>, i64)> {
         None
     }
+}
+
+/// A family's speech recognizer (Whisper): an audio tower whose output the
+/// feature store keeps per window, and a decoder that turns it into text.
+/// The engine drives a transcription window by window ([`SpeechTask`]),
+/// between its other work, looking each window up in the store first.
+pub trait SpeechRecognizer: std::any::Any {
+    /// Architecture name for listings (`whisper`).
+    fn architecture(&self) -> &'static str;
+
+    /// Every parameter of the audio frontend that changes the tower's input
+    /// (rate, FFT, hop, mel bins, window): part of the feature-store key.
+    fn frontend_key(&self) -> String;
+
+    /// Hash over the tower's config and weights (feature-store key part).
+    fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint;
+
+    /// The tower on one window's input (lazily).
+    fn encode(&self, window: &Array) -> Result<Array>;
+
+    /// Starts transcribing a recording of `frames` 10 ms frames: its
+    /// `samples` (16 kHz mono), or `None` when every window it needs is
+    /// expected in the feature store (sent by hash).
+    fn begin(
+        &self,
+        samples: Option<&[f32]>,
+        frames: usize,
+        request: &mlxbc_shared::TranscribeRequest,
+    ) -> Result<Box<dyn SpeechTask>>;
+
+    /// For the family's own task to reach its model.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// One window the tower must encode next.
+pub struct SpeechWindow {
+    /// Names the window within its recording (its offset, or a purpose such
+    /// as language detection): part of the feature-store key.
+    pub id: String,
+    /// The tower's input; `None` when the recording's samples were not sent.
+    pub input: Option<Array>,
+}
+
+/// What a finished transcription holds.
+pub struct SpeechResult {
+    pub text: String,
+    pub language: String,
+    pub segments: Vec<mlxbc_shared::TranscriptSegment>,
+}
+
+/// A transcription in progress.
+pub trait SpeechTask {
+    /// The window to encode next; `None` when the recording is done.
+    fn next_window(&self) -> Result<Option<SpeechWindow>>;
+
+    /// Decodes that window from its encoder output and moves on.
+    fn step(&mut self, model: &dyn SpeechRecognizer, features: &Array) -> Result<()>;
+
+    /// Windows decoded so far (a fallback decodes one again).
+    fn windows(&self) -> u32;
+
+    /// Seconds of audio.
+    fn seconds(&self) -> f64;
+
+    /// The transcript.
+    fn finish(self: Box<Self>, model: &dyn SpeechRecognizer) -> Result<SpeechResult>;
 }

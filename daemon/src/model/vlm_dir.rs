@@ -24,14 +24,25 @@ pub fn tower_fingerprint(
     raw: &serde_json::Value,
     memo: Option<&sled::Tree>,
 ) -> Result<TowerFingerprint> {
+    weights_fingerprint(dir, prefixes, &raw["vision_config"].to_string(), memo)
+        .with_context(|| format!("fingerprinting the vision tower in {}", dir.display()))
+}
+
+/// The fingerprint of the tensors under `prefixes` in the directory's
+/// safetensors files and of `config` (the text of the tower's settings).
+pub fn weights_fingerprint(
+    dir: &Path,
+    prefixes: &[&str],
+    config: &str,
+    memo: Option<&sled::Tree>,
+) -> Result<TowerFingerprint> {
     let mut files: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
     files.sort();
     let file_refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
-    TowerFingerprint::compute(&file_refs, prefixes, &raw["vision_config"].to_string(), memo)
-        .with_context(|| format!("fingerprinting the vision tower in {}", dir.display()))
+    Ok(TowerFingerprint::compute(&file_refs, prefixes, config, memo)?)
 }
 
 /// `config.json`'s quantization section, under either name.

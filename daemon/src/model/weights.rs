@@ -113,6 +113,18 @@ impl TensorMap {
         Self { tensors, ..self }
     }
 
+    /// The same tensors under other names (a checkpoint layout mapped onto
+    /// the one a family loads).
+    pub fn renamed(self, name: impl Fn(&str) -> String) -> Self {
+        let tensors = self.tensors.into_iter().map(|(k, v)| (name(&k), v)).collect();
+        Self { tensors, ..self }
+    }
+
+    /// The dtype float tensors are taken in.
+    pub fn float_dtype(&self) -> mlx_rs::Dtype {
+        self.form.float_dtype()
+    }
+
     /// True when a tensor of that exact name exists.
     pub fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)

@@ -4,4 +4,5 @@
 //! only, so `server`, `http` and `state` all build on it without circles.
 
 pub mod prepare;
+pub mod transcribe;
 pub mod validate;

@@ -115,6 +115,10 @@ pub async fn serve(stream: UnixStream, state: Arc<AppState>) {
         }
         let keep_going = match request {
             Request::Generate(req) => stream_generation(&mut conn, &state, req).await,
+            Request::Transcribe(req) => match state.start_transcription(req).await {
+                Ok((rx, cancel)) => stream_events(&mut conn, rx, cancel).await,
+                Err(e) => conn.send(e.into_response()).await.is_ok(),
+            },
             other => {
                 let reply = answer(&state, other).await;
                 conn.send(reply).await.is_ok()
@@ -199,10 +203,20 @@ fn error(kind: ErrorKind, message: impl Into<String>) -> Response {
 
 /// Streams a generation; returns false when the connection is finished.
 async fn stream_generation(conn: &mut Conn, state: &AppState, request: mlxbc_shared::GenerateRequest) -> bool {
-    let (mut rx, cancel) = match state.start_generation(request).await {
+    let (rx, cancel) = match state.start_generation(request).await {
         Ok(started) => started,
         Err(e) => return conn.send(e.into_response()).await.is_ok(),
     };
+    stream_events(conn, rx, cancel).await
+}
+
+/// Sends a job's events until its last; a client that hangs up cancels it.
+/// Returns false when the connection is finished.
+async fn stream_events(
+    conn: &mut Conn,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Response>,
+    cancel: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> bool {
     // After the client shuts its writing half (EOF on read), it may still be
     // reading: keep streaming, and watch for a full hang-up instead.
     let mut read_closed = false;
@@ -213,7 +227,10 @@ async fn stream_generation(conn: &mut Conn, state: &AppState, request: mlxbc_sha
                 let Some(event) = event else {
                     return conn.send(error(ErrorKind::Internal, "the engine dropped the request")).await.is_ok();
                 };
-                let last = matches!(event, Response::Done { .. } | Response::Error { .. } | Response::NeedMedia { .. });
+                let last = matches!(
+                    event,
+                    Response::Done { .. } | Response::Error { .. } | Response::NeedMedia { .. } | Response::Transcribed(_)
+                );
                 if conn.send(event).await.is_err() {
                     cancel.store(true, Ordering::Relaxed);
                     return false;
@@ -249,7 +266,7 @@ async fn stream_generation(conn: &mut Conn, state: &AppState, request: mlxbc_sha
 async fn answer(state: &AppState, request: Request) -> Response {
     match request {
         Request::Hello { .. } => error(ErrorKind::BadRequest, "Hello was already received"),
-        Request::Generate(_) => unreachable!("handled by stream_generation"),
+        Request::Generate(_) | Request::Transcribe(_) => unreachable!("streamed by stream_events"),
         Request::ListModels => {
             let loaded = state.engine.loaded_names();
             let mut models = state.registry.list();

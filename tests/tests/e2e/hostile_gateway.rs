@@ -127,7 +127,11 @@ async fn every_route_is_guarded_and_bad_bodies_get_their_apis_error_shape() {
         (reqwest::Method::GET, "/v1/models", None),
         (reqwest::Method::POST, "/v1/chat/completions", Some(body(2))),
         (reqwest::Method::POST, "/v1/completions", Some(json!({"model": SMOLLM2, "prompt": "hi", "max_tokens": 2}))),
-        (reqwest::Method::POST, "/v1/responses", Some(json!({"model": SMOLLM2, "input": "hi", "max_output_tokens": 2}))),
+        (
+            reqwest::Method::POST,
+            "/v1/responses",
+            Some(json!({"model": SMOLLM2, "input": "hi", "max_output_tokens": 2})),
+        ),
         (reqwest::Method::POST, "/v1/messages", Some(messages.clone())),
         (reqwest::Method::POST, "/v1/messages/count_tokens", Some(messages.clone())),
         (reqwest::Method::GET, "/api/version", None),

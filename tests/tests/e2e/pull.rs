@@ -23,6 +23,8 @@ struct Hub {
     weight_ranges: Mutex<Vec<u64>>,
     /// Fail the next weights request whose range starts at or after this offset.
     fail_from: Mutex<Option<u64>>,
+    /// Hold every weights request open without sending a byte.
+    stall: std::sync::atomic::AtomicBool,
 }
 
 async fn info(State(hub): State<Arc<Hub>>, UrlPath((org, name, _rev)): UrlPath<(String, String, String)>) -> Response {
@@ -49,10 +51,15 @@ async fn resolve(
         .unwrap_or((0, len - 1));
     if file == "model.safetensors" && !(start == 0 && end == 0) {
         hub.weight_ranges.lock().unwrap().push(start);
-        let mut fail = hub.fail_from.lock().unwrap();
-        if fail.is_some_and(|from| start >= from) {
-            *fail = None;
-            return (StatusCode::INTERNAL_SERVER_ERROR, "injected failure").into_response();
+        {
+            let mut fail = hub.fail_from.lock().unwrap();
+            if fail.is_some_and(|from| start >= from) {
+                *fail = None;
+                return (StatusCode::INTERNAL_SERVER_ERROR, "injected failure").into_response();
+            }
+        }
+        if hub.stall.load(std::sync::atomic::Ordering::Relaxed) {
+            tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
         }
     }
     use sha2::Digest;
@@ -71,7 +78,13 @@ async fn start_hub() -> (Arc<Hub>, String) {
     let mut files: Vec<String> =
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     files.sort();
-    let hub = Arc::new(Hub { dir, files, weight_ranges: Mutex::default(), fail_from: Mutex::default() });
+    let hub = Arc::new(Hub {
+        dir,
+        files,
+        weight_ranges: Mutex::default(),
+        fail_from: Mutex::default(),
+        stall: Default::default(),
+    });
     let app = axum::Router::new()
         .route("/api/models/{org}/{name}/revision/{rev}", get(info))
         .route("/{org}/{name}/resolve/{rev}/{*file}", get(resolve))
@@ -179,6 +192,40 @@ async fn ollama_api_pull_streams_progress_then_the_model_answers() {
     assert_eq!(missing.status(), 502);
     let e = missing.json::<serde_json::Value>().await.unwrap();
     assert!(e["error"].as_str().unwrap().contains("test-org/no-such-model"), "{e}");
+}
+
+/// A hub that accepts a download and then sends nothing: `/api/pull` ends
+/// with an error line naming the stall (after `MLXBC_PULL_STALL_S`), not a
+/// task held forever, and the gateway goes on serving.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_download_ends_the_pull_with_an_error() {
+    let (hub, endpoint) = start_hub().await;
+    hub.stall.store(true, std::sync::atomic::Ordering::Relaxed);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut d = Daemon::prepare(&DaemonOptions::default());
+    d.extra_env = vec![
+        ("HOME".into(), d.home.path().join("user")),
+        ("HF_HOME".into(), d.home.path().join("hf")),
+        ("HF_ENDPOINT".into(), endpoint.into()),
+        ("MLXBC_PULL_STALL_S".into(), "3".into()),
+    ];
+    d.spawn(&["--http".into(), format!("127.0.0.1:{port}")]);
+    let (http, base) = (reqwest::Client::new(), format!("http://127.0.0.1:{port}"));
+    let started = std::time::Instant::now();
+    let r = http
+        .post(format!("{base}/api/pull"))
+        .json(&serde_json::json!({"model": REPO}))
+        .timeout(std::time::Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap();
+    let body = r.text().await.unwrap();
+    let last: serde_json::Value = serde_json::from_str(body.lines().last().unwrap()).unwrap();
+    let error = last["error"].as_str().unwrap_or_else(|| panic!("{body}"));
+    assert!(error.contains("stalled") && error.contains("model.safetensors"), "{error}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "{:?}", started.elapsed());
+    let (text, _) = ask(&d.socket, greedy(None, "hello", 2)).await.unwrap();
+    assert!(!text.is_empty());
 }
 
 fn sha256_file(p: &std::path::Path) -> String {

