@@ -236,6 +236,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             writeln!(out, "{encoded} encoded, {cached} already stored")?;
         }
         Command::Ask(_)
+        | Command::Transcribe(_)
         | Command::Stop
         | Command::Service { .. }
         | Command::Completions { .. }

@@ -36,6 +36,10 @@ pub struct TranscribeArgs {
     /// Decode at this temperature only (default: Whisper's fallback ladder from 0).
     #[arg(long, short)]
     temperature: Option<f32>,
+    /// Decode each 30-second window on its own, not fed the text before it
+    /// (Whisper's `condition_on_previous_text=False`: steadier on repetitive audio).
+    #[arg(long)]
+    no_previous_text: bool,
     #[arg(long, short, value_enum, default_value_t = Format::Text)]
     format: Format,
     /// With `--format text`: each segment on its own line with its times.
@@ -70,6 +74,7 @@ pub async fn run(client: &mut Client, args: &TranscribeArgs) -> Result<()> {
         request.translate = args.translate;
         request.prompt = args.prompt.clone();
         request.temperature = args.temperature;
+        request.condition_on_previous_text = !args.no_previous_text;
         request.keep_alive = keep_alive;
         let t = client.transcribe(request).await.with_context(|| format!("transcribing {}", path.display()))?;
         if args.files.len() > 1 && args.format == Format::Text {

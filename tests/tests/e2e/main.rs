@@ -19,4 +19,5 @@ mod pull;
 mod reference;
 mod residency;
 mod service;
+mod speech;
 mod vision;
