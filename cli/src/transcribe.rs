@@ -106,33 +106,15 @@ pub async fn run(client: &mut Client, args: &TranscribeArgs) -> Result<()> {
     Ok(())
 }
 
-/// `HH:MM:SS,mmm` (SubRip) or `HH:MM:SS.mmm` (WebVTT).
-fn clock(seconds: f64, separator: char) -> String {
-    let ms = (seconds.max(0.0) * 1000.0).round() as u64;
-    format!("{:02}:{:02}:{:02}{separator}{:03}", ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000)
-}
-
 /// The transcript in `format`.
 pub fn render(t: &Transcript, format: Format, timestamps: bool) -> String {
-    let spoken = || t.segments.iter().filter(|s| !s.text.trim().is_empty());
+    use mlxbc_client::subtitles;
     match format {
-        Format::Text if timestamps => spoken()
-            .map(|s| format!("[{} --> {}] {}\n", clock(s.start, '.'), clock(s.end, '.'), s.text.trim()))
-            .collect(),
+        Format::Text if timestamps => subtitles::timed_lines(t),
         Format::Text => format!("{}\n", t.text.trim()),
         Format::Json => serde_json::to_string_pretty(t).unwrap_or_default() + "\n",
-        Format::Srt => spoken()
-            .enumerate()
-            .map(|(i, s)| {
-                format!("{}\n{} --> {}\n{}\n\n", i + 1, clock(s.start, ','), clock(s.end, ','), s.text.trim())
-            })
-            .collect(),
-        Format::Vtt => {
-            let cues: String = spoken()
-                .map(|s| format!("{} --> {}\n{}\n\n", clock(s.start, '.'), clock(s.end, '.'), s.text.trim()))
-                .collect();
-            format!("WEBVTT\n\n{cues}")
-        }
+        Format::Srt => subtitles::srt(t),
+        Format::Vtt => subtitles::vtt(t),
     }
 }
 

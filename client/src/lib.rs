@@ -28,6 +28,8 @@ pub use mlxbc_shared::protocol::{
     TranscriptSegment, PROTOCOL_VERSION,
 };
 pub use mlxbc_shared::settings::Settings;
+/// Transcripts as SubRip and WebVTT subtitles.
+pub use mlxbc_shared::subtitles;
 /// Framing errors a [`ClientError::Frame`] carries.
 pub use mlxbc_shared::FrameError;
 

@@ -6,7 +6,9 @@
 //! So every request must name the gateway itself in `Host` (a rebound name
 //! does not), a cross-site `Origin` is refused unless the settings allow it,
 //! request bodies must be `application/json` (which a page cannot send
-//! without a preflight), and with `http_token` set, `Authorization: Bearer`
+//! without a preflight; OpenAI's audio uploads are `multipart/form-data`,
+//! which a page can send, so those two paths rest on the `Origin` check,
+//! which every browser's cross-site POST carries), and with `http_token` set, `Authorization: Bearer`
 //! (or `x-api-key`, as the Anthropic SDK and Claude Code send it) must carry
 //! it (the only thing that keeps other local users out).
 
@@ -140,12 +142,17 @@ pub async fn check(State(guard): State<Arc<Guard>>, request: Request<Body>, next
         return cors(refuse(StatusCode::UNAUTHORIZED, "missing or wrong bearer token (http_token in config.toml)"));
     }
     if request.method() == Method::POST {
-        let json = headers
+        let kind = headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.split(';').next())
-            .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
-        if !json {
+            .map(|v| v.trim().to_ascii_lowercase())
+            .unwrap_or_default();
+        let upload = request.uri().path().starts_with("/v1/audio/");
+        if upload && kind != "multipart/form-data" {
+            return cors(refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "audio uploads must be multipart/form-data"));
+        }
+        if !upload && kind != "application/json" {
             return cors(refuse(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "request bodies must be Content-Type: application/json",

@@ -2,7 +2,8 @@
 //! (`mlxbcd --http 127.0.0.1:PORT`; off by default, loopback only), on the
 //! same engine as the socket: OpenAI's chat and text completions,
 //! `/v1/models` and `/v1/responses` ([`openai`], [`responses`]), ollama's
-//! native API ([`ollama`]) and Anthropic's Messages API ([`anthropic`]);
+//! native API ([`ollama`]), Anthropic's Messages API ([`anthropic`]) and
+//! OpenAI's speech-to-text ([`audio`]);
 //! streams are server-sent events (NDJSON for ollama), images `data:`
 //! URLs or base64.
 //! Every request passes [`guard`] first; a model must be a plain name
@@ -10,6 +11,7 @@
 //! owner can reach, still takes paths).
 
 mod anthropic;
+mod audio;
 mod guard;
 mod ollama;
 mod ollama_pull;
@@ -62,6 +64,8 @@ pub async fn serve(
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))
         .route("/api/pull", post(ollama_pull::pull))
+        .route("/v1/audio/transcriptions", post(audio::transcriptions))
+        .route("/v1/audio/translations", post(audio::translations))
         // Bodies carry base64 images: the socket's frame cap, no more.
         .layer(axum::extract::DefaultBodyLimit::max(mlxbc_shared::MAX_FRAME_BYTES))
         .layer(axum::middleware::from_fn_with_state(guard, guard::check))

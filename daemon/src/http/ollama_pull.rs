@@ -119,17 +119,27 @@ pub async fn pull(body: axum::body::Bytes) -> Response {
     };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let task = AbortOnDrop(tokio::spawn(run(repo, include, tx)).abort_handle());
+    // The last line is `success` or an error. The stream ends there, not when
+    // every sender is gone: hf-hub's chunk tasks hold clones of the progress
+    // reporter, and a stalled one may outlive the pull.
+    let is_last = |line: &Value| line["status"] == "success" || !line["error"].is_null();
     if !b.stream {
         let mut last = json!({"error": "the pull stopped"});
         while let Some(line) = rx.recv().await {
+            let done = is_last(&line);
             last = line;
+            if done {
+                break;
+            }
         }
         drop(task);
         let status = if last["error"].is_null() { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
         return (status, Json(last)).into_response();
     }
-    let lines = futures::stream::unfold((rx, task), |(mut rx, task)| async move {
+    let lines = futures::stream::unfold((rx, Some(task)), move |(mut rx, task)| async move {
+        task.as_ref()?;
         let line = rx.recv().await?;
+        let task = if is_last(&line) { None } else { task };
         Some((Ok::<_, std::convert::Infallible>(format!("{line}\n")), (rx, task)))
     });
     ([(axum::http::header::CONTENT_TYPE, "application/x-ndjson")], axum::body::Body::from_stream(lines)).into_response()

@@ -47,6 +47,23 @@ async fn host_origin_content_type_and_token_are_enforced() {
     // A "simple" request a page can send without a preflight.
     let r = http.post(&url).bearer_auth("s3cret").header("Content-Type", "text/plain").body(body(3).to_string());
     assert_eq!(r.send().await.unwrap().status(), 415);
+    // A form upload (also "simple"): only the audio paths take one, and a
+    // cross-site page's is refused by its Origin.
+    let form = "--x\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--x--\r\n";
+    let multipart = |path: &str| {
+        http.post(format!("{base}{path}"))
+            .bearer_auth("s3cret")
+            .header("Content-Type", "multipart/form-data; boundary=x")
+            .body(form)
+    };
+    assert_eq!(multipart("/v1/chat/completions").send().await.unwrap().status(), 415);
+    let r = multipart("/v1/audio/transcriptions").header("Origin", "https://attacker.example").send().await.unwrap();
+    assert_eq!(r.status(), 403);
+    let r = multipart("/v1/audio/transcriptions").send().await.unwrap();
+    assert_eq!(r.status(), 400, "the owner's form, without a file");
+    assert!(r.text().await.unwrap().contains("file is required"));
+    let r = http.post(format!("{base}/v1/audio/transcriptions")).bearer_auth("s3cret").json(&body(3));
+    assert_eq!(r.send().await.unwrap().status(), 415);
     // Another local user without the token.
     let r = http.post(&url).json(&body(3)).send().await.unwrap();
     assert_eq!(r.status(), 401);

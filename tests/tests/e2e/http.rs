@@ -201,3 +201,17 @@ fn openai_sdk_completions_fill_in_the_middle_on_qwen25_coder() {
     let (_d, base) = gateway(models);
     run_client_script("openai_completions.py", &[&base, qwen, SMOLLM2]);
 }
+
+/// The `openai` SDK's `audio.transcriptions.create` with Whisper tiny.en:
+/// every response format, `whisper-1`, and its errors (tests/clients/openai_audio.py).
+#[test]
+fn openai_sdk_transcribes_with_whisper() {
+    let models =
+        vec![(SMOLLM2, fixture(&format!("models/{SMOLLM2}"))), ("whisper-tiny.en", fixture("models/whisper-tiny.en"))];
+    let (_d, base) = gateway(models);
+    let wav = fixture("whisper/clips/s2.wav");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("whisper/reference/s2.json")).unwrap()).unwrap();
+    let want = reference["text"].as_str().unwrap().trim();
+    run_client_script("openai_audio.py", &[&base, wav.to_str().unwrap(), want, SMOLLM2]);
+}
