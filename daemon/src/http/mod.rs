@@ -51,6 +51,7 @@ pub async fn serve(
     let addr = listener.local_addr()?;
     let guard = Arc::new(guard::Guard::new(addr, state.http_token.clone(), state.http_allowed_origins.clone()));
     let app = Router::new()
+        .route("/", get(page))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -79,8 +80,19 @@ pub async fn serve(
         .context("HTTP gateway")
 }
 
-/// An OpenAI-style error body with a fitting status.
+/// How `begin` says images sent by hash are not in the store: the message
+/// starts with this, then their hashes (comma-separated hex).
+const NEED_MEDIA: &str = "need_media:";
+
+/// An OpenAI-style error body with a fitting status; images the store
+/// lacks (sent by hash) are a 409 naming them in `missing`.
 fn error_response(kind: ErrorKind, message: String) -> Response {
+    if let Some(hashes) = message.strip_prefix(NEED_MEDIA) {
+        let missing: Vec<&str> = hashes.split(',').collect();
+        let body = json!({"error": {"message": "send these images' bytes (data: URLs): the store lacks them",
+                                    "type": "invalid_request_error", "code": "need_media", "missing": missing}});
+        return (StatusCode::CONFLICT, Json(body)).into_response();
+    }
     let (status, kind_name) = match kind {
         ErrorKind::UnknownModel => (StatusCode::NOT_FOUND, "model_not_found"),
         ErrorKind::BadRequest | ErrorKind::BadMedia | ErrorKind::ContextOverflow | ErrorKind::BadFrame => {
@@ -93,8 +105,31 @@ fn error_response(kind: ErrorKind, message: String) -> Response {
         .into_response()
 }
 
-/// `GET /v1/models`: every model the daemon can serve; a resident one also
-/// says its context length (others would have to be loaded to know it).
+/// The chat page (`GET /`): one file written in this repo, no build step,
+/// nothing fetched from elsewhere (the policy below forbids it).
+const PAGE: &str = include_str!("page/index.html");
+
+async fn page() -> Response {
+    use axum::http::header;
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline' blob:; style-src 'unsafe-inline'; \
+                 img-src blob: data:; connect-src 'self'; media-src blob:; base-uri 'none'; form-action 'none'",
+            ),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        PAGE,
+    )
+        .into_response()
+}
+
+/// `GET /v1/models`: every model the daemon can serve, with what it does
+/// (`capability`: chat, vision, speech); a resident one also says its
+/// context length (others would have to be loaded to know it).
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let data: Vec<_> = state
         .registry
@@ -102,7 +137,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
         .into_iter()
         .map(|m| {
             let mut v = json!({"id": m.name, "object": "model", "created": 0, "owned_by": "mlxbc",
-                               "loaded": m.loaded});
+                               "loaded": m.loaded, "capability": m.capability});
             if let Some(route) = m.loaded.then(|| state.engine.route(&Some(m.name.clone()))).flatten() {
                 v["context_length"] = json!(route.context);
             }
@@ -149,6 +184,10 @@ async fn begin(state: &AppState, request: mlxbc_shared::GenerateRequest) -> Resu
     match rx.recv().await {
         Some(Wire::Started { model, prompt_tokens }) => Ok(Begun { rx, guard, model, prompt_tokens }),
         Some(Wire::Error { kind, message }) => Err((kind, message)),
+        Some(Wire::NeedMedia { missing }) => {
+            let hex: Vec<String> = missing.iter().map(|h| mlxbc_cache::hex(h)).collect();
+            Err((ErrorKind::BadMedia, format!("{NEED_MEDIA}{}", hex.join(","))))
+        }
         other => Err((ErrorKind::Internal, format!("unexpected first event {other:?}"))),
     }
 }
@@ -318,6 +357,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
                     finish = "tool_calls";
                 }
                 let mut last = openai::chunk(id, created, model, json!({}), Some(finish));
+                last["mlxbc"] = openai::cache_stats(stats);
                 if !stats.logprobs.is_empty() {
                     // All the answer's tokens, on its last chunk (they are read as it ends).
                     last["choices"][0]["logprobs"] = openai::chat_logprobs(&stats.logprobs);

@@ -280,6 +280,29 @@ pub fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
         .map_err(|e| BadRequest(format!("data: URL is not valid base64: {e}")))
 }
 
+/// An image by URL: a `data:` URL, or `mlxbc:sha256:HEX`, an image by its
+/// hash alone (the web page sends those first; a 409 names the ones the
+/// store lacks, which it then sends as data).
+pub fn image_ref(url: &str) -> Result<MediaRef, BadRequest> {
+    let Some(hex) = url.strip_prefix("mlxbc:sha256:") else { return Ok(MediaRef::from_bytes(data_url_bytes(url)?)) };
+    let bytes: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .filter_map(|i| hex.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
+        .collect();
+    let sha256: [u8; 32] =
+        bytes.try_into().map_err(|_| BadRequest(format!("{url:?}: mlxbc:sha256: takes 64 hex digits")))?;
+    Ok(MediaRef { sha256, bytes: None })
+}
+
+/// What the feature store and the prompt cache did for one answer (the
+/// `mlxbc` field of a response's last chunk: the web page shows it).
+pub fn cache_stats(stats: &mlxbc_shared::GenerationStats) -> Value {
+    json!({"encoder_hits": stats.encoder_hits, "encoder_misses": stats.encoder_misses,
+           "encode_ms": stats.encode_ms, "prompt_tokens": stats.prompt_tokens,
+           "prefix_tokens_reused": stats.prefix_tokens_reused, "prompt_tokens_from_disk": stats.prompt_tokens_from_disk,
+           "time_to_first_token_ms": stats.time_to_first_token_ms, "decode_tokens_per_s": stats.decode_tokens_per_s})
+}
+
 impl ChatCompletionRequest {
     /// Our request for it.
     pub fn into_generate(self) -> Result<GenerateRequest, BadRequest> {
@@ -317,9 +340,7 @@ impl ChatCompletionRequest {
                                 }
                                 msg.content.push_str(&text);
                             }
-                            Part::ImageUrl { image_url } => {
-                                msg.images.push(MediaRef::from_bytes(data_url_bytes(&image_url.url)?))
-                            }
+                            Part::ImageUrl { image_url } => msg.images.push(image_ref(&image_url.url)?),
                         }
                     }
                 }
@@ -463,6 +484,9 @@ mod tests {
         assert_eq!(g.messages.len(), 2);
         assert_eq!(g.messages[1].images[0].bytes.as_deref(), Some(&b"\x89PNG...."[..]));
         assert_eq!((g.stop, g.max_tokens, g.sampling.temperature), (vec!["END".to_string()], 7, 0.0));
+        let by_hash = image_ref(&format!("mlxbc:sha256:{}", "ab".repeat(32))).unwrap();
+        assert_eq!((by_hash.sha256, by_hash.bytes), ([0xab; 32], None));
+        assert!(image_ref("mlxbc:sha256:abc").is_err());
     }
 
     #[test]

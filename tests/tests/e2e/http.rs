@@ -215,3 +215,21 @@ fn openai_sdk_transcribes_with_whisper() {
     let want = reference["text"].as_str().unwrap().trim();
     run_client_script("openai_audio.py", &[&base, wav.to_str().unwrap(), want, SMOLLM2]);
 }
+
+/// The web page (`GET /`) in Debian's chromium (tests/clients/web_page.py):
+/// hold-to-talk puts the transcript in the box, a streamed answer, an
+/// image answered with an encoder miss then a hit. Screenshots in
+/// target/test-artifacts/web/.
+#[test]
+fn the_web_page_in_chromium_talks_answers_and_sees() {
+    let models = vec![
+        (SMOLLM2, fixture(&format!("models/{SMOLLM2}"))),
+        ("whisper-tiny.en", fixture("models/whisper-tiny.en")),
+        ("tiny-gemma3-vlm", fixture("mlx/tiny-gemma3-vlm")),
+    ];
+    let (_d, base) = gateway(models);
+    let out = workspace().join("target/test-artifacts/web");
+    let (wav, png) = (fixture("whisper/clips/s2.wav"), workspace().join("tests/fixtures/reference/vlm-pipeline.png"));
+    let args = [&base, wav.to_str().unwrap(), png.to_str().unwrap(), out.to_str().unwrap(), SMOLLM2, "tiny-gemma3-vlm"];
+    run_client_script("web_page.py", &args);
+}
