@@ -3,8 +3,10 @@
 //! reference ran on its mlx-whisper layout) and the same espeak-ng speech:
 //! the encoder's output within 2e-3 relative (the reference is kept in
 //! f16), and the greedy transcription's tokens, segments and text exactly,
-//! for eight sentences and one 37-second recording (two windows). Fixtures
-//! from scripts/test-fixtures (whisper/: clips, reference/).
+//! for eight sentences and one 37-second recording (two windows); Whisper
+//! base (multilingual, from PyPI too) with the language detected, on
+//! English and German speech. Fixtures from scripts/test-fixtures
+//! (whisper/: clips, reference/, reference-base/).
 
 mod common;
 use common::*;
@@ -29,11 +31,16 @@ fn clips() -> Vec<String> {
     names
 }
 
-/// A greedy transcription as the reference made it (language en, no conditioning).
-fn transcribe(w: &dyn SpeechRecognizer, samples: &[f32]) -> mlxbc_daemon::model::family::SpeechResult {
+/// A greedy transcription as the reference made it (no conditioning; the
+/// language given, or detected when `None`).
+fn transcribe_in(
+    w: &dyn SpeechRecognizer,
+    samples: &[f32],
+    language: Option<&str>,
+) -> mlxbc_daemon::model::family::SpeechResult {
     let mut r = TranscribeRequest::new(MediaRef { sha256: [0; 32], bytes: None });
     r.temperature = Some(0.0);
-    r.language = Some("en".into());
+    r.language = language.map(String::from);
     r.condition_on_previous_text = false;
     let mut task = w.begin(Some(samples), samples.len() / mel::HOP, &r).unwrap();
     while let Some(window) = task.next_window().unwrap() {
@@ -41,6 +48,28 @@ fn transcribe(w: &dyn SpeechRecognizer, samples: &[f32]) -> mlxbc_daemon::model:
         task.step(w, &features).unwrap();
     }
     task.finish(w).unwrap()
+}
+
+fn transcribe(w: &dyn SpeechRecognizer, samples: &[f32]) -> mlxbc_daemon::model::family::SpeechResult {
+    transcribe_in(w, samples, Some("en"))
+}
+
+/// Compares a transcription with a reference JSON: segments' tokens, text, times.
+fn assert_same(name: &str, got: &mlxbc_daemon::model::family::SpeechResult, want: &serde_json::Value) {
+    let want_segments = want["segments"].as_array().unwrap();
+    assert_eq!(got.segments.len(), want_segments.len(), "{name}: segments {:?}", got.segments);
+    for (g, s) in got.segments.iter().zip(want_segments) {
+        let tokens: Vec<u32> = s["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        assert_eq!(g.tokens, tokens, "{name}: segment {} tokens", g.id);
+        assert_eq!(g.text, s["text"].as_str().unwrap(), "{name}");
+        assert!((g.start - s["start"].as_f64().unwrap()).abs() < 1e-6, "{name}: start {}", g.start);
+        assert!((g.end - s["end"].as_f64().unwrap()).abs() < 1e-6, "{name}: end {}", g.end);
+    }
+    assert_eq!(got.text, want["text"].as_str().unwrap(), "{name}");
+}
+
+fn reference(dir: &str, name: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(&format!("whisper/{dir}/{name}.json"))).unwrap()).unwrap()
 }
 
 #[test]
@@ -75,20 +104,8 @@ fn greedy_transcripts_match_mlx_whisper_token_for_token() {
     let w = whisper("models/whisper-tiny.en");
     for name in clips() {
         let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/{name}.wav"))).unwrap()).unwrap();
-        let want: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(fixture(&format!("whisper/reference/{name}.json"))).unwrap())
-                .unwrap();
         let got = transcribe(&*w, &audio.samples);
-        let want_segments = want["segments"].as_array().unwrap();
-        assert_eq!(got.segments.len(), want_segments.len(), "{name}: segments {:?}", got.segments);
-        for (g, s) in got.segments.iter().zip(want_segments) {
-            let tokens: Vec<u32> = s["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-            assert_eq!(g.tokens, tokens, "{name}: segment {} tokens", g.id);
-            assert_eq!(g.text, s["text"].as_str().unwrap(), "{name}");
-            assert!((g.start - s["start"].as_f64().unwrap()).abs() < 1e-6, "{name}: start {}", g.start);
-            assert!((g.end - s["end"].as_f64().unwrap()).abs() < 1e-6, "{name}: end {}", g.end);
-        }
-        assert_eq!(got.text, want["text"].as_str().unwrap(), "{name}");
+        assert_same(&name, &got, &reference("reference", &name));
         eprintln!("{name}: {} segments, {:?}", got.segments.len(), got.text.trim());
     }
 }
@@ -99,4 +116,17 @@ fn the_mlx_whisper_layout_of_the_same_weights_transcribes_the_same() {
     assert_eq!(hf.fingerprint() == mlx.fingerprint(), false, "different files, different fingerprints");
     let audio = decode::decode(&std::fs::read(fixture("whisper/clips/s2.wav")).unwrap()).unwrap();
     assert_eq!(transcribe(&*hf, &audio.samples).text, transcribe(&*mlx, &audio.samples).text);
+}
+
+#[test]
+fn base_detects_the_language_and_matches_mlx_whisper_token_for_token() {
+    let w = whisper("models/whisper-base");
+    for name in ["s1", "s2", "de1", "long"] {
+        let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/{name}.wav"))).unwrap()).unwrap();
+        let want = reference("reference-base", name);
+        let got = transcribe_in(&*w, &audio.samples, None);
+        assert_eq!(got.language, want["language"].as_str().unwrap(), "{name}: detected language");
+        assert_same(name, &got, &want);
+        eprintln!("base, {name}: {} {:?}", got.language, got.text.trim());
+    }
 }

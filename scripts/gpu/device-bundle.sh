@@ -17,7 +17,9 @@
 # 2,000-token system prompt, 20 turns of ~200 tokens, a 4,000-token prefix
 # from disk after a restart, misses) beside mlx-lm's server on the same loop;
 # 11, after 4: the HTTP gateway's APIs and what logprobs and json_object cost
-# (scripts/bench.d/gateway_bench.py, G as in 10).
+# (scripts/bench.d/gateway_bench.py, G as in 10); 12 (after 3, with c6) and
+# 13 (with c7): Whisper tiny.en, mlxbcd (encoder miss and hit) beside
+# mlx-whisper 0.4.3 on the GPU (scripts/bench.d/audio_bench.py).
 set -u
 step=$1
 PY=/opt/torch/.venv/bin/python3
@@ -136,4 +138,21 @@ case $step in
   done
   kill $pid; wait $pid 2>/dev/null
   echo STEP11_DONE ;;
+12)
+  mkdir -p /tmp/whisper/whisper-tiny.en && cp /tmp/stage/whisper.part0 /tmp/stage/config.json /tmp/stage/tokenizer.json /tmp/whisper/
+  tar -C /tmp/whisper -xf /tmp/stage/clips.tar
+  echo STEP12_DONE ;;
+13)
+  w=/tmp/whisper; cat $w/whisper.part0 /tmp/stage/whisper.part1 > $w/whisper-tiny.en/model.safetensors
+  cp $w/config.json $w/tokenizer.json $w/whisper-tiny.en/
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/*.whl
+  $PY scripts/reference/hf_whisper_to_mlx.py $w/whisper-tiny.en $w/mlx-tiny.en
+  export MLXBC_HOME=/tmp/mlxbc-audio; mkdir -p $MLXBC_HOME/models; ln -sfn $w/whisper-tiny.en $MLXBC_HOME/models/
+  "$B/bin/mlxbcd" --http 127.0.0.1:18081 2> $OUT/audio-daemon.log & pid=$!
+  for _ in $(seq 300); do [[ -S $MLXBC_HOME/mlxbcd.sock ]] && break; sleep 0.1; done
+  echo "=== $(nvidia-smi --query-gpu=name --format=csv,noheader)" | tee $OUT/audio.md
+  BENCH_DEVICE=gpu timeout ${AUDIO_TIMEOUT:-500} $PY scripts/bench.d/audio_bench.py http://127.0.0.1:18081 ${ROUNDS:-5} \
+    $w/clips tests/fixtures/audio/sentences.txt "whisper-tiny.en:$w/mlx-tiny.en:none" 2>&1 | tee -a $OUT/audio.md
+  kill $pid; wait $pid 2>/dev/null
+  echo STEP13_DONE ;;
 esac

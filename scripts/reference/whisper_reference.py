@@ -35,13 +35,17 @@ def main():
         features = model.encoder(window[None])[0]
         mx.save_safetensors(str(out / f"{name}.safetensors"),
                             {"mel": window.astype(mx.float32), "encoder": features.astype(mx.float16)})
+        # A multilingual model detects the language itself (as the daemon does when none is given).
+        language = None if model.is_multilingual else "en"
         result = mlx_whisper.transcribe(audio, path_or_hf_repo=model_dir, fp16=False, temperature=0.0,
-                                        language="en", condition_on_previous_text=False)
+                                        language=language, condition_on_previous_text=False)
         segments = [{"start": s["start"], "end": s["end"], "tokens": s["tokens"], "text": s["text"]}
                     for s in result["segments"]]
         (out / f"{name}.json").write_text(json.dumps({
             "audio_seconds": len(audio) / 16000, "text": result["text"], "segments": segments,
-            "reference": f"mlx-whisper 0.4.3, mlx {mx.__version__}, f32, CPU, greedy (temperature 0), language en",
+            "language": result["language"],
+            "reference": f"mlx-whisper 0.4.3, mlx {mx.__version__}, f32, CPU, greedy (temperature 0), "
+                         f"language {language or 'detected'}, condition_on_previous_text False",
         }, indent=1) + "\n")
         print(f"{name}: {len(audio) / 16000:.1f} s, mel {tuple(window.shape)}, encoder {tuple(features.shape)}, "
               f"{result['text'].strip()!r}")

@@ -5,6 +5,7 @@
 #   long.wav    every sentence in turn, half a second apart (over 30 s: several windows)
 #   s1.flac s1.mp3 s1.ogg   s1 in the other containers the daemon decodes
 #   s1-44k-stereo.wav       s1 at 44.1 kHz, two channels (resampled by the daemon)
+#   de1.wav     a German sentence (language detection and translation, multilingual models)
 # Usage: make_clips.sh OUT_DIR
 set -euo pipefail
 out=$1
@@ -26,4 +27,6 @@ sox "$out/s1.wav" "$out/s1.flac"
 sox "$out/s1.wav" -C 128 "$out/s1.mp3"
 sox "$out/s1.wav" "$out/s1.ogg"
 sox "$out/s1.wav" -r 44100 -c 2 "$out/s1-44k-stereo.wav"
+espeak-ng -v de -s 150 -w "$out/raw-de.wav" "Guten Morgen. Das Wetter ist heute sonnig und warm, und wir gehen in den Park."
+sox "$out/raw-de.wav" -r 16000 -c 1 -b 16 "$out/de1.wav"; rm "$out/raw-de.wav"
 echo "==> clips in $out: $(soxi -D "$out/long.wav") s long"
