@@ -130,3 +130,76 @@ fn base_detects_the_language_and_matches_mlx_whisper_token_for_token() {
         eprintln!("base, {name}: {} {:?}", got.language, got.text.trim());
     }
 }
+
+/// Words as the WER counts them: lower case, punctuation dropped, hyphens split.
+fn words(t: &str) -> Vec<String> {
+    t.to_lowercase()
+        .replace('-', " ")
+        .chars()
+        .map(|c| if c.is_alphanumeric() || c == '\'' || c.is_whitespace() { c } else { ' ' })
+        .collect::<String>()
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+}
+
+/// Word edits (substitutions, insertions, deletions) from `reference` to `hypothesis`.
+fn word_edits(reference: &[String], hypothesis: &[String]) -> usize {
+    let mut d: Vec<usize> = (0..=hypothesis.len()).collect();
+    for (i, r) in reference.iter().enumerate() {
+        let mut prev = d[0];
+        d[0] = i + 1;
+        for (j, h) in hypothesis.iter().enumerate() {
+            let cur = (d[j + 1] + 1).min(d[j] + 1).min(prev + (r != h) as usize);
+            prev = d[j + 1];
+            d[j + 1] = cur;
+        }
+    }
+    d[hypothesis.len()]
+}
+
+fn corpus_wer(truth: &[String], texts: &[String]) -> f64 {
+    let (mut edits, mut total) = (0, 0);
+    for (t, h) in truth.iter().zip(texts) {
+        let (t, h) = (words(t), words(h));
+        edits += word_edits(&t, &h);
+        total += t.len();
+    }
+    edits as f64 / total as f64
+}
+
+#[test]
+fn word_error_rate_is_within_0_02_of_faster_whisper_on_the_original_weights() {
+    let truth: Vec<String> = std::fs::read_to_string(workspace().join("tests/fixtures/audio/sentences.txt"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(String::from)
+        .collect();
+    let w = whisper("models/whisper-tiny.en");
+    let ours: Vec<String> = (1..=truth.len())
+        .map(|i| {
+            let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/s{i}.wav"))).unwrap()).unwrap();
+            transcribe(&*w, &audio.samples).text.trim().to_string()
+        })
+        .collect();
+    let fw = reference("reference", "faster-whisper");
+    let theirs = |compute: &str| -> Vec<String> {
+        (1..=truth.len()).map(|i| fw[compute][format!("s{i}")].as_str().unwrap().to_string()).collect()
+    };
+    let (f32_texts, int8_texts) = (theirs("float32"), theirs("int8"));
+    let (wer, wer_f32, wer_int8) =
+        (corpus_wer(&truth, &ours), corpus_wer(&truth, &f32_texts), corpus_wer(&truth, &int8_texts));
+    let same = ours.iter().zip(&f32_texts).filter(|(a, b)| a == b).count();
+    eprintln!(
+        "WER: mlxbcd {wer:.3}, faster-whisper f32 {wer_f32:.3}, int8 {wer_int8:.3}; same text as f32 on {same} of {}",
+        truth.len()
+    );
+    for (i, (a, b)) in ours.iter().zip(&f32_texts).enumerate() {
+        if a != b {
+            eprintln!("  s{}: mlxbcd {a:?}\n      faster-whisper f32 {b:?}", i + 1);
+        }
+    }
+    assert!((wer - wer_f32).abs() <= 0.02, "WER {wer:.3} vs faster-whisper f32 {wer_f32:.3}");
+    assert!(same * 2 > truth.len(), "the same text on most clips: {same} of {}", truth.len());
+}
