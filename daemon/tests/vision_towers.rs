@@ -344,3 +344,46 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
 /// (PIL in the reference, the `image` crate here), so single pixels may land
 /// one 8-bit level apart; that, not the tower, sets this bound.
 const PIPELINE_TOLERANCE: f32 = 1e-2;
+
+/// Qwen3-VL's tower (LayerNorm blocks, the interpolated position table,
+/// deepstack mergers after blocks 0 and 2) against mlx-vlm's VisionModel on
+/// the same random weights: an image grid (1, 8, 12) and a two-frame video
+/// grid (2, 4, 6), whose frames attend within themselves.
+#[test]
+fn qwen3_vl_tower_and_deepstack_match_mlx_vlm() {
+    use mlxbc_daemon::families::qwen3_vl::tower::{Qwen3VisionConfig, Qwen3VisionTower};
+    let mut tensors = reference("qwen3-vl-tower.safetensors");
+    let mut take = |k: &str| tensors.remove(k).unwrap_or_else(|| panic!("{k} missing from the reference"));
+    let cases: Vec<_> = [("image", (1, 8, 12)), ("video", (2, 4, 6))]
+        .into_iter()
+        .map(|(name, grid)| {
+            let patches = take(&format!("test.{name}.patches"));
+            let features = take(&format!("test.{name}.features"));
+            let deepstack = [take(&format!("test.{name}.deepstack.0")), take(&format!("test.{name}.deepstack.1"))];
+            (name, grid, patches, features, deepstack)
+        })
+        .collect();
+    let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
+    let config: Qwen3VisionConfig = serde_json::from_value(serde_json::json!({
+        "depth": 3, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 48, "num_heads": 2,
+        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 36,
+        "deepstack_visual_indexes": [0, 2]
+    }))
+    .unwrap();
+    let tower = Qwen3VisionTower::load(config, &mut t, "vision_tower").unwrap();
+    for (name, grid, patches, want, want_deep) in &cases {
+        let (got, deep) = tower.forward(patches, *grid).unwrap();
+        let err = relative_error(&got, want);
+        eprintln!("qwen3-vl tower, {name}: relative error {err:e}");
+        assert!(err < TOLERANCE, "Qwen3-VL {name} features differ from mlx-vlm: relative error {err:e}");
+        assert_eq!(deep.len(), 2);
+        for (j, (d, w)) in deep.iter().zip(want_deep).enumerate() {
+            let err = relative_error(d, w);
+            eprintln!("qwen3-vl tower, {name}, deepstack {j}: relative error {err:e}");
+            assert!(err < TOLERANCE, "Qwen3-VL {name} deepstack {j} differs from mlx-vlm: {err:e}");
+        }
+        // The check can fail: other pixels give other features.
+        let (other, _) = tower.forward(&patches.multiply(Array::from_f32(0.5)).unwrap(), *grid).unwrap();
+        assert!(relative_error(&other, want) > 1e-2);
+    }
+}

@@ -10,7 +10,7 @@ The tiny models use the SmolLM2 tokenizer: their job is to pin each
 architecture's arithmetic, not language. Weights come from MLX's seeded RNG,
 so the same MLX version rebuilds them bit for bit; tests check a sha256.
 
-  OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/
+  OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/, OUT/tiny-qwen3-vl[-4bit]/
                      random-weight VLMs with the real Gemma 3 / Qwen2.5
                      tokenizers (from the GGUF metadata), in f32 and as
                      mlx-community style 4-bit copies
@@ -211,6 +211,91 @@ def tiny_qwen25_vl(qwen_gguf, out, seed):
          "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True}, indent=2) + "\n")
 
 
+def tiny_qwen3_vl(qwen_gguf, out, seed):
+    """A tiny Qwen3-VL: the Qwen2.5 tokenizer (Qwen3-VL's vocabulary is the same
+    151,643 pieces with the vision tokens at the same ids), Qwen3-VL's chat
+    template (no default system turn), its processor config (16-pixel patches,
+    mean/std 0.5) and random weights under mlx-community's names: a 3-block
+    tower with LayerNorm blocks, a learned 8x8 position table, two deepstack
+    mergers (after blocks 0 and 1, added after text layers 0 and 1), and a
+    2-layer Qwen3 decoder (q/k norms, interleaved multimodal rope)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = gguf_tokenizer_files(
+        qwen_gguf, out, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=(TEMPLATES / "qwen3_vl.jinja").read_text())
+    vocab = len(tok["model"]["vocab"])
+    mx.random.seed(seed)
+    w = {}
+    def normal(name, shape, scale=0.1):
+        w[name] = mx.random.normal(shape) * scale
+    def norm(name, d, bias=False):
+        w[f"{name}.weight"] = 1 + mx.random.normal((d,)) * 0.1
+        if bias:
+            normal(f"{name}.bias", (d,), 0.05)
+    def linear(name, o, k, scale=0.15, bias=True):
+        normal(f"{name}.weight", (o, k), scale)
+        if bias:
+            normal(f"{name}.bias", (o,), 0.05)
+    lm = "language_model.model"
+    normal(f"{lm}.embed_tokens.weight", (vocab, 64), 0.5)
+    norm(f"{lm}.norm", 64)
+    for i in range(2):
+        p = f"{lm}.layers.{i}"
+        for n, (o, k) in [("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (32, 64)), ("self_attn.v_proj", (32, 64)),
+                          ("self_attn.o_proj", (64, 64)), ("mlp.gate_proj", (128, 64)), ("mlp.up_proj", (128, 64)),
+                          ("mlp.down_proj", (64, 128))]:
+            linear(f"{p}.{n}", o, k, bias=False)
+        for n, d in [("self_attn.q_norm", 16), ("self_attn.k_norm", 16), ("input_layernorm", 64),
+                     ("post_attention_layernorm", 64)]:
+            norm(f"{p}.{n}", d)
+    vt = "vision_tower"
+    normal(f"{vt}.patch_embed.proj.weight", (32, 2, 16, 16, 3), 0.02)
+    normal(f"{vt}.patch_embed.proj.bias", (32,), 0.05)
+    normal(f"{vt}.pos_embed.weight", (64, 32), 0.3)
+    for i in range(3):
+        p = f"{vt}.blocks.{i}"
+        norm(f"{p}.norm1", 32, bias=True)
+        norm(f"{p}.norm2", 32, bias=True)
+        linear(f"{p}.attn.qkv", 96, 32)
+        linear(f"{p}.attn.proj", 32, 32)
+        linear(f"{p}.mlp.linear_fc1", 64, 32)
+        linear(f"{p}.mlp.linear_fc2", 32, 64)
+    norm(f"{vt}.merger.norm", 32, bias=True)
+    linear(f"{vt}.merger.linear_fc1", 128, 128, 0.1)
+    linear(f"{vt}.merger.linear_fc2", 64, 128, 0.1)
+    for j in range(2):
+        p = f"{vt}.deepstack_merger_list.{j}"
+        norm(f"{p}.norm", 128, bias=True)
+        linear(f"{p}.linear_fc1", 128, 128, 0.1)
+        linear(f"{p}.linear_fc2", 64, 128, 0.1)
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    text = {"model_type": "qwen3_vl_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": vocab, "rope_theta": 5000000.0, "max_position_embeddings": 4096,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            "tie_word_embeddings": True}
+    config = {"model_type": "qwen3_vl", "text_config": text,
+              "vision_config": {"model_type": "qwen3_vl", "depth": 3, "hidden_size": 32, "intermediate_size": 64,
+                                "out_hidden_size": 64, "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                                "temporal_patch_size": 2, "num_position_embeddings": 64,
+                                "deepstack_visual_indexes": [0, 1], "hidden_act": "gelu_pytorch_tanh"},
+              "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+              "vision_end_token_id": 151653, "tie_word_embeddings": True, "eos_token_id": [151645, 151643]}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+         "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, "patch_size": 16,
+         "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+         "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+         "do_convert_rgb": True}, indent=2) + "\n")
+    (out / "video_preprocessor_config.json").write_text(json.dumps(
+        {"video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+         "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128 * 8}, "patch_size": 16,
+         "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+         "fps": 2, "min_frames": 4, "max_frames": 16, "do_sample_frames": True}, indent=2) + "\n")
+
+
 def quantized_copy(src, out, bits=4, group=32):
     """An mlx-community style 4-bit copy: the language model's 2-D weights whose
     rows split into groups become (weight uint32, scales, biases); norms and
@@ -248,6 +333,8 @@ def main():
     quantized_copy(out / "tiny-gemma3-vlm", out / "tiny-gemma3-vlm-4bit")
     tiny_qwen25_vl(qwen_gguf, out / "tiny-qwen25-vl", 8)
     quantized_copy(out / "tiny-qwen25-vl", out / "tiny-qwen25-vl-4bit")
+    tiny_qwen3_vl(qwen_gguf, out / "tiny-qwen3-vl", 9)
+    quantized_copy(out / "tiny-qwen3-vl", out / "tiny-qwen3-vl-4bit")
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """mlx-vlm's whole pipeline on the test fixtures' tiny VLMs, for the daemon to match.
 
-For each family (tiny-gemma3-vlm, tiny-qwen25-vl: real tokenizers, real chat
+For each family (tiny-gemma3-vlm, tiny-qwen25-vl, tiny-qwen3-vl: real tokenizers, real chat
 templates, processor configs, random weights), runs what `mlx_vlm.generate`
 runs for one image and one question: the chat template, the HF processor
 (resize, rescale, normalize, patchify, image-token expansion), the tower and
@@ -28,7 +28,7 @@ from mlx_vlm.utils import prepare_inputs
 
 QUESTION = "What is in this picture?"
 STEPS = 8
-FAMILIES = ["tiny-gemma3-vlm", "tiny-qwen25-vl"]
+FAMILIES = ["tiny-gemma3-vlm", "tiny-qwen25-vl", "tiny-qwen3-vl"]
 
 
 def test_image(path: Path):
@@ -44,7 +44,13 @@ def features(model, family, inputs):
     if family.startswith("tiny-gemma3"):
         hidden, _, _ = model.vision_tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True)
         return model.multi_modal_projector(hidden)
-    return model.vision_tower(pixels, inputs["image_grid_thw"])
+    out = model.vision_tower(pixels, inputs["image_grid_thw"])
+    if family.startswith("tiny-qwen3"):
+        # Qwen3-VL: the merged features, and one deepstack tensor per
+        # injected layer (the rows the language model adds after its first layers).
+        features, deepstack = out
+        return mx.concatenate([features] + list(deepstack), axis=-1)
+    return out
 
 
 def main():

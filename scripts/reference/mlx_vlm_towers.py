@@ -230,6 +230,42 @@ def qwen25_vl_whole(out: Path):
     print("qwen2.5-vl whole-model greedy ids", generated)
 
 
+# A tiny Qwen3-VL tower: LayerNorm blocks, the interpolated position table,
+# two deepstack mergers. Every parameter random (mlx-vlm initialises norms to
+# ones and biases to zeros, which would hide a missing bias), on an image
+# grid (1, 8, 12) and a two-frame video grid (2, 4, 6).
+QWEN3_VISION = dict(model_type="qwen3_vl", depth=3, hidden_size=32, intermediate_size=64, out_hidden_size=48,
+                    num_heads=2, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                    num_position_embeddings=36, deepstack_visual_indexes=[0, 2])
+
+
+def qwen3_vl_tower(out: Path):
+    from mlx.utils import tree_unflatten
+    from mlx_vlm.models.qwen3_vl.config import VisionConfig as QVC
+    from mlx_vlm.models.qwen3_vl.vision import VisionModel as QVM
+    mx.random.seed(11)
+    tower = QVM(QVC.from_dict(QWEN3_VISION))
+    def randomised(k, v):
+        scale = 0.3 if "pos_embed" in k else 0.1
+        base = 1.0 if "norm" in k and k.endswith("weight") else 0.0
+        return k, mx.random.normal(v.shape) * scale + base
+    tower.update(tree_unflatten([randomised(k, v) for k, v in tree_flatten(tower.parameters())]))
+    tensors = {f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())}
+    for name, grid in [("image", (1, 8, 12)), ("video", (2, 4, 6))]:
+        n = grid[0] * grid[1] * grid[2]
+        patches = mx.random.uniform(-1, 1, (n, 3 * 2 * 16 * 16))
+        features, deepstack = tower(patches, mx.array([list(grid)]))
+        tensors[f"test.{name}.patches"] = patches
+        tensors[f"test.{name}.features"] = features
+        for j, d in enumerate(deepstack):
+            tensors[f"test.{name}.deepstack.{j}"] = d
+    mx.eval(tensors)
+    meta = {"config": json.dumps(QWEN3_VISION),
+            "reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}"}
+    mx.save_safetensors(str(out / "qwen3-vl-tower.safetensors"), tensors, metadata=meta)
+    print("qwen3-vl tower features", features.shape, len(deepstack))
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -238,3 +274,4 @@ if __name__ == "__main__":
     qwen25_vl_tower(out)
     qwen25_vl_language(out)
     qwen25_vl_whole(out)
+    qwen3_vl_tower(out)

@@ -7,6 +7,7 @@
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2_5_vl;
+pub mod qwen3_vl;
 pub mod whisper;
 
 use crate::model::family::SpeechRecognizer;

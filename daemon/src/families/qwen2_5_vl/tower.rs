@@ -173,7 +173,7 @@ impl Qwen25VisionTower {
 }
 
 /// Boolean `[n, n]` mask: positions attend within their segment of `bounds`.
-fn block_mask(bounds: &[i32], n: i32) -> Array {
+pub(crate) fn block_mask(bounds: &[i32], n: i32) -> Array {
     let seg = |i: i32| bounds.windows(2).position(|w| i >= w[0] && i < w[1]).unwrap_or(usize::MAX);
     let segs: Vec<usize> = (0..n).map(seg).collect();
     let allowed: Vec<bool> =
@@ -214,7 +214,7 @@ fn window_index(grid: (i32, i32, i32), merge: i32, window: i32) -> (Vec<i32>, Ve
 }
 
 /// 2-D rotary angles `[N, head_dim / 2]` for patches in merge order.
-fn rotary(grid: (i32, i32, i32), merge: i32, head_dim: i32) -> Array {
+pub(crate) fn rotary(grid: (i32, i32, i32), merge: i32, head_dim: i32) -> Array {
     let dim = head_dim / 2;
     let inv: Vec<f32> = (0..dim).step_by(2).map(|k| 1.0 / 10000f32.powf(k as f32 / dim as f32)).collect();
     let mut rows = Vec::new();
