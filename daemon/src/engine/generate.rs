@@ -217,6 +217,11 @@ pub fn begin(
     };
     if let Some(v) = &model.vision {
         cache.mrope = v.tower.rope_positions(&ids, &features);
+        cache.deepstack = v
+            .tower
+            .deepstack(&ids, &features)
+            .map_err(|e| EngineError::BadMedia(format!("{e:#}")))?
+            .map(std::rc::Rc::new);
     }
     // Which image each position belongs to, for a model whose image
     // positions see each other during prefill.

@@ -71,6 +71,12 @@ pub const FAMILIES: &[Family] = &[
         load_dir: DirLoader::Chat(qwen2_5_vl::load_dir),
         load_gguf: None,
     },
+    Family {
+        model_types: &["qwen3_vl"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Chat(qwen3_vl::load_dir),
+        load_gguf: None,
+    },
     // mlx-whisper's config.json has no model_type: see `model_type_of`.
     Family {
         model_types: &["whisper"],

@@ -108,6 +108,13 @@ pub trait VisionTower {
     fn rope_positions(&self, _ids: &[u32], _features: &[Array]) -> Option<(Vec<[i64; 3]>, i64)> {
         None
     }
+
+    /// What the language model's first layers add at the prompt's visual
+    /// positions (Qwen3-VL's deepstack), from the same features; `None`
+    /// for a family without it.
+    fn deepstack(&self, _ids: &[u32], _features: &[Array]) -> Result<Option<super::kv_cache::Deepstack>> {
+        Ok(None)
+    }
 }
 
 /// A family's speech recognizer (Whisper): an audio tower whose output the

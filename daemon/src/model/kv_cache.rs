@@ -29,6 +29,10 @@ pub struct KvCache {
     /// (decoded) positions add to their offset, for models whose rope
     /// follows an image's grid; set from the tower's `rope_positions`.
     pub mrope: Option<(Vec<[i64; 3]>, i64)>,
+    /// Qwen3-VL's deepstack: visual features the first layers add to their
+    /// output at the prompt's visual positions; set from the tower's
+    /// `deepstack`, read by prefill only.
+    pub deepstack: Option<std::rc::Rc<Deepstack>>,
     /// Padding masks made for the current padding, by
     /// `(start, queries, keys, window)`: every layer of a forward pass asks
     /// for the same one (two kinds with sliding-window layers).
@@ -45,6 +49,7 @@ impl KvCache {
             offset: 0,
             left_padding: Vec::new(),
             mrope: None,
+            deepstack: None,
             masks: Vec::new(),
         }
     }
@@ -339,5 +344,32 @@ mod kv_cache_tests {
         let (k, _) = old.layers[0].clone().unwrap();
         let seen = k.index((.., .., ..old.offset, ..));
         assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
+    }
+}
+
+/// Per-layer additions at a prompt's visual positions (Qwen3-VL's deepstack).
+pub struct Deepstack {
+    /// For each prompt position, its row in `layers[i]`, or -1 for text.
+    pub row_of: Vec<i32>,
+    /// Per injected layer `[visual positions + 1, hidden]`; the last row is
+    /// zeros (what text positions add).
+    pub layers: Vec<Array>,
+}
+
+impl Deepstack {
+    /// What layer `layer` adds to positions `offset..offset + len` of one
+    /// row (`[1, len, hidden]`); `None` past the injected layers or where
+    /// the span holds no visual position.
+    pub fn addend(&self, layer: usize, offset: i32, len: i32) -> Result<Option<Array>> {
+        let Some(table) = self.layers.get(layer) else { return Ok(None) };
+        let zero = table.shape()[0] - 1;
+        let rows: Vec<i32> =
+            (offset..offset + len).map(|p| self.row_of.get(p as usize).copied().unwrap_or(-1)).collect();
+        if rows.iter().all(|&r| r < 0) {
+            return Ok(None);
+        }
+        let rows: Vec<i32> = rows.into_iter().map(|r| if r < 0 { zero } else { r }).collect();
+        let added = table.take_axis(Array::from_slice(&rows, &[len]), 0)?;
+        Ok(Some(added.reshape(&[1, len, -1])?))
     }
 }

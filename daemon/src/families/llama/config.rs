@@ -73,6 +73,9 @@ pub struct TextConfig {
     /// Qwen2-VL's multimodal rope: how many frequencies follow the time,
     /// height and width positions (sums to head_dim / 2).
     pub mrope_section: Option<Vec<i32>>,
+    /// Qwen3-VL's interleaved layout of those frequencies (t, h, w, t, h,
+    /// w, ...) instead of Qwen2-VL's consecutive sections.
+    pub mrope_interleaved: bool,
     pub context_length: u32,
     pub tie_word_embeddings: bool,
 }
@@ -138,6 +141,12 @@ impl TextConfig {
             rope_theta: c.rope_theta,
             rope_scaling,
             mrope_section,
+            mrope_interleaved: c
+                .rope_scaling
+                .as_ref()
+                .and_then(|v| v.get("mrope_interleaved"))
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
             context_length: c.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: c.tie_word_embeddings,
         })
@@ -198,6 +207,7 @@ impl TextConfig {
             rope_theta: gguf_number(file, &key("rope.freq_base")).map(|v| v as f32).unwrap_or(10000.0),
             rope_scaling,
             mrope_section: None,
+            mrope_interleaved: false,
             context_length: gguf_number(file, &key("context_length")).map(|v| v as u32).unwrap_or(4096),
             tie_word_embeddings: !has_output_tensor,
         })

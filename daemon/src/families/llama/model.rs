@@ -156,6 +156,11 @@ impl Transformer {
                 &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
             )?;
             h = h2.add(&r)?;
+            if let Some(deepstack) = &cache.deepstack {
+                if let Some(added) = deepstack.addend(i, offset, len)? {
+                    h = h.add(&added)?;
+                }
+            }
         }
         cache.offset += len;
         Ok(h)
@@ -352,8 +357,20 @@ fn mrope_cos_sin(
     let steps =
         mlx_rs::ops::arange::<_, f32>(0.0, c.head_dim as f32, 2.0)?.divide(Array::from_f32(c.head_dim as f32))?;
     let inv_freq = Array::from_f32(1.0).divide(mlx_rs::ops::power(Array::from_f32(c.rope_theta), &steps)?)?;
-    let axis_of: Vec<usize> =
-        section.iter().enumerate().flat_map(|(a, &n)| std::iter::repeat(a).take(n as usize)).collect();
+    let axis_of: Vec<usize> = if c.mrope_interleaved {
+        // mlx-vlm's interleaved selector: frequency i follows height when
+        // i % 3 == 1 and i < 3 * section[1], width when i % 3 == 2 and
+        // i < 3 * section[2], time otherwise.
+        (0..half as usize)
+            .map(|i| match i % 3 {
+                1 if i < 3 * section[1] as usize => 1,
+                2 if i < 3 * section[2] as usize => 2,
+                _ => 0,
+            })
+            .collect()
+    } else {
+        section.iter().enumerate().flat_map(|(a, &n)| std::iter::repeat(a).take(n as usize)).collect()
+    };
     let positions: Vec<f32> = (offset..offset + l)
         .flat_map(|p| {
             let pos = match mrope {

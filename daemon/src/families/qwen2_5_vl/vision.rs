@@ -27,7 +27,8 @@ pub struct Qwen25Preprocess {
 impl MediaPreprocessor for Qwen25Preprocess {
     fn describe(&self) -> String {
         format!(
-            "qwen2vl;smart_resize=28,{},{};{};mean={:?};std={:?}",
+            "qwen2vl;smart_resize={},{},{};{};mean={:?};std={:?}",
+            self.patch_size * self.merge_size,
             self.min_pixels,
             self.max_pixels,
             self.resample.name(),

@@ -1,7 +1,71 @@
 //! Qwen3-VL: a Qwen3 decoder (the llama family's, with interleaved
 //! multimodal rope and deepstack injection) and its own vision tower
-//! (`tower`); as mlx-vlm's `qwen3_vl` package. Preprocessing and rope
-//! positions are Qwen2.5-VL's (`crate::families::qwen2_5_vl`) with 16-pixel
-//! patches.
+//! (`tower`, `vision`); as mlx-vlm's `qwen3_vl` package. Preprocessing and
+//! rope positions are Qwen2.5-VL's with 16-pixel patches.
 
 pub mod tower;
+pub mod vision;
+
+use crate::families::llama::{config::TextConfig, model::Transformer};
+use crate::families::qwen2_5_vl::vision::Qwen25Preprocess;
+use crate::model::image::Resample;
+use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
+use crate::model::weights::TensorMap;
+use crate::model::{chat_parts, read_json, Model, Placeholder, Vision};
+use crate::options::ModelOptions;
+use anyhow::{Context, Result};
+use std::path::Path;
+use std::sync::Arc;
+use tower::{Qwen3VisionConfig, Qwen3VisionTower};
+use vision::Qwen3Tower;
+
+/// Tensor name prefixes of Qwen3-VL's tower.
+const TOWER_TENSORS: &[&str] = &["vision_tower."];
+
+/// A Qwen3-VL directory as mlx-community ships it (`language_model.*`,
+/// `vision_tower.*`; text hyper-parameters under `text_config`).
+pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: Option<&sled::Tree>) -> Result<Model> {
+    let mut text_json = raw.get("text_config").cloned().context("config.json has no text_config")?;
+    text_json["model_type"] = "qwen3".into();
+    if text_json.get("tie_word_embeddings").is_none() {
+        text_json["tie_word_embeddings"] = raw.get("tie_word_embeddings").cloned().unwrap_or(false.into());
+    }
+    let text = TextConfig::from_hf_json(&text_json.to_string())?;
+    let vision: Qwen3VisionConfig =
+        serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
+    let image_token_id = raw.get("image_token_id").and_then(|v| v.as_u64()).unwrap_or(151655) as u32;
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_fusion(form.fusion);
+    let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
+    // HF's Qwen3-VL processor config gives the pixel budget as `size`
+    // {shortest_edge, longest_edge}; older files as min/max_pixels.
+    let pixels = |size_key: &str, key: &str, default: u64| {
+        pre.get(key)
+            .or_else(|| pre.get("size").and_then(|s| s.get(size_key)))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(default)
+    };
+    let preprocess = Qwen25Preprocess {
+        min_pixels: pixels("shortest_edge", "min_pixels", 65_536),
+        max_pixels: pixels("longest_edge", "max_pixels", 16_777_216),
+        resample: Resample::from_config(pre.get("resample"), Resample::BICUBIC),
+        mean: three_floats(pre.get("image_mean"), [0.5; 3]),
+        std: three_floats(pre.get("image_std"), [0.5; 3]),
+        patch_size: vision.patch_size as u32,
+        merge_size: vision.spatial_merge_size as u32,
+        temporal_patch_size: vision.temporal_patch_size as u32,
+    };
+    let fingerprint = tower_fingerprint(dir, TOWER_TENSORS, raw, memo)?;
+    let mut eos_source = raw.clone();
+    if eos_source.get("eos_token_id").is_none() {
+        eos_source["eos_token_id"] = text_json.get("eos_token_id").cloned().unwrap_or(serde_json::Value::Null);
+    }
+    let (tokenizer, template, eos_ids) = chat_parts(dir, &eos_source)?;
+    let tower = Qwen3VisionTower::load(vision, &mut tensors, "vision_tower")?;
+    let lm = Transformer::from_tensors(text, tensors.strip_prefix("language_model."))?;
+    let image_token = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<|image_pad|>".into());
+    let placeholder =
+        Placeholder { text: image_token.clone(), prefix: String::new(), image_token, suffix: String::new() };
+    let tower = Qwen3Tower { tower, image_token_id };
+    let vision = Vision::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))
+}
