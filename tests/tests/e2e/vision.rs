@@ -289,8 +289,8 @@ fn cli_ask_image_cache_and_prefetch() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_4bit_mlx_community_style_directory_loads_and_caches_in_both_families() {
-    const FAMILIES: [&str; 2] = ["tiny-gemma3-vlm-4bit", "tiny-qwen25-vl-4bit"];
+async fn a_4bit_mlx_community_style_directory_loads_and_caches_in_every_family() {
+    const FAMILIES: [&str; 3] = ["tiny-gemma3-vlm-4bit", "tiny-qwen25-vl-4bit", "tiny-qwen3-vl-4bit"];
     let d = Daemon::start_with(DaemonOptions {
         models: FAMILIES.iter().map(|name| (*name, fixture(&format!("mlx/{name}")))).collect(),
         args: vec![],
