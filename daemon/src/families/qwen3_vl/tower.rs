@@ -183,14 +183,15 @@ impl Qwen3VisionTower {
         let (cos, sin) = (ops::cos(&rotary)?, ops::sin(&rotary)?);
         let cos = ops::concatenate(&[&cos, &cos], -1)?.reshape(&[n, 1, -1])?;
         let sin = ops::concatenate(&[&sin, &sin], -1)?.reshape(&[n, 1, -1])?;
-        // Each frame (temporal patch) attends within itself.
+        // Each frame (temporal patch) attends within itself; one frame (an
+        // image) needs no mask, which would be n² booleans at full size.
         let frame = grid.1 * grid.2;
         let bounds: Vec<i32> = (0..=grid.0).map(|f| f * frame).collect();
-        let mask = block_mask(&bounds, n);
+        let mask = (grid.0 > 1).then(|| block_mask(&bounds, n));
         let mut deepstack = Vec::new();
         for (i, b) in self.blocks.iter().enumerate() {
             let y = b.norm1.forward(&x)?;
-            x = x.add(self.attention(b, &y, &cos, &sin, &mask)?)?;
+            x = x.add(self.attention(b, &y, &cos, &sin, mask.as_ref())?)?;
             let y = b.norm2.forward(&x)?;
             x = x.add(b.fc2.forward(&nn::gelu_approximate(b.fc1.forward(&y)?)?)?)?;
             if let Some(j) = c.deepstack_visual_indexes.iter().position(|&d| d == i as i32) {
@@ -246,7 +247,7 @@ impl Qwen3VisionTower {
         Ok(weighted.sum_axis(0, None)?)
     }
 
-    fn attention(&self, b: &Block, x: &Array, cos: &Array, sin: &Array, mask: &Array) -> Result<Array> {
+    fn attention(&self, b: &Block, x: &Array, cos: &Array, sin: &Array, mask: Option<&Array>) -> Result<Array> {
         let heads = self.config.num_heads;
         let n = x.shape()[0];
         let qkv = b.qkv.forward(x)?.reshape(&[n, 3, heads, -1])?;
@@ -270,7 +271,7 @@ impl Qwen3VisionTower {
             &k,
             &v,
             scale,
-            fast::ScaledDotProductAttentionMask::Array(mask),
+            mask.map(fast::ScaledDotProductAttentionMask::Array),
             None,
         )?;
         b.proj.forward(&o.reshape(&[heads, n, -1])?.transpose_axes(&[1, 0, 2])?.reshape(&[n, -1])?)
