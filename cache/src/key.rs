@@ -12,6 +12,10 @@ pub enum Modality {
     /// Audio: an audio tower's output for one window of a recording (the
     /// window named in the preprocessing part), or a recording's length.
     Audio = 2,
+    /// Video: a vision tower's output for one temporal group of a clip's
+    /// sampled frames (the group named in the preprocessing part), or the
+    /// clip's group times.
+    Video = 3,
 }
 
 impl Modality {
@@ -19,6 +23,7 @@ impl Modality {
         match b {
             1 => Some(Modality::Image),
             2 => Some(Modality::Audio),
+            3 => Some(Modality::Video),
             _ => None,
         }
     }

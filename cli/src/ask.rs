@@ -8,26 +8,28 @@ use std::io::{IsTerminal, Read, Write};
 /// Reads image files with the user's own permissions (the daemon never opens
 /// a path a client names); `-` is stdin.
 pub fn read_media(paths: &[std::path::PathBuf]) -> Result<Vec<MediaRef>> {
-    paths
-        .iter()
-        .map(|p| {
-            let bytes = if p.as_os_str() == "-" {
-                let mut b = Vec::new();
-                std::io::stdin().lock().read_to_end(&mut b)?;
-                b
-            } else {
-                std::fs::read(p).map_err(|e| anyhow::anyhow!("reading image {}: {e}", p.display()))?
-            };
-            Ok(MediaRef::from_bytes(bytes))
-        })
-        .collect()
+    paths.iter().map(|p| read_file(p, "image").map(MediaRef::from_bytes)).collect()
+}
+
+/// Reads video files as [`read_media`] reads images.
+pub fn read_videos(paths: &[std::path::PathBuf]) -> Result<Vec<MediaRef>> {
+    paths.iter().map(|p| read_file(p, "video").map(MediaRef::video)).collect()
+}
+
+fn read_file(p: &std::path::Path, what: &str) -> Result<Vec<u8>> {
+    if p.as_os_str() == "-" {
+        let mut b = Vec::new();
+        std::io::stdin().lock().read_to_end(&mut b)?;
+        return Ok(b);
+    }
+    std::fs::read(p).map_err(|e| anyhow::anyhow!("reading {what} {}: {e}", p.display()))
 }
 
 /// The prompt, with piped stdin appended (e.g. `git diff | mlxbc ask "..."`).
 pub fn args_prompt(args: &AskArgs) -> Result<String> {
     let mut prompt = args.prompt.clone();
     let stdin = std::io::stdin();
-    let stdin_is_an_image = args.image.iter().any(|p| p.as_os_str() == "-");
+    let stdin_is_an_image = args.image.iter().chain(&args.video).any(|p| p.as_os_str() == "-");
     if !stdin.is_terminal() && !stdin_is_an_image {
         let mut piped = String::new();
         stdin.lock().read_to_string(&mut piped)?;
@@ -47,6 +49,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
     }
     let mut user = ChatMessage::user(prompt);
     user.images = read_media(&args.image)?;
+    user.images.extend(read_videos(&args.video)?);
     messages.push(user);
     Ok(GenerateRequest {
         model: args.model.clone(),

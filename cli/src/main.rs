@@ -170,6 +170,11 @@ pub(crate) struct AskArgs {
     /// An image to ask about (repeatable, in order; `-` reads stdin).
     #[arg(long, short = 'i')]
     image: Vec<std::path::PathBuf>,
+    /// A video to ask about (repeatable; after the images): MP4, MOV, WebM
+    /// and whatever else ffmpeg reads on the daemon's machine, or an
+    /// animated GIF/WebP. Frames are sampled by the model's video settings.
+    #[arg(long)]
+    video: Vec<std::path::PathBuf>,
     /// Model name, alias or path (default: the configured default model).
     #[arg(long, short)]
     model: Option<String>,

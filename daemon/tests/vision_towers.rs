@@ -12,6 +12,7 @@ use mlxbc_daemon::families::gemma3::siglip::{SiglipConfig, SiglipTower};
 use mlxbc_daemon::model::family::{LanguageModel, VisionTower};
 use mlxbc_daemon::model::kv_cache::KvCache;
 use mlxbc_daemon::model::weights::{TensorMap, WeightForm};
+use mlxbc_daemon::model::MediaLayout;
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -219,7 +220,7 @@ fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
     let model =
         Transformer::from_tensors(tiny_qwen_text(), TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
     let mut cache = KvCache::new(2);
-    cache.mrope = Some(mrope::positions(&rec.prompt, 250, &[(1, 4, 6)], 2));
+    cache.mrope = Some(mrope::positions(&rec.prompt, &[250], &[(1, 4, 6)], 2));
     let embeds = model.embed(&Array::from_slice(&rec.prompt, &[1, rec.prompt.len() as i32])).unwrap();
     let forward = |e: &Array| model.logits_last(&model.hidden(e, &mut cache).unwrap()).unwrap();
     let embed = |y: u32| model.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
@@ -326,7 +327,8 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
             tool_calls: vec![],
             tool_call_id: None,
         }];
-        let prompt = vision.expand(&model.prompter.template.render(&messages).unwrap(), &[rows as usize]).unwrap();
+        let rendered = model.prompter.template.render(&messages).unwrap();
+        let prompt = vision.expand_media(&rendered, &[MediaLayout::Image], &[rows as usize]).unwrap();
         let ours = model.encode(&prompt).unwrap();
         let mut theirs: Vec<u32> = serde_json::from_value(g["prompt_ids"].clone()).unwrap();
         if family.starts_with("tiny-gemma3") {
@@ -385,5 +387,102 @@ fn qwen3_vl_tower_and_deepstack_match_mlx_vlm() {
         // The check can fail: other pixels give other features.
         let (other, _) = tower.forward(&patches.multiply(Array::from_f32(0.5)).unwrap(), *grid).unwrap();
         assert!(relative_error(&other, want) > 1e-2);
+    }
+}
+
+/// A video through Qwen3-VL's whole pipeline against mlx-vlm's
+/// (`scripts/reference/mlx_vlm_video.py`, `generate(..., video=[clip])`)
+/// on tiny-qwen3-vl and the same lossless clip: the frames sampled (ffmpeg
+/// here, OpenCV there), the patches of each temporal group, every group's
+/// features and deepstack (encoded group by group here, the clip at once
+/// there) and the prompt ids with their `<t.t seconds>` markers, exactly.
+#[test]
+fn qwen3_vl_video_frames_patches_features_and_prompt_match_mlx_vlm() {
+    use mlxbc_daemon::model::video;
+    use mlxbc_shared::{ChatMessage, MediaRef};
+    let golden = reference_json("vlm-video.json");
+    let mut want = reference("vlm-video.safetensors");
+    let clip = std::fs::read(reference_path(golden["clip"].as_str().unwrap())).unwrap();
+    let dir = fixture("mlx/tiny-qwen3-vl");
+    assert_eq!(
+        sha256_hex(&dir.join("model.safetensors")),
+        golden["weights_sha256"].as_str().unwrap(),
+        "tiny-qwen3-vl: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
+    );
+    let model = mlxbc_daemon::families::load(&dir, WeightForm::DenseF32, None).unwrap();
+    let vision = model.vision.as_ref().unwrap();
+    let pre = vision.preprocessor.video().expect("Qwen3-VL takes video");
+    let sampled = video::decode(&clip, &pre.sampling()).unwrap_or_else(|e| panic!("{e} (scripts/install-deps --test installs ffmpeg)"));
+    let indices: Vec<u32> = serde_json::from_value(golden["frames_indices"].clone()).unwrap();
+    assert_eq!(sampled.indices, indices, "frames taken differ from mlx-vlm's load_video");
+    assert_eq!(sampled.source_fps, golden["source_fps"].as_f64().unwrap());
+
+    let groups = pre.prepare(&sampled.frames).unwrap();
+    let grid = &golden["cases"]["video"]["video_grid_thw"][0];
+    assert_eq!(groups.len() as u64, grid[0].as_u64().unwrap(), "temporal groups");
+    let patches: Vec<f32> = groups.iter().flat_map(|g| g.values.iter().copied()).collect();
+    let want_patches = want.remove("video.patches").unwrap();
+    let ours = Array::from_slice(&patches, want_patches.shape());
+    // Lossless frames, the same bicubic resize: at most a level apart.
+    let err = relative_error(&ours, &want_patches);
+    eprintln!("qwen3-vl video patches vs mlx-vlm: relative error {err:e}");
+    assert!(err < PIPELINE_TOLERANCE, "video patches differ from mlx-vlm's: {err:e}");
+
+    let want_features = want.remove("video.features").unwrap();
+    let concat = |features: &[Array]| {
+        let width = *features[0].shape().last().unwrap();
+        let rows: Vec<Array> = features.iter().map(|f| f.reshape(&[-1, width]).unwrap()).collect();
+        (ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0).unwrap(), rows)
+    };
+    // The tower alone, on mlx-vlm's own patches, group by group: the
+    // clip's groups encoded one at a time are the clip encoded at once.
+    let per_group = want_patches.shape()[0] / groups.len() as i32;
+    let theirs_by_group: Vec<Array> = (0..groups.len() as i32)
+        .map(|g| {
+            let rows = Array::from_slice(&(g * per_group..(g + 1) * per_group).collect::<Vec<i32>>(), &[per_group]);
+            let values = want_patches.take_axis(&rows, 0).unwrap();
+            let prepared = mlxbc_daemon::model::family::Prepared {
+                values: values.as_slice::<f32>().to_vec(),
+                shape: values.shape().to_vec(),
+                grid: groups[0].grid,
+            };
+            vision.tower.encode(&prepared).unwrap()
+        })
+        .collect();
+    let err = relative_error(&concat(&theirs_by_group).0, &want_features);
+    eprintln!("qwen3-vl tower on mlx-vlm's video patches, group by group vs the whole clip: relative error {err:e}");
+    assert!(err < TOLERANCE, "the video's groups encoded one by one differ from the whole clip: {err:e}");
+    // The whole pipeline: resizing sets this bound.
+    let features: Vec<Array> = groups.iter().map(|g| vision.tower.encode(g).unwrap()).collect();
+    let (ours, rows) = concat(&features);
+    let err = relative_error(&ours, &want_features);
+    eprintln!("qwen3-vl video features + deepstack from our frames and patches: relative error {err:e}");
+    assert!(err < PIPELINE_TOLERANCE, "video features differ from mlx-vlm's: {err:e}");
+
+    let image = std::fs::read(reference_path(golden["image"].as_str().unwrap())).unwrap();
+    let image_rows = {
+        let img = mlxbc_daemon::model::image::decode(&image).unwrap();
+        let f = vision.tower.encode(&vision.preprocessor.prepare(&img)).unwrap();
+        f.size() as usize / *f.shape().last().unwrap() as usize
+    };
+    let tenths: Vec<u32> = sampled.group_seconds(pre.temporal_patch()).into_iter().map(video::prompt_tenths).collect();
+    let group_rows: Vec<usize> = rows.iter().map(|r| r.shape()[0] as usize).collect();
+    for (case, media) in [
+        ("video", vec![MediaRef::video(clip.clone())]),
+        ("image+video", vec![MediaRef::from_bytes(image.clone()), MediaRef::video(clip.clone())]),
+    ] {
+        let mut message = ChatMessage::user(golden["question"].as_str().unwrap());
+        message.images = media;
+        let rendered = model.prompter.template.render(&[message.clone()]).unwrap();
+        let (layout, rows): (Vec<MediaLayout>, Vec<usize>) = if case == "video" {
+            (vec![MediaLayout::Video { tenths: tenths.clone() }], group_rows.clone())
+        } else {
+            let mut rows = vec![image_rows];
+            rows.extend(&group_rows);
+            (vec![MediaLayout::Image, MediaLayout::Video { tenths: tenths.clone() }], rows)
+        };
+        let prompt = vision.expand_media(&rendered, &layout, &rows).unwrap();
+        let theirs: Vec<u32> = serde_json::from_value(golden["cases"][case]["prompt_ids"].clone()).unwrap();
+        assert_eq!(model.encode(&prompt).unwrap(), theirs, "{case}: prompt ids differ from mlx-vlm's\n{prompt}");
     }
 }

@@ -38,7 +38,7 @@ fn transcribe_in(
     samples: &[f32],
     language: Option<&str>,
 ) -> mlxbc_daemon::model::family::SpeechResult {
-    let mut r = TranscribeRequest::new(MediaRef { sha256: [0; 32], bytes: None });
+    let mut r = TranscribeRequest::new(MediaRef::hash_only([0; 32]));
     r.temperature = Some(0.0);
     r.language = language.map(String::from);
     r.condition_on_previous_text = false;

@@ -69,7 +69,8 @@ fn media(rng: &mut Rng) -> MediaRef {
     let mut sha256 = [0u8; 32];
     sha256.iter_mut().for_each(|b| *b = rng.below(256) as u8);
     let bytes = rng.one_in(3).then(|| (0..rng.below(64)).map(|_| rng.below(256) as u8).collect());
-    MediaRef { sha256, bytes }
+    let kind = if rng.one_in(4) { MediaKind::Video } else { MediaKind::Image };
+    MediaRef { sha256, bytes, kind }
 }
 
 fn message(rng: &mut Rng) -> ChatMessage {

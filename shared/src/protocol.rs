@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -162,7 +162,18 @@ pub enum CacheCommand {
     ClearPrompts,
 }
 
-/// An image (or other media) by content hash; the bytes travel only when the
+/// What a [`MediaRef`]'s file is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MediaKind {
+    /// A still image (PNG, JPEG, WebP, GIF's first frame).
+    #[default]
+    Image,
+    /// A video (anything ffmpeg reads; animated GIF and WebP in-process):
+    /// sampled into frames by the model's video settings.
+    Video,
+}
+
+/// An image or a video by content hash; the bytes travel only when the
 /// daemon asks for them with [`Response::NeedMedia`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MediaRef {
@@ -170,13 +181,24 @@ pub struct MediaRef {
     pub sha256: [u8; 32],
     /// The bytes, when the daemon asked for them.
     pub bytes: Option<Vec<u8>>,
+    pub kind: MediaKind,
 }
 
 impl MediaRef {
-    /// A reference carrying its bytes (the client strips them for the first try).
+    /// An image carrying its bytes (the client strips them for the first try).
     pub fn from_bytes(bytes: Vec<u8>) -> Self {
         use sha2::Digest;
-        Self { sha256: sha2::Sha256::digest(&bytes).into(), bytes: Some(bytes) }
+        Self { sha256: sha2::Sha256::digest(&bytes).into(), bytes: Some(bytes), kind: MediaKind::Image }
+    }
+
+    /// A video carrying its bytes.
+    pub fn video(bytes: Vec<u8>) -> Self {
+        Self { kind: MediaKind::Video, ..Self::from_bytes(bytes) }
+    }
+
+    /// An image known by its hash only.
+    pub fn hash_only(sha256: [u8; 32]) -> Self {
+        Self { sha256, bytes: None, kind: MediaKind::Image }
     }
 
     /// Lower-case hex of the hash.
@@ -287,7 +309,8 @@ pub enum Response {
 pub struct ChatMessage {
     pub role: Role,
     pub content: String,
-    /// Images that come with this message, in order, before its text.
+    /// Media (images and videos, see [`MediaRef::kind`]) that come with
+    /// this message, in order, before its text.
     pub images: Vec<MediaRef>,
     /// An assistant message's tool calls (an earlier turn that called tools).
     #[serde(default)]

@@ -57,7 +57,7 @@ const M: &str = "ZZZZZZZZ";
 #[test]
 fn a_huge_length_in_any_field_is_refused() {
     let with_marker = GenerateRequest::ask(M);
-    let image = MediaRef { sha256: [7; 32], bytes: Some(M.as_bytes().to_vec()) };
+    let image = MediaRef { sha256: [7; 32], bytes: Some(M.as_bytes().to_vec()), kind: MediaKind::Image };
     let mut with_image = GenerateRequest::ask("x");
     with_image.messages[0].images.push(image.clone());
     let requests: Vec<(&str, Request)> = vec![

@@ -4,7 +4,7 @@
 //! chunked prefill and batches its decode steps with the others'.
 
 use super::error::EngineError;
-use super::media::{self, MediaStats, PreparedMedia, Resolved, SharedStore};
+use super::media::{self, Encoded, MediaStats, PreparedMedia, Resolved, SharedStore};
 use super::prompt_cache::{self, PromptCache, PromptKeys};
 use super::sampling::Sampler;
 use super::sequence::{stats_without_decode, Sequence, Setup};
@@ -14,7 +14,7 @@ use crate::model::family::MediaAttention;
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
 use mlx_rs::Array;
-use mlxbc_shared::MediaRef;
+use mlxbc_shared::{MediaKind, MediaRef};
 use mlxbc_shared::{GenerateRequest, GenerationStats, Response};
 use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
@@ -90,7 +90,7 @@ fn prompt_here(
     request: &GenerateRequest,
     media: &[&MediaRef],
     events: &UnboundedSender<Response>,
-) -> Result<Option<(Vec<u32>, Vec<Array>, MediaStats)>, Failure> {
+) -> Result<Option<(Vec<u32>, Encoded)>, Failure> {
     let template = &model.prompter.template;
     let mut prompt = match &request.raw {
         Some(raw) => super::raw_prompt::text(&model.prompter.tokenizer, raw).map_err(EngineError::BadRequest)?,
@@ -103,16 +103,29 @@ fn prompt_here(
     };
     if let Some(v) = &model.vision {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
-        if placeholders != media.len() {
+        let video_placeholders = v.video.as_ref().map_or(0, |p| prompt.matches(p.text.as_str()).count());
+        let videos = media.iter().filter(|m| m.kind == MediaKind::Video).count();
+        if videos > 0 && v.video.is_none() {
+            return Err(EngineError::BadMedia(format!(
+                "model {} takes images but not video; use a video-language model (Qwen3-VL)",
+                ctx.model_name
+            )));
+        }
+        if placeholders != media.len() - videos {
             return Err(EngineError::BadMedia(format!(
                 "the prompt has {placeholders} image placeholders but {} images were sent",
-                media.len()
+                media.len() - videos
+            )));
+        }
+        if video_placeholders != videos {
+            return Err(EngineError::BadMedia(format!(
+                "the prompt has {video_placeholders} video placeholders but {videos} videos were sent"
             )));
         }
     }
     // Placeholders are checked before any media is decoded or stored.
-    let (features, media_stats) = if media.is_empty() {
-        (Vec::new(), MediaStats::default())
+    let encoded = if media.is_empty() {
+        Encoded { features: Vec::new(), layout: Vec::new(), spans: Vec::new(), stats: MediaStats::default() }
     } else {
         let resolved = match ctx.media.take() {
             Some(prepared) => media::finish(model, ctx.model_name, ctx.store, prepared, media)?,
@@ -127,14 +140,15 @@ fn prompt_here(
         }
     };
     if let Some(v) = &model.vision {
-        // Each placeholder becomes as many image tokens as its image has feature rows.
-        let rows: Vec<usize> =
-            features.iter().map(|f| f.shape()[..f.shape().len() - 1].iter().product::<i32>() as usize).collect();
-        prompt = v
-            .expand(&prompt, &rows)
-            .ok_or_else(|| EngineError::BadMedia("the prompt's image placeholders do not match its images".into()))?;
+        // Each placeholder becomes as many media tokens as its features have rows.
+        let rows: Vec<usize> = encoded
+            .features
+            .iter()
+            .map(|f| f.shape()[..f.shape().len() - 1].iter().product::<i32>() as usize)
+            .collect();
+        prompt = v.expand_media(&prompt, &encoded.layout, &rows).map_err(EngineError::BadMedia)?;
     }
-    Ok(Some((model.encode(&prompt).map_err(EngineError::inference)?, features, media_stats)))
+    Ok(Some((model.encode(&prompt).map_err(EngineError::inference)?, encoded)))
 }
 
 /// What setting a request up came to.
@@ -161,7 +175,7 @@ pub fn begin(
     let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
     if !media.is_empty() && model.vision.is_none() {
         return Err(EngineError::BadMedia(format!(
-            "model {} is text-only and cannot take images; use a vision-language model",
+            "model {} is text-only and cannot take images or video; use a vision-language model",
             ctx.model_name
         )));
     }
@@ -171,10 +185,10 @@ pub fn begin(
     // reached the engine (off this thread); it is used when it was made by
     // this very model's prompter.
     let prepared = ctx.prepared.take().filter(|p| media.is_empty() && p.is_for(ctx.model_name, &model.prompter));
-    let (ids, features, media_stats, stored) = match prepared {
-        Some(p) => (p.ids, Vec::new(), MediaStats::default(), Some(p.stored)),
+    let (ids, features, span_hashes, media_stats, stored) = match prepared {
+        Some(p) => (p.ids, Vec::new(), Vec::new(), MediaStats::default(), Some(p.stored)),
         None => match prompt_here(&model, ctx, request, &media, events)? {
-            Some((ids, features, stats)) => (ids, features, stats, None),
+            Some((ids, e)) => (ids, e.features, e.spans, e.stats, None),
             None => return Ok(Begun::Finished(Finished::AskedForMedia)),
         },
     };
@@ -200,10 +214,7 @@ pub fn begin(
     // The longest cached prefix (RAM, or disk blocks read while the prompt
     // was tokenized), computed only for a model whose KV identity is known.
     let spans = match &model.vision {
-        Some(v) => {
-            let hashes: Vec<[u8; 32]> = media.iter().map(|m| m.sha256).collect();
-            prompt_cache::media_spans(&ids, v.image_token_id, &hashes)
-        }
+        Some(v) => prompt_cache::media_spans(&ids, &v.media_tokens(), &span_hashes),
         None => Vec::new(),
     };
     let keys = model.kv_root.map(|root| PromptKeys::of(&root, &ids, &spans));

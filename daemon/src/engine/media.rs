@@ -1,6 +1,10 @@
 //! Media → features. Each image is looked up in the feature store by
 //! (tower fingerprint, preprocessing, content hash); only misses go through
-//! the tower, and their features are stored.
+//! the tower, and their features are stored. A video is sampled into
+//! frames and cut into temporal groups, each stored like an image (the
+//! group's number in the preprocessing part of its key), beside an entry
+//! holding the groups' times: a clip asked about again needs neither its
+//! bytes nor ffmpeg.
 //!
 //! The CPU half — hashing, decoding, EXIF, resizing, patchifying, the store
 //! lookup — runs off the engine thread, before the job is queued
@@ -12,10 +16,10 @@
 
 use super::error::EngineError;
 use crate::model::family::{MediaPreprocessor, Prepared};
-use crate::model::{image, Model};
+use crate::model::{image, video, MediaLayout, Model};
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality};
-use mlxbc_shared::MediaRef;
+use mlxbc_shared::{MediaKind, MediaRef};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -44,6 +48,8 @@ pub struct MediaRoute {
     pub preprocessor: Arc<dyn MediaPreprocessor>,
     pub preprocess_key: String,
     pub fingerprint: [u8; 32],
+    /// The video preprocessing's description, for a tower that takes video.
+    pub video_key: Option<String>,
 }
 
 impl MediaRoute {
@@ -54,7 +60,19 @@ impl MediaRoute {
             preprocessor: v.preprocessor.clone(),
             preprocess_key: v.preprocess_key.clone(),
             fingerprint: v.fingerprint.0,
+            video_key: v.preprocessor.video().map(|p| p.describe()),
         })
+    }
+
+    /// The store key of part of a video: `"times"` (its groups' times) or
+    /// `"group {i}"`.
+    fn video_part(&self, media: &MediaRef, video_key: &str, part: &str) -> FeatureKey {
+        FeatureKey {
+            modality: Modality::Video,
+            tower: self.fingerprint,
+            preprocess: FeatureKey::preprocess_hash(&format!("{video_key};{part}")),
+            content: media.sha256,
+        }
     }
 
     /// The store key of `media`.
@@ -76,7 +94,8 @@ impl MediaRoute {
     }
 }
 
-/// One image made ready before the engine sees it.
+/// One feature array made ready before the engine sees it (an image, or
+/// one temporal group of a video).
 pub enum MediaInput {
     /// Found in the store.
     Stored(Features),
@@ -87,7 +106,20 @@ pub enum MediaInput {
 /// A request's media, in order, made ready off the engine thread.
 pub struct PreparedMedia {
     pub route: MediaRoute,
+    /// Every feature array the prompt takes, in prompt order.
     pub items: Vec<(FeatureKey, MediaInput)>,
+    /// What each medium became (an image: one item; a video: one per group).
+    pub layout: Vec<MediaLayout>,
+    pub stats: MediaStats,
+}
+
+/// Features made for a request's media, in prompt order.
+pub struct Encoded {
+    pub features: Vec<Array>,
+    pub layout: Vec<MediaLayout>,
+    /// Per feature array, the identity its prompt span has in the prompt
+    /// cache's keys (an image's: its content hash).
+    pub spans: Vec<[u8; 32]>,
     pub stats: MediaStats,
 }
 
@@ -115,7 +147,41 @@ fn bad(msg: impl Into<String>) -> EngineError {
     EngineError::BadMedia(msg.into())
 }
 
-/// The CPU half, for any thread: looks every item up, and decodes and
+/// One medium's entries as the store has them; `None` when any is missing.
+fn lookup(
+    route: &MediaRoute,
+    store: Option<&SharedStore>,
+    m: &MediaRef,
+) -> Result<Option<(MediaLayout, Vec<(FeatureKey, Features)>)>, EngineError> {
+    let Some(store) = store else { return Ok(None) };
+    let get = |key: &FeatureKey| store.lock().get(key).map(|(f, _)| f);
+    match m.kind {
+        MediaKind::Image => {
+            let key = route.key(m);
+            Ok(get(&key).map(|f| (MediaLayout::Image, vec![(key, f)])))
+        }
+        MediaKind::Video => {
+            let video_key = route.video_key.as_deref().ok_or_else(no_video)?;
+            let Some(times) = get(&route.video_part(m, video_key, "times")) else { return Ok(None) };
+            // Whole tenths, exact in f32.
+            let tenths: Vec<u32> =
+                times.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u32).collect();
+            let mut items = Vec::with_capacity(tenths.len());
+            for i in 0..tenths.len() {
+                let key = route.video_part(m, video_key, &format!("group {i}"));
+                let Some(f) = get(&key) else { return Ok(None) };
+                items.push((key, f));
+            }
+            Ok(Some((MediaLayout::Video { tenths }, items)))
+        }
+    }
+}
+
+fn no_video() -> EngineError {
+    bad("this model takes images but not video; use a video-language model (Qwen3-VL)")
+}
+
+/// The CPU half, for any thread: looks every medium up, and decodes and
 /// preprocesses the misses (the same image twice in one request once).
 pub fn prepare(
     route: &MediaRoute,
@@ -124,9 +190,7 @@ pub fn prepare(
 ) -> Result<Resolved<PreparedMedia>, EngineError> {
     let mut stats = MediaStats::default();
     let t = Instant::now();
-    let keys: Vec<FeatureKey> = media.iter().map(|m| route.key(m)).collect();
-    let found: Vec<Option<Features>> =
-        keys.iter().map(|k| store.and_then(|s| s.lock().get(k)).map(|(f, _)| f)).collect();
+    let found: Vec<_> = media.iter().map(|m| lookup(route, store, m)).collect::<Result<_, _>>()?;
     stats.lookup_ms = t.elapsed().as_secs_f64() * 1000.0;
     let mut missing = Vec::new();
     for (m, hit) in media.iter().zip(&found) {
@@ -139,32 +203,78 @@ pub fn prepare(
     }
     let t = Instant::now();
     let mut items: Vec<(FeatureKey, MediaInput)> = Vec::with_capacity(media.len());
-    for ((m, key), hit) in media.iter().zip(keys).zip(found) {
-        let input = match hit {
-            Some(f) => {
-                stats.hits += 1;
-                MediaInput::Stored(f)
-            }
-            None => match items.iter().find(|(k, _)| k.content == m.sha256) {
-                Some((_, MediaInput::Prepared(p))) => MediaInput::Prepared(p.clone()),
-                _ => {
-                    // `bytes` is present: a miss without bytes returned Missing above.
-                    let bytes = m.bytes.as_deref().unwrap_or_default();
-                    if mlxbc_cache::content_hash(bytes) != m.sha256 {
-                        return Err(bad(format!("image {} does not match its sha256", m.hex())));
+    let mut layout = Vec::with_capacity(media.len());
+    for (m, hit) in media.iter().zip(found) {
+        if let Some((shape, stored)) = hit {
+            stats.hits += stored.len() as u32;
+            items.extend(stored.into_iter().map(|(k, f)| (k, MediaInput::Stored(f))));
+            layout.push(shape);
+            continue;
+        }
+        // `bytes` is present: a miss without bytes returned Missing above.
+        let bytes = m.bytes.as_deref().unwrap_or_default();
+        if mlxbc_cache::content_hash(bytes) != m.sha256 {
+            return Err(bad(format!("media {} does not match its sha256", m.hex())));
+        }
+        match m.kind {
+            MediaKind::Image => {
+                let key = route.key(m);
+                let input = match items.iter().find(|(k, _)| *k == key) {
+                    Some((_, MediaInput::Prepared(p))) => MediaInput::Prepared(p.clone()),
+                    _ => {
+                        let img = image::decode(bytes).map_err(|e| bad(format!("image {}: {e}", &m.hex()[..12])))?;
+                        MediaInput::Prepared(route.preprocessor.prepare(&img))
                     }
-                    let img = image::decode(bytes).map_err(|e| bad(format!("image {}: {e}", &m.hex()[..12])))?;
-                    MediaInput::Prepared(route.preprocessor.prepare(&img))
-                }
-            },
-        };
-        items.push((key, input));
+                };
+                items.push((key, input));
+                layout.push(MediaLayout::Image);
+            }
+            MediaKind::Video => {
+                let (shape, groups) = prepare_video(route, store, m, bytes)?;
+                items.extend(groups);
+                layout.push(shape);
+            }
+        }
     }
     stats.preprocess_ms = t.elapsed().as_secs_f64() * 1000.0;
-    Ok(Resolved::Ready(PreparedMedia { route: route.clone(), items, stats }))
+    Ok(Resolved::Ready(PreparedMedia { route: route.clone(), items, layout, stats }))
 }
 
-/// The engine's half: features per image, in order — stored ones as they
+/// A video's frames sampled and cut into groups (stored ones not prepared
+/// again), and its groups' times stored.
+fn prepare_video(
+    route: &MediaRoute,
+    store: Option<&SharedStore>,
+    m: &MediaRef,
+    bytes: &[u8],
+) -> Result<(MediaLayout, Vec<(FeatureKey, MediaInput)>), EngineError> {
+    let (Some(pre), Some(video_key)) = (route.preprocessor.video(), route.video_key.as_deref()) else {
+        return Err(no_video());
+    };
+    let short = &m.hex()[..12];
+    let clip = video::decode(bytes, &pre.sampling()).map_err(|e| bad(format!("video {short}: {e}")))?;
+    let groups = pre.prepare(&clip.frames).map_err(|e| bad(format!("video {short}: {e}")))?;
+    let tenths: Vec<u32> = clip.group_seconds(pre.temporal_patch()).into_iter().map(video::prompt_tenths).collect();
+    if tenths.len() != groups.len() {
+        return Err(EngineError::Internal(format!("video {short}: {} groups but {} times", groups.len(), tenths.len())));
+    }
+    let mut items = Vec::with_capacity(groups.len());
+    for (i, group) in groups.into_iter().enumerate() {
+        let key = route.video_part(m, video_key, &format!("group {i}"));
+        let stored = store.and_then(|s| s.lock().get(&key)).map(|(f, _)| f);
+        items.push((key, stored.map_or(MediaInput::Prepared(group), MediaInput::Stored)));
+    }
+    if let Some(s) = store {
+        let times: Vec<f32> = tenths.iter().map(|&t| t as f32).collect();
+        let entry = Features::from_f32(vec![tenths.len() as u32], &times);
+        if let Err(e) = s.lock().put(&route.video_part(m, video_key, "times"), &entry) {
+            tracing::warn!(error = %e, "could not store a video's group times");
+        }
+    }
+    Ok((MediaLayout::Video { tenths }, items))
+}
+
+/// The engine's half: features per image and video group, in order — stored ones as they
 /// are, prepared ones through `model`'s tower (and into the store). Media
 /// prepared for another tower (the model changed meanwhile) is prepared
 /// again here.
@@ -174,7 +284,7 @@ pub fn finish(
     store: Option<&SharedStore>,
     prepared: PreparedMedia,
     media: &[&MediaRef],
-) -> Result<Resolved<(Vec<Array>, MediaStats)>, EngineError> {
+) -> Result<Resolved<Encoded>, EngineError> {
     if !prepared.route.is_for(model) {
         return resolve(model, name, store, media);
     }
@@ -187,9 +297,9 @@ pub fn resolve(
     name: &str,
     store: Option<&SharedStore>,
     media: &[&MediaRef],
-) -> Result<Resolved<(Vec<Array>, MediaStats)>, EngineError> {
+) -> Result<Resolved<Encoded>, EngineError> {
     let Some(route) = MediaRoute::of(model) else {
-        return Err(bad(format!("model {name} is text-only and cannot take images; use a vision-language model")));
+        return Err(bad(format!("model {name} is text-only and cannot take images or video; use a vision-language model")));
     };
     match prepare(&route, store, media)? {
         Resolved::Missing(m) => Ok(Resolved::Missing(m)),
@@ -201,12 +311,13 @@ fn encode(
     model: &Model,
     store: Option<&SharedStore>,
     prepared: PreparedMedia,
-) -> Result<Resolved<(Vec<Array>, MediaStats)>, EngineError> {
+) -> Result<Resolved<Encoded>, EngineError> {
     let Some(vision) = &model.vision else { return Err(bad("this model has no vision tower")) };
     let mut stats = prepared.stats;
     let mut out = Vec::with_capacity(prepared.items.len());
+    let spans = prepared.items.iter().map(|(key, _)| span_identity(key)).collect();
     // The same image twice in one request is encoded once.
-    let mut encoded_now: Vec<([u8; 32], Array)> = Vec::new();
+    let mut encoded_now: Vec<(FeatureKey, Array)> = Vec::new();
     let inference = |e: &dyn std::fmt::Display| EngineError::Inference(format!("encoding image: {e:#}"));
     for (key, input) in prepared.items {
         let prepared = match input {
@@ -216,7 +327,7 @@ fn encode(
             }
             MediaInput::Prepared(p) => p,
         };
-        if let Some((_, f)) = encoded_now.iter().find(|(h, _)| *h == key.content) {
+        if let Some((_, f)) = encoded_now.iter().find(|(k, _)| *k == key) {
             stats.hits += 1;
             out.push(f.clone());
             continue;
@@ -224,7 +335,7 @@ fn encode(
         // Another request may have encoded it since this one was prepared.
         if let Some(f) = store.map(|s| s.lock()).and_then(|mut s| s.get(&key)).and_then(|(f, _)| to_array(&f)) {
             stats.hits += 1;
-            encoded_now.push((key.content, f.clone()));
+            encoded_now.push((key, f.clone()));
             out.push(f);
             continue;
         }
@@ -241,10 +352,19 @@ fn encode(
                 tracing::warn!(error = %e, "could not store image features");
             }
         }
-        encoded_now.push((key.content, features.clone()));
+        encoded_now.push((key, features.clone()));
         out.push(features);
     }
-    Ok(Resolved::Ready((out, stats)))
+    Ok(Resolved::Ready(Encoded { features: out, layout: prepared.layout, spans, stats }))
+}
+
+/// What names a feature array's prompt span in the prompt cache's keys: an
+/// image's content hash (as before videos), a video group's whole key.
+fn span_identity(key: &FeatureKey) -> [u8; 32] {
+    match key.modality {
+        Modality::Image => key.content,
+        _ => mlxbc_cache::content_hash(&key.to_bytes()),
+    }
 }
 
 fn to_array(f: &Features) -> Option<Array> {

@@ -766,8 +766,8 @@ impl Engine {
                                 let _ = reply.send(Response::NeedMedia { missing });
                                 return true;
                             }
-                            Ok(media::Resolved::Ready((_, s))) => {
-                                Response::Prefetched { encoded: s.misses, cached: s.hits }
+                            Ok(media::Resolved::Ready(e)) => {
+                                Response::Prefetched { encoded: e.stats.misses, cached: e.stats.hits }
                             }
                             Err(e) => e.into_response(),
                         }

@@ -103,17 +103,19 @@ pub struct MediaSpan {
     pub hash: [u8; 32],
 }
 
-/// The images' spans: each run of `image_token` in `ids` is the next image.
-pub fn media_spans(ids: &[u32], image_token: u32, hashes: &[[u8; 32]]) -> Vec<MediaSpan> {
+/// The media spans: each run of one of `media_tokens` in `ids` is the next
+/// feature array (an image, or one group of a video), named by `hashes`.
+pub fn media_spans(ids: &[u32], media_tokens: &[u32], hashes: &[[u8; 32]]) -> Vec<MediaSpan> {
     let mut spans = Vec::new();
     let mut i = 0;
     while i < ids.len() {
-        if ids[i] != image_token {
+        if !media_tokens.contains(&ids[i]) {
             i += 1;
             continue;
         }
         let start = i;
-        while i < ids.len() && ids[i] == image_token {
+        let token = ids[i];
+        while i < ids.len() && ids[i] == token {
             i += 1;
         }
         let hash = hashes.get(spans.len()).copied().unwrap_or([0; 32]);

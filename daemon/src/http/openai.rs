@@ -291,7 +291,7 @@ pub fn image_ref(url: &str) -> Result<MediaRef, BadRequest> {
         .collect();
     let sha256: [u8; 32] =
         bytes.try_into().map_err(|_| BadRequest(format!("{url:?}: mlxbc:sha256: takes 64 hex digits")))?;
-    Ok(MediaRef { sha256, bytes: None })
+    Ok(MediaRef::hash_only(sha256))
 }
 
 /// What the feature store and the prompt cache did for one answer (the

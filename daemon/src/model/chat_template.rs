@@ -36,16 +36,20 @@ impl ChatTemplate {
     /// [`Self::render`] with `tools` the model may call (the template's
     /// `tools` variable, absent when there are none).
     pub fn render_with_tools(&self, messages: &[ChatMessage], tools: &[Tool]) -> Result<String> {
-        // Messages with images use HF's content-list form, which multimodal
-        // templates expect: [{"type": "image"}, ..., {"type": "text", "text": ...}].
+        // Messages with media use HF's content-list form, which multimodal
+        // templates expect: [{"type": "image"}, {"type": "video"}, ..., {"type": "text", "text": ...}].
         let messages: Vec<_> = messages
             .iter()
             .map(|m| {
                 let content = if m.images.is_empty() {
                     minijinja::Value::from(m.content.clone())
                 } else {
+                    let kind = |m: &mlxbc_shared::MediaRef| match m.kind {
+                        mlxbc_shared::MediaKind::Image => "image",
+                        mlxbc_shared::MediaKind::Video => "video",
+                    };
                     let mut parts: Vec<minijinja::Value> =
-                        m.images.iter().map(|_| context! { type => "image" }).collect();
+                        m.images.iter().map(|m| context! { type => kind(m) }).collect();
                     parts.push(context! { type => "text", text => m.content.clone() });
                     minijinja::Value::from(parts)
                 };

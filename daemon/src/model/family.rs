@@ -87,6 +87,30 @@ pub trait MediaPreprocessor: Send + Sync {
 
     /// Resizes, normalizes and lays out one decoded image.
     fn prepare(&self, image: &image::RgbImage) -> Prepared;
+
+    /// The family's video preprocessing, when its tower takes video.
+    fn video(&self) -> Option<&dyn VideoPreprocessor> {
+        None
+    }
+}
+
+/// A family's video preprocessing (no MLX, any thread): which frames to
+/// take, and the taken frames → one [`Prepared`] per temporal group, each
+/// encoded (and stored) on its own, like an image.
+pub trait VideoPreprocessor: Send + Sync {
+    /// How frames are taken from a clip.
+    fn sampling(&self) -> super::video::Sampling;
+
+    /// Every parameter that changes the groups (sampling included):
+    /// part of the feature-store key.
+    fn describe(&self) -> String;
+
+    /// Frames per group (the tower's temporal patch).
+    fn temporal_patch(&self) -> usize;
+
+    /// Resizes, normalizes and lays out the sampled frames, group by group;
+    /// an error is a sentence for the user.
+    fn prepare(&self, frames: &[image::RgbImage]) -> Result<Vec<Prepared>, String>;
 }
 
 /// A family's vision tower and how its features enter the prompt.

@@ -12,6 +12,7 @@ pub mod layers;
 pub mod prompt;
 pub mod splice;
 pub mod tokenizer;
+pub mod video;
 pub mod vlm_dir;
 pub mod weights;
 
@@ -44,6 +45,42 @@ pub struct Vision {
     pub expansion_suffix: String,
     /// Token id of the positions that receive image features.
     pub image_token_id: u32,
+    /// How a video enters the prompt, for a tower that takes video.
+    pub video: Option<VideoPrompt>,
+}
+
+/// How a chat template's video placeholder expands: per temporal group,
+/// its time (`<1.5 seconds>`), `start`, the video token once per feature
+/// row, `end` — the Hugging Face Qwen3-VL processor's rendering.
+#[derive(Debug, Clone)]
+pub struct VideoPrompt {
+    /// What the template writes where a video goes.
+    pub text: String,
+    pub start: String,
+    pub token: String,
+    pub end: String,
+    /// Token id of the positions that receive video features.
+    pub token_id: u32,
+}
+
+/// What one of a request's media became in the prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MediaLayout {
+    /// One image: one feature array.
+    Image,
+    /// A video: one feature array per temporal group, at these times (in
+    /// tenths of a second, as the prompt writes them).
+    Video { tenths: Vec<u32> },
+}
+
+impl MediaLayout {
+    /// Feature arrays it takes.
+    pub fn arrays(&self) -> usize {
+        match self {
+            MediaLayout::Image => 1,
+            MediaLayout::Video { tenths } => tenths.len(),
+        }
+    }
 }
 
 impl Vision {
@@ -65,28 +102,71 @@ impl Vision {
             image_token: placeholder.image_token,
             expansion_suffix: placeholder.suffix,
             image_token_id,
+            video: None,
         }
     }
 
-    /// The prompt with its `i`-th placeholder replaced by the expansion for
-    /// an image of `rows[i]` feature rows; `None` when the prompt holds a
-    /// different number of placeholders than `rows`.
-    pub fn expand(&self, prompt: &str, rows: &[usize]) -> Option<String> {
-        if prompt.matches(self.placeholder.as_str()).count() != rows.len() {
-            return None;
+    /// The token ids that receive media features (images', videos').
+    pub fn media_tokens(&self) -> Vec<u32> {
+        std::iter::once(self.image_token_id).chain(self.video.as_ref().map(|v| v.token_id)).collect()
+    }
+
+    /// The prompt with each media placeholder, in order, replaced by its
+    /// expansion: `layout[i]` says what medium `i` is, `rows[j]` how many
+    /// feature rows feature array `j` has (a video's groups take one each).
+    /// `Err`: the placeholders do not match the media, as a sentence.
+    pub fn expand_media(&self, prompt: &str, layout: &[MediaLayout], rows: &[usize]) -> Result<String, String> {
+        let video_text = self.video.as_ref().map(|v| v.text.as_str());
+        let (images, videos) = (
+            prompt.matches(self.placeholder.as_str()).count(),
+            video_text.map_or(0, |t| prompt.matches(t).count()),
+        );
+        let want_videos = layout.iter().filter(|l| matches!(l, MediaLayout::Video { .. })).count();
+        if images != layout.len() - want_videos || videos != want_videos {
+            return Err(format!(
+                "the prompt has {images} image and {videos} video placeholders but {} images and {want_videos} videos were sent",
+                layout.len() - want_videos
+            ));
         }
         let mut expanded = String::with_capacity(prompt.len() + rows.iter().sum::<usize>() * self.image_token.len());
         let mut rest = prompt;
-        for &n in rows {
-            let at = rest.find(self.placeholder.as_str())?;
+        let mut rows = rows.iter();
+        let mismatch = || "the prompt's media placeholders do not match its media".to_string();
+        for item in layout {
+            let (text, expansion) = match (item, &self.video) {
+                (MediaLayout::Image, _) => {
+                    let n = *rows.next().ok_or_else(mismatch)?;
+                    let body = self.image_token.repeat(n);
+                    (self.placeholder.as_str(), format!("{}{body}{}", self.expansion_prefix, self.expansion_suffix))
+                }
+                (MediaLayout::Video { tenths }, Some(v)) => {
+                    let mut out = String::new();
+                    for t in tenths {
+                        let n = *rows.next().ok_or_else(mismatch)?;
+                        out.push_str(&format!("<{}.{} seconds>{}{}{}", t / 10, t % 10, v.start, v.token.repeat(n), v.end));
+                    }
+                    (v.text.as_str(), out)
+                }
+                (MediaLayout::Video { .. }, None) => return Err("this model does not take video".into()),
+            };
+            let at = rest.find(text).ok_or_else(mismatch)?;
+            // Media must come in the order the placeholders do.
+            let other = match item {
+                MediaLayout::Image => video_text.and_then(|t| rest.find(t)),
+                MediaLayout::Video { .. } => rest.find(self.placeholder.as_str()),
+            };
+            if other.is_some_and(|o| o < at) {
+                return Err(mismatch());
+            }
             expanded.push_str(&rest[..at]);
-            expanded.push_str(&self.expansion_prefix);
-            expanded.push_str(&self.image_token.repeat(n));
-            expanded.push_str(&self.expansion_suffix);
-            rest = &rest[at + self.placeholder.len()..];
+            expanded.push_str(&expansion);
+            rest = &rest[at + text.len()..];
+        }
+        if rows.next().is_some() {
+            return Err(mismatch());
         }
         expanded.push_str(rest);
-        Some(expanded)
+        Ok(expanded)
     }
 
     /// For each position of `ids`, the index of the image it belongs to, or -1.

@@ -68,7 +68,7 @@ async fn transcribe_gives_the_reference_text_then_hits_the_encoder_even_after_a_
     let mut c = d.client().await;
     let bytes = std::fs::read(&s2).unwrap();
     let sha = MediaRef::from_bytes(bytes.clone()).sha256;
-    let mut hash_only = TranscribeRequest::new(MediaRef { sha256: sha, bytes: None });
+    let mut hash_only = TranscribeRequest::new(MediaRef::hash_only(sha));
     hash_only.temperature = Some(0.0);
     let t = c.transcribe(hash_only).await.expect("transcribed from the store without the bytes");
     assert_eq!(t.text, first["text"].as_str().unwrap());

@@ -6,13 +6,15 @@
 
 /// Positions `[len][t, h, w]` for `ids`, and the delta that decode steps add
 /// to their plain offset (`max position + 1 - len`).
-/// `grids[i]` is image i's `(t, h, w)` patch grid before merging.
-pub fn positions(ids: &[u32], image_token: u32, grids: &[(u32, u32, u32)], merge: u32) -> (Vec<[i64; 3]>, i64) {
+/// `grids[i]` is image i's `(t, h, w)` patch grid before merging; a run of
+/// any of `media_tokens` is the next grid's (Qwen3-VL: a video's temporal
+/// groups are grids `(1, h, w)` of their own, between their timestamps).
+pub fn positions(ids: &[u32], media_tokens: &[u32], grids: &[(u32, u32, u32)], merge: u32) -> (Vec<[i64; 3]>, i64) {
     let mut out: Vec<[i64; 3]> = Vec::with_capacity(ids.len());
     let next_start = |out: &Vec<[i64; 3]>| out.iter().flat_map(|p| p.iter()).max().map_or(0, |m| m + 1);
     let mut st = 0usize;
     for &(t, h, w) in grids {
-        let Some(ed) = ids[st..].iter().position(|&x| x == image_token).map(|p| p + st) else {
+        let Some(ed) = ids[st..].iter().position(|x| media_tokens.contains(x)).map(|p| p + st) else {
             break;
         };
         let start = next_start(&out);
@@ -48,7 +50,7 @@ mod tests {
         // Expected values are what mlx-vlm 0.7.10's get_rope_index returns for this prompt.
         let img = 9;
         let ids = [1, 2, 3, img, img, img, img, img, img, 4, 5];
-        let (pos, delta) = positions(&ids, img, &[(1, 4, 6)], 2);
+        let (pos, delta) = positions(&ids, &[img], &[(1, 4, 6)], 2);
         assert_eq!(&pos[..3], &[[0; 3], [1; 3], [2; 3]]);
         assert_eq!(&pos[3..9], &[[3, 3, 3], [3, 3, 4], [3, 3, 5], [3, 4, 3], [3, 4, 4], [3, 4, 5]]);
         // Text resumes after the largest image position (5).
@@ -58,7 +60,7 @@ mod tests {
 
     #[test]
     fn text_only_is_plain_positions() {
-        let (pos, delta) = positions(&[5, 6, 7], 9, &[], 2);
+        let (pos, delta) = positions(&[5, 6, 7], &[9], &[], 2);
         assert_eq!(pos, vec![[0; 3], [1; 3], [2; 3]]);
         assert_eq!(delta, 0);
     }

@@ -258,15 +258,21 @@ pub fn smart_resize(height: u32, width: u32, factor: u32, min_pixels: u64, max_p
 /// processor's flattened patches `[H/P * W/P, 3 * T * P * P]`: the frame is
 /// repeated `temporal` times and patches are ordered merge group by merge group.
 pub fn patchify(pixels: &[f32], height: usize, width: usize, patch: usize, merge: usize, temporal: usize) -> Vec<f32> {
+    patchify_frames(&vec![pixels; temporal], height, width, patch, merge)
+}
+
+/// [`patchify`] for one temporal group of distinct frames (a video's):
+/// each patch holds, per channel, its pixels in every frame in turn.
+pub fn patchify_frames(frames: &[&[f32]], height: usize, width: usize, patch: usize, merge: usize) -> Vec<f32> {
     let (gh, gw) = (height / patch, width / patch);
-    let mut out = Vec::with_capacity(pixels.len() * temporal);
+    let mut out = Vec::with_capacity(height * width * 3 * frames.len());
     for hb in 0..gh / merge {
         for wb in 0..gw / merge {
             for i in 0..merge {
                 for j in 0..merge {
                     let (py, px) = (hb * merge + i, wb * merge + j);
                     for c in 0..3 {
-                        for _t in 0..temporal {
+                        for pixels in frames {
                             for y in 0..patch {
                                 for x in 0..patch {
                                     out.push(pixels[((py * patch + y) * width + px * patch + x) * 3 + c]);

@@ -93,6 +93,6 @@ impl VisionTower for Qwen25Tower {
     fn rope_positions(&self, ids: &[u32], features: &[Array]) -> Option<(Vec<[i64; 3]>, i64)> {
         let grids: Vec<_> = features.iter().map(|f| self.grid_of(f)).collect();
         let merge = self.tower.config.spatial_merge_size as u32;
-        Some(super::mrope::positions(ids, self.image_token_id, &grids, merge))
+        Some(super::mrope::positions(ids, &[self.image_token_id], &grids, merge))
     }
 }

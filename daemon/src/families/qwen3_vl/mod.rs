@@ -4,6 +4,7 @@
 //! rope positions are Qwen2.5-VL's with 16-pixel patches.
 
 pub mod tower;
+pub mod video;
 pub mod vision;
 
 use crate::families::llama::{config::TextConfig, model::Transformer};
@@ -11,12 +12,14 @@ use crate::families::qwen2_5_vl::vision::Qwen25Preprocess;
 use crate::model::image::Resample;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, Model, Placeholder, Vision};
+use crate::model::video::Sampling;
+use crate::model::{chat_parts, read_json, Model, Placeholder, Vision, VideoPrompt};
 use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::sync::Arc;
 use tower::{Qwen3VisionConfig, Qwen3VisionTower};
+use video::{Qwen3Preprocess, Qwen3VideoPreprocess};
 use vision::Qwen3Tower;
 
 /// Tensor name prefixes of Qwen3-VL's tower.
@@ -54,6 +57,8 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         merge_size: vision.spatial_merge_size as u32,
         temporal_patch_size: vision.temporal_patch_size as u32,
     };
+    let video = video_preprocess(dir, &vision)?;
+    let preprocess = Qwen3Preprocess { image: preprocess, video };
     let fingerprint = tower_fingerprint(dir, TOWER_TENSORS, raw, memo)?;
     let mut eos_source = raw.clone();
     if eos_source.get("eos_token_id").is_none() {
@@ -65,7 +70,48 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let image_token = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<|image_pad|>".into());
     let placeholder =
         Placeholder { text: image_token.clone(), prefix: String::new(), image_token, suffix: String::new() };
-    let tower = Qwen3Tower { tower, image_token_id };
-    let vision = Vision::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    let video_token_id = raw.get("video_token_id").and_then(|v| v.as_u64()).unwrap_or(151656) as u32;
+    let token = |id: u32, default: &str| tokenizer.id_to_token(id).unwrap_or_else(|| default.into());
+    let start_id = raw.get("vision_start_token_id").and_then(|v| v.as_u64()).unwrap_or(151652) as u32;
+    let (start, end) = (token(start_id, "<|vision_start|>"), token(start_id + 1, "<|vision_end|>"));
+    let video_token = token(video_token_id, "<|video_pad|>");
+    let video_prompt = VideoPrompt {
+        text: format!("{start}{video_token}{end}"),
+        start,
+        token: video_token,
+        end,
+        token_id: video_token_id,
+    };
+    let tower = Qwen3Tower { tower, image_token_id, video_token_id };
+    let mut vision = Vision::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    vision.video = Some(video_prompt);
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))
+}
+
+/// `video_preprocessor_config.json` (HF's Qwen3-VL form: the budget as
+/// `size` {shortest_edge, longest_edge}); HF's defaults where it is absent.
+fn video_preprocess(dir: &Path, vision: &Qwen3VisionConfig) -> Result<Qwen3VideoPreprocess> {
+    let pre = read_json(&dir.join("video_preprocessor_config.json"))?.unwrap_or_default();
+    let int = |size_key: &str, key: &str, default: u64| {
+        pre.get(key)
+            .or_else(|| pre.get("size").and_then(|s| s.get(size_key)))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(default)
+    };
+    let temporal = vision.temporal_patch_size as u32;
+    Ok(Qwen3VideoPreprocess {
+        sampling: Sampling {
+            fps: pre.get("fps").and_then(|v| v.as_f64()).unwrap_or(2.0),
+            min_frames: int("", "min_frames", 4) as u32,
+            max_frames: int("", "max_frames", 768) as u32,
+            frame_factor: temporal,
+        },
+        min_pixels: int("shortest_edge", "min_pixels", 128 * 32 * 32),
+        max_pixels: int("longest_edge", "max_pixels", 32 * 32 * 768),
+        mean: three_floats(pre.get("image_mean"), [0.5; 3]),
+        std: three_floats(pre.get("image_std"), [0.5; 3]),
+        patch_size: vision.patch_size as u32,
+        merge_size: vision.spatial_merge_size as u32,
+        temporal_patch_size: temporal,
+    })
 }

@@ -15,9 +15,15 @@ use mlx_rs::{ops, Array};
 pub struct Qwen3Tower {
     pub tower: Qwen3VisionTower,
     pub image_token_id: u32,
+    /// A video's temporal groups take these positions, group by group.
+    pub video_token_id: u32,
 }
 
 impl Qwen3Tower {
+    fn is_media(&self, id: u32) -> bool {
+        id == self.image_token_id || id == self.video_token_id
+    }
+
     fn width(&self) -> i32 {
         self.tower.config.out_hidden_size
     }
@@ -60,17 +66,19 @@ impl VisionTower for Qwen3Tower {
             }
             Ok(rows.reshape(&[1, run as i32, -1])?)
         };
-        crate::model::splice::splice(ids, self.image_token_id, images, text, image)
+        crate::model::splice::splice_tokens(ids, &[self.image_token_id, self.video_token_id], images, text, image)
     }
 
     fn rope_positions(&self, ids: &[u32], features: &[Array]) -> Option<(Vec<[i64; 3]>, i64)> {
         let grids: Vec<_> = features.iter().map(|f| self.grid_of(f)).collect();
         let merge = self.tower.config.spatial_merge_size as u32;
-        Some(crate::families::qwen2_5_vl::mrope::positions(ids, self.image_token_id, &grids, merge))
+        let tokens = [self.image_token_id, self.video_token_id];
+        Some(crate::families::qwen2_5_vl::mrope::positions(ids, &tokens, &grids, merge))
     }
 
-    /// Image-token positions in order take the images' deepstack rows in
-    /// order (as mlx-vlm's `_deepstack_process` does).
+    /// Image- and video-token positions in order take the features'
+    /// deepstack rows in order (as mlx-vlm's `_merge_deepstack_features`
+    /// and `_deepstack_process` do).
     fn deepstack(&self, ids: &[u32], features: &[Array]) -> Result<Option<Deepstack>> {
         let layers = self.tower.deepstack_count();
         if layers == 0 || features.is_empty() {
@@ -79,8 +87,8 @@ impl VisionTower for Qwen3Tower {
         let mut row_of = Vec::with_capacity(ids.len());
         let mut next = 0;
         for &id in ids {
-            row_of.push(if id == self.image_token_id { next } else { -1 });
-            if id == self.image_token_id {
+            row_of.push(if self.is_media(id) { next } else { -1 });
+            if self.is_media(id) {
                 next += 1;
             }
         }
