@@ -20,4 +20,5 @@ mod reference;
 mod residency;
 mod service;
 mod speech;
+mod video;
 mod vision;

@@ -5,12 +5,12 @@ use crate::helper::*;
 use mlxbc_client::{ChatMessage, Role};
 use std::path::PathBuf;
 
-fn golden(name: &str) -> serde_json::Value {
+pub(crate) fn golden(name: &str) -> serde_json::Value {
     let path = workspace().join(format!("tests/fixtures/reference/{name}.json"));
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
-fn check_weights(dir: &std::path::Path, golden: &serde_json::Value) {
+pub(crate) fn check_weights(dir: &std::path::Path, golden: &serde_json::Value) {
     use sha2::Digest;
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let sum: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
