@@ -246,6 +246,8 @@ pub enum Content {
 pub enum Part {
     Text { text: String },
     ImageUrl { image_url: ImageUrl },
+    /// vLLM's and SGLang's video part (`{"type": "video_url", "video_url": {"url": ...}}`).
+    VideoUrl { video_url: ImageUrl },
 }
 
 #[derive(Debug, Deserialize)]
@@ -269,7 +271,7 @@ pub struct BadRequest(pub String);
 /// never fetches from the network on a client's behalf.
 pub fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
     let rest = url.strip_prefix("data:").ok_or_else(|| {
-        BadRequest("image_url must be a data: URL (data:image/png;base64,...); mlxbcd does not fetch URLs".into())
+        BadRequest("image_url and video_url must be data: URLs (data:image/png;base64,...); mlxbcd does not fetch URLs".into())
     })?;
     let (meta, payload) = rest.split_once(',').ok_or_else(|| BadRequest("malformed data: URL (no comma)".into()))?;
     if !meta.ends_with(";base64") {
@@ -341,6 +343,10 @@ impl ChatCompletionRequest {
                                 msg.content.push_str(&text);
                             }
                             Part::ImageUrl { image_url } => msg.images.push(image_ref(&image_url.url)?),
+                            Part::VideoUrl { video_url } => {
+                                let media = image_ref(&video_url.url)?;
+                                msg.images.push(MediaRef { kind: mlxbc_shared::MediaKind::Video, ..media })
+                            }
                         }
                     }
                 }
@@ -487,6 +493,18 @@ mod tests {
         let by_hash = image_ref(&format!("mlxbc:sha256:{}", "ab".repeat(32))).unwrap();
         assert_eq!((by_hash.sha256, by_hash.bytes), ([0xab; 32], None));
         assert!(image_ref("mlxbc:sha256:abc").is_err());
+    }
+
+    #[test]
+    fn a_video_url_part_is_a_video() {
+        let clip = base64::engine::general_purpose::STANDARD.encode(b"....ftypisom");
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": format!("data:video/mp4;base64,{clip}")}},
+            {"type": "text", "text": "what happens?"}]}]});
+        let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
+        let g = req.into_generate().unwrap();
+        assert_eq!(g.messages[0].images[0].kind, mlxbc_shared::MediaKind::Video);
+        assert_eq!(g.messages[0].images[0].bytes.as_deref(), Some(&b"....ftypisom"[..]));
     }
 
     #[test]

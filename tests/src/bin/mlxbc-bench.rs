@@ -4,6 +4,7 @@
 //!
 //! Usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS
 //!        mlxbc-bench --image VLM_DIR IMAGE_FILE
+//!        mlxbc-bench --video VLM_DIR CLIP_FILE
 //!        mlxbc-bench --queued-images VLM_DIR [N=8]
 //!        mlxbc-bench --concurrency MODEL CLIENTS,... TOKENS LONG_TOKENS
 //!        mlxbc-bench --prompts MODEL SYSTEM_TOKENS TURNS TURN_TOKENS ANSWER_TOKENS LONG_TOKENS
@@ -264,18 +265,26 @@ async fn prompts_bench(
     Ok(())
 }
 
-/// The image section: time to first token for a new image (miss), a RAM hit,
-/// a prefix hit, and an SSD hit after a restart, with the encoder's share.
-async fn image_bench(model: &std::path::Path, image: &std::path::Path) -> Result<()> {
+/// The image section: time to first token for a new image (or video: every
+/// group new) (miss), a RAM hit, a prefix hit, and an SSD hit after a
+/// restart, with the encoder's share.
+async fn image_bench(model: &std::path::Path, image: &std::path::Path, video: bool) -> Result<()> {
     let model = model.canonicalize()?;
     let bytes = std::fs::read(image)?;
+    let media = |bytes: Vec<u8>| {
+        if video {
+            mlxbc_client::MediaRef::video(bytes)
+        } else {
+            mlxbc_client::MediaRef::from_bytes(bytes)
+        }
+    };
     let b = Bench::start(&model, None)?;
     let mut c = b.client().await;
     let name = b.name.clone();
     let ask = |system: &str| {
         let mut r = GenerateRequest::ask("What is in this picture?");
         let mut user = r.messages.pop().unwrap();
-        user.images = vec![mlxbc_client::MediaRef::from_bytes(bytes.clone())];
+        user.images = vec![media(bytes.clone())];
         // A different system prompt changes the prefix, so only the encoder cache can hit.
         r.messages = vec![mlxbc_client::ChatMessage::system(system), user];
         r.model = Some(name.clone());
@@ -288,7 +297,7 @@ async fn image_bench(model: &std::path::Path, image: &std::path::Path) -> Result
                            "prefill_ms": s.prefill_ms, "hits": s.encoder_hits, "misses": s.encoder_misses,
                            "prefix_reused": s.prefix_tokens_reused})
     };
-    let mut rows = vec![row("miss (new image)", timed(&mut c, ask("A")).await?)];
+    let mut rows = vec![row(if video { "miss (new clip)" } else { "miss (new image)" }, timed(&mut c, ask("A")).await?)];
     rows.push(row("RAM hit", timed(&mut c, ask("B")).await?));
     rows.push(row("prefix hit", timed(&mut c, ask("B")).await?));
     drop(c);
@@ -522,8 +531,8 @@ async fn main() -> Result<()> {
         let n = args.get(3).map(|n| n.parse()).transpose()?.unwrap_or(8);
         return queued_images_bench(std::path::Path::new(&args[2]), n).await;
     }
-    if args.len() == 4 && args[1] == "--image" {
-        return image_bench(std::path::Path::new(&args[2]), std::path::Path::new(&args[3])).await;
+    if args.len() == 4 && (args[1] == "--image" || args[1] == "--video") {
+        return image_bench(std::path::Path::new(&args[2]), std::path::Path::new(&args[3]), args[1] == "--video").await;
     }
     if args.len() != 4 {
         bail!("usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS");
