@@ -8,6 +8,7 @@
 
 use crate::helper::*;
 use crate::reference::{check_weights, golden};
+use crate::vision::expect_bad_media;
 use mlxbc_client::{CacheCommand, ChatMessage, ClientError, ErrorKind, GenerateRequest, GenerationStats, MediaRef};
 use std::path::Path;
 use std::process::Command;
@@ -138,15 +139,6 @@ fn cli_ask_video() {
     let second = stats(&run());
     assert_eq!((second["encoder_hits"].as_u64(), second["encoder_misses"].as_u64()), (Some(4), Some(0)));
     assert_eq!(first["token_ids"], second["token_ids"]);
-}
-
-async fn expect_bad_media(socket: &Path, req: GenerateRequest, needle: &str) {
-    match ask(socket, req).await {
-        Err(ClientError::Daemon { kind: ErrorKind::BadMedia, message }) => {
-            assert!(message.contains(needle), "error {message:?} should mention {needle:?}")
-        }
-        other => panic!("expected BadMedia mentioning {needle:?}, got {other:?}"),
-    }
 }
 
 /// A copy of tiny-qwen3-vl with a context of 48 positions.

@@ -230,7 +230,7 @@ async fn several_images_in_order_and_prefetch() {
     let _ = ba;
 }
 
-async fn expect_bad_media(socket: &Path, req: GenerateRequest, needle: &str) {
+pub(crate) async fn expect_bad_media(socket: &Path, req: GenerateRequest, needle: &str) {
     match ask(socket, req).await {
         Err(ClientError::Daemon { kind: ErrorKind::BadMedia, message }) => {
             assert!(message.contains(needle), "error {message:?} should mention {needle:?}")

@@ -39,14 +39,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let image_token_id = raw.get("image_token_id").and_then(|v| v.as_u64()).unwrap_or(151655) as u32;
     let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_fusion(form.fusion);
     let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
-    // HF's Qwen3-VL processor config gives the pixel budget as `size`
-    // {shortest_edge, longest_edge}; older files as min/max_pixels.
-    let pixels = |size_key: &str, key: &str, default: u64| {
-        pre.get(key)
-            .or_else(|| pre.get("size").and_then(|s| s.get(size_key)))
-            .and_then(|v| v.as_u64())
-            .unwrap_or(default)
-    };
+    let pixels = |size_key: &str, key: &str, default: u64| config_int(&pre, size_key, key, default);
     let preprocess = Qwen25Preprocess {
         min_pixels: pixels("shortest_edge", "min_pixels", 65_536),
         max_pixels: pixels("longest_edge", "max_pixels", 16_777_216),
@@ -92,12 +85,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
 /// `size` {shortest_edge, longest_edge}); HF's defaults where it is absent.
 fn video_preprocess(dir: &Path, vision: &Qwen3VisionConfig) -> Result<Qwen3VideoPreprocess> {
     let pre = read_json(&dir.join("video_preprocessor_config.json"))?.unwrap_or_default();
-    let int = |size_key: &str, key: &str, default: u64| {
-        pre.get(key)
-            .or_else(|| pre.get("size").and_then(|s| s.get(size_key)))
-            .and_then(|v| v.as_u64())
-            .unwrap_or(default)
-    };
+    let int = |size_key: &str, key: &str, default: u64| config_int(&pre, size_key, key, default);
     let temporal = vision.temporal_patch_size as u32;
     Ok(Qwen3VideoPreprocess {
         sampling: Sampling {
@@ -114,4 +102,11 @@ fn video_preprocess(dir: &Path, vision: &Qwen3VisionConfig) -> Result<Qwen3Video
         merge_size: vision.spatial_merge_size as u32,
         temporal_patch_size: temporal,
     })
+}
+
+/// A processor config's integer `key`, else `size.{size_key}` (HF's
+/// Qwen3-VL configs give the pixel budget as `size` {shortest_edge,
+/// longest_edge}; older files as min/max_pixels), else `default`.
+fn config_int(pre: &serde_json::Value, size_key: &str, key: &str, default: u64) -> u64 {
+    pre.get(key).or_else(|| pre.get("size").and_then(|s| s.get(size_key))).and_then(|v| v.as_u64()).unwrap_or(default)
 }
