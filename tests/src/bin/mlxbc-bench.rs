@@ -294,7 +294,7 @@ async fn image_bench(model: &std::path::Path, image: &std::path::Path, video: bo
     timed(&mut c, GenerateRequest { model: Some(b.name.clone()), ..GenerateRequest::ask("warm up") }).await?;
     let row = |label: &str, (ms, s): (f64, mlxbc_client::GenerationStats)| {
         serde_json::json!({"case": label, "ttft_ms": ms, "encode_ms": s.encode_ms, "lookup_ms": s.lookup_ms,
-                           "prefill_ms": s.prefill_ms, "hits": s.encoder_hits, "misses": s.encoder_misses,
+                           "preprocess_ms": s.preprocess_ms, "prefill_ms": s.prefill_ms, "hits": s.encoder_hits, "misses": s.encoder_misses,
                            "prefix_reused": s.prefix_tokens_reused})
     };
     let mut rows = vec![row(if video { "miss (new clip)" } else { "miss (new image)" }, timed(&mut c, ask("A")).await?)];
