@@ -26,6 +26,11 @@ pub const MAX_SIDE: u32 = 8192;
 pub const MAX_SAMPLED_BYTES: u64 = 1 << 30;
 /// Most frames a clip may declare (counting, not keeping).
 pub const MAX_SOURCE_FRAMES: u64 = 1_000_000;
+/// Most canvas pixels an animated GIF/WebP may make its decoder composite,
+/// over all its frames (each frame is drawn onto the whole canvas): bounds
+/// the in-process decoder's work as the timeout bounds ffmpeg's (a second
+/// or two here).
+pub const MAX_ANIMATED_PIXELS: u64 = 1 << 31;
 /// How long ffprobe and ffmpeg may take for one clip.
 const DECODE_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -99,6 +104,8 @@ pub enum VideoError {
     TooMuch(u64),
     #[error("the video declares {0} frames; at most {MAX_SOURCE_FRAMES}")]
     TooLong(u64),
+    #[error("the animation has {0} frames of {1}x{2}: over the limit of {MAX_ANIMATED_PIXELS} pixels to decode")]
+    TooManyPixels(u64, u32, u32),
     #[error("decoding the video took longer than {} s", DECODE_TIMEOUT.as_secs())]
     Timeout,
     #[error("not a readable video: {0}")]
@@ -159,6 +166,9 @@ fn animated(bytes: &[u8], sampling: &Sampling, format: ImageFormat) -> Result<Sa
         total += 1;
         if total > MAX_SOURCE_FRAMES {
             return Err(VideoError::TooLong(total));
+        }
+        if total * width as u64 * height as u64 > MAX_ANIMATED_PIXELS {
+            return Err(VideoError::TooManyPixels(total, width, height));
         }
     }
     if total == 0 {

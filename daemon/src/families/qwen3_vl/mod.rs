@@ -94,13 +94,16 @@ fn video_preprocess(dir: &Path, vision: &Qwen3VisionConfig) -> Result<Qwen3Video
             max_frames: int("", "max_frames", 768) as u32,
             frame_factor: temporal,
         },
-        min_pixels: int("shortest_edge", "min_pixels", 128 * 32 * 32),
-        max_pixels: int("longest_edge", "max_pixels", 32 * 32 * 768),
-        mean: three_floats(pre.get("image_mean"), [0.5; 3]),
-        std: three_floats(pre.get("image_std"), [0.5; 3]),
-        patch_size: vision.patch_size as u32,
-        merge_size: vision.spatial_merge_size as u32,
-        temporal_patch_size: temporal,
+        frames: Qwen25Preprocess {
+            min_pixels: int("shortest_edge", "min_pixels", 128 * 32 * 32),
+            max_pixels: int("longest_edge", "max_pixels", 32 * 32 * 768),
+            resample: Resample::BICUBIC,
+            mean: three_floats(pre.get("image_mean"), [0.5; 3]),
+            std: three_floats(pre.get("image_std"), [0.5; 3]),
+            patch_size: vision.patch_size as u32,
+            merge_size: vision.spatial_merge_size as u32,
+            temporal_patch_size: temporal,
+        },
     })
 }
 

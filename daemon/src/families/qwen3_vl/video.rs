@@ -9,20 +9,16 @@
 use super::super::qwen2_5_vl::tower::patchify_frames;
 use super::super::qwen2_5_vl::vision::Qwen25Preprocess;
 use crate::model::family::{MediaPreprocessor, Prepared, VideoPreprocessor};
-use crate::model::image::Resample;
 use crate::model::video::Sampling;
 
-/// `video_preprocessor_config.json`'s parameters and the tower's patch geometry.
+/// `video_preprocessor_config.json`'s parameters: how frames are taken, and
+/// how they are sized and normalized (the image processor's parameters —
+/// budget, mean, std, patch geometry — read from the video config; the
+/// resize is always bicubic, as mlx-vlm's video path does).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen3VideoPreprocess {
     pub sampling: Sampling,
-    pub min_pixels: u64,
-    pub max_pixels: u64,
-    pub mean: [f32; 3],
-    pub std: [f32; 3],
-    pub patch_size: u32,
-    pub merge_size: u32,
-    pub temporal_patch_size: u32,
+    pub frames: Qwen25Preprocess,
 }
 
 /// Qwen3-VL's media preprocessing: images as Qwen2.5-VL's (16-pixel
@@ -85,36 +81,28 @@ impl VideoPreprocessor for Qwen3VideoPreprocess {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "qwen3vl-video;{};smart_resize={},{},{};bicubic;mean={:?};std={:?};patch={}x{}",
-            self.sampling.describe(),
-            self.patch_size * self.merge_size,
-            self.min_pixels,
-            self.max_pixels,
-            self.mean,
-            self.std,
-            self.patch_size,
-            self.temporal_patch_size
-        )
+        let f = &self.frames;
+        format!("qwen3vl-video;{};{};patch={}x{}", self.sampling.describe(), f.describe(), f.patch_size, f.temporal_patch_size)
     }
 
     fn temporal_patch(&self) -> usize {
-        self.temporal_patch_size as usize
+        self.frames.temporal_patch_size as usize
     }
 
     fn prepare(&self, frames: &[image::RgbImage]) -> Result<Vec<Prepared>, String> {
         let Some(first) = frames.first() else { return Err("the video has no frames".into()) };
-        let (p, merge, t) = (self.patch_size, self.merge_size, self.temporal_patch_size);
+        let c = &self.frames;
+        let (p, merge, t) = (c.patch_size, c.merge_size, c.temporal_patch_size);
         let (height, width) = (first.height(), first.width());
         if frames.iter().any(|f| f.dimensions() != (width, height)) {
             return Err("the video's frames change size; every frame must have the same size".into());
         }
-        let (h, w) = smart_resize_video(frames.len(), height, width, t, p * merge, self.min_pixels, self.max_pixels)?;
-        let (m, s) = (self.mean, self.std);
+        let (h, w) = smart_resize_video(frames.len(), height, width, t, p * merge, c.min_pixels, c.max_pixels)?;
+        let (m, s) = (c.mean, c.std);
         let mut normalized: Vec<Vec<f32>> = frames
             .iter()
             .map(|f| {
-                let resized = Resample::BICUBIC.resize(f, w, h);
+                let resized = c.resample.resize(f, w, h);
                 resized.pixels().flat_map(|px| (0..3).map(move |k| (px.0[k] as f32 / 255.0 - m[k]) / s[k])).collect()
             })
             .collect();
