@@ -10,7 +10,8 @@ The tiny models use the SmolLM2 tokenizer: their job is to pin each
 architecture's arithmetic, not language. Weights come from MLX's seeded RNG,
 so the same MLX version rebuilds them bit for bit; tests check a sha256.
 
-  OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/, OUT/tiny-qwen3-vl[-4bit]/
+  OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/, OUT/tiny-qwen3-vl[-4bit]/,
+  OUT/tiny-qwen3_5[-4bit]/
                      random-weight VLMs with the real Gemma 3 / Qwen2.5
                      tokenizers (from the GGUF metadata), in f32 and as
                      mlx-community style 4-bit copies
@@ -296,6 +297,98 @@ def tiny_qwen3_vl(qwen_gguf, out, seed):
          "fps": 2, "min_frames": 4, "max_frames": 16, "do_sample_frames": True}, indent=2) + "\n")
 
 
+def tiny_qwen3_5(qwen_gguf, out, seed):
+    """A tiny Qwen3.5: the Qwen2.5 tokenizer (the vision tokens at Qwen2.5's ids:
+    Qwen3.5's own 248k vocabulary is not packaged anywhere here), Qwen3-VL's chat
+    template and processor configs, and random weights under mlx-community's
+    names: Qwen3-VL's 3-block tower without deepstack, and a 4-layer hybrid
+    decoder (layers 0-2 Gated DeltaNet with a 4-tap depthwise convolution, layer
+    3 gated attention with partial rotary 0.25 and interleaved multimodal rope)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = gguf_tokenizer_files(
+        qwen_gguf, out, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=(TEMPLATES / "qwen3_vl.jinja").read_text())
+    vocab = len(tok["model"]["vocab"])
+    mx.random.seed(seed)
+    w = {}
+    def normal(name, shape, scale=0.1):
+        w[name] = mx.random.normal(shape) * scale
+    def norm(name, d, bias=False):
+        w[f"{name}.weight"] = 1 + mx.random.normal((d,)) * 0.1
+        if bias:
+            normal(f"{name}.bias", (d,), 0.05)
+    def linear(name, o, k, scale=0.15, bias=True):
+        normal(f"{name}.weight", (o, k), scale)
+        if bias:
+            normal(f"{name}.bias", (o,), 0.05)
+    hidden, hk, hv, dk, dv, kernel = 64, 2, 4, 32, 16, 4
+    key_dim, value_dim = hk * dk, hv * dv
+    conv_dim = 2 * key_dim + value_dim
+    lm = "language_model.model"
+    normal(f"{lm}.embed_tokens.weight", (vocab, hidden), 0.5)
+    norm(f"{lm}.norm", hidden)
+    for i in range(4):
+        p = f"{lm}.layers.{i}"
+        for n, (o, k) in [("mlp.gate_proj", (128, hidden)), ("mlp.up_proj", (128, hidden)),
+                          ("mlp.down_proj", (hidden, 128))]:
+            linear(f"{p}.{n}", o, k, bias=False)
+        norm(f"{p}.input_layernorm", hidden)
+        norm(f"{p}.post_attention_layernorm", hidden)
+        if i == 3:
+            for n, (o, k) in [("q_proj", (2 * 4 * 32, hidden)), ("k_proj", (2 * 32, hidden)),
+                              ("v_proj", (2 * 32, hidden)), ("o_proj", (hidden, 4 * 32))]:
+                linear(f"{p}.self_attn.{n}", o, k, bias=False)
+            norm(f"{p}.self_attn.q_norm", 32)
+            norm(f"{p}.self_attn.k_norm", 32)
+        else:
+            a = f"{p}.linear_attn"
+            for n, (o, k) in [("in_proj_qkv", (conv_dim, hidden)), ("in_proj_z", (value_dim, hidden)),
+                              ("in_proj_b", (hv, hidden)), ("in_proj_a", (hv, hidden)),
+                              ("out_proj", (hidden, value_dim))]:
+                linear(f"{a}.{n}", o, k, bias=False)
+            # MLX's Conv1d layout [channels, kernel, 1] (what mlx-vlm's sanitize leaves).
+            normal(f"{a}.conv1d.weight", (conv_dim, kernel, 1), 0.3)
+            w[f"{a}.dt_bias"] = mx.ones((hv,)) + mx.random.normal((hv,)) * 0.1
+            w[f"{a}.A_log"] = mx.log(mx.random.uniform(1.0, 16.0, (hv,)))
+            norm(f"{a}.norm", dv)
+    vt = "vision_tower"
+    normal(f"{vt}.patch_embed.proj.weight", (32, 2, 16, 16, 3), 0.02)
+    normal(f"{vt}.patch_embed.proj.bias", (32,), 0.05)
+    normal(f"{vt}.pos_embed.weight", (64, 32), 0.3)
+    for i in range(3):
+        p = f"{vt}.blocks.{i}"
+        norm(f"{p}.norm1", 32, bias=True)
+        norm(f"{p}.norm2", 32, bias=True)
+        linear(f"{p}.attn.qkv", 96, 32)
+        linear(f"{p}.attn.proj", 32, 32)
+        linear(f"{p}.mlp.linear_fc1", 64, 32)
+        linear(f"{p}.mlp.linear_fc2", 32, 64)
+    norm(f"{vt}.merger.norm", 32, bias=True)
+    linear(f"{vt}.merger.linear_fc1", 128, 128, 0.1)
+    linear(f"{vt}.merger.linear_fc2", hidden, 128, 0.1)
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    text = {"model_type": "qwen3_5_text", "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+            "vocab_size": vocab, "max_position_embeddings": 4096, "full_attention_interval": 4,
+            "linear_num_value_heads": hv, "linear_num_key_heads": hk, "linear_key_head_dim": dk,
+            "linear_value_head_dim": dv, "linear_conv_kernel_dim": kernel, "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000000,
+                                "partial_rotary_factor": 0.25, "mrope_interleaved": True},
+            "tie_word_embeddings": True, "eos_token_id": [151645, 151643]}
+    config = {"model_type": "qwen3_5", "text_config": text,
+              "vision_config": {"model_type": "qwen3_5", "depth": 3, "hidden_size": 32, "intermediate_size": 64,
+                                "out_hidden_size": hidden, "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                                "temporal_patch_size": 2, "num_position_embeddings": 64,
+                                "deepstack_visual_indexes": [], "hidden_act": "gelu_pytorch_tanh"},
+              "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+              "vision_end_token_id": 151653, "tie_word_embeddings": True, "eos_token_id": [151645, 151643]}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    src = out.parent / "tiny-qwen3-vl"
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        shutil.copy(src / name, out / name)
+
+
 def quantized_copy(src, out, bits=4, group=32):
     """An mlx-community style 4-bit copy: the language model's 2-D weights whose
     rows split into groups become (weight uint32, scales, biases); norms and
@@ -335,6 +428,8 @@ def main():
     quantized_copy(out / "tiny-qwen25-vl", out / "tiny-qwen25-vl-4bit")
     tiny_qwen3_vl(qwen_gguf, out / "tiny-qwen3-vl", 9)
     quantized_copy(out / "tiny-qwen3-vl", out / "tiny-qwen3-vl-4bit")
+    tiny_qwen3_5(qwen_gguf, out / "tiny-qwen3_5", 10)
+    quantized_copy(out / "tiny-qwen3_5", out / "tiny-qwen3_5-4bit")
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

@@ -133,6 +133,8 @@ pub struct PromptRoute {
     pub media: Option<media::MediaRoute>,
     /// The model's KV identity, where the prompt cache's block names start.
     pub kv_root: Option<[u8; 32]>,
+    /// The model keeps recurrent states (its prefixes need them stored).
+    pub recurrent: bool,
 }
 
 impl std::fmt::Debug for PromptRoute {
@@ -893,6 +895,7 @@ impl Engine {
                     placeholder: m.vision.as_ref().map(|v| v.placeholder.clone()),
                     media: media::MediaRoute::of(m),
                     kv_root: m.kv_root,
+                    recurrent: m.lm.recurrent(),
                 };
                 Some((asked.clone(), route))
             })

@@ -139,9 +139,42 @@ pub struct PromptKeys {
     /// were computed seeing the whole image, and the prefill that follows
     /// must start on a boundary it can see from).
     inside_images: Vec<(usize, usize)>,
+    /// The model keeps recurrent states (Qwen3.5): a prefix is reusable
+    /// only where a state was stored with it.
+    pub recurrent: bool,
+}
+
+/// The name a recurrent model's states after the prefix `link` ends are
+/// stored under (beside that prefix's last block).
+pub fn state_name(link: &BlockHash) -> BlockHash {
+    let mut h = Sha256::new();
+    h.update(link);
+    h.update(b"recurrent state");
+    h.finalize().into()
 }
 
 impl PromptKeys {
+    /// For a model that keeps recurrent states.
+    pub fn for_recurrent(mut self, recurrent: bool) -> Self {
+        self.recurrent = recurrent;
+        self
+    }
+
+    /// The end of the longest prefix that may be stored and reused (a block
+    /// boundary or the tail, never inside an image), if any: where a
+    /// recurrent model saves its states.
+    pub fn longest_storable(&self) -> Option<usize> {
+        let tail = self.tail.map(|(end, _)| end);
+        let blocks = (1..=self.blocks.len()).rev().map(|i| i * BLOCK_TOKENS).find(|&e| self.may_end_at(e));
+        tail.into_iter().chain(blocks).max()
+    }
+
+    /// Each link of the chain (blocks, then the tail) with the position it ends at.
+    fn links(&self) -> Vec<(BlockHash, usize)> {
+        let blocks = self.blocks.iter().enumerate().map(|(i, h)| (*h, (i + 1) * BLOCK_TOKENS));
+        blocks.chain(self.tail.map(|(end, h)| (h, end))).collect()
+    }
+
     /// Keys of `ids` (with its images' spans) for the model of `root`.
     pub fn of(root: &[u8; 32], ids: &[u32], media: &[MediaSpan]) -> Self {
         let reusable = ids.len().saturating_sub(1);
@@ -169,7 +202,13 @@ impl PromptKeys {
             let before = if full == 0 { *root } else { blocks[full - 1] };
             (p, link(&before, full * BLOCK_TOKENS, p))
         });
-        Self { root: *root, blocks, tail, inside_images: media.iter().map(|m| (m.start, m.end)).collect() }
+        Self {
+            root: *root,
+            blocks,
+            tail,
+            inside_images: media.iter().map(|m| (m.start, m.end)).collect(),
+            recurrent: false,
+        }
     }
 
     fn may_end_at(&self, end: usize) -> bool {
@@ -238,6 +277,21 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
                 out.blocks.insert(*hash, block);
             }
             None => break,
+        }
+    }
+    if keys.recurrent {
+        // The states saved with the longest stored prefix (one per prompt).
+        let read = |h: &BlockHash| out.blocks.contains_key(h) || shared.lock().unwrap().in_ram.contains(h);
+        for (link, _) in keys.links().iter().rev().filter(|(l, _)| read(l)) {
+            let name = state_name(link);
+            if shared.lock().unwrap().in_ram.contains(&name) {
+                break;
+            }
+            if let Some(state) = disk.read(&name) {
+                out.bytes += state.data.len() as u64;
+                out.blocks.insert(name, state);
+                break;
+            }
         }
     }
     out.read_s = started.elapsed().as_secs_f64();
@@ -372,6 +426,7 @@ impl PromptCache {
         mut stored: StoredBlocks,
         layers: usize,
         bytes_per_position: u64,
+        state_layout: &crate::model::kv_cache::StateLayout,
     ) -> Option<Reuse> {
         if !self.is_on() {
             return None;
@@ -398,14 +453,38 @@ impl PromptCache {
             }
         }
         // Each link with the positions it must hold.
-        let chain: Vec<(BlockHash, bool, usize)> = run
+        let mut chain: Vec<(BlockHash, bool, usize)> = run
             .into_iter()
             .map(|(h, r)| (h, r, BLOCK_TOKENS))
             .chain(tail.map(|(end, h, r)| (h, r, end % BLOCK_TOKENS)))
             .collect();
+        // A recurrent model's prefix ends where its states were stored.
+        let mut state = None;
+        if keys.recurrent {
+            while let Some((last, _, _)) = chain.last() {
+                let name = state_name(last);
+                let flat = match self.ram.get(&name) {
+                    Some(b) => Some(b.data.clone()),
+                    None => stored.blocks.remove(&name).and_then(|f| to_array(&f)),
+                };
+                let states = flat.as_ref().and_then(|f| {
+                    let values = f.reshape(&[-1]).ok()?;
+                    crate::model::kv_cache::unflatten_states(&values, state_layout)
+                });
+                if let Some(states) = states {
+                    if !self.ram.contains(&name) {
+                        self.put_ram(name, flat.unwrap(), 0);
+                    }
+                    state = Some(states);
+                    break;
+                }
+                chain.pop();
+            }
+        }
         if chain.is_empty() {
             return None;
         }
+        let chain_tokens: usize = chain.iter().map(|(_, _, p)| p).sum();
         let mut pieces = Vec::with_capacity(chain.len());
         let (mut ram_tokens, mut disk_tokens) = (0, 0);
         let converting = std::time::Instant::now();
@@ -435,7 +514,14 @@ impl PromptCache {
             return None;
         }
         let disk_cost = (disk_tokens > 0).then(|| (stored.bytes, stored.read_s + converting.elapsed().as_secs_f64()));
-        let cache = assemble(&pieces, layers).ok()?;
+        if keys.recurrent && ram_tokens + disk_tokens != chain_tokens {
+            // A block of the run could not be used: its states are not these.
+            return None;
+        }
+        let mut cache = assemble(&pieces, layers).ok()?;
+        if let Some(states) = state {
+            cache.set_states(states);
+        }
         self.counters.ram_hit_tokens += ram_tokens as u64;
         self.counters.disk_hit_tokens += disk_tokens as u64;
         Some(Reuse { cache, ram_tokens, disk_tokens, disk_cost })
@@ -466,7 +552,17 @@ impl PromptCache {
         if !self.is_on() {
             return;
         }
-        let have = (cache.offset - cache.paddings().get(row).copied().unwrap_or(0)).max(0) as usize;
+        let mut have = (cache.offset - cache.paddings().get(row).copied().unwrap_or(0)).max(0) as usize;
+        // A recurrent model stores up to where its states were saved (and
+        // those states), nothing without them.
+        let checkpoint = match (&cache.checkpoint, cache.has_states()) {
+            (Some((at, states)), _) => Some((*at as usize, states)),
+            (None, true) => return,
+            (None, false) => None,
+        };
+        if let Some((at, _)) = checkpoint {
+            have = have.min(at);
+        }
         let mut spans: Vec<(BlockHash, usize, usize)> =
             keys.blocks.iter().enumerate().map(|(i, h)| (*h, i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)).collect();
         if let Some((end, hash)) = keys.tail {
@@ -487,6 +583,20 @@ impl PromptCache {
                     // A model whose layers' KV differ in shape: not cached.
                     tracing::debug!(error = %format!("{e:#}"), "prompt cache: block not stored");
                     return;
+                }
+            }
+        }
+        if let Some((at, states)) = checkpoint {
+            let Some((link, _)) = keys.links().into_iter().find(|&(_, end)| end == at) else { return };
+            let name = state_name(&link);
+            if !self.ram.contains(&name) {
+                // Five axes, as every stored value has.
+                match crate::model::kv_cache::flatten_states(states).and_then(|f| Ok(f.reshape(&[1, 1, 1, 1, -1])?)) {
+                    Ok(flat) => fresh.push((name, flat, 0)),
+                    Err(e) => {
+                        tracing::debug!(error = %format!("{e:#}"), "prompt cache: states not stored");
+                        return;
+                    }
                 }
             }
         }

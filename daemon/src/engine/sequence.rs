@@ -240,6 +240,7 @@ impl Sequence {
     /// other, no multimodal rope.
     pub fn can_prefill_together(&self) -> bool {
         self.prefill_at == Some(0)
+            && !self.s.model.lm.recurrent()
             && self.s.blocks.is_none()
             && self.s.cache.mrope.is_none()
             && self.s.reused == 0
@@ -288,10 +289,19 @@ impl Sequence {
         let n = self.s.ids.len();
         let to = n - 1;
         if at < to {
-            let end = chunk_end(self.s.blocks.as_deref(), at, to, self.s.prefill_chunk);
+            let mut end = chunk_end(self.s.blocks.as_deref(), at, to, self.s.prefill_chunk);
+            // A recurrent model's state is saved where the prefix the prompt
+            // cache may store ends, so a chunk ends there.
+            let checkpoint = self.state_checkpoint().filter(|&p| at < p && p <= end);
+            if let Some(p) = checkpoint {
+                end = p;
+            }
             let lm = &self.s.model.lm;
             lm.forward(&positions(&self.s.embeds, at, end)?, &mut self.s.cache, self.s.blocks.as_deref())
                 .map_err(EngineError::inference)?;
+            if checkpoint.is_some() {
+                self.s.cache.checkpoint_states();
+            }
             // The prompt's final chunk is queued, not waited for: the host
             // builds the last position's step while the device computes it.
             if end < to {
@@ -324,12 +334,23 @@ impl Sequence {
             self.note_prefill_costs(&keys, prompts);
             prompts.store(&keys, &self.s.cache, 0);
         }
+        self.s.cache.checkpoint = None;
         if let Some(end) = ended {
             return end.map(Prefilled::Finished);
         }
         let cache = std::mem::replace(&mut self.s.cache, KvCache::new(0));
         self.handoff = Some((cache, next));
         Ok(Prefilled::Ready)
+    }
+
+    /// For a recurrent model whose prompt is cached, the position where the
+    /// prefix the prompt cache may store ends (its last full block, or the
+    /// end of its last image when that is further): its state is saved there.
+    fn state_checkpoint(&self) -> Option<usize> {
+        if !self.s.model.lm.recurrent() {
+            return None;
+        }
+        self.s.keys.as_ref().and_then(|k| k.longest_storable())
     }
 
     /// Takes the next generated token: stops on end-of-sequence, a stop

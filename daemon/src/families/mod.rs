@@ -7,6 +7,7 @@
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2_5_vl;
+pub mod qwen3_5;
 pub mod qwen3_vl;
 pub mod whisper;
 
@@ -69,6 +70,12 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["qwen2_5_vl"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(qwen2_5_vl::load_dir),
+        load_gguf: None,
+    },
+    Family {
+        model_types: &["qwen3_5"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Chat(qwen3_5::load_dir),
         load_gguf: None,
     },
     Family {

@@ -65,6 +65,15 @@ pub trait LanguageModel {
     fn decode_graph(&self) -> Option<DecodeGraph> {
         None
     }
+
+    /// True when some layers keep a recurrent state in the cache (Qwen3.5's
+    /// Gated DeltaNet): a prefix is then reusable only where its state was
+    /// saved, and the model's prompts are prefilled one at a time (each
+    /// saving its state at its own block boundary), its decode steps
+    /// batched as any model's.
+    fn recurrent(&self) -> bool {
+        false
+    }
 }
 
 /// Media made ready for a tower on the CPU: values in the layout the tower

@@ -37,6 +37,17 @@ pub struct KvCache {
     /// `(start, queries, keys, window)`: every layer of a forward pass asks
     /// for the same one (two kinds with sliding-window layers).
     masks: Vec<(MaskKey, Array)>,
+    /// Per recurrent layer (a family's own slot numbers), its state arrays
+    /// with the rows on axis 0: Qwen3.5's Gated DeltaNet keeps its
+    /// convolution window and its delta-rule state here instead of keys
+    /// and values. A state covers every position so far, so it cannot be
+    /// cut at an earlier position the way keys and values can.
+    states: Vec<Option<Vec<Array>>>,
+    /// The states as they were after `.0` positions of a one-row cache
+    /// (taken by [`Self::checkpoint_states`] where a prefill chunk ended):
+    /// the prompt cache stores them with the prefix ending there, the only
+    /// prefix of this prompt a later prompt can reuse.
+    pub checkpoint: Option<(i32, Vec<Option<Vec<Array>>>)>,
 }
 
 type MaskKey = (i32, i32, i32, Option<i32>);
@@ -51,6 +62,45 @@ impl KvCache {
             mrope: None,
             deepstack: None,
             masks: Vec::new(),
+            states: Vec::new(),
+            checkpoint: None,
+        }
+    }
+
+    /// Recurrent layer `slot`'s state arrays, when it has run.
+    pub fn state(&self, slot: usize) -> Option<&[Array]> {
+        self.states.get(slot).and_then(|s| s.as_deref())
+    }
+
+    /// Replaces recurrent layer `slot`'s state arrays.
+    pub fn set_state(&mut self, slot: usize, arrays: Vec<Array>) {
+        if self.states.len() <= slot {
+            self.states.resize(slot + 1, None);
+        }
+        self.states[slot] = Some(arrays);
+    }
+
+    /// True when some layer keeps a recurrent state (its prefixes are
+    /// reusable only where the state was saved).
+    pub fn has_states(&self) -> bool {
+        self.states.iter().any(Option::is_some)
+    }
+
+    /// Every recurrent layer's state, by slot (for a checkpoint or the
+    /// prompt cache).
+    pub fn states(&self) -> &[Option<Vec<Array>>] {
+        &self.states
+    }
+
+    /// Sets every recurrent layer's state (a reused prefix's).
+    pub fn set_states(&mut self, states: Vec<Option<Vec<Array>>>) {
+        self.states = states;
+    }
+
+    /// Remembers the states as they are now, after `offset` positions.
+    pub fn checkpoint_states(&mut self) {
+        if self.has_states() {
+            self.checkpoint = Some((self.offset, self.states.clone()));
         }
     }
 
@@ -136,7 +186,8 @@ impl KvCache {
         if !self.left_padding.is_empty() {
             return self.left_padding.len();
         }
-        self.layers.iter().flatten().next().map_or(1, |(k, _)| k.shape()[0] as usize)
+        let from_states = || self.states.iter().flatten().next().map_or(1, |s| s[0].shape()[0] as usize);
+        self.layers.iter().flatten().next().map_or_else(from_states, |(k, _)| k.shape()[0] as usize)
     }
 
     /// Each row's padding (zeros when unpadded).
@@ -204,6 +255,16 @@ impl KvCache {
             };
             *mine = Some((cat(k, ok)?, cat(v, ov)?));
         }
+        // A recurrent state holds no positions: rows are just stacked.
+        anyhow::ensure!(self.states.len() == other.states.len(), "caches of different models");
+        for (mine, theirs) in self.states.iter_mut().zip(other.states) {
+            if let (Some(a), Some(b)) = (mine.as_mut(), theirs) {
+                for (x, y) in a.iter_mut().zip(b) {
+                    *x = mlx_rs::ops::concatenate(&[&*x, &y], 0)?;
+                }
+            }
+        }
+        self.checkpoint = None;
         self.set_paddings(pads);
         Ok(())
     }
@@ -221,6 +282,11 @@ impl KvCache {
         let end = self.offset;
         let rows = |b: Array| -> Result<Array> { Ok(b.index((.., .., shared..end, ..)).take_axis(&idx, 0)?) };
         self.map_buffers(|k, v| Ok((rows(k)?, rows(v)?)))?;
+        for arrays in self.states.iter_mut().flatten() {
+            for a in arrays.iter_mut() {
+                *a = a.take_axis(&idx, 0)?;
+            }
+        }
         self.offset -= shared;
         self.set_paddings(kept.into_iter().map(|p| p - shared).collect());
         Ok(())
@@ -279,14 +345,16 @@ impl KvCache {
         self.layers.iter().flatten().next().map_or(0, |(k, _)| k.shape()[2])
     }
 
-    /// Bytes the cached keys and values take.
+    /// Bytes the cached keys and values take (recurrent states, whose
+    /// size does not grow with the positions, not counted).
     pub fn nbytes(&self) -> u64 {
-        self.arrays().iter().map(|a| a.nbytes() as u64).sum()
+        self.layers.iter().flatten().map(|(k, v)| (k.nbytes() + v.nbytes()) as u64).sum()
     }
 
-    /// Arrays to evaluate so the cache is materialized.
+    /// Arrays to evaluate so the cache is materialized (states included).
     pub fn arrays(&self) -> Vec<&Array> {
-        self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
+        let kv = self.layers.iter().flatten().flat_map(|(k, v)| [k, v]);
+        kv.chain(self.states.iter().flatten().flatten()).collect()
     }
 }
 
@@ -372,4 +440,51 @@ impl Deepstack {
         let added = table.take_axis(Array::from_slice(&rows, &[len]), 0)?;
         Ok(Some(added.reshape(&[1, len, -1])?))
     }
+}
+
+/// The shapes and dtypes of one row's recurrent states, slot by slot (what
+/// [`flatten_states`] writes and [`unflatten_states`] reads back).
+pub type StateLayout = Vec<Option<Vec<(Vec<i32>, mlx_rs::Dtype)>>>;
+
+/// The layout of `states` (one row).
+pub fn state_layout(states: &[Option<Vec<Array>>]) -> StateLayout {
+    states.iter().map(|s| s.as_ref().map(|arrays| arrays.iter().map(|a| (a.shape().to_vec(), a.dtype())).collect())).collect()
+}
+
+/// One row's recurrent states as one float32 vector, slot by slot (each
+/// state's dtype converts back exactly: float16 and bfloat16 are subsets).
+pub fn flatten_states(states: &[Option<Vec<Array>>]) -> Result<Array> {
+    let mut parts = Vec::new();
+    for a in states.iter().flatten().flatten() {
+        parts.push(a.as_dtype(mlx_rs::Dtype::Float32)?.reshape(&[-1])?);
+    }
+    anyhow::ensure!(!parts.is_empty(), "no recurrent state");
+    Ok(mlx_rs::ops::concatenate(&parts, 0)?)
+}
+
+/// The states [`flatten_states`] wrote, in `layout`; `None` when `flat`
+/// does not hold exactly that many values.
+pub fn unflatten_states(flat: &Array, layout: &StateLayout) -> Option<Vec<Option<Vec<Array>>>> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let total: i64 = layout.iter().flatten().flatten().map(|(s, _)| s.iter().map(|&d| d as i64).product::<i64>()).sum();
+    if flat.ndim() != 1 || flat.shape()[0] as i64 != total || flat.dtype() != mlx_rs::Dtype::Float32 {
+        return None;
+    }
+    let mut at = 0i32;
+    let mut out = Vec::with_capacity(layout.len());
+    for slot in layout {
+        out.push(match slot {
+            None => None,
+            Some(arrays) => {
+                let mut got = Vec::with_capacity(arrays.len());
+                for (shape, dtype) in arrays {
+                    let n: i32 = shape.iter().product();
+                    got.push(flat.index(at..at + n).reshape(shape).ok()?.as_dtype(*dtype).ok()?);
+                    at += n;
+                }
+                Some(got)
+            }
+        });
+    }
+    Some(out)
 }

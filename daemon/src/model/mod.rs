@@ -214,6 +214,10 @@ pub struct Model {
     /// KV cache bytes one position takes in every layer (measured by
     /// [`Self::warm_up`]): what the scheduler reserves per position.
     pub kv_bytes_per_position: u64,
+    /// One row's recurrent states' shapes (measured by [`Self::warm_up`];
+    /// empty for a model without them): how the prompt cache reads a
+    /// stored state back.
+    pub state_layout: kv_cache::StateLayout,
     /// The identity of this model's KV (weights, load form, device), which
     /// the prompt cache's block names start from; `None`: not cached.
     pub kv_root: Option<[u8; 32]>,
@@ -252,6 +256,7 @@ impl Model {
             vision,
             compiled_decode,
             kv_bytes_per_position: 0,
+            state_layout: Vec::new(),
             kv_root: None,
             constraints: Default::default(),
         }
@@ -287,6 +292,7 @@ impl Model {
         let h = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, None)?;
         self.lm.logits(&h)?.eval()?;
         self.kv_bytes_per_position = cache.nbytes() / cache.capacity().max(1) as u64;
+        self.state_layout = kv_cache::state_layout(cache.states());
         Ok(())
     }
 

@@ -144,7 +144,7 @@ async fn tokenize(
     )?;
     let (prompter, request_copy) = (route.prompter.clone(), request.clone());
     let placeholder = route.placeholder.clone();
-    let (kv_root, context) = (route.kv_root, route.context);
+    let (kv_root, context, recurrent) = (route.kv_root, route.context, route.recurrent);
     let (disk, in_ram) = (engine.prompt_disk.clone(), engine.prompt_shared.clone());
     type Made = Option<(Vec<u32>, prompt_cache::StoredBlocks)>;
     let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Made> {
@@ -163,7 +163,8 @@ async fn tokenize(
         let ids = prompter.encode(&text)?;
         let stored = match (kv_root, &disk) {
             (Some(root), Some(disk)) if ids.len() < context => {
-                prompt_cache::read_stored(&prompt_cache::PromptKeys::of(&root, &ids, &[]), &in_ram, disk)
+                let keys = prompt_cache::PromptKeys::of(&root, &ids, &[]).for_recurrent(recurrent);
+                prompt_cache::read_stored(&keys, &in_ram, disk)
             }
             _ => Default::default(),
         };

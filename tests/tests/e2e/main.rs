@@ -15,6 +15,7 @@ mod hostile_gateway;
 mod http;
 mod lifecycle;
 mod prompt_cache;
+mod qwen3_5;
 mod pull;
 mod reference;
 mod residency;

@@ -328,7 +328,7 @@ fn slice_update_dynamic(src: &Array, update: &Array, start: &Array, axis: i32) -
 
 /// `silu(gate) * up` as one fused kernel (compiled once per thread,
 /// shapeless), as mlx-lm's `swiglu`: one launch per layer instead of three.
-fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+pub(crate) fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
     type Swiglu = Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
     thread_local! {
         static SWIGLU: std::cell::RefCell<Swiglu> = std::cell::RefCell::new(Box::new(

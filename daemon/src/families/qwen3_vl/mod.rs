@@ -13,6 +13,7 @@ use crate::model::image::Resample;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
 use crate::model::video::Sampling;
+use crate::model::family::{LanguageModel, VisionTower};
 use crate::model::{chat_parts, read_json, Model, Placeholder, Vision, VideoPrompt};
 use crate::options::ModelOptions;
 use anyhow::{Context, Result};
@@ -34,6 +35,24 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         text_json["tie_word_embeddings"] = raw.get("tie_word_embeddings").cloned().unwrap_or(false.into());
     }
     let text = TextConfig::from_hf_json(&text_json.to_string())?;
+    let lm = |t: TensorMap| -> Result<Box<dyn LanguageModel>> {
+        Ok(Box::new(Transformer::from_tensors(text, t.strip_prefix("language_model."))?))
+    };
+    load_parts(dir, raw, form, memo, &text_json, lm, |tower| Ok(Box::new(tower)))
+}
+
+/// A directory of Qwen3-VL's layout with the language model `lm` builds
+/// from its tensors and the tower `wrap` makes of Qwen3-VL's (Qwen3.5
+/// shares the tower, the preprocessing and the prompt).
+pub(crate) fn load_parts(
+    dir: &Path,
+    raw: &serde_json::Value,
+    form: ModelOptions,
+    memo: Option<&sled::Tree>,
+    text_json: &serde_json::Value,
+    lm: impl FnOnce(TensorMap) -> Result<Box<dyn LanguageModel>>,
+    wrap: impl FnOnce(Qwen3Tower) -> Result<Box<dyn VisionTower>>,
+) -> Result<Model> {
     let vision: Qwen3VisionConfig =
         serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = raw.get("image_token_id").and_then(|v| v.as_u64()).unwrap_or(151655) as u32;
@@ -59,7 +78,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     }
     let (tokenizer, template, eos_ids) = chat_parts(dir, &eos_source)?;
     let tower = Qwen3VisionTower::load(vision, &mut tensors, "vision_tower")?;
-    let lm = Transformer::from_tensors(text, tensors.strip_prefix("language_model."))?;
+    let lm = lm(tensors)?;
     let image_token = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<|image_pad|>".into());
     let placeholder =
         Placeholder { text: image_token.clone(), prefix: String::new(), image_token, suffix: String::new() };
@@ -75,10 +94,10 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         end,
         token_id: video_token_id,
     };
-    let tower = Qwen3Tower { tower, image_token_id, video_token_id };
-    let mut vision = Vision::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    let tower = wrap(Qwen3Tower { tower, image_token_id, video_token_id })?;
+    let mut vision = Vision::new(tower, Arc::new(preprocess), fingerprint, placeholder, image_token_id);
     vision.video = Some(video_prompt);
-    Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))
+    Ok(Model::new(lm, tokenizer, template, eos_ids, Some(vision)))
 }
 
 /// `video_preprocessor_config.json` (HF's Qwen3-VL form: the budget as
