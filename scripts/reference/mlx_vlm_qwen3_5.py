@@ -3,7 +3,8 @@
 
 On tiny-qwen3_5 (and its 4-bit copy): the chat template, the processor and
 greedy decoding (`mlx_vlm.generate`) for an image and a question
-(tests/fixtures/reference/vlm-pipeline.png), for text alone, and for a long
+(tests/fixtures/reference/vlm-pipeline.png), for that image twice, for
+the committed clip (vlm-video.mp4, sampled as mlx-vlm's `load_video`), for text alone, and for a long
 text prompt of several prompt-cache blocks and a follow-up that shares its
 first blocks (the recurrent state's reuse); the tower's features of the
 image and the first logits of the text prompt. Writes
@@ -58,6 +59,20 @@ def main():
                       "generated_ids": list(result.token_ids)}
         features, _ = model.vision_tower(inputs["pixel_values"], inputs["image_grid_thw"])
         tensors[f"{family}.features"] = features
+        tensors[f"{family}.pixels"] = inputs["pixel_values"]
+        tensors[f"{family}.grid"] = inputs["image_grid_thw"]
+        clip = out / "vlm-video.mp4"
+        for case, content, images, videos in [
+                ("two_images", [{"type": "image"}, {"type": "image"}], [str(image), str(image)], None),
+                ("video", [{"type": "video"}], None, [str(clip)])]:
+            messages = [{"role": "user", "content": content + [{"type": "text", "text": QUESTION}]}]
+            prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = prepare_inputs(processor, images=images, videos=videos, prompts=prompt,
+                                    image_token_index=model.config.image_token_id)
+            result = generate(model, processor, prompt, image=images, video=videos, max_tokens=STEPS,
+                              temperature=0.0, verbose=False)
+            g[case] = {"text": QUESTION, "prompt_ids": inputs["input_ids"].tolist()[0],
+                       "generated_ids": list(result.token_ids)}
         g["text"] = text_case(model, processor, TEXT)
         g["long"] = text_case(model, processor, LONG)
         g["follow_up"] = text_case(model, processor, FOLLOW_UP)

@@ -2,7 +2,8 @@
 //! Qwen3-VL's tower) through the real daemon on a real socket, against
 //! mlx-vlm 0.7.10's `generate` on the same tiny fixtures (goldens from
 //! scripts/reference/mlx_vlm_qwen3_5.py): greedy ids exactly for text, a
-//! long prompt, a follow-up, an image (f32 and 4-bit); the recurrent state
+//! long prompt, a follow-up, an image, two images and a video (f32 and
+//! 4-bit); the recurrent state
 //! through continuous batching (all at once, the same ids); and the prompt
 //! cache, which reuses a prefix only where its state was stored — from RAM,
 //! and from disk after a restart — with the same ids.
@@ -25,12 +26,16 @@ fn request(g: &serde_json::Value, family: &str, case: &str) -> GenerateRequest {
     let want = &g[family][case];
     let text = want["text"].as_str().unwrap();
     let mut r = greedy(Some(family), text, want["generated_ids"].as_array().unwrap().len() as u32);
-    if case == "image" {
-        let png = std::fs::read(workspace().join("tests/fixtures/reference").join(g["image"].as_str().unwrap())).unwrap();
-        let mut m = ChatMessage::user(text);
-        m.images = vec![MediaRef::from_bytes(png)];
-        r.messages = vec![m];
-    }
+    let file = |name: &str| std::fs::read(workspace().join("tests/fixtures/reference").join(name)).unwrap();
+    let media = match case {
+        "image" => vec![MediaRef::from_bytes(file(g["image"].as_str().unwrap()))],
+        "two_images" => vec![MediaRef::from_bytes(file(g["image"].as_str().unwrap())); 2],
+        "video" => vec![MediaRef::video(file("vlm-video.mp4"))],
+        _ => return r,
+    };
+    let mut m = ChatMessage::user(text);
+    m.images = media;
+    r.messages = vec![m];
     r
 }
 
@@ -53,7 +58,7 @@ async fn qwen3_5_matches_mlx_vlm_alone_batched_and_from_the_prompt_cache() {
         check_weights(&fixture(&format!("mlx/{family}")), &g[family]);
     }
     let mut d = daemon();
-    let cases = ["text", "image", "long", "follow_up"];
+    let cases = ["text", "image", "two_images", "video", "long", "follow_up"];
     for family in FAMILIES {
         // One at a time: `long` stores its first two blocks with the
         // states after them; `follow_up` shares them.
@@ -68,6 +73,11 @@ async fn qwen3_5_matches_mlx_vlm_alone_batched_and_from_the_prompt_cache() {
                 assert_eq!(s.prefix_tokens_reused, 0, "{family}: nothing stored yet");
             }
         }
+        // The image asked again: its prefix up to the image's end (a tail
+        // block, with the states after it) and its features are reused.
+        let s = ask_ok(&d, request(&g, family, "image")).await;
+        assert_golden(&g, family, "image", &s, "again");
+        assert!(s.prefix_tokens_reused > 0 && s.encoder_hits == 1, "{family}: the image's prefix and features: {s:?}");
     }
     // All at once: their decode steps share batches (rows joining and
     // leaving with their recurrent states), their prefixes come from RAM.
