@@ -212,6 +212,32 @@ def tiny_qwen25_vl(qwen_gguf, out, seed):
          "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True}, indent=2) + "\n")
 
 
+def qwen3_vl_tower(normal, norm, linear, deepstack):
+    """Qwen3-VL's tiny tower (shared by Qwen3.5): 16-pixel patches, an 8x8
+    position table, 3 LayerNorm blocks, the 2x2 merger into 64 wide, and
+    `deepstack` deepstack mergers (in the RNG order the fixtures were made in)."""
+    vt = "vision_tower"
+    normal(f"{vt}.patch_embed.proj.weight", (32, 2, 16, 16, 3), 0.02)
+    normal(f"{vt}.patch_embed.proj.bias", (32,), 0.05)
+    normal(f"{vt}.pos_embed.weight", (64, 32), 0.3)
+    for i in range(3):
+        p = f"{vt}.blocks.{i}"
+        norm(f"{p}.norm1", 32, bias=True)
+        norm(f"{p}.norm2", 32, bias=True)
+        linear(f"{p}.attn.qkv", 96, 32)
+        linear(f"{p}.attn.proj", 32, 32)
+        linear(f"{p}.mlp.linear_fc1", 64, 32)
+        linear(f"{p}.mlp.linear_fc2", 32, 64)
+    norm(f"{vt}.merger.norm", 32, bias=True)
+    linear(f"{vt}.merger.linear_fc1", 128, 128, 0.1)
+    linear(f"{vt}.merger.linear_fc2", 64, 128, 0.1)
+    for j in range(deepstack):
+        p = f"{vt}.deepstack_merger_list.{j}"
+        norm(f"{p}.norm", 128, bias=True)
+        linear(f"{p}.linear_fc1", 128, 128, 0.1)
+        linear(f"{p}.linear_fc2", 64, 128, 0.1)
+
+
 def tiny_qwen3_vl(qwen_gguf, out, seed):
     """A tiny Qwen3-VL: the Qwen2.5 tokenizer (Qwen3-VL's vocabulary is the same
     151,643 pieces with the vision tokens at the same ids), Qwen3-VL's chat
@@ -249,26 +275,7 @@ def tiny_qwen3_vl(qwen_gguf, out, seed):
         for n, d in [("self_attn.q_norm", 16), ("self_attn.k_norm", 16), ("input_layernorm", 64),
                      ("post_attention_layernorm", 64)]:
             norm(f"{p}.{n}", d)
-    vt = "vision_tower"
-    normal(f"{vt}.patch_embed.proj.weight", (32, 2, 16, 16, 3), 0.02)
-    normal(f"{vt}.patch_embed.proj.bias", (32,), 0.05)
-    normal(f"{vt}.pos_embed.weight", (64, 32), 0.3)
-    for i in range(3):
-        p = f"{vt}.blocks.{i}"
-        norm(f"{p}.norm1", 32, bias=True)
-        norm(f"{p}.norm2", 32, bias=True)
-        linear(f"{p}.attn.qkv", 96, 32)
-        linear(f"{p}.attn.proj", 32, 32)
-        linear(f"{p}.mlp.linear_fc1", 64, 32)
-        linear(f"{p}.mlp.linear_fc2", 32, 64)
-    norm(f"{vt}.merger.norm", 32, bias=True)
-    linear(f"{vt}.merger.linear_fc1", 128, 128, 0.1)
-    linear(f"{vt}.merger.linear_fc2", 64, 128, 0.1)
-    for j in range(2):
-        p = f"{vt}.deepstack_merger_list.{j}"
-        norm(f"{p}.norm", 128, bias=True)
-        linear(f"{p}.linear_fc1", 128, 128, 0.1)
-        linear(f"{p}.linear_fc2", 64, 128, 0.1)
+    qwen3_vl_tower(normal, norm, linear, deepstack=2)
     mx.eval(w)
     mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
     text = {"model_type": "qwen3_vl_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
@@ -351,21 +358,7 @@ def tiny_qwen3_5(qwen_gguf, out, seed):
             w[f"{a}.dt_bias"] = mx.ones((hv,)) + mx.random.normal((hv,)) * 0.1
             w[f"{a}.A_log"] = mx.log(mx.random.uniform(1.0, 16.0, (hv,)))
             norm(f"{a}.norm", dv)
-    vt = "vision_tower"
-    normal(f"{vt}.patch_embed.proj.weight", (32, 2, 16, 16, 3), 0.02)
-    normal(f"{vt}.patch_embed.proj.bias", (32,), 0.05)
-    normal(f"{vt}.pos_embed.weight", (64, 32), 0.3)
-    for i in range(3):
-        p = f"{vt}.blocks.{i}"
-        norm(f"{p}.norm1", 32, bias=True)
-        norm(f"{p}.norm2", 32, bias=True)
-        linear(f"{p}.attn.qkv", 96, 32)
-        linear(f"{p}.attn.proj", 32, 32)
-        linear(f"{p}.mlp.linear_fc1", 64, 32)
-        linear(f"{p}.mlp.linear_fc2", 32, 64)
-    norm(f"{vt}.merger.norm", 32, bias=True)
-    linear(f"{vt}.merger.linear_fc1", 128, 128, 0.1)
-    linear(f"{vt}.merger.linear_fc2", hidden, 128, 0.1)
+    qwen3_vl_tower(normal, norm, linear, deepstack=0)
     mx.eval(w)
     mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
     text = {"model_type": "qwen3_5_text", "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 128,
