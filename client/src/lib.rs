@@ -23,9 +23,9 @@ pub use error::ClientError;
 /// The wire types a caller builds requests from and reads events as.
 pub use mlxbc_shared::protocol::{
     CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, ErrorKind, GenerateRequest,
-    GenerationStats, KeepAlive, LoadedModel, MediaKind, MediaRef, ModelInfo, PromptCacheReport, Request, Response, Role,
-    SamplingParams, SessionCommand, SessionInfo, ShedEvent, StopReason, TranscribeRequest, TranscribeStats, Transcript,
-    TranscriptSegment, PROTOCOL_VERSION,
+    GenerationStats, KeepAlive, LoadedModel, MediaKind, MediaRef, ModelInfo, PromptCacheReport, Request, Response,
+    Role, SamplingParams, SessionCommand, SessionInfo, ShedEvent, StopReason, TranscribeRequest, TranscribeStats,
+    Transcript, TranscriptSegment, PROTOCOL_VERSION,
 };
 pub use mlxbc_shared::settings::Settings;
 /// Transcripts as SubRip and WebVTT subtitles.
@@ -188,7 +188,8 @@ impl Client {
 
     /// Encodes images ahead of time; returns (encoded now, already stored).
     pub async fn prefetch(&mut self, model: Option<&str>, media: Vec<MediaRef>) -> Result<(u32, u32), ClientError> {
-        let hashes_only: Vec<MediaRef> = media.iter().map(|m| MediaRef { sha256: m.sha256, bytes: None, kind: m.kind }).collect();
+        let hashes_only: Vec<MediaRef> =
+            media.iter().map(|m| MediaRef { sha256: m.sha256, bytes: None, kind: m.kind }).collect();
         let mut answer = self.call(Request::Prefetch { model: model.map(String::from), media: hashes_only }).await?;
         if let Response::NeedMedia { missing } = &answer {
             let needed = media

@@ -78,7 +78,9 @@ fn the_chunked_scan_equals_the_recurrence_token_by_token() {
     use mlx_rs::ops::indexing::IndexOp;
     let (b, t, hk, hv, dk, dv) = (2, 150, 2, 4, 32, 16);
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
-    let unit = |x: Array| mlx_rs::fast::rms_norm(&x, None, 1e-6).unwrap().multiply(Array::from_f32((dk as f32).powf(-0.5))).unwrap();
+    let unit = |x: Array| {
+        mlx_rs::fast::rms_norm(&x, None, 1e-6).unwrap().multiply(Array::from_f32((dk as f32).powf(-0.5))).unwrap()
+    };
     let (q, k, v) = (unit(normal(&[b, t, hk, dk])), unit(normal(&[b, t, hk, dk])), normal(&[b, t, hv, dv]));
     let (g, beta) = gated_delta::gates(
         &normal(&[hv]).abs().unwrap(),

@@ -412,7 +412,8 @@ fn qwen3_vl_video_frames_patches_features_and_prompt_match_mlx_vlm() {
     let model = mlxbc_daemon::families::load(&dir, WeightForm::DenseF32, None).unwrap();
     let vision = model.vision.as_ref().unwrap();
     let pre = vision.preprocessor.video().expect("Qwen3-VL takes video");
-    let sampled = video::decode(&clip, &pre.sampling()).unwrap_or_else(|e| panic!("{e} (scripts/install-deps --test installs ffmpeg)"));
+    let sampled = video::decode(&clip, &pre.sampling())
+        .unwrap_or_else(|e| panic!("{e} (scripts/install-deps --test installs ffmpeg)"));
     let indices: Vec<u32> = serde_json::from_value(golden["frames_indices"].clone()).unwrap();
     assert_eq!(sampled.indices, indices, "frames taken differ from mlx-vlm's load_video");
     assert_eq!(sampled.source_fps, golden["source_fps"].as_f64().unwrap());

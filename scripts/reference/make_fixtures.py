@@ -11,7 +11,7 @@ architecture's arithmetic, not language. Weights come from MLX's seeded RNG,
 so the same MLX version rebuilds them bit for bit; tests check a sha256.
 
   OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/, OUT/tiny-qwen3-vl[-4bit]/,
-  OUT/tiny-qwen3_5[-4bit]/
+  OUT/tiny-qwen3_5[-4bit]/, OUT/tiny-gemma4[-4bit]/
                      random-weight VLMs with the real Gemma 3 / Qwen2.5
                      tokenizers (from the GGUF metadata), in f32 and as
                      mlx-community style 4-bit copies
@@ -382,6 +382,136 @@ def tiny_qwen3_5(qwen_gguf, out, seed):
         shutil.copy(src / name, out / name)
 
 
+# Gemma 4's special tokens at their ids in Gemma 4's 262,144-piece vocabulary;
+# in Gemma 3's (the one reachable here) these ids hold unused or image markers.
+GEMMA4_SPECIAL = {46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>",
+                  51: "<tool_response|>", 52: '<|"|>', 98: "<|think|>", 100: "<|channel>", 101: "<channel|>",
+                  105: "<|turn>", 106: "<turn|>", 255999: "<|image>", 256000: "<|audio>", 258880: "<|image|>",
+                  258881: "<|audio|>", 258882: "<image|>", 258883: "<audio|>", 258884: "<|video|>"}
+
+
+def gemma4_tokenizer(gemma_gguf, out):
+    """Gemma's vocabulary from the Gemma 3 GGUF with Gemma 4's special tokens
+    written over the pieces at their ids (said so in the README)."""
+    tok = gguf_tokenizer.hf_tokenizer(gguf_tokenizer.read_metadata(gemma_gguf))
+    vocab = tok["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    added = {a["id"]: a for a in tok["added_tokens"]}
+    for i, content in GEMMA4_SPECIAL.items():
+        del vocab[by_id[i]]
+        vocab[content] = i
+        entry = added.setdefault(i, {"id": i, "single_word": False, "lstrip": False, "rstrip": False,
+                                     "normalized": False})
+        entry.update(content=content, special=True)
+    tok["added_tokens"] = sorted(added.values(), key=lambda a: a["id"])
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    cfg = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=131072, bos_token="<bos>",
+               eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", add_bos_token=True,
+               chat_template=(TEMPLATES / "gemma4.jinja").read_text(),
+               extra_special_tokens={"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                                     "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
+                                     "video_token": "<|video|>"})
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    return len(vocab)
+
+
+def tiny_gemma4(gemma_gguf, out, seed):
+    """A tiny Gemma 4 (E-model shape): 6 decoder layers (two of sliding-window
+    32, one full, twice), head_dim 32 on sliding and 64 on full layers with
+    proportional rope on a quarter of them, per-layer input embeddings of 8,
+    the last two layers sharing the KV of layers 3 and 2 with double-wide
+    MLPs, logit soft-cap 30, images bidirectional; a 2-layer vision tower
+    (16-pixel patches, a 2x256 position table, 2-D rope, clippable linears
+    with finite clamps, 3x3 pooling) with a 70-token budget per image."""
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = gemma4_tokenizer(gemma_gguf, out)
+    mx.random.seed(seed)
+    w = {}
+    def normal(name, shape, scale=0.1):
+        w[name] = mx.random.normal(shape) * scale
+    def norm(name, d):
+        w[f"{name}.weight"] = 1 + mx.random.normal((d,)) * 0.1
+    hidden, layers, ple, inter, heads = 64, 6, 8, 128, 2
+    types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    shared_from = 4
+    lm = "language_model.model"
+    normal(f"{lm}.embed_tokens.weight", (vocab, hidden), 0.1)
+    normal(f"{lm}.embed_tokens_per_layer.weight", (vocab, layers * ple), 0.5)
+    normal(f"{lm}.per_layer_model_projection.weight", (layers * ple, hidden), 0.15)
+    norm(f"{lm}.per_layer_projection_norm", ple)
+    norm(f"{lm}.norm", hidden)
+    for i, kind in enumerate(types):
+        p = f"{lm}.layers.{i}"
+        hd = 64 if kind == "full_attention" else 32
+        width = inter * (2 if i >= shared_from else 1)
+        attn = [("q_proj", (heads * hd, hidden)), ("o_proj", (hidden, heads * hd))]
+        if i < shared_from:
+            attn += [("k_proj", (hd, hidden)), ("v_proj", (hd, hidden))]
+            norm(f"{p}.self_attn.k_norm", hd)
+        for n, shape in attn:
+            normal(f"{p}.self_attn.{n}.weight", shape, 0.3)
+        norm(f"{p}.self_attn.q_norm", hd)
+        for n, shape in [("gate_proj", (width, hidden)), ("up_proj", (width, hidden)), ("down_proj", (hidden, width))]:
+            normal(f"{p}.mlp.{n}.weight", shape, 0.3)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            norm(f"{p}.{n}", hidden)
+        normal(f"{p}.per_layer_input_gate.weight", (ple, hidden), 0.15)
+        normal(f"{p}.per_layer_projection.weight", (hidden, ple), 0.15)
+        w[f"{p}.layer_scalar"] = 1 + mx.random.normal((1,)) * 0.1
+    vt, vh, vi = "vision_tower", 32, 64
+    normal(f"{vt}.patch_embedder.input_proj.weight", (vh, 3 * 16 * 16), 0.05)
+    normal(f"{vt}.patch_embedder.position_embedding_table", (2, 256, vh), 0.1)
+    for i in range(2):
+        p = f"{vt}.encoder.layers.{i}"
+        for n, (o, k) in [("self_attn.q_proj", (vh, vh)), ("self_attn.k_proj", (vh, vh)),
+                          ("self_attn.v_proj", (vh, vh)), ("self_attn.o_proj", (vh, vh)),
+                          ("mlp.gate_proj", (vi, vh)), ("mlp.up_proj", (vi, vh)), ("mlp.down_proj", (vh, vi))]:
+            normal(f"{p}.{n}.linear.weight", (o, k), 0.2)
+            # Clamps that bite: a few inputs and outputs fall outside them.
+            w[f"{p}.{n}.input_min"] = mx.array(-1.5)
+            w[f"{p}.{n}.input_max"] = mx.array(1.5)
+            w[f"{p}.{n}.output_min"] = mx.array(-1.0)
+            w[f"{p}.{n}.output_max"] = mx.array(1.0)
+        norm(f"{p}.self_attn.q_norm", 16)
+        norm(f"{p}.self_attn.k_norm", 16)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            norm(f"{p}.{n}", vh)
+    normal("embed_vision.embedding_projection.weight", (hidden, vh), 0.2)
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    text = {"model_type": "gemma4_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": 1,
+            "head_dim": 32, "global_head_dim": 64, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+            "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": ple,
+            "num_kv_shared_layers": layers - shared_from, "use_double_wide_mlp": True, "layer_types": types,
+            "sliding_window": 32, "final_logit_softcapping": 30.0, "max_position_embeddings": 4096,
+            "use_bidirectional_attention": "vision", "attention_k_eq_v": False, "enable_moe_block": False,
+            "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                                   "rope_type": "proportional"},
+                                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+            "tie_word_embeddings": True}
+    vision = {"model_type": "gemma4_vision", "hidden_size": vh, "intermediate_size": vi, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 16,
+              "position_embedding_size": 256, "pooling_kernel_size": 3, "default_output_length": 70,
+              "use_clipped_linears": True, "standardize": False, "rms_norm_eps": 1e-6,
+              "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"}}
+    config = {"model_type": "gemma4", "text_config": text, "vision_config": vision, "audio_config": None,
+              "image_token_id": 258880, "audio_token_id": 258881, "video_token_id": 258884, "boi_token_id": 255999,
+              "eoi_token_id": 258882, "boa_token_id": 256000, "eoa_token_id": 258883,
+              "vision_soft_tokens_per_image": 70, "eos_token_id": [1, 106], "bos_token_id": 2, "pad_token_id": 0,
+              "tie_word_embeddings": True}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Gemma4Processor", "image_seq_length": 70, "audio_seq_length": 750,
+         "image_processor": {"image_processor_type": "Gemma4ImageProcessor", "do_resize": True, "resample": 3,
+                             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False,
+                             "patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 3},
+         "video_processor": {"video_processor_type": "Gemma4VideoProcessor", "patch_size": 16,
+                             "max_soft_tokens": 70, "pooling_kernel_size": 3, "num_frames": 32}}, indent=2) + "\n")
+
+
 def quantized_copy(src, out, bits=4, group=32):
     """An mlx-community style 4-bit copy: the language model's 2-D weights whose
     rows split into groups become (weight uint32, scales, biases); norms and
@@ -423,6 +553,8 @@ def main():
     quantized_copy(out / "tiny-qwen3-vl", out / "tiny-qwen3-vl-4bit")
     tiny_qwen3_5(qwen_gguf, out / "tiny-qwen3_5", 10)
     quantized_copy(out / "tiny-qwen3_5", out / "tiny-qwen3_5-4bit")
+    tiny_gemma4(gemma_gguf, out / "tiny-gemma4", 11)
+    quantized_copy(out / "tiny-gemma4", out / "tiny-gemma4-4bit")
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

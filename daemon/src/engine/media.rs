@@ -256,7 +256,11 @@ fn prepare_video(
     let groups = pre.prepare(&clip.frames).map_err(|e| bad(format!("video {short}: {e}")))?;
     let tenths: Vec<u32> = clip.group_seconds(pre.temporal_patch()).into_iter().map(video::prompt_tenths).collect();
     if tenths.len() != groups.len() {
-        return Err(EngineError::Internal(format!("video {short}: {} groups but {} times", groups.len(), tenths.len())));
+        return Err(EngineError::Internal(format!(
+            "video {short}: {} groups but {} times",
+            groups.len(),
+            tenths.len()
+        )));
     }
     let mut items = Vec::with_capacity(groups.len());
     for (i, group) in groups.into_iter().enumerate() {
@@ -299,7 +303,9 @@ pub fn resolve(
     media: &[&MediaRef],
 ) -> Result<Resolved<Encoded>, EngineError> {
     let Some(route) = MediaRoute::of(model) else {
-        return Err(bad(format!("model {name} is text-only and cannot take images or video; use a vision-language model")));
+        return Err(bad(format!(
+            "model {name} is text-only and cannot take images or video; use a vision-language model"
+        )));
     };
     match prepare(&route, store, media)? {
         Resolved::Missing(m) => Ok(Resolved::Missing(m)),

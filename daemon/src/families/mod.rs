@@ -5,6 +5,7 @@
 //! outside this folder names a family. Adding one: docs/adding-a-family.md.
 
 pub mod gemma3;
+pub mod gemma4;
 pub mod llama;
 pub mod qwen2_5_vl;
 pub mod qwen3_5;
@@ -64,6 +65,12 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["gemma3"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(gemma3::load_dir),
+        load_gguf: None,
+    },
+    Family {
+        model_types: &["gemma4"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Chat(gemma4::load_dir),
         load_gguf: None,
     },
     Family {

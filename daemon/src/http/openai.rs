@@ -244,10 +244,16 @@ pub enum Content {
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Part {
-    Text { text: String },
-    ImageUrl { image_url: ImageUrl },
+    Text {
+        text: String,
+    },
+    ImageUrl {
+        image_url: ImageUrl,
+    },
     /// vLLM's and SGLang's video part (`{"type": "video_url", "video_url": {"url": ...}}`).
-    VideoUrl { video_url: ImageUrl },
+    VideoUrl {
+        video_url: ImageUrl,
+    },
 }
 
 #[derive(Debug, Deserialize)]
@@ -271,7 +277,9 @@ pub struct BadRequest(pub String);
 /// never fetches from the network on a client's behalf.
 pub fn data_url_bytes(url: &str) -> Result<Vec<u8>, BadRequest> {
     let rest = url.strip_prefix("data:").ok_or_else(|| {
-        BadRequest("image_url and video_url must be data: URLs (data:image/png;base64,...); mlxbcd does not fetch URLs".into())
+        BadRequest(
+            "image_url and video_url must be data: URLs (data:image/png;base64,...); mlxbcd does not fetch URLs".into(),
+        )
     })?;
     let (meta, payload) = rest.split_once(',').ok_or_else(|| BadRequest("malformed data: URL (no comma)".into()))?;
     if !meta.ends_with(";base64") {

@@ -448,7 +448,10 @@ pub type StateLayout = Vec<Option<Vec<(Vec<i32>, mlx_rs::Dtype)>>>;
 
 /// The layout of `states` (one row).
 pub fn state_layout(states: &[Option<Vec<Array>>]) -> StateLayout {
-    states.iter().map(|s| s.as_ref().map(|arrays| arrays.iter().map(|a| (a.shape().to_vec(), a.dtype())).collect())).collect()
+    states
+        .iter()
+        .map(|s| s.as_ref().map(|arrays| arrays.iter().map(|a| (a.shape().to_vec(), a.dtype())).collect()))
+        .collect()
 }
 
 /// One row's recurrent states as one float32 vector, slot by slot (each

@@ -117,10 +117,8 @@ impl Vision {
     /// `Err`: the placeholders do not match the media, as a sentence.
     pub fn expand_media(&self, prompt: &str, layout: &[MediaLayout], rows: &[usize]) -> Result<String, String> {
         let video_text = self.video.as_ref().map(|v| v.text.as_str());
-        let (images, videos) = (
-            prompt.matches(self.placeholder.as_str()).count(),
-            video_text.map_or(0, |t| prompt.matches(t).count()),
-        );
+        let (images, videos) =
+            (prompt.matches(self.placeholder.as_str()).count(), video_text.map_or(0, |t| prompt.matches(t).count()));
         let want_videos = layout.iter().filter(|l| matches!(l, MediaLayout::Video { .. })).count();
         if images != layout.len() - want_videos || videos != want_videos {
             return Err(format!(
@@ -143,7 +141,14 @@ impl Vision {
                     let mut out = String::new();
                     for t in tenths {
                         let n = *rows.next().ok_or_else(mismatch)?;
-                        out.push_str(&format!("<{}.{} seconds>{}{}{}", t / 10, t % 10, v.start, v.token.repeat(n), v.end));
+                        out.push_str(&format!(
+                            "<{}.{} seconds>{}{}{}",
+                            t / 10,
+                            t % 10,
+                            v.start,
+                            v.token.repeat(n),
+                            v.end
+                        ));
                     }
                     (v.text.as_str(), out)
                 }

@@ -153,7 +153,9 @@ fn animated(bytes: &[u8], sampling: &Sampling, format: ImageFormat) -> Result<Sa
     let frames = || -> Result<image::Frames<'_>, VideoError> {
         let unreadable = |e: image::ImageError| VideoError::Unreadable(e.to_string());
         Ok(match format {
-            ImageFormat::Gif => image::codecs::gif::GifDecoder::new(Cursor::new(bytes)).map_err(unreadable)?.into_frames(),
+            ImageFormat::Gif => {
+                image::codecs::gif::GifDecoder::new(Cursor::new(bytes)).map_err(unreadable)?.into_frames()
+            }
             _ => image::codecs::webp::WebPDecoder::new(Cursor::new(bytes)).map_err(unreadable)?.into_frames(),
         })
     };
@@ -227,7 +229,8 @@ fn with_ffmpeg(bytes: &[u8], sampling: &Sampling) -> Result<SampledVideo, VideoE
     let (ffmpeg, ffprobe) = tools();
     // ffmpeg seeks in its input (an MP4's index may sit at its end), so the
     // clip goes to a private temporary file rather than a pipe.
-    let mut file = tempfile::NamedTempFile::new().map_err(|e| VideoError::Unreadable(format!("a temporary file: {e}")))?;
+    let mut file =
+        tempfile::NamedTempFile::new().map_err(|e| VideoError::Unreadable(format!("a temporary file: {e}")))?;
     file.write_all(bytes).map_err(|e| VideoError::Unreadable(format!("a temporary file: {e}")))?;
     let path = file.path();
     let probe = probe(&ffprobe, path)?;
@@ -319,13 +322,14 @@ fn probe(ffprobe: &Path, path: &Path) -> Result<Probe, VideoError> {
 /// Runs `command` to its end under [`DECODE_TIMEOUT`], reading at most
 /// `limit` bytes of its output.
 fn run(mut command: Command, program: &Path, limit: u64) -> Result<Vec<u8>, VideoError> {
-    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            VideoError::FfmpegMissing
-        } else {
-            VideoError::Unreadable(format!("running {}: {e}", program.display()))
-        }
-    })?;
+    let mut child =
+        command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                VideoError::FfmpegMissing
+            } else {
+                VideoError::Unreadable(format!("running {}: {e}", program.display()))
+            }
+        })?;
     let mut stdout = child.stdout.take().expect("piped");
     let mut stderr = child.stderr.take().expect("piped");
     let reader = std::thread::spawn(move || {

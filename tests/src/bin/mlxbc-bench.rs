@@ -297,7 +297,8 @@ async fn image_bench(model: &std::path::Path, image: &std::path::Path, video: bo
                            "preprocess_ms": s.preprocess_ms, "prefill_ms": s.prefill_ms, "hits": s.encoder_hits, "misses": s.encoder_misses,
                            "prefix_reused": s.prefix_tokens_reused})
     };
-    let mut rows = vec![row(if video { "miss (new clip)" } else { "miss (new image)" }, timed(&mut c, ask("A")).await?)];
+    let mut rows =
+        vec![row(if video { "miss (new clip)" } else { "miss (new image)" }, timed(&mut c, ask("A")).await?)];
     rows.push(row("RAM hit", timed(&mut c, ask("B")).await?));
     rows.push(row("prefix hit", timed(&mut c, ask("B")).await?));
     drop(c);

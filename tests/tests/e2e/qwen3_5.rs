@@ -82,8 +82,7 @@ async fn qwen3_5_matches_mlx_vlm_alone_batched_and_from_the_prompt_cache() {
     // All at once: their decode steps share batches (rows joining and
     // leaving with their recurrent states), their prefixes come from RAM.
     let asks = FAMILIES.iter().flat_map(|f| cases.iter().map(move |c| (*f, *c)));
-    let answers =
-        futures::future::join_all(asks.clone().map(|(f, c)| ask(&d.socket, request(&g, f, c)))).await;
+    let answers = futures::future::join_all(asks.clone().map(|(f, c)| ask(&d.socket, request(&g, f, c)))).await;
     for ((family, case), answer) in asks.zip(answers) {
         assert_golden(&g, family, case, &answer.unwrap().1, "all at once");
     }

@@ -127,7 +127,8 @@ fn cli_ask_video() {
     let path = dir.path().join("clip.mp4");
     std::fs::write(&path, reference_file("vlm-video.mp4")).unwrap();
     let p = path.to_str().unwrap();
-    let run = || d.cli().args(["ask", "--json", "-n", "4", "-m", QWEN3_VL, "--video", p, "What happens?"]).output().unwrap();
+    let run =
+        || d.cli().args(["ask", "--json", "-n", "4", "-m", QWEN3_VL, "--video", p, "What happens?"]).output().unwrap();
     let stats = |out: &std::process::Output| -> serde_json::Value {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let done: serde_json::Value =
@@ -150,7 +151,8 @@ fn short_context_copy(dir: &Path) -> std::path::PathBuf {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), out.join(entry.file_name())).unwrap();
     }
-    let mut config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
     config["text_config"]["max_position_embeddings"] = 48.into();
     std::fs::write(out.join("config.json"), config.to_string()).unwrap();
     out

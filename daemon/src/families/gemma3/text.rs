@@ -223,7 +223,10 @@ impl Gemma3Text {
                     let mask = ScaledDotProductAttentionMask::Array(&mask);
                     fast::scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?
                 }
-                None => self.attend(&q, k, v, b.sliding, offset, blocks)?,
+                None => {
+                    let scale = (c.query_pre_attn_scalar as f64).powf(-0.5) as f32;
+                    attend(&q, k, v, scale, b.sliding.then_some(c.sliding_window), offset, blocks)?
+                }
             };
             let o = from_heads(&o)?;
             let r = fast::rms_norm(b.o.forward(&o)?, Some(&b.post_attn_norm), c.rms_norm_eps)?;
@@ -234,53 +237,6 @@ impl Gemma3Text {
         }
         cache.offset += l;
         Ok(fast::rms_norm(&h, Some(&self.norm), c.rms_norm_eps)?)
-    }
-
-    /// Causal attention; sliding layers see only the last `sliding_window` keys.
-    fn attend(
-        &self,
-        q: &Array,
-        k: Array,
-        v: Array,
-        sliding: bool,
-        offset: i32,
-        blocks: Option<&[i32]>,
-    ) -> Result<Array> {
-        let scale = (self.config.query_pre_attn_scalar as f64).powf(-0.5) as f32;
-        let (l, total) = (q.shape()[2], k.shape()[2]);
-        let window = self.config.sliding_window;
-        let queries_in_image =
-            blocks.is_some_and(|b| b[offset as usize..(offset + l) as usize].iter().any(|&x| x >= 0));
-        if l > 1 && queries_in_image {
-            let b = blocks.unwrap();
-            let allowed: Vec<bool> = (offset..offset + l)
-                .flat_map(|i| {
-                    (0..total).map(move |j| {
-                        let causal = j <= i && (!sliding || i - j < window);
-                        causal || (b[i as usize] >= 0 && b[i as usize] == b[j as usize])
-                    })
-                })
-                .collect();
-            let mask = Array::from_slice(&allowed, &[l, total]);
-            return Ok(fast::scaled_dot_product_attention(
-                q,
-                &k,
-                &v,
-                scale,
-                ScaledDotProductAttentionMask::Array(&mask),
-                None,
-            )?);
-        }
-        if !sliding || total <= window {
-            let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
-            return Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, mask, None)?);
-        }
-        // Query i (absolute offset + i) sees keys j with 0 <= pos_i - j < window.
-        let qpos = ops::arange::<_, i32>(offset, offset + l, None)?.reshape(&[l, 1])?;
-        let kpos = ops::arange::<_, i32>(0, total, None)?.reshape(&[1, total])?;
-        let diff = qpos.subtract(&kpos)?;
-        let allowed = diff.ge(Array::from_int(0))?.logical_and(&diff.lt(Array::from_int(window))?)?;
-        Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, ScaledDotProductAttentionMask::Array(&allowed), None)?)
     }
 
     /// Logits `[B, vocab]` of each row's last position of normed hidden states.
@@ -327,4 +283,54 @@ impl LanguageModel for Gemma3Text {
             MediaAttention::Causal
         }
     }
+}
+
+/// One row's attention over its cached keys, as Gemma's masks have it:
+/// causal, within the last `window` keys on a sliding layer, and — with
+/// `blocks` (per absolute position, the image it belongs to, -1 for text)
+/// — both ways between positions of one image. Shared by Gemma 3 and 4.
+pub fn attend(
+    q: &Array,
+    k: Array,
+    v: Array,
+    scale: f32,
+    window: Option<i32>,
+    offset: i32,
+    blocks: Option<&[i32]>,
+) -> Result<Array> {
+    let (l, total) = (q.shape()[2], k.shape()[2]);
+    let queries_in_image = blocks.is_some_and(|b| b[offset as usize..(offset + l) as usize].iter().any(|&x| x >= 0));
+    if l > 1 && queries_in_image {
+        let b = blocks.unwrap();
+        let allowed: Vec<bool> = (offset..offset + l)
+            .flat_map(|i| {
+                (0..total).map(move |j| {
+                    let causal = j <= i && window.is_none_or(|w| i - j < w);
+                    causal || (b[i as usize] >= 0 && b[i as usize] == b[j as usize])
+                })
+            })
+            .collect();
+        let mask = Array::from_slice(&allowed, &[l, total]);
+        return Ok(fast::scaled_dot_product_attention(
+            q,
+            &k,
+            &v,
+            scale,
+            ScaledDotProductAttentionMask::Array(&mask),
+            None,
+        )?);
+    }
+    let window = match window {
+        Some(w) if total > w => w,
+        _ => {
+            let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+            return Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, mask, None)?);
+        }
+    };
+    // Query i (absolute offset + i) sees keys j with 0 <= pos_i - j < window.
+    let qpos = ops::arange::<_, i32>(offset, offset + l, None)?.reshape(&[l, 1])?;
+    let kpos = ops::arange::<_, i32>(0, total, None)?.reshape(&[1, total])?;
+    let diff = qpos.subtract(&kpos)?;
+    let allowed = diff.ge(Array::from_int(0))?.logical_and(&diff.lt(Array::from_int(window))?)?;
+    Ok(fast::scaled_dot_product_attention(q, &k, &v, scale, ScaledDotProductAttentionMask::Array(&allowed), None)?)
 }

@@ -49,10 +49,16 @@ impl Qwen35TextConfig {
     pub fn from_json(v: &serde_json::Value) -> Result<Self> {
         let mut c: Self = serde_json::from_value(v.clone()).context("config.json text_config (qwen3_5)")?;
         if c.rope_parameters.is_none() {
-            c.rope_parameters =
-                Some(RopeParameters { rope_theta: 100_000.0, partial_rotary_factor: 0.25, mrope_section: vec![11, 11, 10] });
+            c.rope_parameters = Some(RopeParameters {
+                rope_theta: 100_000.0,
+                partial_rotary_factor: 0.25,
+                mrope_section: vec![11, 11, 10],
+            });
         }
-        ensure!(c.linear_num_value_heads % c.linear_num_key_heads == 0, "linear value heads must be a multiple of key heads");
+        ensure!(
+            c.linear_num_value_heads % c.linear_num_key_heads == 0,
+            "linear value heads must be a multiple of key heads"
+        );
         ensure!(c.full_attention_interval > 0, "full_attention_interval is 0");
         Ok(c)
     }

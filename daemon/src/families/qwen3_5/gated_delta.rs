@@ -38,7 +38,8 @@ fn repeat_heads(q: &Array, k: &Array, hv: i32) -> Result<(Array, Array)> {
 pub fn step(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &Array) -> Result<(Array, Array)> {
     let hv = v.shape()[2];
     let (q, k) = repeat_heads(q, k, hv)?;
-    let (q, k, v, g, beta) = (q.index((.., 0)), k.index((.., 0)), v.index((.., 0)), g.index((.., 0)), beta.index((.., 0)));
+    let (q, k, v, g, beta) =
+        (q.index((.., 0)), k.index((.., 0)), v.index((.., 0)), g.index((.., 0)), beta.index((.., 0)));
     let decay = expand_dims(expand_dims(&g, -1)?, -1)?;
     let state = state.multiply(&decay)?;
     let k_row = expand_dims(&k, -2)?;

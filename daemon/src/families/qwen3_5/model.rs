@@ -133,8 +133,7 @@ impl Qwen35 {
             if !config.tie_word_embeddings && t.has("lm_head.weight") { Some(t.linear("lm_head")?) } else { None };
         let rot = config.rotary_dim();
         let steps = ops::arange::<_, f32>(0.0, rot as f32, 2.0)?.divide(Array::from_f32(rot as f32))?;
-        let inv_freq =
-            Array::from_f32(1.0).divide(ops::power(Array::from_f32(config.rope().rope_theta), &steps)?)?;
+        let inv_freq = Array::from_f32(1.0).divide(ops::power(Array::from_f32(config.rope().rope_theta), &steps)?)?;
         inv_freq.eval()?;
         Ok(Self {
             embed_tokens: t.embedding("model.embed_tokens")?,
@@ -204,9 +203,14 @@ impl Qwen35 {
         let (k, v) = cache.update(slot, k, v)?;
         let scale = (hd as f64).powf(-0.5) as f32;
         let o = match cache.padding_mask(offset, l, k.shape()[2], None)? {
-            Some(mask) => {
-                fast::scaled_dot_product_attention(&q, &k, &v, scale, ScaledDotProductAttentionMask::Array(&mask), None)?
-            }
+            Some(mask) => fast::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                scale,
+                ScaledDotProductAttentionMask::Array(&mask),
+                None,
+            )?,
             None => {
                 let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
                 fast::scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?
@@ -229,10 +233,7 @@ impl Qwen35 {
         let (gate_b, gate_a) = (g.in_proj_b.forward(x)?, g.in_proj_a.forward(x)?);
         let (conv_state, state) = match cache.state(slot) {
             Some([conv, state]) if conv.shape()[0] == b => (conv.clone(), state.clone()),
-            _ => (
-                ops::zeros_dtype(&[b, kernel - 1, conv_dim], x.dtype())?,
-                ops::zeros::<f32>(&[b, hv, dv, dk])?,
-            ),
+            _ => (ops::zeros_dtype(&[b, kernel - 1, conv_dim], x.dtype())?, ops::zeros::<f32>(&[b, hv, dv, dk])?),
         };
         let conv_input = ops::concatenate(&[&conv_state, &mixed], 1)?;
         let window = conv_input.index((.., s..s + kernel - 1, ..));
@@ -263,7 +264,8 @@ impl Qwen35 {
         cache.set_state(slot, vec![window, state]);
         // RMSNorm per value head, times silu(z) in float32.
         let normed = fast::rms_norm(&y, Some(&g.norm), c.rms_norm_eps)?;
-        let gated = silu(&z.as_dtype(Dtype::Float32)?)?.multiply(normed.as_dtype(Dtype::Float32)?)?.as_dtype(y.dtype())?;
+        let gated =
+            silu(&z.as_dtype(Dtype::Float32)?)?.multiply(normed.as_dtype(Dtype::Float32)?)?.as_dtype(y.dtype())?;
         g.out_proj.forward(&gated.reshape(&[b, s, -1])?)
     }
 }

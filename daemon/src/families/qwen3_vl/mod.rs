@@ -9,12 +9,12 @@ pub mod vision;
 
 use crate::families::llama::{config::TextConfig, model::Transformer};
 use crate::families::qwen2_5_vl::vision::Qwen25Preprocess;
+use crate::model::family::{LanguageModel, VisionTower};
 use crate::model::image::Resample;
+use crate::model::video::Sampling;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::video::Sampling;
-use crate::model::family::{LanguageModel, VisionTower};
-use crate::model::{chat_parts, read_json, Model, Placeholder, Vision, VideoPrompt};
+use crate::model::{chat_parts, read_json, Model, Placeholder, VideoPrompt, Vision};
 use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use std::path::Path;

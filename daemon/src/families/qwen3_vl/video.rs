@@ -82,7 +82,13 @@ impl VideoPreprocessor for Qwen3VideoPreprocess {
 
     fn describe(&self) -> String {
         let f = &self.frames;
-        format!("qwen3vl-video;{};{};patch={}x{}", self.sampling.describe(), f.describe(), f.patch_size, f.temporal_patch_size)
+        format!(
+            "qwen3vl-video;{};{};patch={}x{}",
+            self.sampling.describe(),
+            f.describe(),
+            f.patch_size,
+            f.temporal_patch_size
+        )
     }
 
     fn temporal_patch(&self) -> usize {

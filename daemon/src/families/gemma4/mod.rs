@@ -1,0 +1,101 @@
+//! Gemma 4 (the E2B/E4B shape and the dense 31B): its text decoder
+//! (`text`), vision tower and projector (`vision`) and image processor
+//! (`processor`), written op for op like mlx-vlm 0.7.10's `gemma4` package.
+//! The audio tower is not served yet: a checkpoint with one loads and
+//! answers text and images.
+
+pub mod processor;
+pub mod text;
+pub mod vision;
+
+use crate::model::vlm_dir::{quantization, tower_fingerprint};
+use crate::model::weights::TensorMap;
+use crate::model::{chat_parts, read_json, Model, Placeholder, Vision};
+use crate::options::ModelOptions;
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+use std::sync::Arc;
+use text::{Gemma4Text, Gemma4TextConfig};
+use vision::{Gemma4Tower, Gemma4VisionConfig};
+
+/// Tensor name prefixes that make up Gemma 4's image path (and so its fingerprint).
+const TOWER_TENSORS: &[&str] = &["vision_tower.", "embed_vision."];
+
+/// mlx-vlm's names for a checkpoint's tensors: HF's `model.` dropped and
+/// `language_model.X` as `language_model.model.X` (mlx-community
+/// directories already have them).
+fn mlx_vlm_name(name: &str) -> String {
+    let name = name.strip_prefix("model.").unwrap_or(name);
+    match name.strip_prefix("language_model.") {
+        Some(rest) if !rest.starts_with("model.") => format!("language_model.model.{rest}"),
+        _ => name.to_string(),
+    }
+}
+
+/// The image processor's settings: `processor_config.json`'s
+/// `image_processor`, or a flat `preprocessor_config.json`.
+fn image_processor_config(dir: &Path) -> Result<serde_json::Value> {
+    if let Some(p) = read_json(&dir.join("processor_config.json"))? {
+        if let Some(ip) = p.get("image_processor") {
+            return Ok(ip.clone());
+        }
+    }
+    Ok(read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default())
+}
+
+/// A Gemma 4 directory (`language_model.*`, `vision_tower.*`, `embed_vision.*`).
+pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: Option<&sled::Tree>) -> Result<Model> {
+    let text: Gemma4TextConfig =
+        serde_json::from_value(raw["text_config"].clone()).context("config.json text_config")?;
+    let vision: Gemma4VisionConfig =
+        serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
+    let id = |key: &str, default: u64| raw.get(key).and_then(|v| v.as_u64()).unwrap_or(default) as u32;
+    let image_token_id = id("image_token_id", 258880);
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?
+        .with_fusion(form.fusion)
+        .renamed(mlx_vlm_name);
+    let ip = image_processor_config(dir)?;
+    let soft_tokens =
+        ip.get("max_soft_tokens").and_then(|v| v.as_u64()).map(|v| v as u32).unwrap_or(vision.default_output_length);
+    if !processor::SOFT_TOKEN_BUDGETS.contains(&soft_tokens) {
+        bail!("Gemma 4's max_soft_tokens must be one of {:?}, not {soft_tokens}", processor::SOFT_TOKEN_BUDGETS);
+    }
+    let rescale = ip.get("rescale_factor").and_then(|r| r.as_f64()).unwrap_or(1.0 / 255.0) as f32;
+    let mut preprocess = vision::preprocess_for(&vision, soft_tokens, rescale);
+    preprocess.resample =
+        crate::model::image::Resample::from_config(ip.get("resample"), crate::model::image::Resample::BICUBIC);
+    let fingerprint = tower_fingerprint(dir, TOWER_TENSORS, raw, memo)?;
+    let (tokenizer, template, mut eos_ids) = chat_parts(dir, raw)?;
+    eos_ids.extend(tokenizer.token_to_id("<turn|>"));
+    let tower = Gemma4Tower::load(vision, text.hidden_size, image_token_id, &mut tensors)?;
+    let lm = Gemma4Text::load(text, &mut tensors, "language_model")?;
+    let token = |id: u32, fallback: &str| tokenizer.id_to_token(id).unwrap_or_else(|| fallback.into());
+    // HF's Gemma 4 processor: each image token the template writes becomes
+    // <|image> + one image token per soft token + <image|>.
+    let placeholder = Placeholder {
+        text: token(image_token_id, "<|image|>"),
+        prefix: token(id("boi_token_id", 255999), "<|image>"),
+        image_token: token(image_token_id, "<|image|>"),
+        suffix: token(id("eoi_token_id", 258882), "<image|>"),
+    };
+    let vision = Vision::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn checkpoint_names_become_mlx_vlm_names() {
+        use super::mlx_vlm_name as n;
+        assert_eq!(
+            n("model.language_model.layers.0.mlp.up_proj.weight"),
+            "language_model.model.layers.0.mlp.up_proj.weight"
+        );
+        assert_eq!(n("language_model.model.norm.weight"), "language_model.model.norm.weight");
+        assert_eq!(
+            n("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"),
+            "vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"
+        );
+        assert_eq!(n("embed_vision.embedding_projection.weight"), "embed_vision.embedding_projection.weight");
+    }
+}
