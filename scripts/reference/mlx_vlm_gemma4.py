@@ -3,7 +3,7 @@
 
 On tiny-gemma4 (and its 4-bit copy): the chat template, the processor and
 greedy decoding (`mlx_vlm.generate`) for an image and a question
-(tests/fixtures/reference/vlm-pipeline.png), for that image twice, for text
+(tests/fixtures/reference/vlm-pipeline-432x336.png), for that image twice, for text
 alone, and for a long text prompt past the sliding window (32 on the fixture)
 and a follow-up sharing its first blocks; the tower's features of the image
 (from mlx-vlm's own pixels), and the first logits of the text prompt and of the
@@ -51,7 +51,11 @@ def case(model, processor, text, images=None):
 
 def main():
     fixtures, out = Path(sys.argv[1]), Path(sys.argv[2])
-    image = out / "vlm-pipeline.png"
+    # At the processor's size for a 70-token budget (PIL's bicubic of
+    # vlm-pipeline.png), so no resize runs on either side: the daemon resizes
+    # with the `image` crate, whose bicubic differs from PIL's by a level in
+    # places, and that is not what these goldens are about.
+    image = out / "vlm-pipeline-432x336.png"
     golden = {"reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}", "image": image.name}
     tensors = {}
     for family in ["tiny-gemma4", "tiny-gemma4-4bit"]:

@@ -220,7 +220,7 @@ pub fn begin(
     let keys = model.kv_root.map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
     let reuse = keys.as_ref().and_then(|k| {
         let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
-        ctx.prompts.lookup(k, stored, model.lm.num_layers(), model.kv_bytes_per_position, &model.state_layout)
+        ctx.prompts.lookup(k, stored, &model.kv_shapes, model.kv_block_bytes_per_position, &model.state_layout)
     });
     let (mut cache, reused, from_disk, disk_cost) = match reuse {
         Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens, r.disk_cost),

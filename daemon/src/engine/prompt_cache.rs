@@ -424,10 +424,11 @@ impl PromptCache {
         &mut self,
         keys: &PromptKeys,
         mut stored: StoredBlocks,
-        layers: usize,
+        kv_shapes: &[(i32, i32)],
         bytes_per_position: u64,
         state_layout: &crate::model::kv_cache::StateLayout,
     ) -> Option<Reuse> {
+        let layers = kv_shapes.len();
         if !self.is_on() {
             return None;
         }
@@ -518,7 +519,7 @@ impl PromptCache {
             // A block of the run could not be used: its states are not these.
             return None;
         }
-        let mut cache = assemble(&pieces, layers).ok()?;
+        let mut cache = assemble(&pieces, kv_shapes).ok()?;
         if let Some(states) = state {
             cache.set_states(states);
         }
@@ -580,7 +581,6 @@ impl PromptCache {
             match cache.positions(row, from as i32, to as i32) {
                 Ok(data) => fresh.push((hash, data, to - from)),
                 Err(e) => {
-                    // A model whose layers' KV differ in shape: not cached.
                     tracing::debug!(error = %format!("{e:#}"), "prompt cache: block not stored");
                     return;
                 }
@@ -640,11 +640,11 @@ impl PromptCache {
 /// joined once along the positions, then each layer's keys and values are
 /// views of the whole (one copy per block; joining layer by layer would be
 /// 2L copies per block, thousands of kernel launches for a long prompt).
-fn assemble(pieces: &[Array], layers: usize) -> anyhow::Result<KvCache> {
+fn assemble(pieces: &[Array], shapes: &[(i32, i32)]) -> anyhow::Result<KvCache> {
     use mlx_rs::ops::indexing::IndexOp;
     let whole = if pieces.len() == 1 { pieces[0].clone() } else { mlx_rs::ops::concatenate(pieces, 3)? };
-    let per_layer = (0..layers as i32).map(|l| (whole.index(2 * l), whole.index(2 * l + 1))).collect();
-    Ok(KvCache::from_prefix(per_layer, whole.shape()[3]))
+    let per_layer = (0..shapes.len() as i32).map(|l| (whole.index(2 * l), whole.index(2 * l + 1))).collect();
+    Ok(KvCache::from_prefix(per_layer, whole.shape()[3], shapes))
 }
 
 fn feature_dtype(d: Dtype) -> Option<FeatureDtype> {

@@ -114,15 +114,34 @@ impl KvCache {
 
     /// A one-row cache holding `positions` positions whose keys and values
     /// per layer are `layers` (`[1, heads, positions, head_dim]` each), as
-    /// the prompt cache reassembles them.
-    pub fn from_prefix(layers: Vec<(Array, Array)>, positions: i32) -> Self {
-        Self { layers: layers.into_iter().map(Some).collect(), offset: positions, ..Self::new(0) }
+    /// the prompt cache reassembles them; with `shapes`, each layer's are
+    /// cut to its `(heads, head_dim)` (see [`Self::positions`]).
+    pub fn from_prefix(layers: Vec<(Array, Array)>, positions: i32, shapes: &[(i32, i32)]) -> Self {
+        use mlx_rs::ops::indexing::IndexOp;
+        let cut = |(k, v): (Array, Array), shape: Option<&(i32, i32)>| match shape {
+            Some(&(h, d)) if (k.shape()[1], k.shape()[3]) != (h, d) => {
+                (k.index((.., ..h, .., ..d)), v.index((.., ..h, .., ..d)))
+            }
+            _ => (k, v),
+        };
+        let layers = layers.into_iter().enumerate().map(|(i, kv)| Some(cut(kv, shapes.get(i)))).collect();
+        Self { layers, offset: positions, ..Self::new(0) }
+    }
+
+    /// Per layer, its keys' `(heads, head_dim)`; empty until every layer
+    /// holds some (Gemma 4's full layers are wider than its sliding ones).
+    pub fn kv_shapes(&self) -> KvShapes {
+        let shapes: Option<KvShapes> =
+            self.layers.iter().map(|s| s.as_ref().map(|(k, _)| (k.shape()[1], k.shape()[3]))).collect();
+        shapes.unwrap_or_default()
     }
 
     /// Positions `from..to` of row `row` (counted from that row's own
     /// start, past its padding) of every layer's keys and values, stacked
     /// into one fresh array `[2 * layers, 1, heads, to - from, head_dim]`
-    /// (k0, v0, k1, ...), lazily. Layers must agree in shape.
+    /// (k0, v0, k1, ...), lazily. Layers of different shapes are padded
+    /// with zeros to the largest heads and head size ([`Self::from_prefix`]
+    /// cuts them back).
     pub fn positions(&self, row: usize, from: i32, to: i32) -> Result<Array> {
         use mlx_rs::ops::indexing::IndexOp;
         anyhow::ensure!(row < self.rows(), "row {row} of {}", self.rows());
@@ -134,6 +153,15 @@ impl KvCache {
             let (k, v) = slot.as_ref().ok_or_else(|| anyhow::anyhow!("a layer holds nothing"))?;
             parts.push(k.index((r..r + 1, .., a..b, ..)));
             parts.push(v.index((r..r + 1, .., a..b, ..)));
+        }
+        let heads = parts.iter().map(|p| p.shape()[1]).max().unwrap_or(0);
+        let dims = parts.iter().map(|p| p.shape()[3]).max().unwrap_or(0);
+        for p in parts.iter_mut() {
+            let (h, d) = (p.shape()[1], p.shape()[3]);
+            if (h, d) != (heads, dims) {
+                let width: &[(i32, i32)] = &[(0, 0), (0, heads - h), (0, 0), (0, dims - d)];
+                *p = mlx_rs::ops::pad(&*p, width, None, None)?;
+            }
         }
         Ok(mlx_rs::ops::stack(&parts, 0)?)
     }
@@ -441,6 +469,9 @@ impl Deepstack {
         Ok(Some(added.reshape(&[1, len, -1])?))
     }
 }
+
+/// Per KV slot, `(heads, head_dim)`.
+pub type KvShapes = Vec<(i32, i32)>;
 
 /// The shapes and dtypes of one row's recurrent states, slot by slot (what
 /// [`flatten_states`] writes and [`unflatten_states`] reads back).

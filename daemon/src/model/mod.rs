@@ -223,6 +223,12 @@ pub struct Model {
     /// empty for a model without them): how the prompt cache reads a
     /// stored state back.
     pub state_layout: kv_cache::StateLayout,
+    /// Per KV slot, `(heads, head_dim)` (measured at warm-up).
+    pub kv_shapes: kv_cache::KvShapes,
+    /// What one position takes in a stored prompt-cache block (its layers
+    /// padded to one shape: more than `kv_bytes_per_position` when they
+    /// differ), measured at warm-up.
+    pub kv_block_bytes_per_position: u64,
     /// The identity of this model's KV (weights, load form, device), which
     /// the prompt cache's block names start from; `None`: not cached.
     pub kv_root: Option<[u8; 32]>,
@@ -262,6 +268,8 @@ impl Model {
             compiled_decode,
             kv_bytes_per_position: 0,
             state_layout: Vec::new(),
+            kv_shapes: Vec::new(),
+            kv_block_bytes_per_position: 0,
             kv_root: None,
             constraints: Default::default(),
         }
@@ -298,6 +306,11 @@ impl Model {
         self.lm.logits(&h)?.eval()?;
         self.kv_bytes_per_position = cache.nbytes() / cache.capacity().max(1) as u64;
         self.state_layout = kv_cache::state_layout(cache.states());
+        self.kv_shapes = cache.kv_shapes();
+        self.kv_block_bytes_per_position = match self.kv_shapes.is_empty() {
+            true => 0,
+            false => cache.positions(0, 0, 1)?.nbytes() as u64,
+        };
         Ok(())
     }
 

@@ -8,6 +8,7 @@ mod cli;
 mod clients;
 mod crash_soak;
 mod faults;
+mod gemma4;
 mod generation;
 mod helper;
 mod hostile;
