@@ -44,6 +44,8 @@ def features(model, family, inputs):
     if family.startswith("tiny-gemma3"):
         hidden, _, _ = model.vision_tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True)
         return model.multi_modal_projector(hidden)
+    if family.startswith("tiny-gemma4"):
+        return model.encode_image(pixels)
     out = model.vision_tower(pixels, inputs["image_grid_thw"])
     if family.startswith("tiny-qwen3"):
         # Qwen3-VL: the merged features, and one deepstack tensor per

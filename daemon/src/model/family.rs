@@ -40,12 +40,15 @@ pub trait LanguageModel {
     /// Longest prompt plus answer, in tokens.
     fn context_length(&self) -> u32;
 
-    /// Token embeddings `[B, L, hidden]` of ids `[B, L]`, as the prompt's
+    /// Token embeddings `[B, L, width]` of ids `[B, L]`, as the prompt's
     /// text positions take them (any scaling a family applies inside the
-    /// layers is not applied here).
+    /// layers is not applied here). The width is the family's: `hidden`,
+    /// or wider where a decoder carries more per position (Gemma 4's
+    /// per-layer inputs follow the embedding); the engine only passes these
+    /// rows, zero-padded or spliced by the family's tower, to `forward`.
     fn embed(&self, ids: &Array) -> Result<Array>;
 
-    /// Embeddings `[B, L, hidden]` through the layers at each row's next
+    /// Rows from [`Self::embed`] `[B, L, width]` through the layers at each row's next
     /// positions in `cache` (which grows by `L`); the hidden states that
     /// [`Self::logits`] reads. `image_blocks` (single-row prefill only)
     /// names, per absolute position, the image it belongs to (-1: text),
