@@ -13,27 +13,9 @@ use common::*;
 use mlx_rs::Array;
 use mlxbc_daemon::model::family::Prepared;
 use mlxbc_daemon::model::kv_cache::KvCache;
-use mlxbc_daemon::model::weights::WeightForm;
 
 const TOLERANCE: f32 = 1e-4;
 const FAMILIES: [&str; 2] = ["tiny-gemma4", "tiny-gemma4-4bit"];
-
-/// max |a - b| / max |b|.
-fn relative_error(ours: &Array, want: &Array) -> f32 {
-    assert_eq!(ours.shape(), want.shape());
-    let diff = ours.subtract(want).unwrap().abs().unwrap().max(None).unwrap().item::<f32>();
-    diff / want.abs().unwrap().max(None).unwrap().item::<f32>()
-}
-
-fn load(family: &str, golden: &serde_json::Value) -> mlxbc_daemon::model::Model {
-    let dir = fixture(&format!("mlx/{family}"));
-    assert_eq!(
-        sha256_hex(&dir.join("model.safetensors")),
-        golden[family]["weights_sha256"].as_str().unwrap(),
-        "{family}: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
-    );
-    mlxbc_daemon::families::load(&dir, WeightForm::DenseF32, None).unwrap()
-}
 
 fn ids_of(golden: &serde_json::Value, family: &str, case: &str) -> Vec<u32> {
     serde_json::from_value(golden[family][case]["prompt_ids"].clone()).unwrap()
@@ -59,7 +41,7 @@ fn gemma4_tower_and_first_logits_match_mlx_vlm() {
     let golden = reference_json("gemma4.json");
     let mut want = Array::load_safetensors(reference_path("gemma4.safetensors")).unwrap();
     for family in FAMILIES {
-        let model = load(family, &golden);
+        let model = load_checked(family, &golden);
         assert_eq!(model.lm.architecture(), "gemma4");
         assert_eq!(model.lm.num_layers(), 4, "six layers, the last two reading the KV of layers 3 and 2");
         let vision = model.vision.as_ref().unwrap();
@@ -103,7 +85,7 @@ fn gemma4_prefill_in_pieces_equals_one_pass() {
     use mlx_rs::ops::indexing::IndexOp;
     let golden = reference_json("gemma4.json");
     let family = FAMILIES[0];
-    let model = load(family, &golden);
+    let model = load_checked(family, &golden);
     let ids = ids_of(&golden, family, "long");
     assert!(ids.len() > 100);
     let embeds = model.lm.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])).unwrap();

@@ -14,34 +14,16 @@ use mlx_rs::Array;
 use mlxbc_daemon::families::qwen3_5::gated_delta;
 use mlxbc_daemon::model::family::Prepared;
 use mlxbc_daemon::model::kv_cache::KvCache;
-use mlxbc_daemon::model::weights::WeightForm;
 
 const TOLERANCE: f32 = 1e-4;
 const FAMILIES: [&str; 2] = ["tiny-qwen3_5", "tiny-qwen3_5-4bit"];
-
-/// max |a - b| / max |b|.
-fn relative_error(ours: &Array, want: &Array) -> f32 {
-    assert_eq!(ours.shape(), want.shape());
-    let diff = ours.subtract(want).unwrap().abs().unwrap().max(None).unwrap().item::<f32>();
-    diff / want.abs().unwrap().max(None).unwrap().item::<f32>()
-}
-
-fn load(family: &str, golden: &serde_json::Value) -> mlxbc_daemon::model::Model {
-    let dir = fixture(&format!("mlx/{family}"));
-    assert_eq!(
-        sha256_hex(&dir.join("model.safetensors")),
-        golden[family]["weights_sha256"].as_str().unwrap(),
-        "{family}: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
-    );
-    mlxbc_daemon::families::load(&dir, WeightForm::DenseF32, None).unwrap()
-}
 
 #[test]
 fn qwen3_5_tower_and_first_logits_match_mlx_vlm() {
     let golden = reference_json("qwen3_5.json");
     let mut want = Array::load_safetensors(reference_path("qwen3_5.safetensors")).unwrap();
     for family in FAMILIES {
-        let model = load(family, &golden);
+        let model = load_checked(family, &golden);
         assert_eq!(model.lm.architecture(), "qwen3_5");
         assert_eq!(model.lm.num_layers(), 1, "one attention layer (its KV slot); three DeltaNet layers");
         let pixels = want.remove(&format!("{family}.pixels")).unwrap();
@@ -115,7 +97,7 @@ fn the_chunked_scan_equals_the_recurrence_token_by_token() {
 fn a_prompt_prefilled_in_pieces_equals_one_pass() {
     use mlx_rs::ops::indexing::IndexOp;
     let golden = reference_json("qwen3_5.json");
-    let model = load("tiny-qwen3_5", &golden);
+    let model = load_checked("tiny-qwen3_5", &golden);
     let ids: Vec<u32> = serde_json::from_value(golden["tiny-qwen3_5"]["long"]["prompt_ids"].clone()).unwrap();
     let n = ids.len() as i32;
     let embeds = model.lm.embed(&Array::from_slice(&ids, &[1, n])).unwrap();

@@ -39,13 +39,6 @@ fn tiny_siglip() -> SiglipConfig {
     }
 }
 
-fn relative_error(ours: &Array, want: &Array) -> f32 {
-    assert_eq!(ours.shape(), want.shape());
-    let diff = ops::abs(ops::subtract(ours, want).unwrap()).unwrap().max(None).unwrap();
-    let scale = ops::abs(want).unwrap().max(None).unwrap();
-    diff.item_cast::<f32>() / scale.item_cast::<f32>()
-}
-
 /// What mlx-vlm recorded for a tiny model: the prompt, its greedy ids and
 /// the logits of the first step.
 struct Recorded {

@@ -36,3 +36,22 @@ pub fn sha256_hex(path: &std::path::Path) -> String {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// max |ours - want| / max |want|, the tolerance measure of the numerics tests.
+pub fn relative_error(ours: &mlx_rs::Array, want: &mlx_rs::Array) -> f32 {
+    assert_eq!(ours.shape(), want.shape());
+    let diff = ours.subtract(want).unwrap().abs().unwrap().max(None).unwrap().item_cast::<f32>();
+    diff / want.abs().unwrap().max(None).unwrap().item_cast::<f32>()
+}
+
+/// Loads fixture `mlx/{family}` in float32, after checking it is the one
+/// `golden` was made from (its `weights_sha256`).
+pub fn load_checked(family: &str, golden: &serde_json::Value) -> mlxbc_daemon::model::Model {
+    let dir = fixture(&format!("mlx/{family}"));
+    assert_eq!(
+        sha256_hex(&dir.join("model.safetensors")),
+        golden[family]["weights_sha256"].as_str().unwrap(),
+        "{family}: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
+    );
+    mlxbc_daemon::families::load(&dir, mlxbc_daemon::model::weights::WeightForm::DenseF32, None).unwrap()
+}

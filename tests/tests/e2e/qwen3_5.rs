@@ -9,8 +9,8 @@
 //! and from disk after a restart — with the same ids.
 
 use crate::helper::*;
-use crate::reference::{check_weights, golden};
-use mlxbc_client::{ChatMessage, GenerateRequest, GenerationStats, MediaRef};
+use crate::reference::{ask_ok, assert_golden, check_weights, golden};
+use mlxbc_client::{ChatMessage, GenerateRequest, MediaRef};
 
 const FAMILIES: [&str; 2] = ["tiny-qwen3_5", "tiny-qwen3_5-4bit"];
 
@@ -37,18 +37,6 @@ fn request(g: &serde_json::Value, family: &str, case: &str) -> GenerateRequest {
     m.images = media;
     r.messages = vec![m];
     r
-}
-
-async fn ask_ok(d: &Daemon, r: GenerateRequest) -> GenerationStats {
-    ask(&d.socket, r).await.unwrap_or_else(|e| panic!("{e}\n{}", d.log_text())).1
-}
-
-/// `stats` are golden case `case`'s: its prompt length and greedy ids.
-fn assert_golden(g: &serde_json::Value, family: &str, case: &str, stats: &GenerationStats, how: &str) {
-    let want = &g[family][case];
-    let ids: Vec<u32> = serde_json::from_value(want["generated_ids"].clone()).unwrap();
-    assert_eq!(stats.prompt_tokens as usize, want["prompt_ids"].as_array().unwrap().len(), "{family} {case} ({how})");
-    assert_eq!(stats.token_ids, ids, "{family} {case} ({how}): greedy ids differ from mlx-vlm generate");
 }
 
 #[tokio::test(flavor = "multi_thread")]

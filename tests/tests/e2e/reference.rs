@@ -217,3 +217,24 @@ async fn smollm2_logprobs_match_mlx_lm() {
         }
     }
 }
+
+/// `r` through the daemon; a failure panics with the daemon's log.
+pub async fn ask_ok(d: &Daemon, r: mlxbc_client::GenerateRequest) -> mlxbc_client::GenerationStats {
+    ask(&d.socket, r).await.unwrap_or_else(|e| panic!("{e}\n{}", d.log_text())).1
+}
+
+/// `stats` are golden case `case` of `family`'s (a reference script's
+/// `{family: {case: {prompt_ids, generated_ids}}}`): its prompt length and
+/// greedy ids.
+pub fn assert_golden(
+    g: &serde_json::Value,
+    family: &str,
+    case: &str,
+    stats: &mlxbc_client::GenerationStats,
+    how: &str,
+) {
+    let want = &g[family][case];
+    let ids: Vec<u32> = serde_json::from_value(want["generated_ids"].clone()).unwrap();
+    assert_eq!(stats.prompt_tokens as usize, want["prompt_ids"].as_array().unwrap().len(), "{family} {case} ({how})");
+    assert_eq!(stats.token_ids, ids, "{family} {case} ({how}): greedy ids differ from mlx-vlm generate: {stats:?}");
+}
