@@ -2,7 +2,9 @@
 //! (tests/fixtures/reference/gemma4.*, scripts/reference/mlx_vlm_gemma4.py):
 //! the tower and projector on mlx-vlm's own pixels, the first logits of a
 //! text prompt and of an image prompt (per-layer inputs from the spliced
-//! features, the image attending both ways) within 1e-4 relative; and a
+//! features, the image attending both ways) within 1e-4 relative; a video:
+//! the frames taken, each frame's features, the prompt ids (`mm:ss` times)
+//! exactly and the first logits (every frame attending both ways); and a
 //! prompt longer than the sliding window prefilled in pieces (KV-shared
 //! layers reading the cache of the layers they share) against one pass.
 //! Greedy ids through the real daemon: tests/tests/e2e/gemma4.rs.
@@ -101,4 +103,68 @@ fn gemma4_prefill_in_pieces_equals_one_pass() {
     eprintln!("{family} prefilled in pieces vs one pass: relative error {err:e}");
     assert!(err < 1e-5, "pieces differ from one pass: {err:e}");
     assert_eq!(cache.offset, n);
+}
+
+/// The golden clip through our decoder, sampling and preprocessing: the
+/// frames mlx-vlm takes, the first frame's features, the prompt ids exactly
+/// (alone and after an image), and the first logits with every frame's
+/// positions attending to each other both ways.
+#[test]
+fn gemma4_video_matches_mlx_vlm() {
+    use mlxbc_daemon::model::{video, MediaLayout};
+    use mlxbc_shared::{ChatMessage, MediaRef};
+    let golden = reference_json("gemma4.json");
+    let mut want = Array::load_safetensors(reference_path("gemma4.safetensors")).unwrap();
+    let clip = std::fs::read(reference_path(golden["clip"].as_str().unwrap())).unwrap();
+    let image = std::fs::read(reference_path(golden["image"].as_str().unwrap())).unwrap();
+    for family in FAMILIES {
+        let model = load_checked(family, &golden);
+        let vision = model.vision.as_ref().unwrap();
+        let pre = vision.preprocessor.video().expect("Gemma 4 takes video");
+        let sampled = video::decode(&clip, &pre.sampling())
+            .unwrap_or_else(|e| panic!("{e} (scripts/install-deps --test installs ffmpeg)"));
+        let indices: Vec<u32> = serde_json::from_value(golden["frames_indices"].clone()).unwrap();
+        assert_eq!(sampled.indices, indices, "frames taken differ from mlx-vlm's load_video");
+        let frames = pre.prepare(&sampled.frames).unwrap();
+        let features: Vec<Array> = frames.iter().map(|f| vision.tower.encode(f).unwrap()).collect();
+        let err = relative_error(&features[0], &want.remove(&format!("{family}.video_frame0")).unwrap());
+        eprintln!("{family} first frame's features: relative error {err:e}");
+        assert!(err < TOLERANCE, "{family}: a frame's features differ from mlx-vlm's: {err:e}");
+
+        let tenths: Vec<u32> = pre.group_seconds(&sampled).into_iter().map(video::prompt_tenths).collect();
+        let rows: Vec<usize> = features.iter().map(|f| f.shape()[0] as usize).collect();
+        let image_rows = {
+            let img = mlxbc_daemon::model::image::decode(&image).unwrap();
+            vision.tower.encode(&vision.preprocessor.prepare(&img)).unwrap().shape()[0] as usize
+        };
+        for (case, media) in [
+            ("video", vec![MediaRef::video(clip.clone())]),
+            ("image_video", vec![MediaRef::from_bytes(image.clone()), MediaRef::video(clip.clone())]),
+        ] {
+            let mut message = ChatMessage::user(golden[family][case]["text"].as_str().unwrap());
+            let images = media.len() > 1;
+            message.images = media;
+            let rendered = model.prompter.template.render(&[message]).unwrap();
+            let mut layout = vec![MediaLayout::Video { tenths: tenths.clone() }];
+            let mut all_rows = rows.clone();
+            if images {
+                layout.insert(0, MediaLayout::Image);
+                all_rows.insert(0, image_rows);
+            }
+            let prompt = vision.expand_media(&rendered, &layout, &all_rows).unwrap();
+            assert_eq!(
+                model.encode(&prompt).unwrap(),
+                ids_of(&golden, family, case),
+                "{family} {case}: prompt ids\n{prompt}"
+            );
+        }
+        let ids = ids_of(&golden, family, "video");
+        let embeds = vision.tower.splice(&*model.lm, &ids, &features).unwrap();
+        let blocks = vision.image_blocks(&ids);
+        assert_eq!(blocks.iter().max().copied(), Some(features.len() as i32 - 1), "one block per frame");
+        let logits = last_logits(&model, &embeds, &mut KvCache::new(model.lm.num_layers()), Some(&blocks));
+        let err = relative_error(&logits, &want.remove(&format!("{family}.video_logits")).unwrap());
+        eprintln!("{family} first logits, video: relative error {err:e}");
+        assert!(err < TOLERANCE, "{family}: video logits differ from mlx-vlm's: {err:e}");
+    }
 }

@@ -7,46 +7,68 @@ greedy decoding (`mlx_vlm.generate`) for an image and a question
 alone, and for a long text prompt past the sliding window (32 on the fixture)
 and a follow-up sharing its first blocks; the tower's features of the image
 (from mlx-vlm's own pixels), and the first logits of the text prompt and of the
-image prompt (whose per-layer inputs see the spliced image features). Writes
-tests/fixtures/reference/gemma4.json and gemma4.safetensors.
+image prompt (whose per-layer inputs see the spliced image features); a clip
+(tests/fixtures/reference/gemma4-video.mp4, drawn here: 20 frames of 432x336
+at 4 fps, lossless, at the video processor's size so neither side resizes)
+alone and after an image: mlx-vlm's frame sampling, `mm:ss` times, prompt ids,
+greedy ids, the first logits (every frame bidirectional) and the first frame's
+features. Writes tests/fixtures/reference/gemma4.json and gemma4.safetensors.
 
 Usage: mlx_vlm_gemma4.py FIXTURES_MLX_DIR REFERENCE_DIR
        (venv with mlx[cpu]==0.32.4 mlx-vlm==0.7.10; see scripts/bench)
 """
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_vlm import generate, load
-from mlx_vlm.utils import prepare_inputs
+import numpy as np
+from mlx_vlm.utils import load_video, prepare_inputs, resolve_video_sampling
 
 STEPS = 8
 # Logits are kept for the first LOGITS vocabulary entries only (the whole
 # 262,144 would be 1 MiB a vector); greedy ids check the rest end to end.
 LOGITS = 16384
 QUESTION = "What is in this picture?"
+VIDEO_QUESTION = "What happens in this video?"
 TEXT = "Name three colours of the rainbow."
 LONG = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(12))
 FOLLOW_UP = LONG + " Now count the lines."
 
 
-def case(model, processor, text, images=None):
+def case(model, processor, text, images=None, videos=None):
     """One greedy run; the ids recorded are the ones `generate` is fed. The
-    template writes <bos>, and with images mlx-vlm's processor call adds
-    another: an image prompt goes in without the template's, so that every
+    template writes <bos>, and with media mlx-vlm's processor call adds
+    another: a media prompt goes in without the template's, so that every
     prompt holds one BOS, as Gemma is trained."""
-    content = [{"type": "image"} for _ in images or []] + [{"type": "text", "text": text}]
-    messages = [{"role": "user", "content": content}]
+    content = [{"type": "image"} for _ in images or []] + [{"type": "video"} for _ in videos or []]
+    messages = [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
     prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if images:
+    if images or videos:
         prompt = prompt.removeprefix("<bos>")
-    inputs = prepare_inputs(processor, images=images, prompts=prompt, image_token_index=model.config.image_token_id)
-    result = generate(model, processor, prompt, image=images, max_tokens=STEPS, temperature=0.0, verbose=False)
+    inputs = prepare_inputs(processor, images=images, videos=videos, prompts=prompt,
+                            image_token_index=model.config.image_token_id)
+    result = generate(model, processor, prompt, image=images, video=videos, max_tokens=STEPS, temperature=0.0,
+                      verbose=False)
     ids = inputs["input_ids"].tolist()[0]
     assert ids[:2] == [2, 105], ids[:4]
     return inputs, {"text": text, "prompt": prompt, "prompt_ids": ids, "generated_ids": list(result.token_ids)}
+
+
+def test_clip(path: Path):
+    """20 frames of 432x336 at 4 fps, lossless: a disc crossing a gradient."""
+    y, x = np.mgrid[0:336, 0:432].astype(np.float32)
+    frames = []
+    for t in range(20):
+        disc = ((x - 40 - 18 * t) ** 2 + (y - 168) ** 2) < 50 ** 2
+        rgb = np.stack([x / 431 * 255, y / 335 * 255, np.where(disc, 230.0, 40.0 + 8 * t)], axis=-1)
+        frames.append(rgb.round().astype(np.uint8))
+    subprocess.run(["ffmpeg", "-v", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", "432x336",
+                    "-r", "4", "-i", "pipe:0", "-c:v", "libx264rgb", "-qp", "0", "-preset", "veryslow",
+                    "-movflags", "+faststart", str(path)], input=np.stack(frames).tobytes(), check=True)
 
 
 def main():
@@ -56,7 +78,10 @@ def main():
     # with the `image` crate, whose bicubic differs from PIL's by a level in
     # places, and that is not what these goldens are about.
     image = out / "vlm-pipeline-432x336.png"
-    golden = {"reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}", "image": image.name}
+    clip = out / "gemma4-video.mp4"
+    test_clip(clip)
+    golden = {"reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}", "image": image.name,
+              "clip": clip.name, "clip_sha256": hashlib.sha256(clip.read_bytes()).hexdigest()}
     tensors = {}
     for family in ["tiny-gemma4", "tiny-gemma4-4bit"]:
         model_dir = fixtures / family
@@ -73,6 +98,18 @@ def main():
                 tensors[f"{family}.image_logits"] = model(ids, pixel_values=pixels,
                                                          mm_token_type_ids=kinds).logits[0, -1, :LOGITS]
                 tensors[f"{family}.image_logits_causal"] = model(ids, pixel_values=pixels).logits[0, -1, :LOGITS]
+        for name, images in [("video", None), ("image_video", [str(image)])]:
+            inputs, g[name] = case(model, processor, VIDEO_QUESTION, images, [str(clip)])
+            if name == "video":
+                _, metadata = load_video(str(clip), resolve_video_sampling(processor, {}))
+                golden["frames_indices"] = list(map(int, metadata.frames_indices))
+                frames = inputs["pixel_values_videos"][0]
+                positions = inputs["video_position_ids"][0]
+                tensors[f"{family}.video_frame0"] = model.encode_image(frames[:1], positions[:1])[0]
+                tensors[f"{family}.video_logits"] = model(
+                    inputs["input_ids"], pixel_values_videos=inputs["pixel_values_videos"],
+                    video_position_ids=inputs["video_position_ids"],
+                    mm_token_type_ids=inputs.get("mm_token_type_ids")).logits[0, -1, :LOGITS]
         for name, text in [("text", TEXT), ("long", LONG), ("follow_up", FOLLOW_UP)]:
             _, g[name] = case(model, processor, text)
         ids = mx.array([g["text"]["prompt_ids"]])

@@ -254,7 +254,7 @@ fn prepare_video(
     let short = &m.hex()[..12];
     let clip = video::decode(bytes, &pre.sampling()).map_err(|e| bad(format!("video {short}: {e}")))?;
     let groups = pre.prepare(&clip.frames).map_err(|e| bad(format!("video {short}: {e}")))?;
-    let tenths: Vec<u32> = clip.group_seconds(pre.temporal_patch()).into_iter().map(video::prompt_tenths).collect();
+    let tenths: Vec<u32> = pre.group_seconds(&clip).into_iter().map(video::prompt_tenths).collect();
     if tenths.len() != groups.len() {
         return Err(EngineError::Internal(format!(
             "video {short}: {} groups but {} times",

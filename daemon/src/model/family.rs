@@ -120,6 +120,13 @@ pub trait VideoPreprocessor: Send + Sync {
     /// Frames per group (the tower's temporal patch).
     fn temporal_patch(&self) -> usize;
 
+    /// Seconds the prompt writes for each group of `clip`: by default the
+    /// Hugging Face Qwen3-VL processor's (the mean of a group's first and
+    /// last frame's time in the clip).
+    fn group_seconds(&self, clip: &super::video::SampledVideo) -> Vec<f64> {
+        clip.group_seconds(self.temporal_patch())
+    }
+
     /// Resizes, normalizes and lays out the sampled frames, group by group;
     /// an error is a sentence for the user.
     fn prepare(&self, frames: &[image::RgbImage]) -> Result<Vec<Prepared>, String>;

@@ -50,8 +50,7 @@ pub struct Vision {
 }
 
 /// How a chat template's video placeholder expands: per temporal group,
-/// its time (`<1.5 seconds>`), `start`, the video token once per feature
-/// row, `end` — the Hugging Face Qwen3-VL processor's rendering.
+/// its time, `start`, the video token once per feature row, `end`.
 #[derive(Debug, Clone)]
 pub struct VideoPrompt {
     /// What the template writes where a video goes.
@@ -61,6 +60,38 @@ pub struct VideoPrompt {
     pub end: String,
     /// Token id of the positions that receive video features.
     pub token_id: u32,
+    /// How the groups' times are written.
+    pub timestamps: VideoTimestamps,
+}
+
+/// How a family's processor writes a video group's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VideoTimestamps {
+    /// `<1.5 seconds>` before each group, groups back to back (Hugging
+    /// Face's Qwen3-VL processor).
+    Seconds,
+    /// `00:01 ` before each frame, frames joined by a space (Gemma 4's:
+    /// whole seconds, `mm:ss`).
+    MinutesSeconds,
+}
+
+impl VideoPrompt {
+    /// One video's expansion: per group its time (tenths of a second) and
+    /// feature rows.
+    fn expand(&self, groups: impl Iterator<Item = (u32, usize)>) -> String {
+        let parts = groups.map(|(t, n)| {
+            let body = format!("{}{}{}", self.start, self.token.repeat(n), self.end);
+            match self.timestamps {
+                VideoTimestamps::Seconds => format!("<{}.{} seconds>{body}", t / 10, t % 10),
+                VideoTimestamps::MinutesSeconds => {
+                    let s = t / 10;
+                    format!("{:02}:{:02} {body}", s / 60, s % 60)
+                }
+            }
+        });
+        let joint = if self.timestamps == VideoTimestamps::MinutesSeconds { " " } else { "" };
+        parts.collect::<Vec<_>>().join(joint)
+    }
 }
 
 /// What one of a request's media became in the prompt.
@@ -138,19 +169,11 @@ impl Vision {
                     (self.placeholder.as_str(), format!("{}{body}{}", self.expansion_prefix, self.expansion_suffix))
                 }
                 (MediaLayout::Video { tenths }, Some(v)) => {
-                    let mut out = String::new();
-                    for t in tenths {
-                        let n = *rows.next().ok_or_else(mismatch)?;
-                        out.push_str(&format!(
-                            "<{}.{} seconds>{}{}{}",
-                            t / 10,
-                            t % 10,
-                            v.start,
-                            v.token.repeat(n),
-                            v.end
-                        ));
-                    }
-                    (v.text.as_str(), out)
+                    let groups: Vec<(u32, usize)> = tenths
+                        .iter()
+                        .map(|&t| rows.next().map(|&n| (t, n)).ok_or_else(mismatch))
+                        .collect::<Result<_, _>>()?;
+                    (v.text.as_str(), v.expand(groups.into_iter()))
                 }
                 (MediaLayout::Video { .. }, None) => return Err("this model does not take video".into()),
             };
@@ -174,13 +197,15 @@ impl Vision {
         Ok(expanded)
     }
 
-    /// For each position of `ids`, the index of the image it belongs to, or -1.
+    /// For each position of `ids`, the index of the image (or video frame
+    /// group: a run of one media token) it belongs to, or -1.
     pub fn image_blocks(&self, ids: &[u32]) -> Vec<i32> {
+        let media = self.media_tokens();
         let mut block = -1;
         let mut out = Vec::with_capacity(ids.len());
         for (i, &t) in ids.iter().enumerate() {
-            if t == self.image_token_id {
-                if i == 0 || ids[i - 1] != self.image_token_id {
+            if media.contains(&t) {
+                if i == 0 || ids[i - 1] != t {
                     block += 1;
                 }
                 out.push(block);

@@ -60,9 +60,17 @@ pub struct SampledVideo {
     pub indices: Vec<u32>,
     /// The clip's own frame rate.
     pub source_fps: f64,
+    /// Frames the clip holds (declared).
+    pub total_frames: u64,
 }
 
 impl SampledVideo {
+    /// The rate the taken frames stand for (mlx-vlm's
+    /// `VideoMetadata.sampled_fps`: taken / total × the clip's rate).
+    pub fn sampled_fps(&self) -> f64 {
+        self.indices.len() as f64 / (self.total_frames as f64).max(1e-6) * self.source_fps
+    }
+
     /// Seconds of each group of `temporal` frames: the mean of its first and
     /// last frame's time (the last frame repeats to fill the final group),
     /// as the Hugging Face Qwen3-VL processor computes them.
@@ -190,7 +198,7 @@ fn animated(bytes: &[u8], sampling: &Sampling, format: ImageFormat) -> Result<Sa
             wanted.next();
         }
     }
-    Ok(SampledVideo { frames: kept, indices, source_fps })
+    Ok(SampledVideo { frames: kept, indices, source_fps, total_frames: total })
 }
 
 fn check_side(width: u32, height: u32) -> Result<(), VideoError> {
@@ -273,7 +281,7 @@ fn with_ffmpeg(bytes: &[u8], sampling: &Sampling) -> Result<SampledVideo, VideoE
     if frames.len() < sampling.frame_factor.max(1) as usize {
         return Err(VideoError::TooFewFrames(frames.len() as u64, sampling.frame_factor.max(1)));
     }
-    Ok(SampledVideo { frames, indices, source_fps: probe.fps })
+    Ok(SampledVideo { frames, indices, source_fps: probe.fps, total_frames: probe.frames })
 }
 
 struct Probe {
@@ -389,7 +397,7 @@ mod tests {
 
     #[test]
     fn group_seconds_average_each_pair() {
-        let v = SampledVideo { frames: vec![], indices: vec![0, 15, 30, 45, 60], source_fps: 30.0 };
+        let v = SampledVideo { frames: vec![], indices: vec![0, 15, 30, 45, 60], source_fps: 30.0, total_frames: 61 };
         // The fifth frame repeats to fill the last pair.
         assert_eq!(v.group_seconds(2), vec![0.25, 1.25, 2.0]);
         // As Python writes them: 0.25 and 1.25 are exact ties, to even.

@@ -2,9 +2,11 @@
 //! attending both ways) through the real daemon on a real socket, against
 //! mlx-vlm 0.7.10's `generate` on the same tiny fixtures (goldens from
 //! scripts/reference/mlx_vlm_gemma4.py): greedy ids exactly for text, a long
-//! prompt past the window, a follow-up, an image and two images (f32 and
-//! 4-bit); all at once through continuous batching; the image asked again
-//! an encoder hit, also after a restart (from the store on disk); and the
+//! prompt past the window, a follow-up, an image, two images, a video (its
+//! frames sampled, `mm:ss` times, every frame attending both ways) and an
+//! image then a video (f32 and 4-bit); all at once through continuous
+//! batching; the image and the video asked again encoder hits, also after a
+//! restart (from the store on disk); and the
 //! soft-token budget part of the store's key (a directory asking 140 soft
 //! tokens of the same weights misses, and its image has more tokens).
 
@@ -24,9 +26,13 @@ fn request(g: &serde_json::Value, family: &str, case: &str) -> GenerateRequest {
             std::fs::read(workspace().join("tests/fixtures/reference/vlm-pipeline-432x336.png")).unwrap(),
         )
     };
+    let video =
+        || MediaRef::video(std::fs::read(workspace().join("tests/fixtures/reference/gemma4-video.mp4")).unwrap());
     let media = match case {
         "image" => vec![image()],
         "two_images" => vec![image(), image()],
+        "video" => vec![video()],
+        "image_video" => vec![image(), video()],
         _ => return r,
     };
     let mut m = ChatMessage::user(text);
@@ -65,7 +71,8 @@ async fn gemma4_matches_mlx_vlm_alone_batched_and_from_the_feature_store() {
         FAMILIES.iter().map(|f| (*f, fixture(&format!("mlx/{f}")))).collect();
     models.push(("tiny-gemma4-140", budget_dir));
     let mut d = Daemon::start_with(DaemonOptions { models, args: vec![] });
-    let cases = ["text", "image", "two_images", "long", "follow_up"];
+    let cases = ["text", "image", "two_images", "video", "image_video", "long", "follow_up"];
+    let frames = g["frames_indices"].as_array().unwrap().len() as u32;
     for family in FAMILIES {
         for case in cases {
             let s = ask_ok(&d, request(&g, family, case)).await;
@@ -78,6 +85,9 @@ async fn gemma4_matches_mlx_vlm_alone_batched_and_from_the_feature_store() {
         let s = ask_ok(&d, request(&g, family, "image")).await;
         assert_golden(&g, family, "image", &s, "again");
         assert_eq!((s.encoder_hits, s.encoder_misses), (1, 0), "{family}: the image's features: {s:?}");
+        let s = ask_ok(&d, request(&g, family, "video")).await;
+        assert_golden(&g, family, "video", &s, "again");
+        assert_eq!((s.encoder_hits, s.encoder_misses), (frames, 0), "{family}: every frame stored: {s:?}");
     }
     // All at once: prefills and decode steps share batches.
     let asks = FAMILIES.iter().flat_map(|f| cases.iter().map(move |c| (*f, *c)));
@@ -100,5 +110,8 @@ async fn gemma4_matches_mlx_vlm_alone_batched_and_from_the_feature_store() {
         let s = ask_ok(&d, request(&g, family, "image")).await;
         assert_golden(&g, family, "image", &s, "after a restart");
         assert_eq!((s.encoder_hits, s.encoder_misses), (1, 0), "{family}: features from disk: {s:?}");
+        let s = ask_ok(&d, request(&g, family, "video")).await;
+        assert_golden(&g, family, "video", &s, "after a restart");
+        assert_eq!((s.encoder_hits, s.encoder_misses), (frames, 0), "{family}: frames from disk: {s:?}");
     }
 }

@@ -1,16 +1,18 @@
 //! Gemma 4 (the E2B/E4B shape and the dense 31B): its text decoder
 //! (`text`), vision tower and projector (`vision`) and image processor
 //! (`processor`), written op for op like mlx-vlm 0.7.10's `gemma4` package.
-//! The audio tower is not served yet: a checkpoint with one loads and
-//! answers text and images.
+//! Video frames go through the image tower one by one (`video`). The audio
+//! tower is not served yet: a checkpoint with one loads and answers text,
+//! images and video.
 
 pub mod processor;
 pub mod text;
+pub mod video;
 pub mod vision;
 
 use crate::model::vlm_dir::{quantization, tower_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, Model, Placeholder, Vision};
+use crate::model::{chat_parts, read_json, Model, Placeholder, VideoPrompt, VideoTimestamps, Vision};
 use crate::options::ModelOptions;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -43,6 +45,27 @@ fn image_processor_config(dir: &Path) -> Result<serde_json::Value> {
     Ok(read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default())
 }
 
+/// The video processor's settings: `processor_config.json`'s
+/// `video_processor`, or `video_preprocessor_config.json`; `None` when the
+/// checkpoint has neither (it then takes no video).
+fn video_processor_config(dir: &Path) -> Result<Option<serde_json::Value>> {
+    if let Some(p) = read_json(&dir.join("processor_config.json"))? {
+        if let Some(vp) = p.get("video_processor") {
+            return Ok(Some(vp.clone()));
+        }
+    }
+    read_json(&dir.join("video_preprocessor_config.json"))
+}
+
+/// A budget from a processor config, checked against Gemma 4's.
+fn soft_token_budget(config: &serde_json::Value, default: u32) -> Result<u32> {
+    let budget = config.get("max_soft_tokens").and_then(|v| v.as_u64()).map_or(default, |v| v as u32);
+    if !processor::SOFT_TOKEN_BUDGETS.contains(&budget) {
+        bail!("Gemma 4's max_soft_tokens must be one of {:?}, not {budget}", processor::SOFT_TOKEN_BUDGETS);
+    }
+    Ok(budget)
+}
+
 /// A Gemma 4 directory (`language_model.*`, `vision_tower.*`, `embed_vision.*`).
 pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: Option<&sled::Tree>) -> Result<Model> {
     let text: Gemma4TextConfig =
@@ -55,19 +78,26 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         .with_fusion(form.fusion)
         .renamed(mlx_vlm_name);
     let ip = image_processor_config(dir)?;
-    let soft_tokens =
-        ip.get("max_soft_tokens").and_then(|v| v.as_u64()).map(|v| v as u32).unwrap_or(vision.default_output_length);
-    if !processor::SOFT_TOKEN_BUDGETS.contains(&soft_tokens) {
-        bail!("Gemma 4's max_soft_tokens must be one of {:?}, not {soft_tokens}", processor::SOFT_TOKEN_BUDGETS);
-    }
-    let rescale = ip.get("rescale_factor").and_then(|r| r.as_f64()).unwrap_or(1.0 / 255.0) as f32;
-    let mut preprocess = vision::preprocess_for(&vision, soft_tokens, rescale);
+    let soft_tokens = soft_token_budget(&ip, vision.default_output_length)?;
+    let rescale =
+        |c: &serde_json::Value| c.get("rescale_factor").and_then(|r| r.as_f64()).unwrap_or(1.0 / 255.0) as f32;
+    let mut preprocess = vision::preprocess_for(&vision, soft_tokens, rescale(&ip));
     preprocess.resample =
         crate::model::image::Resample::from_config(ip.get("resample"), crate::model::image::Resample::BICUBIC);
+    // Video frames: the video budget (70 unless set), always bicubic (PIL's,
+    // as mlx-vlm's video processor resizes).
+    let video_preprocess = match video_processor_config(dir)? {
+        Some(vp) => {
+            let frames = vision::preprocess_for(&vision, soft_token_budget(&vp, 70)?, rescale(&vp));
+            let num_frames = vp.get("num_frames").and_then(|v| v.as_u64()).unwrap_or(32) as u32;
+            Some(video::Gemma4VideoPreprocess { sampling: video::sampling(num_frames), frames })
+        }
+        None => None,
+    };
     let fingerprint = tower_fingerprint(dir, TOWER_TENSORS, raw, memo)?;
     let (tokenizer, template, mut eos_ids) = chat_parts(dir, raw)?;
     eos_ids.extend(tokenizer.token_to_id("<turn|>"));
-    let tower = Gemma4Tower::load(vision, text.hidden_size, image_token_id, &mut tensors)?;
+    let mut tower = Gemma4Tower::load(vision, text.hidden_size, image_token_id, &mut tensors)?;
     let lm = Gemma4Text::load(text, &mut tensors, "language_model")?;
     let token = |id: u32, fallback: &str| tokenizer.id_to_token(id).unwrap_or_else(|| fallback.into());
     // HF's Gemma 4 processor: each image token the template writes becomes
@@ -78,7 +108,26 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         image_token: token(image_token_id, "<|image|>"),
         suffix: token(id("eoi_token_id", 258882), "<image|>"),
     };
-    let vision = Vision::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    // Each video frame: `mm:ss <|image>` + the video token per soft token + `<image|>`.
+    let video_token_id = raw.get("video_token_id").and_then(|v| v.as_u64()).map(|v| v as u32);
+    let video_prompt = match (&video_preprocess, video_token_id) {
+        (Some(_), Some(video_token_id)) => {
+            let video_token = token(video_token_id, "<|video|>");
+            Some(VideoPrompt {
+                text: video_token.clone(),
+                start: placeholder.prefix.clone(),
+                token: video_token,
+                end: placeholder.suffix.clone(),
+                token_id: video_token_id,
+                timestamps: VideoTimestamps::MinutesSeconds,
+            })
+        }
+        _ => None,
+    };
+    tower.video_token_id = video_prompt.as_ref().map(|v| v.token_id);
+    let media = video::Gemma4Media { image: preprocess, video: video_prompt.as_ref().and(video_preprocess) };
+    let mut vision = Vision::new(Box::new(tower), Arc::new(media), fingerprint, placeholder, image_token_id);
+    vision.video = video_prompt;
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))
 }
 

@@ -125,6 +125,9 @@ pub struct Gemma4Tower {
     projection: Linear,
     rope_base: f32,
     pub image_token_id: u32,
+    /// Set by the loader when the checkpoint takes video: its frames'
+    /// token (each frame a run of it).
+    pub video_token_id: Option<u32>,
     /// The decoder's width (rows of spliced features).
     pub text_hidden: i32,
 }
@@ -172,6 +175,7 @@ impl Gemma4Tower {
             projection: t.linear("embed_vision.embedding_projection")?,
             rope_base,
             image_token_id,
+            video_token_id: None,
             text_hidden,
             config,
         })
@@ -289,7 +293,8 @@ impl VisionTower for Gemma4Tower {
             }
             Ok(ops::concatenate(&[features, pad.index((.., .., d..))], 2)?)
         };
-        crate::model::splice::splice(ids, self.image_token_id, images, text, image)
+        let media: Vec<u32> = std::iter::once(self.image_token_id).chain(self.video_token_id).collect();
+        crate::model::splice::splice_tokens(ids, &media, images, text, image)
     }
 }
 

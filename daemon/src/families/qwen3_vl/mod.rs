@@ -14,7 +14,7 @@ use crate::model::image::Resample;
 use crate::model::video::Sampling;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, Model, Placeholder, VideoPrompt, Vision};
+use crate::model::{chat_parts, read_json, Model, Placeholder, VideoPrompt, VideoTimestamps, Vision};
 use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use std::path::Path;
@@ -93,6 +93,7 @@ pub(crate) fn load_parts(
         token: video_token,
         end,
         token_id: video_token_id,
+        timestamps: VideoTimestamps::Seconds,
     };
     let tower = wrap(Qwen3Tower { tower, image_token_id, video_token_id })?;
     let mut vision = Vision::new(tower, Arc::new(preprocess), fingerprint, placeholder, image_token_id);
