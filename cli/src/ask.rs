@@ -16,6 +16,11 @@ pub fn read_videos(paths: &[std::path::PathBuf]) -> Result<Vec<MediaRef>> {
     paths.iter().map(|p| read_file(p, "video").map(MediaRef::video)).collect()
 }
 
+/// Reads audio clips as [`read_media`] reads images.
+pub fn read_audio(paths: &[std::path::PathBuf]) -> Result<Vec<MediaRef>> {
+    paths.iter().map(|p| read_file(p, "audio").map(MediaRef::audio)).collect()
+}
+
 fn read_file(p: &std::path::Path, what: &str) -> Result<Vec<u8>> {
     if p.as_os_str() == "-" {
         let mut b = Vec::new();
@@ -29,7 +34,7 @@ fn read_file(p: &std::path::Path, what: &str) -> Result<Vec<u8>> {
 pub fn args_prompt(args: &AskArgs) -> Result<String> {
     let mut prompt = args.prompt.clone();
     let stdin = std::io::stdin();
-    let stdin_is_an_image = args.image.iter().chain(&args.video).any(|p| p.as_os_str() == "-");
+    let stdin_is_an_image = args.image.iter().chain(&args.video).chain(&args.audio).any(|p| p.as_os_str() == "-");
     if !stdin.is_terminal() && !stdin_is_an_image {
         let mut piped = String::new();
         stdin.lock().read_to_string(&mut piped)?;
@@ -50,6 +55,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
     let mut user = ChatMessage::user(prompt);
     user.images = read_media(&args.image)?;
     user.images.extend(read_videos(&args.video)?);
+    user.images.extend(read_audio(&args.audio)?);
     messages.push(user);
     Ok(GenerateRequest {
         model: args.model.clone(),

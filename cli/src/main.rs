@@ -175,6 +175,11 @@ pub(crate) struct AskArgs {
     /// animated GIF/WebP. Frames are sampled by the model's video settings.
     #[arg(long)]
     video: Vec<std::path::PathBuf>,
+    /// An audio clip to ask about (repeatable; after the videos): WAV,
+    /// FLAC, MP3 or OGG, for a model that hears (Gemma 4 E2B/E4B). To turn
+    /// speech into text, `mlxbc transcribe` with a speech model.
+    #[arg(long)]
+    audio: Vec<std::path::PathBuf>,
     /// Model name, alias or path (default: the configured default model).
     #[arg(long, short)]
     model: Option<String>,

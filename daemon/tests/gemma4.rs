@@ -4,7 +4,9 @@
 //! text prompt and of an image prompt (per-layer inputs from the spliced
 //! features, the image attending both ways) within 1e-4 relative; a video:
 //! the frames taken, each frame's features, the prompt ids (`mm:ss` times)
-//! exactly and the first logits (every frame attending both ways); and a
+//! exactly and the first logits (every frame attending both ways); an audio
+//! clip: the log-mel (padding masked), the audio tower's soft tokens, the
+//! prompt ids and the first logits; and a
 //! prompt longer than the sliding window prefilled in pieces (KV-shared
 //! layers reading the cache of the layers they share) against one pass.
 //! Greedy ids through the real daemon: tests/tests/e2e/gemma4.rs.
@@ -166,5 +168,67 @@ fn gemma4_video_matches_mlx_vlm() {
         let err = relative_error(&logits, &want.remove(&format!("{family}.video_logits")).unwrap());
         eprintln!("{family} first logits, video: relative error {err:e}");
         assert!(err < TOLERANCE, "{family}: video logits differ from mlx-vlm's: {err:e}");
+    }
+}
+
+/// The golden clip through our decoder, frontend and audio tower: the
+/// log-mel and its valid frames, the soft tokens, the prompt ids (alone and
+/// after an image) and the first logits of the audio prompt.
+#[test]
+fn gemma4_audio_matches_mlx_vlm() {
+    use mlxbc_daemon::model::MediaLayout;
+    use mlxbc_shared::{ChatMessage, MediaRef};
+    let golden = reference_json("gemma4.json");
+    let mut want = Array::load_safetensors(reference_path("gemma4.safetensors")).unwrap();
+    let clip = std::fs::read(reference_path(golden["audio"].as_str().unwrap())).unwrap();
+    let image = std::fs::read(reference_path(golden["image"].as_str().unwrap())).unwrap();
+    let samples = mlxbc_daemon::audio::decode::decode(&clip).unwrap().samples;
+    let their_mel = want.remove("audio.mel").unwrap();
+    let their_valid = want.remove("audio.valid").unwrap();
+    for family in FAMILIES {
+        let model = load_checked(family, &golden);
+        let vision = model.vision.as_ref().unwrap();
+        let frontend = vision.preprocessor.audio().expect("the fixture has an audio tower");
+        let prepared = frontend.prepare(&samples).unwrap();
+        assert_eq!(prepared.frames as i32, their_mel.shape()[0], "mel frames");
+        let valid: i32 = their_valid.as_slice::<i32>().iter().sum();
+        assert_eq!(prepared.valid_frames as i32, valid, "valid mel frames");
+        let mel = Array::from_slice(&prepared.values, their_mel.shape());
+        let err = relative_error(&mel, &their_mel);
+        eprintln!("{family} log-mel: relative error {err:e}");
+        assert!(err < TOLERANCE, "{family}: the log-mel differs from mlx-vlm's: {err:e}");
+        let features = vision.tower.encode_audio(&prepared).unwrap();
+        let err = relative_error(&features, &want.remove(&format!("{family}.audio_features")).unwrap());
+        eprintln!("{family} audio tower + projector: relative error {err:e}");
+        assert!(err < TOLERANCE, "{family}: the audio soft tokens differ from mlx-vlm's: {err:e}");
+
+        let rows = features.shape()[0] as usize;
+        let image_rows = {
+            let img = mlxbc_daemon::model::image::decode(&image).unwrap();
+            vision.tower.encode(&vision.preprocessor.prepare(&img)).unwrap().shape()[0] as usize
+        };
+        for (case, media) in [
+            ("audio", vec![MediaRef::audio(clip.clone())]),
+            ("image_audio", vec![MediaRef::from_bytes(image.clone()), MediaRef::audio(clip.clone())]),
+        ] {
+            let mut message = ChatMessage::user(golden[family][case]["text"].as_str().unwrap());
+            let (layout, all_rows) = if media.len() > 1 {
+                (vec![MediaLayout::Image, MediaLayout::Audio], vec![image_rows, rows])
+            } else {
+                (vec![MediaLayout::Audio], vec![rows])
+            };
+            message.images = media;
+            let rendered = model.prompter.template.render(&[message]).unwrap();
+            let prompt = vision.expand_media(&rendered, &layout, &all_rows).unwrap();
+            assert_eq!(model.encode(&prompt).unwrap(), ids_of(&golden, family, case), "{family} {case}: prompt ids");
+        }
+        let ids = ids_of(&golden, family, "audio");
+        let embeds = vision.tower.splice(&*model.lm, &ids, &[features]).unwrap();
+        let blocks = vision.image_blocks(&ids);
+        assert!(blocks.iter().all(|&b| b == -1), "audio attends causally");
+        let logits = last_logits(&model, &embeds, &mut KvCache::new(model.lm.num_layers()), Some(&blocks));
+        let err = relative_error(&logits, &want.remove(&format!("{family}.audio_logits")).unwrap());
+        eprintln!("{family} first logits, audio: relative error {err:e}");
+        assert!(err < TOLERANCE, "{family}: audio logits differ from mlx-vlm's: {err:e}");
     }
 }

@@ -422,7 +422,9 @@ def tiny_gemma4(gemma_gguf, out, seed):
     the last two layers sharing the KV of layers 3 and 2 with double-wide
     MLPs, logit soft-cap 30, images bidirectional; a 2-layer vision tower
     (16-pixel patches, a 2x256 position table, 2-D rope, clippable linears
-    with finite clamps, 3x3 pooling) with a 70-token budget per image."""
+    with finite clamps, 3x3 pooling) with a 70-token budget per image; a 2-block Conformer audio tower (two
+    stride-2 convolutions, chunked local attention with relative positions,
+    clippable linears with clamps that bite, an output projection of 48)."""
     out.mkdir(parents=True, exist_ok=True)
     vocab = gemma4_tokenizer(gemma_gguf, out)
     mx.random.seed(seed)
@@ -479,6 +481,40 @@ def tiny_gemma4(gemma_gguf, out, seed):
                   "post_feedforward_layernorm"):
             norm(f"{p}.{n}", vh)
     normal("embed_vision.embedding_projection.weight", (hidden, vh), 0.2)
+    # The audio tower (drawn after everything else, so the weights above stay
+    # what they were without it): a 2-block Conformer of width 32.
+    at, ah, ao = "audio_tower", 32, 48
+    sub = f"{at}.subsample_conv_projection"
+    normal(f"{sub}.layer0.conv.weight", (8, 3, 3, 1), 0.3)
+    norm(f"{sub}.layer0.norm", 8)
+    normal(f"{sub}.layer1.conv.weight", (4, 3, 3, 8), 0.3)
+    norm(f"{sub}.layer1.norm", 4)
+    normal(f"{sub}.input_proj_linear.weight", (ah, 32 * 4), 0.1)
+    def clippable(name, shape, scale):
+        normal(f"{name}.linear.weight", shape, scale)
+        w[f"{name}.input_min"], w[f"{name}.input_max"] = mx.array(-4.0), mx.array(4.0)
+        w[f"{name}.output_min"], w[f"{name}.output_max"] = mx.array(-3.0), mx.array(3.0)
+    for i in range(2):
+        p = f"{at}.layers.{i}"
+        for ff in ("feed_forward1", "feed_forward2"):
+            norm(f"{p}.{ff}.pre_layer_norm", ah)
+            clippable(f"{p}.{ff}.ffw_layer_1", (4 * ah, ah), 0.2)
+            clippable(f"{p}.{ff}.ffw_layer_2", (ah, 4 * ah), 0.1)
+            norm(f"{p}.{ff}.post_layer_norm", ah)
+        for n in ("q_proj", "k_proj", "v_proj", "post"):
+            clippable(f"{p}.self_attn.{n}", (ah, ah), 0.3)
+        normal(f"{p}.self_attn.relative_k_proj.weight", (ah, ah), 0.3)
+        normal(f"{p}.self_attn.per_dim_scale", (16,), 0.5)
+        norm(f"{p}.lconv1d.pre_layer_norm", ah)
+        clippable(f"{p}.lconv1d.linear_start", (2 * ah, ah), 0.3)
+        normal(f"{p}.lconv1d.depthwise_conv1d.weight", (ah, 5, 1), 0.4)
+        norm(f"{p}.lconv1d.conv_norm", ah)
+        clippable(f"{p}.lconv1d.linear_end", (ah, ah), 0.3)
+        for n in ("norm_pre_attn", "norm_post_attn", "norm_out"):
+            norm(f"{p}.{n}", ah)
+    normal(f"{at}.output_proj.weight", (ao, ah), 0.2)
+    normal(f"{at}.output_proj.bias", (ao,), 0.1)
+    normal("embed_audio.embedding_projection.weight", (hidden, ao), 0.2)
     mx.eval(w)
     mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
     text = {"model_type": "gemma4_text", "hidden_size": hidden, "num_hidden_layers": layers,
@@ -497,7 +533,12 @@ def tiny_gemma4(gemma_gguf, out, seed):
               "position_embedding_size": 256, "pooling_kernel_size": 3, "default_output_length": 70,
               "use_clipped_linears": True, "standardize": False, "rms_norm_eps": 1e-6,
               "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"}}
-    config = {"model_type": "gemma4", "text_config": text, "vision_config": vision, "audio_config": None,
+    audio = {"model_type": "gemma4_audio", "hidden_size": ah, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "subsampling_conv_channels": [8, 4], "conv_kernel_size": 5, "residual_weight": 0.5,
+             "attention_chunk_size": 12, "attention_context_left": 13, "attention_context_right": 0,
+             "attention_logit_cap": 50.0, "attention_invalid_logits_value": -1e9, "use_clipped_linears": True,
+             "rms_norm_eps": 1e-6, "gradient_clipping": 1e10, "output_proj_dims": ao}
+    config = {"model_type": "gemma4", "text_config": text, "vision_config": vision, "audio_config": audio,
               "image_token_id": 258880, "audio_token_id": 258881, "video_token_id": 258884, "boi_token_id": 255999,
               "eoi_token_id": 258882, "boa_token_id": 256000, "eoa_token_id": 258883,
               "vision_soft_tokens_per_image": 70, "eos_token_id": [1, 106], "bos_token_id": 2, "pad_token_id": 0,

@@ -12,7 +12,10 @@ image prompt (whose per-layer inputs see the spliced image features); a clip
 at 4 fps, lossless, at the video processor's size so neither side resizes)
 alone and after an image: mlx-vlm's frame sampling, `mm:ss` times, prompt ids,
 greedy ids, the first logits (every frame bidirectional) and the first frame's
-features. Writes tests/fixtures/reference/gemma4.json and gemma4.safetensors.
+features; an audio clip (tests/fixtures/reference/gemma4-audio.wav, drawn here:
+1.37 s at 16 kHz, so the frontend pads and masks) alone and after an image:
+the log-mel, the audio tower's soft tokens, prompt ids, greedy ids and the
+first logits. Writes tests/fixtures/reference/gemma4.json and gemma4.safetensors.
 
 Usage: mlx_vlm_gemma4.py FIXTURES_MLX_DIR REFERENCE_DIR
        (venv with mlx[cpu]==0.32.4 mlx-vlm==0.7.10; see scripts/bench)
@@ -21,6 +24,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import wave
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,25 +38,50 @@ STEPS = 8
 LOGITS = 16384
 QUESTION = "What is in this picture?"
 VIDEO_QUESTION = "What happens in this video?"
+AUDIO_QUESTION = "What do you hear?"
 TEXT = "Name three colours of the rainbow."
 LONG = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(12))
 FOLLOW_UP = LONG + " Now count the lines."
 
 
-def case(model, processor, text, images=None, videos=None):
+def test_audio(path: Path):
+    """1.37 s of 16 kHz mono 16-bit: a rising chirp with two harmonics and a
+    little deterministic noise under a smooth envelope."""
+    rate, n = 16000, 21920
+    t = np.arange(n) / rate
+    phase = 2 * np.pi * (300 * t + 700 * t ** 2)
+    tone = np.sin(phase) + 0.4 * np.sin(2 * phase) + 0.2 * np.sin(3 * phase)
+    noise = np.random.default_rng(7).normal(0, 0.05, n)
+    envelope = np.clip(np.sin(np.pi * t / t[-1]), 0, None) ** 0.5
+    pcm = np.round((0.5 * tone * envelope + noise) * 12000).clip(-32768, 32767).astype("<i2")
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(pcm.tobytes())
+
+
+def read_audio(path: Path):
+    """The clip as the daemon reads it: 16-bit samples / 32768."""
+    with wave.open(str(path)) as f:
+        return np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
+
+
+def case(model, processor, text, images=None, videos=None, audio=None):
     """One greedy run; the ids recorded are the ones `generate` is fed. The
     template writes <bos>, and with media mlx-vlm's processor call adds
     another: a media prompt goes in without the template's, so that every
     prompt holds one BOS, as Gemma is trained."""
-    content = [{"type": "image"} for _ in images or []] + [{"type": "video"} for _ in videos or []]
+    content = ([{"type": "image"} for _ in images or []] + [{"type": "video"} for _ in videos or []]
+               + [{"type": "audio"} for _ in audio or []])
     messages = [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
     prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if images or videos:
+    if images or videos or audio:
         prompt = prompt.removeprefix("<bos>")
-    inputs = prepare_inputs(processor, images=images, videos=videos, prompts=prompt,
+    inputs = prepare_inputs(processor, images=images, videos=videos, audio=audio, prompts=prompt,
                             image_token_index=model.config.image_token_id)
-    result = generate(model, processor, prompt, image=images, video=videos, max_tokens=STEPS, temperature=0.0,
-                      verbose=False)
+    result = generate(model, processor, prompt, image=images, video=videos, audio=audio, max_tokens=STEPS,
+                      temperature=0.0, verbose=False)
     ids = inputs["input_ids"].tolist()[0]
     assert ids[:2] == [2, 105], ids[:4]
     return inputs, {"text": text, "prompt": prompt, "prompt_ids": ids, "generated_ids": list(result.token_ids)}
@@ -80,8 +109,12 @@ def main():
     image = out / "vlm-pipeline-432x336.png"
     clip = out / "gemma4-video.mp4"
     test_clip(clip)
+    sound = out / "gemma4-audio.wav"
+    test_audio(sound)
+    samples = read_audio(sound)
     golden = {"reference": f"mlx-vlm {__import__('mlx_vlm').__version__}, mlx {mx.__version__}", "image": image.name,
-              "clip": clip.name, "clip_sha256": hashlib.sha256(clip.read_bytes()).hexdigest()}
+              "clip": clip.name, "clip_sha256": hashlib.sha256(clip.read_bytes()).hexdigest(),
+              "audio": sound.name, "audio_sha256": hashlib.sha256(sound.read_bytes()).hexdigest()}
     tensors = {}
     for family in ["tiny-gemma4", "tiny-gemma4-4bit"]:
         model_dir = fixtures / family
@@ -109,6 +142,18 @@ def main():
                 tensors[f"{family}.video_logits"] = model(
                     inputs["input_ids"], pixel_values_videos=inputs["pixel_values_videos"],
                     video_position_ids=inputs["video_position_ids"],
+                    mm_token_type_ids=inputs.get("mm_token_type_ids")).logits[0, -1, :LOGITS]
+        for name, images in [("audio", None), ("image_audio", [str(image)])]:
+            inputs, g[name] = case(model, processor, AUDIO_QUESTION, images, audio=[samples])
+            if name == "audio":
+                mel, valid = inputs["input_features"], inputs["input_features_mask"]
+                tokens = g[name]["prompt_ids"].count(model.config.audio_token_id)
+                encoded, _ = model.audio_tower(mel, ~valid.astype(mx.bool_))
+                tensors["audio.mel"] = mel[0]
+                tensors["audio.valid"] = valid[0].astype(mx.int32)
+                tensors[f"{family}.audio_features"] = model.embed_audio(encoded)[0, :tokens]
+                tensors[f"{family}.audio_logits"] = model(
+                    inputs["input_ids"], input_features=mel, input_features_mask=valid,
                     mm_token_type_ids=inputs.get("mm_token_type_ids")).logits[0, -1, :LOGITS]
         for name, text in [("text", TEXT), ("long", LONG), ("follow_up", FOLLOW_UP)]:
             _, g[name] = case(model, processor, text)

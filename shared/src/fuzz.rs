@@ -69,7 +69,13 @@ fn media(rng: &mut Rng) -> MediaRef {
     let mut sha256 = [0u8; 32];
     sha256.iter_mut().for_each(|b| *b = rng.below(256) as u8);
     let bytes = rng.one_in(3).then(|| (0..rng.below(64)).map(|_| rng.below(256) as u8).collect());
-    let kind = if rng.one_in(4) { MediaKind::Video } else { MediaKind::Image };
+    let kind = if rng.one_in(4) {
+        MediaKind::Video
+    } else if rng.one_in(8) {
+        MediaKind::Audio
+    } else {
+        MediaKind::Image
+    };
     MediaRef { sha256, bytes, kind }
 }
 

@@ -171,9 +171,12 @@ pub enum MediaKind {
     /// A video (anything ffmpeg reads; animated GIF and WebP in-process):
     /// sampled into frames by the model's video settings.
     Video,
+    /// An audio clip (WAV, FLAC, MP3, OGG/Vorbis) for a model that hears
+    /// (Gemma 4), heard as a whole. Transcription has its own request.
+    Audio,
 }
 
-/// An image or a video by content hash; the bytes travel only when the
+/// An image, a video or an audio clip by content hash; the bytes travel only when the
 /// daemon asks for them with [`Response::NeedMedia`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MediaRef {
@@ -194,6 +197,11 @@ impl MediaRef {
     /// A video carrying its bytes.
     pub fn video(bytes: Vec<u8>) -> Self {
         Self { kind: MediaKind::Video, ..Self::from_bytes(bytes) }
+    }
+
+    /// An audio clip carrying its bytes.
+    pub fn audio(bytes: Vec<u8>) -> Self {
+        Self { kind: MediaKind::Audio, ..Self::from_bytes(bytes) }
     }
 
     /// An image known by its hash only.

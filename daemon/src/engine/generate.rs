@@ -104,22 +104,36 @@ fn prompt_here(
     if let Some(v) = &model.vision {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
         let video_placeholders = v.video.as_ref().map_or(0, |p| prompt.matches(p.text.as_str()).count());
+        let audio_placeholders = v.audio.as_ref().map_or(0, |p| prompt.matches(p.text.as_str()).count());
         let videos = media.iter().filter(|m| m.kind == MediaKind::Video).count();
+        let clips = media.iter().filter(|m| m.kind == MediaKind::Audio).count();
         if videos > 0 && v.video.is_none() {
             return Err(EngineError::BadMedia(format!(
-                "model {} takes images but not video; use a video-language model (Qwen3-VL)",
+                "model {} takes images but not video; use a video-language model (Qwen3-VL, Gemma 4)",
                 ctx.model_name
             )));
         }
-        if placeholders != media.len() - videos {
+        if clips > 0 && v.audio.is_none() {
+            return Err(EngineError::BadMedia(format!(
+                "model {} has no audio tower and cannot hear audio; use one that does (Gemma 4 E2B/E4B), \
+                 or `mlxbc transcribe` with a speech model",
+                ctx.model_name
+            )));
+        }
+        if placeholders != media.len() - videos - clips {
             return Err(EngineError::BadMedia(format!(
                 "the prompt has {placeholders} image placeholders but {} images were sent",
-                media.len() - videos
+                media.len() - videos - clips
             )));
         }
         if video_placeholders != videos {
             return Err(EngineError::BadMedia(format!(
                 "the prompt has {video_placeholders} video placeholders but {videos} videos were sent"
+            )));
+        }
+        if audio_placeholders != clips {
+            return Err(EngineError::BadMedia(format!(
+                "the prompt has {audio_placeholders} audio placeholders but {clips} clips were sent"
             )));
         }
     }
@@ -175,7 +189,7 @@ pub fn begin(
     let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
     if !media.is_empty() && model.vision.is_none() {
         return Err(EngineError::BadMedia(format!(
-            "model {} is text-only and cannot take images or video; use a vision-language model",
+            "model {} is text-only and cannot take images, video or audio; use a vision-language model",
             ctx.model_name
         )));
     }

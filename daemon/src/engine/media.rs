@@ -4,7 +4,9 @@
 //! frames and cut into temporal groups, each stored like an image (the
 //! group's number in the preprocessing part of its key), beside an entry
 //! holding the groups' times: a clip asked about again needs neither its
-//! bytes nor ffmpeg.
+//! bytes nor ffmpeg. An audio clip for a model that hears (Gemma 4) is
+//! decoded, turned into the family's features and stored like an image,
+//! keyed by the audio tower's own fingerprint and frontend.
 //!
 //! The CPU half — hashing, decoding, EXIF, resizing, patchifying, the store
 //! lookup — runs off the engine thread, before the job is queued
@@ -15,7 +17,7 @@
 //! first request's features are there by then.
 
 use super::error::EngineError;
-use crate::model::family::{MediaPreprocessor, Prepared};
+use crate::model::family::{MediaPreprocessor, Prepared, PreparedAudio};
 use crate::model::{image, video, MediaLayout, Model};
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality};
@@ -50,6 +52,9 @@ pub struct MediaRoute {
     pub fingerprint: [u8; 32],
     /// The video preprocessing's description, for a tower that takes video.
     pub video_key: Option<String>,
+    /// The audio frontend's description and the audio tower's
+    /// fingerprint, for a model that hears.
+    pub audio_key: Option<(String, [u8; 32])>,
 }
 
 impl MediaRoute {
@@ -61,6 +66,18 @@ impl MediaRoute {
             preprocess_key: v.preprocess_key.clone(),
             fingerprint: v.fingerprint.0,
             video_key: v.preprocessor.video().map(|p| p.describe()),
+            audio_key: v.audio.as_ref().map(|a| (a.frontend_key.clone(), a.fingerprint.0)),
+        })
+    }
+
+    /// The store key of an audio clip; `None` when the model does not hear.
+    fn audio_key(&self, media: &MediaRef) -> Option<FeatureKey> {
+        let (frontend, tower) = self.audio_key.as_ref()?;
+        Some(FeatureKey {
+            modality: Modality::Audio,
+            tower: *tower,
+            preprocess: FeatureKey::preprocess_hash(&format!("chat;{frontend}")),
+            content: media.sha256,
         })
     }
 
@@ -87,10 +104,11 @@ impl MediaRoute {
 
     /// Made for `model`'s tower and preprocessing.
     fn is_for(&self, model: &Model) -> bool {
-        model
-            .vision
-            .as_ref()
-            .is_some_and(|v| v.fingerprint.0 == self.fingerprint && v.preprocess_key == self.preprocess_key)
+        model.vision.as_ref().is_some_and(|v| {
+            v.fingerprint.0 == self.fingerprint
+                && v.preprocess_key == self.preprocess_key
+                && v.audio.as_ref().map(|a| (a.frontend_key.clone(), a.fingerprint.0)) == self.audio_key
+        })
     }
 }
 
@@ -101,6 +119,8 @@ pub enum MediaInput {
     Stored(Features),
     /// Not stored: decoded and preprocessed for the tower.
     Prepared(Prepared),
+    /// Not stored: an audio clip's features for the audio tower.
+    Audio(PreparedAudio),
 }
 
 /// A request's media, in order, made ready off the engine thread.
@@ -174,7 +194,15 @@ fn lookup(
             }
             Ok(Some((MediaLayout::Video { tenths }, items)))
         }
+        MediaKind::Audio => {
+            let key = route.audio_key(m).ok_or_else(no_audio)?;
+            Ok(get(&key).map(|f| (MediaLayout::Audio, vec![(key, f)])))
+        }
     }
+}
+
+fn no_audio() -> EngineError {
+    bad("this model does not hear audio; use one with an audio tower (Gemma 4 E2B/E4B), or `mlxbc transcribe` with a speech model")
 }
 
 fn no_video() -> EngineError {
@@ -233,6 +261,23 @@ pub fn prepare(
                 let (shape, groups) = prepare_video(route, store, m, bytes)?;
                 items.extend(groups);
                 layout.push(shape);
+            }
+            MediaKind::Audio => {
+                let key = route.audio_key(m).ok_or_else(no_audio)?;
+                let frontend = route.preprocessor.audio().ok_or_else(no_audio)?;
+                let short = &m.hex()[..12];
+                let input = match items.iter().find(|(k, _)| *k == key) {
+                    Some((_, MediaInput::Audio(a))) => MediaInput::Audio(a.clone()),
+                    _ => {
+                        let clip =
+                            crate::audio::decode::decode(bytes).map_err(|e| bad(format!("audio {short}: {e}")))?;
+                        MediaInput::Audio(
+                            frontend.prepare(&clip.samples).map_err(|e| bad(format!("audio {short}: {e}")))?,
+                        )
+                    }
+                };
+                items.push((key, input));
+                layout.push(MediaLayout::Audio);
             }
         }
     }
@@ -304,7 +349,7 @@ pub fn resolve(
 ) -> Result<Resolved<Encoded>, EngineError> {
     let Some(route) = MediaRoute::of(model) else {
         return Err(bad(format!(
-            "model {name} is text-only and cannot take images or video; use a vision-language model"
+            "model {name} is text-only and cannot take images, video or audio; use a vision-language model"
         )));
     };
     match prepare(&route, store, media)? {
@@ -331,7 +376,7 @@ fn encode(
                 out.push(to_array(&f).ok_or_else(|| inference(&"a stored entry is not f32"))?);
                 continue;
             }
-            MediaInput::Prepared(p) => p,
+            input => input,
         };
         if let Some((_, f)) = encoded_now.iter().find(|(k, _)| *k == key) {
             stats.hits += 1;
@@ -346,7 +391,12 @@ fn encode(
             continue;
         }
         let t = Instant::now();
-        let features = vision.tower.encode(&prepared).map_err(|e| inference(&e))?;
+        let features = match &prepared {
+            MediaInput::Audio(a) => vision.tower.encode_audio(a),
+            MediaInput::Prepared(p) => vision.tower.encode(p),
+            MediaInput::Stored(_) => Err(anyhow::anyhow!("a stored entry reached the tower")),
+        };
+        let features = features.map_err(|e| inference(&e))?;
         let features = features.as_dtype(Dtype::Float32).map_err(|e| inference(&e))?;
         features.eval().map_err(|e| inference(&e))?;
         stats.encode_ms += t.elapsed().as_secs_f64() * 1000.0;

@@ -254,6 +254,20 @@ pub enum Part {
     VideoUrl {
         video_url: ImageUrl,
     },
+    /// OpenAI's audio part (`{"type": "input_audio", "input_audio": {"data": BASE64, "format": "wav"}}`),
+    /// for a model that hears.
+    InputAudio {
+        input_audio: InputAudio,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+pub struct InputAudio {
+    /// The clip's bytes, base64.
+    pub data: String,
+    /// `wav`, `mp3`, ... (informational: the bytes say what they are).
+    #[serde(default)]
+    pub format: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -354,6 +368,13 @@ impl ChatCompletionRequest {
                             Part::VideoUrl { video_url } => {
                                 let media = image_ref(&video_url.url)?;
                                 msg.images.push(MediaRef { kind: mlxbc_shared::MediaKind::Video, ..media })
+                            }
+                            Part::InputAudio { input_audio } => {
+                                let bytes =
+                                    base64::engine::general_purpose::STANDARD.decode(input_audio.data.trim()).map_err(
+                                        |e| BadRequest(format!("input_audio data is not valid base64: {e}")),
+                                    )?;
+                                msg.images.push(MediaRef::audio(bytes))
                             }
                         }
                     }

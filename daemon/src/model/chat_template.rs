@@ -47,6 +47,7 @@ impl ChatTemplate {
                     let kind = |m: &mlxbc_shared::MediaRef| match m.kind {
                         mlxbc_shared::MediaKind::Image => "image",
                         mlxbc_shared::MediaKind::Video => "video",
+                        mlxbc_shared::MediaKind::Audio => "audio",
                     };
                     let mut parts: Vec<minijinja::Value> =
                         m.images.iter().map(|m| context! { type => kind(m) }).collect();

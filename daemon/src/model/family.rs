@@ -104,6 +104,35 @@ pub trait MediaPreprocessor: Send + Sync {
     fn video(&self) -> Option<&dyn VideoPreprocessor> {
         None
     }
+
+    /// The family's audio frontend, when the model hears (Gemma 4).
+    fn audio(&self) -> Option<&dyn AudioPreprocessor> {
+        None
+    }
+}
+
+/// Audio made ready for a model's audio tower on the CPU: `frames` ×
+/// `bins` features row-major (a log-mel), of which the first
+/// `valid_frames` are the clip's (the rest padding), and the soft tokens
+/// the clip takes in the prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreparedAudio {
+    pub values: Vec<f32>,
+    pub frames: usize,
+    pub bins: usize,
+    pub valid_frames: usize,
+    pub tokens: usize,
+}
+
+/// A family's audio frontend for a chat model that hears (no MLX, any
+/// thread): 16 kHz mono samples → [`PreparedAudio`].
+pub trait AudioPreprocessor: Send + Sync {
+    /// Every parameter that changes the features or the token count:
+    /// part of the feature-store key.
+    fn describe(&self) -> String;
+
+    /// The clip's features; an error is a sentence for the user.
+    fn prepare(&self, samples: &[f32]) -> Result<PreparedAudio, String>;
 }
 
 /// A family's video preprocessing (no MLX, any thread): which frames to
@@ -150,6 +179,12 @@ pub trait VisionTower {
     /// plain offsets.
     fn rope_positions(&self, _ids: &[u32], _features: &[Array]) -> Option<(Vec<[i64; 3]>, i64)> {
         None
+    }
+
+    /// Soft tokens `[tokens, hidden]` of one clip, lazily, for a model that
+    /// hears (its audio tower and projector); spliced like an image's.
+    fn encode_audio(&self, _audio: &PreparedAudio) -> Result<Array> {
+        anyhow::bail!("this model has no audio tower")
     }
 
     /// What the language model's first layers add at the prompt's visual

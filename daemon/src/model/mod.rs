@@ -47,6 +47,26 @@ pub struct Vision {
     pub image_token_id: u32,
     /// How a video enters the prompt, for a tower that takes video.
     pub video: Option<VideoPrompt>,
+    /// How a clip enters the prompt, for a model that hears (its features
+    /// come from [`family::VisionTower::encode_audio`]).
+    pub audio: Option<AudioPrompt>,
+}
+
+/// How a chat template's audio placeholder expands: `prefix`, the audio
+/// token once per soft token, `suffix` (Gemma 4's `<|audio>` … `<audio|>`).
+#[derive(Debug, Clone)]
+pub struct AudioPrompt {
+    /// What the template writes where a clip goes.
+    pub text: String,
+    pub prefix: String,
+    pub token: String,
+    pub suffix: String,
+    /// Token id of the positions that receive audio features.
+    pub token_id: u32,
+    /// `describe()` of the family's audio frontend (feature-store key part).
+    pub frontend_key: String,
+    /// Hash over the audio tower's config and weights (feature-store key part).
+    pub fingerprint: mlxbc_cache::TowerFingerprint,
 }
 
 /// How a chat template's video placeholder expands: per temporal group,
@@ -102,13 +122,15 @@ pub enum MediaLayout {
     /// A video: one feature array per temporal group, at these times (in
     /// tenths of a second, as the prompt writes them).
     Video { tenths: Vec<u32> },
+    /// An audio clip: one feature array.
+    Audio,
 }
 
 impl MediaLayout {
     /// Feature arrays it takes.
     pub fn arrays(&self) -> usize {
         match self {
-            MediaLayout::Image => 1,
+            MediaLayout::Image | MediaLayout::Audio => 1,
             MediaLayout::Video { tenths } => tenths.len(),
         }
     }
@@ -134,11 +156,20 @@ impl Vision {
             expansion_suffix: placeholder.suffix,
             image_token_id,
             video: None,
+            audio: None,
         }
     }
 
-    /// The token ids that receive media features (images', videos').
+    /// The token ids that receive media features (images', videos', audio's).
     pub fn media_tokens(&self) -> Vec<u32> {
+        let mut tokens = self.visual_tokens();
+        tokens.extend(self.audio.as_ref().map(|a| a.token_id));
+        tokens
+    }
+
+    /// The token ids that receive image and video features (the ones a
+    /// bidirectional family attends both ways within).
+    pub fn visual_tokens(&self) -> Vec<u32> {
         std::iter::once(self.image_token_id).chain(self.video.as_ref().map(|v| v.token_id)).collect()
     }
 
@@ -148,42 +179,62 @@ impl Vision {
     /// `Err`: the placeholders do not match the media, as a sentence.
     pub fn expand_media(&self, prompt: &str, layout: &[MediaLayout], rows: &[usize]) -> Result<String, String> {
         let video_text = self.video.as_ref().map(|v| v.text.as_str());
-        let (images, videos) =
-            (prompt.matches(self.placeholder.as_str()).count(), video_text.map_or(0, |t| prompt.matches(t).count()));
-        let want_videos = layout.iter().filter(|l| matches!(l, MediaLayout::Video { .. })).count();
-        if images != layout.len() - want_videos || videos != want_videos {
-            return Err(format!(
-                "the prompt has {images} image and {videos} video placeholders but {} images and {want_videos} videos were sent",
-                layout.len() - want_videos
-            ));
+        let audio_text = self.audio.as_ref().map(|a| a.text.as_str());
+        // Each kind's placeholder, and how many of it the prompt and the media have.
+        let kinds = [("image", Some(self.placeholder.as_str())), ("video", video_text), ("audio", audio_text)];
+        let kind_of = |l: &MediaLayout| match l {
+            MediaLayout::Image => 0,
+            MediaLayout::Video { .. } => 1,
+            MediaLayout::Audio => 2,
+        };
+        for (k, (name, text)) in kinds.iter().enumerate() {
+            let sent = layout.iter().filter(|l| kind_of(l) == k).count();
+            let Some(text) = text else {
+                if sent > 0 {
+                    return Err(format!("this model does not take {name}"));
+                }
+                continue;
+            };
+            let written = prompt.matches(text).count();
+            if written != sent {
+                return Err(format!("the prompt has {written} {name} placeholders but {sent} {name} inputs were sent"));
+            }
         }
         let mut expanded = String::with_capacity(prompt.len() + rows.iter().sum::<usize>() * self.image_token.len());
         let mut rest = prompt;
         let mut rows = rows.iter();
         let mismatch = || "the prompt's media placeholders do not match its media".to_string();
         for item in layout {
-            let (text, expansion) = match (item, &self.video) {
-                (MediaLayout::Image, _) => {
+            let k = kind_of(item);
+            let text = kinds[k].1.ok_or_else(mismatch)?;
+            let expansion = match item {
+                MediaLayout::Image => {
                     let n = *rows.next().ok_or_else(mismatch)?;
-                    let body = self.image_token.repeat(n);
-                    (self.placeholder.as_str(), format!("{}{body}{}", self.expansion_prefix, self.expansion_suffix))
+                    format!("{}{}{}", self.expansion_prefix, self.image_token.repeat(n), self.expansion_suffix)
                 }
-                (MediaLayout::Video { tenths }, Some(v)) => {
+                MediaLayout::Video { tenths } => {
+                    let v = self.video.as_ref().ok_or_else(mismatch)?;
                     let groups: Vec<(u32, usize)> = tenths
                         .iter()
                         .map(|&t| rows.next().map(|&n| (t, n)).ok_or_else(mismatch))
                         .collect::<Result<_, _>>()?;
-                    (v.text.as_str(), v.expand(groups.into_iter()))
+                    v.expand(groups.into_iter())
                 }
-                (MediaLayout::Video { .. }, None) => return Err("this model does not take video".into()),
+                MediaLayout::Audio => {
+                    let a = self.audio.as_ref().ok_or_else(mismatch)?;
+                    let n = *rows.next().ok_or_else(mismatch)?;
+                    format!("{}{}{}", a.prefix, a.token.repeat(n), a.suffix)
+                }
             };
             let at = rest.find(text).ok_or_else(mismatch)?;
             // Media must come in the order the placeholders do.
-            let other = match item {
-                MediaLayout::Image => video_text.and_then(|t| rest.find(t)),
-                MediaLayout::Video { .. } => rest.find(self.placeholder.as_str()),
-            };
-            if other.is_some_and(|o| o < at) {
+            let earlier = kinds
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != k)
+                .filter_map(|(_, (_, t))| t.and_then(|t| rest.find(t)))
+                .any(|o| o < at);
+            if earlier {
                 return Err(mismatch());
             }
             expanded.push_str(&rest[..at]);
@@ -198,9 +249,9 @@ impl Vision {
     }
 
     /// For each position of `ids`, the index of the image (or video frame
-    /// group: a run of one media token) it belongs to, or -1.
+    /// group: a run of one visual token) it belongs to, or -1 (text, audio).
     pub fn image_blocks(&self, ids: &[u32]) -> Vec<i32> {
-        let media = self.media_tokens();
+        let media = self.visual_tokens();
         let mut block = -1;
         let mut out = Vec::with_capacity(ids.len());
         for (i, &t) in ids.iter().enumerate() {

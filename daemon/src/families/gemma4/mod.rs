@@ -1,18 +1,21 @@
 //! Gemma 4 (the E2B/E4B shape and the dense 31B): its text decoder
 //! (`text`), vision tower and projector (`vision`) and image processor
 //! (`processor`), written op for op like mlx-vlm 0.7.10's `gemma4` package.
-//! Video frames go through the image tower one by one (`video`). The audio
-//! tower is not served yet: a checkpoint with one loads and answers text,
-//! images and video.
+//! Video frames go through the image tower one by one (`video`); a
+//! checkpoint with an `audio_config` also hears (`audio`, its frontend in
+//! `audio_features`), its clips' features stored under the audio tower's
+//! own fingerprint.
 
+pub mod audio;
+pub mod audio_features;
 pub mod processor;
 pub mod text;
 pub mod video;
 pub mod vision;
 
-use crate::model::vlm_dir::{quantization, tower_fingerprint};
+use crate::model::vlm_dir::{quantization, tower_fingerprint, weights_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, Model, Placeholder, VideoPrompt, VideoTimestamps, Vision};
+use crate::model::{chat_parts, read_json, AudioPrompt, Model, Placeholder, VideoPrompt, VideoTimestamps, Vision};
 use crate::options::ModelOptions;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -22,6 +25,8 @@ use vision::{Gemma4Tower, Gemma4VisionConfig};
 
 /// Tensor name prefixes that make up Gemma 4's image path (and so its fingerprint).
 const TOWER_TENSORS: &[&str] = &["vision_tower.", "embed_vision."];
+/// And its audio path's.
+const AUDIO_TENSORS: &[&str] = &["audio_tower.", "embed_audio."];
 
 /// mlx-vlm's names for a checkpoint's tensors: HF's `model.` dropped and
 /// `language_model.X` as `language_model.model.X` (mlx-community
@@ -125,9 +130,45 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         _ => None,
     };
     tower.video_token_id = video_prompt.as_ref().map(|v| v.token_id);
-    let media = video::Gemma4Media { image: preprocess, video: video_prompt.as_ref().and(video_preprocess) };
+    // Audio: `<|audio>` + the audio token per soft token + `<audio|>`.
+    let (audio_frontend, audio_prompt) = match raw.get("audio_config").filter(|c| !c.is_null()) {
+        Some(config) => {
+            let config: audio::Gemma4AudioConfig =
+                serde_json::from_value(config.clone()).context("config.json audio_config")?;
+            let processor = read_json(&dir.join("processor_config.json"))?.unwrap_or_default();
+            let fe = processor.get("feature_extractor").cloned().unwrap_or_default();
+            let ms = processor.get("audio_ms_per_token").and_then(|v| v.as_f64()).unwrap_or(40.0);
+            let max = processor.get("audio_seq_length").and_then(|v| v.as_u64()).unwrap_or(750) as usize;
+            let frontend = audio_features::Gemma4AudioFrontend::from_config(&fe, ms, max);
+            if frontend.sampling_rate != crate::audio::decode::TARGET_RATE {
+                bail!("Gemma 4's audio frontend must read 16 kHz, not {} Hz", frontend.sampling_rate);
+            }
+            let audio_fingerprint = weights_fingerprint(dir, AUDIO_TENSORS, &raw["audio_config"].to_string(), memo)
+                .with_context(|| format!("fingerprinting the audio tower in {}", dir.display()))?;
+            let token_id = id("audio_token_id", 258881);
+            tower.audio = Some((audio::Gemma4AudioTower::load(config, &mut tensors)?, token_id));
+            let text = token(token_id, "<|audio|>");
+            let prompt = AudioPrompt {
+                text: text.clone(),
+                prefix: token(id("boa_token_id", 256000), "<|audio>"),
+                token: text,
+                suffix: token(id("eoa_token_id", 258883), "<audio|>"),
+                token_id,
+                frontend_key: frontend.describe(),
+                fingerprint: audio_fingerprint,
+            };
+            (Some(frontend), Some(prompt))
+        }
+        None => (None, None),
+    };
+    let media = video::Gemma4Media {
+        image: preprocess,
+        video: video_prompt.as_ref().and(video_preprocess),
+        audio: audio_frontend,
+    };
     let mut vision = Vision::new(Box::new(tower), Arc::new(media), fingerprint, placeholder, image_token_id);
     vision.video = video_prompt;
+    vision.audio = audio_prompt;
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))
 }
 

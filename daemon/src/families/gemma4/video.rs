@@ -7,8 +7,9 @@
 //! `<image|>`, frames joined by a space, the time being frame `j` over the
 //! rate the taken frames stand for (whole seconds).
 
+use super::audio_features::Gemma4AudioFrontend;
 use super::processor::Gemma4Preprocess;
-use crate::model::family::{MediaPreprocessor, Prepared, VideoPreprocessor};
+use crate::model::family::{AudioPreprocessor, MediaPreprocessor, Prepared, PreparedAudio, VideoPreprocessor};
 use crate::model::video::{SampledVideo, Sampling};
 
 /// mlx-vlm's sampling for Gemma 4: its library defaults (2 fps, at least
@@ -27,10 +28,12 @@ pub struct Gemma4VideoPreprocess {
 }
 
 /// Gemma 4's media preprocessing: images by the image processor, video by
-/// the video processor when the checkpoint declares one.
+/// the video processor when the checkpoint declares one, audio by the
+/// feature extractor when it has an audio tower.
 pub struct Gemma4Media {
     pub image: Gemma4Preprocess,
     pub video: Option<Gemma4VideoPreprocess>,
+    pub audio: Option<Gemma4AudioFrontend>,
 }
 
 impl MediaPreprocessor for Gemma4Media {
@@ -44,6 +47,20 @@ impl MediaPreprocessor for Gemma4Media {
 
     fn video(&self) -> Option<&dyn VideoPreprocessor> {
         self.video.as_ref().map(|v| v as &dyn VideoPreprocessor)
+    }
+
+    fn audio(&self) -> Option<&dyn AudioPreprocessor> {
+        self.audio.as_ref().map(|a| a as &dyn AudioPreprocessor)
+    }
+}
+
+impl AudioPreprocessor for Gemma4AudioFrontend {
+    fn describe(&self) -> String {
+        Gemma4AudioFrontend::describe(self)
+    }
+
+    fn prepare(&self, samples: &[f32]) -> Result<PreparedAudio, String> {
+        Gemma4AudioFrontend::prepare(self, samples)
     }
 }
 

@@ -8,7 +8,7 @@
 //! map to the decoder's width.
 
 use super::processor::Gemma4Preprocess;
-use crate::model::family::{LanguageModel, Prepared, VisionTower};
+use crate::model::family::{LanguageModel, Prepared, PreparedAudio, VisionTower};
 use crate::model::layers::Linear;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
@@ -70,14 +70,14 @@ fn d_output() -> u32 {
 
 /// A linear whose input and output are clamped to bounds stored beside it
 /// (`input_min`, ...), as Gemma 4's `ClippableLinear`.
-struct ClippedLinear {
+pub(super) struct ClippedLinear {
     linear: Linear,
     input: Option<(Array, Array)>,
     output: Option<(Array, Array)>,
 }
 
 impl ClippedLinear {
-    fn load(t: &mut TensorMap, prefix: &str, clipped: bool) -> Result<Self> {
+    pub(super) fn load(t: &mut TensorMap, prefix: &str, clipped: bool) -> Result<Self> {
         let mut bounds = |lo: &str, hi: &str| -> Result<Option<(Array, Array)>> {
             let (lo, hi) = (format!("{prefix}.{lo}"), format!("{prefix}.{hi}"));
             Ok(if clipped && t.has(&lo) && t.has(&hi) { Some((t.float(&lo)?, t.float(&hi)?)) } else { None })
@@ -87,7 +87,7 @@ impl ClippedLinear {
         Ok(Self { linear: t.linear(&format!("{prefix}.linear"))?, input, output })
     }
 
-    fn forward(&self, x: &Array) -> Result<Array> {
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         let clamp = |x: Array, b: &Option<(Array, Array)>| -> Result<Array> {
             Ok(match b {
                 Some((lo, hi)) => ops::minimum(ops::maximum(&x, lo)?, hi)?,
@@ -128,6 +128,9 @@ pub struct Gemma4Tower {
     /// Set by the loader when the checkpoint takes video: its frames'
     /// token (each frame a run of it).
     pub video_token_id: Option<u32>,
+    /// Set by the loader when the checkpoint hears: its audio tower and
+    /// the token its soft tokens take.
+    pub audio: Option<(super::audio::Gemma4AudioTower, u32)>,
     /// The decoder's width (rows of spliced features).
     pub text_hidden: i32,
 }
@@ -176,6 +179,7 @@ impl Gemma4Tower {
             rope_base,
             image_token_id,
             video_token_id: None,
+            audio: None,
             text_hidden,
             config,
         })
@@ -276,6 +280,13 @@ impl VisionTower for Gemma4Tower {
         self.encode_pixels(&Array::from_slice(&prepared.values, &prepared.shape))
     }
 
+    fn encode_audio(&self, audio: &PreparedAudio) -> Result<Array> {
+        match &self.audio {
+            Some((tower, _)) => tower.encode(audio),
+            None => bail!("this Gemma 4 checkpoint has no audio tower"),
+        }
+    }
+
     /// Image rows take the features in the decoder's part of the row and
     /// the pad id's per-layer embeddings in the rest (mlx-vlm: media ids
     /// become 0 for the per-layer lookup).
@@ -293,7 +304,10 @@ impl VisionTower for Gemma4Tower {
             }
             Ok(ops::concatenate(&[features, pad.index((.., .., d..))], 2)?)
         };
-        let media: Vec<u32> = std::iter::once(self.image_token_id).chain(self.video_token_id).collect();
+        let media: Vec<u32> = std::iter::once(self.image_token_id)
+            .chain(self.video_token_id)
+            .chain(self.audio.as_ref().map(|(_, id)| *id))
+            .collect();
         crate::model::splice::splice_tokens(ids, &media, images, text, image)
     }
 }
