@@ -67,6 +67,21 @@ def read_audio(path: Path):
         return np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
 
 
+def greedy_forward(model, inputs, steps):
+    """Greedy ids from mlx-vlm's own forward pass (the whole prompt at once,
+    images attending both ways via mm_token_type_ids), then one token at a
+    time on its cache."""
+    media = {k: inputs[k] for k in ("pixel_values", "input_features", "input_features_mask", "mm_token_type_ids")
+             if inputs.get(k) is not None}
+    cache = model.language_model.make_cache()
+    logits = model(inputs["input_ids"], cache=cache, **media).logits[0, -1]
+    ids = []
+    for _ in range(steps):
+        ids.append(int(mx.argmax(logits).item()))
+        logits = model.language_model(mx.array([[ids[-1]]]), cache=cache).logits[0, -1]
+    return ids
+
+
 def case(model, processor, text, images=None, videos=None, audio=None):
     """One greedy run; the ids recorded are the ones `generate` is fed. The
     template writes <bos>, and with media mlx-vlm's processor call adds
@@ -145,6 +160,17 @@ def main():
                     mm_token_type_ids=inputs.get("mm_token_type_ids")).logits[0, -1, :LOGITS]
         for name, images in [("audio", None), ("image_audio", [str(image)])]:
             inputs, g[name] = case(model, processor, AUDIO_QUESTION, images, audio=[samples])
+            # mlx-vlm's generate prefills a prompt holding both images and
+            # audio in chunks, which drops the images' bidirectional overlay
+            # (language.py's chunked_prefill_policy: "keep mixed image+audio
+            # prompts causal"); its forward pass, as HF's, keeps it. The
+            # daemon follows the model: greedy ids from the forward pass.
+            forward = greedy_forward(model, inputs, STEPS)
+            if name == "audio":
+                assert forward == g[name]["generated_ids"], (forward, g[name]["generated_ids"])
+            else:
+                g[name]["generate_generated_ids"] = g[name]["generated_ids"]
+                g[name]["generated_ids"] = forward
             if name == "audio":
                 mel, valid = inputs["input_features"], inputs["input_features_mask"]
                 tokens = g[name]["prompt_ids"].count(model.config.audio_token_id)

@@ -202,7 +202,7 @@ fn lookup(
 }
 
 fn no_audio() -> EngineError {
-    bad("this model does not hear audio; use one with an audio tower (Gemma 4 E2B/E4B), or `mlxbc transcribe` with a speech model")
+    bad("this model has no audio tower and cannot hear audio; use one that does (Gemma 4 E2B/E4B), or `mlxbc transcribe` with a speech model")
 }
 
 fn no_video() -> EngineError {

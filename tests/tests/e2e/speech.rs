@@ -124,7 +124,7 @@ async fn every_container_and_format_and_a_long_recording() {
 }
 
 /// A 16-bit PCM WAV of `samples` at `rate`.
-fn wav(rate: u32, samples: &[i16]) -> Vec<u8> {
+pub(crate) fn wav(rate: u32, samples: &[i16]) -> Vec<u8> {
     let data = (samples.len() * 2) as u32;
     let mut b = Vec::new();
     b.extend_from_slice(b"RIFF");

@@ -211,10 +211,11 @@ mod tests {
         assert_eq!(f.max_samples(), 480_000);
         assert!(f.prepare(&vec![0.0; 480_001]).is_err());
         let one = f.prepare(&vec![0.1; 16_000]).unwrap();
-        // (16000 + 160 - 321) / 160 + 1 frames, the last ones reaching past the clip invalid.
+        // (16000 + 160 - 321) / 160 + 1 frames, all within the clip; 1100 samples pad to
+        // 1152, and the last frame reaches into the padding.
         assert_eq!((one.frames, one.valid_frames, one.tokens), (99, 99, 25));
-        let odd = f.prepare(&vec![0.1; 1000]).unwrap();
-        assert_eq!(odd.frames, (1024 + 160 - 321) / 160 + 1);
+        let odd = f.prepare(&vec![0.1; 1100]).unwrap();
+        assert_eq!(odd.frames, (1152 + 160 - 321) / 160 + 1);
         assert!(odd.valid_frames < odd.frames);
         assert!(odd.values[odd.valid_frames * 128..].iter().all(|&v| v == 0.0));
     }
