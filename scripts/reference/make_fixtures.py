@@ -11,7 +11,7 @@ architecture's arithmetic, not language. Weights come from MLX's seeded RNG,
 so the same MLX version rebuilds them bit for bit; tests check a sha256.
 
   OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/, OUT/tiny-qwen3-vl[-4bit]/,
-  OUT/tiny-qwen3_5[-4bit]/, OUT/tiny-gemma4[-4bit]/
+  OUT/tiny-qwen3_5[-4bit]/, OUT/tiny-gemma4[-4bit]/, OUT/tiny-gemma4-unified/
                      random-weight VLMs with the real Gemma 3 / Qwen2.5
                      tokenizers (from the GGUF metadata), in f32 and as
                      mlx-community style 4-bit copies
@@ -553,6 +553,95 @@ def tiny_gemma4(gemma_gguf, out, seed):
                              "max_soft_tokens": 70, "pooling_kernel_size": 3, "num_frames": 32}}, indent=2) + "\n")
 
 
+def tiny_gemma4_unified(gemma_gguf, out, seed):
+    """A tiny Gemma 4 unified: no tower. Images as 48x48 patches through
+    LayerNorm -> Linear -> LayerNorm, learned x/y positions, LayerNorm, then
+    the RMS-normed projection; audio as raw 640-sample frames through its
+    projection. The decoder: 6 layers (5 sliding of window 32 : 1 full),
+    head_dim 32 sliding / 64 full with proportional rope, values = keys on
+    the full layers (attention_k_eq_v, one global KV head), no per-layer
+    inputs, no KV sharing, logit soft-cap 30; a 280-token image budget
+    (mlx-vlm's AutoProcessor path keeps 280 whatever the config says), 70 per
+    video frame."""
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = gemma4_tokenizer(gemma_gguf, out)
+    mx.random.seed(seed)
+    w = {}
+    def normal(name, shape, scale=0.1):
+        w[name] = mx.random.normal(shape) * scale
+    def norm(name, d, bias=False):
+        w[f"{name}.weight"] = 1 + mx.random.normal((d,)) * 0.1
+        if bias:
+            w[f"{name}.bias"] = mx.random.normal((d,)) * 0.1
+    hidden, layers, inter, heads = 64, 6, 128, 2
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    lm = "language_model.model"
+    normal(f"{lm}.embed_tokens.weight", (vocab, hidden), 0.1)
+    norm(f"{lm}.norm", hidden)
+    for i, kind in enumerate(types):
+        p = f"{lm}.layers.{i}"
+        full = kind == "full_attention"
+        hd = 64 if full else 32
+        attn = [("q_proj", (heads * hd, hidden)), ("o_proj", (hidden, heads * hd)), ("k_proj", (hd, hidden))]
+        if not full:
+            attn.append(("v_proj", (hd, hidden)))
+        for n, shape in attn:
+            normal(f"{p}.self_attn.{n}.weight", shape, 0.3)
+        norm(f"{p}.self_attn.q_norm", hd)
+        norm(f"{p}.self_attn.k_norm", hd)
+        for n, shape in [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))]:
+            normal(f"{p}.mlp.{n}.weight", shape, 0.3)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            norm(f"{p}.{n}", hidden)
+        w[f"{p}.layer_scalar"] = 1 + mx.random.normal((1,)) * 0.1
+    ve, d, patch = "vision_embedder", 32, 48 * 48 * 3
+    norm(f"{ve}.patch_ln1", patch, bias=True)
+    normal(f"{ve}.patch_dense.weight", (d, patch), 0.05)
+    normal(f"{ve}.patch_dense.bias", (d,), 0.1)
+    norm(f"{ve}.patch_ln2", d, bias=True)
+    normal(f"{ve}.pos_embedding", (64, 2, d), 0.3)
+    norm(f"{ve}.pos_norm", d, bias=True)
+    normal("embed_vision.embedding_projection.weight", (hidden, d), 0.2)
+    normal("embed_audio.embedding_projection.weight", (hidden, 640), 0.05)
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    text = {"model_type": "gemma4_unified_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": 1,
+            "num_global_key_value_heads": 1, "head_dim": 32, "global_head_dim": 64, "rms_norm_eps": 1e-6,
+            "vocab_size": vocab, "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": 0,
+            "num_kv_shared_layers": 0, "use_double_wide_mlp": False, "layer_types": types,
+            "sliding_window": 32, "final_logit_softcapping": 30.0, "max_position_embeddings": 4096,
+            "use_bidirectional_attention": "vision", "attention_k_eq_v": True, "enable_moe_block": False,
+            "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                                   "rope_type": "proportional"},
+                                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+            "tie_word_embeddings": True}
+    vision = {"model_type": "gemma4_unified_vision", "patch_size": 16, "pooling_kernel_size": 3,
+              "model_patch_size": 48, "mm_embed_dim": d, "mm_posemb_size": 64, "num_soft_tokens": 280,
+              "rms_norm_eps": 1e-6, "output_proj_dims": d}
+    audio = {"model_type": "gemma4_unified_audio", "audio_samples_per_token": 640, "audio_embed_dim": 640,
+             "hidden_size": 640, "output_proj_dims": 640, "rms_norm_eps": 1e-6}
+    config = {"model_type": "gemma4_unified", "text_config": text, "vision_config": vision, "audio_config": audio,
+              "image_token_id": 258880, "audio_token_id": 258881, "video_token_id": 258884, "boi_token_id": 255999,
+              "eoi_token_id": 258882, "boa_token_id": 256000, "eoa_token_index": 258883,
+              "vision_soft_tokens_per_image": 280, "eos_token_id": [1, 106], "bos_token_id": 2, "pad_token_id": 0,
+              "tie_word_embeddings": True}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Gemma4UnifiedProcessor", "image_seq_length": 280, "audio_seq_length": 750,
+         "image_processor": {"image_processor_type": "Gemma4UnifiedImageProcessor", "do_resize": True,
+                             "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False,
+                             "patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_size": 3,
+                             "model_patch_size": 48},
+         "video_processor": {"video_processor_type": "Gemma4UnifiedVideoProcessor", "patch_size": 16,
+                             "max_soft_tokens": 70, "pooling_kernel_size": 3, "model_patch_size": 48,
+                             "num_frames": 32},
+         "feature_extractor": {"feature_extractor_type": "Gemma4UnifiedAudioFeatureExtractor",
+                               "feature_size": 640, "sampling_rate": 16000, "audio_samples_per_token": 640}},
+        indent=2) + "\n")
+
+
 def quantized_copy(src, out, bits=4, group=32):
     """An mlx-community style 4-bit copy: the language model's 2-D weights whose
     rows split into groups become (weight uint32, scales, biases); norms and
@@ -596,6 +685,7 @@ def main():
     quantized_copy(out / "tiny-qwen3_5", out / "tiny-qwen3_5-4bit")
     tiny_gemma4(gemma_gguf, out / "tiny-gemma4", 11)
     quantized_copy(out / "tiny-gemma4", out / "tiny-gemma4-4bit")
+    tiny_gemma4_unified(gemma_gguf, out / "tiny-gemma4-unified", 12)
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))

@@ -6,6 +6,7 @@
 
 pub mod gemma3;
 pub mod gemma4;
+pub mod gemma4_unified;
 pub mod llama;
 pub mod qwen2_5_vl;
 pub mod qwen3_5;
@@ -71,6 +72,12 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["gemma4"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(gemma4::load_dir),
+        load_gguf: None,
+    },
+    Family {
+        model_types: &["gemma4_unified"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Chat(gemma4_unified::load_dir),
         load_gguf: None,
     },
     Family {

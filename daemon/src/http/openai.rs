@@ -261,13 +261,11 @@ pub enum Part {
     },
 }
 
+/// Its `format` (`wav`, `mp3`, ...) is not read: the bytes say what they are.
 #[derive(Debug, Deserialize)]
 pub struct InputAudio {
     /// The clip's bytes, base64.
     pub data: String,
-    /// `wav`, `mp3`, ... (informational: the bytes say what they are).
-    #[serde(default)]
-    pub format: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -25,7 +25,7 @@ fn request(g: &serde_json::Value, family: &str, case: &str) -> GenerateRequest {
     let text = want["text"].as_str().unwrap();
     let mut r = greedy(Some(family), text, want["generated_ids"].as_array().unwrap().len() as u32);
     let file = |name: &str| std::fs::read(workspace().join("tests/fixtures/reference").join(name)).unwrap();
-    let image = || MediaRef::from_bytes(file("vlm-pipeline-432x336.png"));
+    let image = || MediaRef::from_bytes(file(g["image"].as_str().unwrap()));
     let video = || MediaRef::video(file("gemma4-video.mp4"));
     let audio = || MediaRef::audio(file("gemma4-audio.wav"));
     let media = match case {
@@ -175,4 +175,35 @@ fn cli_ask_audio() {
     let second = run();
     assert_eq!((second["encoder_hits"].as_u64(), second["encoder_misses"].as_u64()), (Some(1), Some(0)), "{second}");
     assert_eq!(first["token_ids"], second["token_ids"]);
+}
+
+/// Gemma 4 unified (no tower: patches and raw audio frames through a few
+/// linears) end to end against mlx-vlm: greedy ids exactly for text, an
+/// image, two images, the clip, the audio clip and an image with it; the
+/// image, the clip and the audio again encoder hits, also after a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn gemma4_unified_matches_mlx_vlm_and_stores_its_features() {
+    const UNIFIED: &str = "tiny-gemma4-unified";
+    let g = golden("gemma4-unified");
+    check_weights(&fixture(&format!("mlx/{UNIFIED}")), &g[UNIFIED]);
+    let mut d =
+        Daemon::start_with(DaemonOptions { models: vec![(UNIFIED, fixture(&format!("mlx/{UNIFIED}")))], args: vec![] });
+    let cases = ["text", "image", "two_images", "video", "audio", "image_audio"];
+    for case in cases {
+        let s = ask_ok(&d, request(&g, UNIFIED, case)).await;
+        assert_golden(&g, UNIFIED, case, &s, "alone");
+    }
+    let frames = 10;
+    for (case, hits) in [("image", 1), ("video", frames), ("audio", 1)] {
+        let s = ask_ok(&d, request(&g, UNIFIED, case)).await;
+        assert_golden(&g, UNIFIED, case, &s, "again");
+        assert_eq!((s.encoder_hits, s.encoder_misses), (hits, 0), "{case}: from the store: {s:?}");
+    }
+    d.terminate();
+    d.spawn(&[]);
+    for (case, hits) in [("image", 1), ("audio", 1)] {
+        let s = ask_ok(&d, request(&g, UNIFIED, case)).await;
+        assert_golden(&g, UNIFIED, case, &s, "after a restart");
+        assert_eq!((s.encoder_hits, s.encoder_misses), (hits, 0), "{case}: from disk: {s:?}");
+    }
 }

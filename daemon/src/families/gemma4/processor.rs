@@ -2,8 +2,9 @@
 //! HF's): keep the aspect ratio, scale to the largest size whose patches fit
 //! the soft-token budget × pool², both sides whole multiples of patch ×
 //! pool; bicubic; rescale to [0, 1] (no normalization: the tower maps to
-//! [-1, 1] itself); channels first. The budget (70, 140, 280, 560, 1120
-//! soft tokens) is part of the feature-store key.
+//! [-1, 1] itself); channels first — or, for Gemma 4 unified (no tower),
+//! cut into model patches (48x48, one soft token each). The budget (70,
+//! 140, 280, 560, 1120 soft tokens) is part of the feature-store key.
 
 use crate::model::family::{MediaPreprocessor, Prepared};
 use crate::model::image::Resample;
@@ -20,6 +21,10 @@ pub struct Gemma4Preprocess {
     pub soft_tokens: u32,
     pub rescale: f32,
     pub resample: Resample,
+    /// `Some(side)`: the pixels as `[patches, side * side * 3]` model
+    /// patches, row-major, each patch's rows, columns, channels (Gemma 4
+    /// unified); `None`: `[1, 3, H, W]`.
+    pub model_patch: Option<u32>,
 }
 
 impl Gemma4Preprocess {
@@ -46,8 +51,9 @@ impl Gemma4Preprocess {
 
 impl MediaPreprocessor for Gemma4Preprocess {
     fn describe(&self) -> String {
+        let layout = self.model_patch.map_or(String::new(), |p| format!(";model_patch={p}"));
         format!(
-            "gemma4;patch={};pool={};soft_tokens={};resample={};rescale={}",
+            "gemma4;patch={};pool={};soft_tokens={};resample={};rescale={}{layout}",
             self.patch,
             self.pool,
             self.soft_tokens,
@@ -60,6 +66,19 @@ impl MediaPreprocessor for Gemma4Preprocess {
         let (h, w) = self.target_size(image.height(), image.width());
         let resized =
             if (h, w) == (image.height(), image.width()) { image.clone() } else { self.resample.resize(image, w, h) };
+        if let Some(side) = self.model_patch {
+            let (ph, pw) = (h / side, w / side);
+            let mut values = Vec::with_capacity((h * w * 3) as usize);
+            for (py, px) in (0..ph).flat_map(|y| (0..pw).map(move |x| (y, x))) {
+                for y in py * side..(py + 1) * side {
+                    for x in px * side..(px + 1) * side {
+                        values.extend(resized.get_pixel(x, y).0.iter().map(|&v| v as f32 * self.rescale));
+                    }
+                }
+            }
+            let n = (ph * pw) as i32;
+            return Prepared { values, shape: vec![n, (side * side * 3) as i32], grid: Some((1, ph, pw)) };
+        }
         let plane = (h * w) as usize;
         let mut values = vec![0f32; 3 * plane];
         for (i, px) in resized.pixels().enumerate() {
@@ -76,7 +95,14 @@ mod tests {
     use super::*;
 
     fn with(soft_tokens: u32) -> Gemma4Preprocess {
-        Gemma4Preprocess { patch: 16, pool: 3, soft_tokens, rescale: 1.0 / 255.0, resample: Resample::BICUBIC }
+        Gemma4Preprocess {
+            patch: 16,
+            pool: 3,
+            soft_tokens,
+            rescale: 1.0 / 255.0,
+            resample: Resample::BICUBIC,
+            model_patch: None,
+        }
     }
 
     #[test]

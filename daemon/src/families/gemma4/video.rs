@@ -33,7 +33,8 @@ pub struct Gemma4VideoPreprocess {
 pub struct Gemma4Media {
     pub image: Gemma4Preprocess,
     pub video: Option<Gemma4VideoPreprocess>,
-    pub audio: Option<Gemma4AudioFrontend>,
+    /// The E models' log-mel frontend, or the unified model's raw frames.
+    pub audio: Option<Box<dyn AudioPreprocessor>>,
 }
 
 impl MediaPreprocessor for Gemma4Media {
@@ -50,7 +51,7 @@ impl MediaPreprocessor for Gemma4Media {
     }
 
     fn audio(&self) -> Option<&dyn AudioPreprocessor> {
-        self.audio.as_ref().map(|a| a as &dyn AudioPreprocessor)
+        self.audio.as_deref()
     }
 }
 
@@ -100,8 +101,14 @@ mod tests {
 
     #[test]
     fn frame_times_are_whole_seconds_of_the_sampled_rate() {
-        let frames =
-            Gemma4Preprocess { patch: 16, pool: 3, soft_tokens: 70, rescale: 1.0, resample: Resample::BICUBIC };
+        let frames = Gemma4Preprocess {
+            patch: 16,
+            pool: 3,
+            soft_tokens: 70,
+            rescale: 1.0,
+            resample: Resample::BICUBIC,
+            model_patch: None,
+        };
         let pre = Gemma4VideoPreprocess { sampling: sampling(32), frames };
         // 20 frames at 4 fps, 10 taken: they stand for 2 fps.
         let clip = SampledVideo {

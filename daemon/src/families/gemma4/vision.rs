@@ -275,6 +275,32 @@ fn rotate_2d(x: &Array, cos: &Array, sin: &Array) -> Result<Array> {
     Ok(x.multiply(cos)?.add(rotated.multiply(sin)?)?)
 }
 
+/// Gemma 4's splice (shared by unified): runs of `media` tokens take the
+/// next feature array in the decoder's part of the row (`width`) and the
+/// pad id's per-layer embeddings in the rest (mlx-vlm maps media ids to 0
+/// for that lookup); text runs their own embeddings.
+pub(crate) fn splice_with_pad_rows(
+    lm: &dyn LanguageModel,
+    ids: &[u32],
+    media: &[u32],
+    features: &[Array],
+    width: i32,
+) -> Result<Array> {
+    let text = |seg: &[u32]| lm.embed(&Array::from_slice(seg, &[1, seg.len() as i32]));
+    let image = |f: &Array, run: usize| -> Result<Array> {
+        if f.shape()[0] as usize != run || f.shape()[1] != width {
+            bail!("a medium has {:?} features but the prompt holds {run} placeholders", f.shape());
+        }
+        let pad = lm.embed(&Array::from_slice(&vec![0u32; run], &[1, run as i32]))?;
+        let features = f.reshape(&[1, run as i32, width])?;
+        if pad.shape()[2] == width {
+            return Ok(features);
+        }
+        Ok(ops::concatenate(&[features, pad.index((.., .., width..))], 2)?)
+    };
+    crate::model::splice::splice_tokens(ids, media, features, text, image)
+}
+
 impl VisionTower for Gemma4Tower {
     fn encode(&self, prepared: &Prepared) -> Result<Array> {
         self.encode_pixels(&Array::from_slice(&prepared.values, &prepared.shape))
@@ -291,24 +317,11 @@ impl VisionTower for Gemma4Tower {
     /// the pad id's per-layer embeddings in the rest (mlx-vlm: media ids
     /// become 0 for the per-layer lookup).
     fn splice(&self, lm: &dyn LanguageModel, ids: &[u32], images: &[Array]) -> Result<Array> {
-        let d = self.text_hidden;
-        let text = |seg: &[u32]| lm.embed(&Array::from_slice(seg, &[1, seg.len() as i32]));
-        let image = |f: &Array, run: usize| -> Result<Array> {
-            if f.shape()[0] as usize != run || f.shape()[1] != d {
-                bail!("an image has {:?} features but the prompt holds {run} placeholders", f.shape());
-            }
-            let pad = lm.embed(&Array::from_slice(&vec![0u32; run], &[1, run as i32]))?;
-            let features = f.reshape(&[1, run as i32, d])?;
-            if pad.shape()[2] == d {
-                return Ok(features);
-            }
-            Ok(ops::concatenate(&[features, pad.index((.., .., d..))], 2)?)
-        };
         let media: Vec<u32> = std::iter::once(self.image_token_id)
             .chain(self.video_token_id)
             .chain(self.audio.as_ref().map(|(_, id)| *id))
             .collect();
-        crate::model::splice::splice_tokens(ids, &media, images, text, image)
+        splice_with_pad_rows(lm, ids, &media, images, self.text_hidden)
     }
 }
 
@@ -320,5 +333,6 @@ pub fn preprocess_for(config: &Gemma4VisionConfig, soft_tokens: u32, rescale: f3
         soft_tokens,
         rescale,
         resample: crate::model::image::Resample::BICUBIC,
+        model_patch: None,
     }
 }
