@@ -553,8 +553,8 @@ def tiny_gemma4(gemma_gguf, out, seed):
                              "max_soft_tokens": 70, "pooling_kernel_size": 3, "num_frames": 32}}, indent=2) + "\n")
 
 
-def tiny_gemma4_unified(gemma_gguf, out, seed):
-    """A tiny Gemma 4 unified: no tower. Images as 48x48 patches through
+def tiny_gemma4_unified(gemma_gguf, out, seed, hidden=64, layers=6, d=32, posemb=64):
+    """A tiny Gemma 4 unified (or, with the real widths, `wide_gemma4_unified`'s): no tower. Images as 48x48 patches through
     LayerNorm -> Linear -> LayerNorm, learned x/y positions, LayerNorm, then
     the RMS-normed projection; audio as raw 640-sample frames through its
     projection. The decoder: 6 layers (5 sliding of window 32 : 1 full),
@@ -573,8 +573,8 @@ def tiny_gemma4_unified(gemma_gguf, out, seed):
         w[f"{name}.weight"] = 1 + mx.random.normal((d,)) * 0.1
         if bias:
             w[f"{name}.bias"] = mx.random.normal((d,)) * 0.1
-    hidden, layers, inter, heads = 64, 6, 128, 2
-    types = ["sliding_attention"] * 5 + ["full_attention"]
+    inter, heads = 128, 2
+    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     lm = "language_model.model"
     normal(f"{lm}.embed_tokens.weight", (vocab, hidden), 0.1)
     norm(f"{lm}.norm", hidden)
@@ -595,12 +595,12 @@ def tiny_gemma4_unified(gemma_gguf, out, seed):
                   "post_feedforward_layernorm"):
             norm(f"{p}.{n}", hidden)
         w[f"{p}.layer_scalar"] = 1 + mx.random.normal((1,)) * 0.1
-    ve, d, patch = "vision_embedder", 32, 48 * 48 * 3
+    ve, patch = "vision_embedder", 48 * 48 * 3
     norm(f"{ve}.patch_ln1", patch, bias=True)
     normal(f"{ve}.patch_dense.weight", (d, patch), 0.05)
     normal(f"{ve}.patch_dense.bias", (d,), 0.1)
     norm(f"{ve}.patch_ln2", d, bias=True)
-    normal(f"{ve}.pos_embedding", (64, 2, d), 0.3)
+    normal(f"{ve}.pos_embedding", (posemb, 2, d), 0.3)
     norm(f"{ve}.pos_norm", d, bias=True)
     normal("embed_vision.embedding_projection.weight", (hidden, d), 0.2)
     normal("embed_audio.embedding_projection.weight", (hidden, 640), 0.05)
@@ -618,7 +618,7 @@ def tiny_gemma4_unified(gemma_gguf, out, seed):
                                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
             "tie_word_embeddings": True}
     vision = {"model_type": "gemma4_unified_vision", "patch_size": 16, "pooling_kernel_size": 3,
-              "model_patch_size": 48, "mm_embed_dim": d, "mm_posemb_size": 64, "num_soft_tokens": 280,
+              "model_patch_size": 48, "mm_embed_dim": d, "mm_posemb_size": posemb, "num_soft_tokens": 280,
               "rms_norm_eps": 1e-6, "output_proj_dims": d}
     audio = {"model_type": "gemma4_unified_audio", "audio_samples_per_token": 640, "audio_embed_dim": 640,
              "hidden_size": 640, "output_proj_dims": 640, "rms_norm_eps": 1e-6}
@@ -640,6 +640,21 @@ def tiny_gemma4_unified(gemma_gguf, out, seed):
          "feature_extractor": {"feature_extractor_type": "Gemma4UnifiedAudioFeatureExtractor",
                                "feature_size": 640, "sampling_rate": 16000, "audio_samples_per_token": 640}},
         indent=2) + "\n")
+
+
+def wide_gemma4_unified(gemma_gguf, out):
+    """For `scripts/bench images` only (not a test fixture): Gemma 4 unified's
+    patch embedder and projection at the released widths (6912 -> 3840, a
+    1120-row position table, 3840 -> 3840), so that encoding an image costs
+    what it costs in the real model, and so does storing its 280 x 3840 soft
+    tokens. The decoder is 3840 wide too but 2 layers deep, with the 262,144
+    embedding rows in 4 bits (the embedder stays f32): the bench asks whether
+    the feature store pays for itself here, and that is the embedder's time
+    against the store's."""
+    tmp = out.with_name(out.name + "-f32")
+    tiny_gemma4_unified(gemma_gguf, tmp, 13, hidden=3840, layers=2, d=3840, posemb=1120)
+    quantized_copy(tmp, out, group=64)
+    shutil.rmtree(tmp)
 
 
 def quantized_copy(src, out, bits=4, group=32):
@@ -668,6 +683,9 @@ def quantized_copy(src, out, bits=4, group=32):
 
 
 def main():
+    if sys.argv[1] == "--wide-unified":
+        wide_gemma4_unified(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
     gguf, tok_dir, out, gemma_gguf, qwen_gguf = map(Path, sys.argv[1:6])
     out.mkdir(parents=True, exist_ok=True)
     smol = out / "smollm2-mlx"

@@ -5,6 +5,7 @@
 //! Usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS
 //!        mlxbc-bench --image VLM_DIR IMAGE_FILE
 //!        mlxbc-bench --video VLM_DIR CLIP_FILE
+//!        mlxbc-bench --audio VLM_DIR WAV_FILE
 //!        mlxbc-bench --queued-images VLM_DIR [N=8]
 //!        mlxbc-bench --concurrency MODEL CLIENTS,... TOKENS LONG_TOKENS
 //!        mlxbc-bench --prompts MODEL SYSTEM_TOKENS TURNS TURN_TOKENS ANSWER_TOKENS LONG_TOKENS
@@ -265,52 +266,117 @@ async fn prompts_bench(
     Ok(())
 }
 
-/// The image section: time to first token for a new image (or video: every
-/// group new) (miss), a RAM hit, a prefix hit, and an SSD hit after a
-/// restart, with the encoder's share.
-async fn image_bench(model: &std::path::Path, image: &std::path::Path, video: bool) -> Result<()> {
+/// Which medium `image_bench` sends.
+#[derive(Clone, Copy, PartialEq)]
+enum Medium {
+    Image,
+    Video,
+    Audio,
+}
+
+/// The image section: time to first token for a new image (or clip: every
+/// frame or group new) (miss), a RAM hit, a prefix hit, and an SSD hit after
+/// a restart, with the encoder's share. `MLXBC_BENCH_ROUNDS` rounds (3), each
+/// on a variant of the medium of the same shape (a new content hash), rounds
+/// interleaved case by case; each row is the median of its rounds. A clip
+/// has no variant here: one round.
+async fn image_bench(model: &std::path::Path, file: &std::path::Path, medium: Medium) -> Result<()> {
     let model = model.canonicalize()?;
-    let bytes = std::fs::read(image)?;
-    let media = |bytes: Vec<u8>| {
-        if video {
-            mlxbc_client::MediaRef::video(bytes)
-        } else {
-            mlxbc_client::MediaRef::from_bytes(bytes)
-        }
+    let bytes = std::fs::read(file)?;
+    let rounds = if variant(&bytes, medium, 1).is_some() { env_count("MLXBC_BENCH_ROUNDS", 3).max(1) } else { 1 };
+    let inputs: Vec<Vec<u8>> = (0..rounds)
+        .map(|k| if k == 0 { Some(bytes.clone()) } else { variant(&bytes, medium, k) })
+        .collect::<Option<_>>()
+        .context("a variant of the medium")?;
+    let media = |bytes: Vec<u8>| match medium {
+        Medium::Image => mlxbc_client::MediaRef::from_bytes(bytes),
+        Medium::Video => mlxbc_client::MediaRef::video(bytes),
+        Medium::Audio => mlxbc_client::MediaRef::audio(bytes),
     };
     let b = Bench::start(&model, None)?;
     let mut c = b.client().await;
     let name = b.name.clone();
-    let ask = |system: &str| {
-        let mut r = GenerateRequest::ask("What is in this picture?");
+    let ask = |system: &str, bytes: &[u8]| {
+        let question = if medium == Medium::Audio { "What is in this clip?" } else { "What is in this picture?" };
+        let mut r = GenerateRequest::ask(question);
         let mut user = r.messages.pop().unwrap();
-        user.images = vec![media(bytes.clone())];
+        user.images = vec![media(bytes.to_vec())];
         // A different system prompt changes the prefix, so only the encoder cache can hit.
         r.messages = vec![mlxbc_client::ChatMessage::system(system), user];
         r.model = Some(name.clone());
         r.max_tokens = 1;
         r
     };
-    timed(&mut c, GenerateRequest { model: Some(b.name.clone()), ..GenerateRequest::ask("warm up") }).await?;
-    let row = |label: &str, (ms, s): (f64, mlxbc_client::GenerationStats)| {
-        serde_json::json!({"case": label, "ttft_ms": ms, "encode_ms": s.encode_ms, "lookup_ms": s.lookup_ms,
-                           "preprocess_ms": s.preprocess_ms, "prefill_ms": s.prefill_ms, "hits": s.encoder_hits, "misses": s.encoder_misses,
-                           "prefix_reused": s.prefix_tokens_reused})
-    };
-    let mut rows =
-        vec![row(if video { "miss (new clip)" } else { "miss (new image)" }, timed(&mut c, ask("A")).await?)];
-    rows.push(row("RAM hit", timed(&mut c, ask("B")).await?));
-    rows.push(row("prefix hit", timed(&mut c, ask("B")).await?));
+    let warm_up = GenerateRequest { model: Some(b.name.clone()), max_tokens: 1, ..GenerateRequest::ask("warm up") };
+    timed(&mut c, warm_up.clone()).await?;
+    // The encoder's first run pays for allocation and page faults; one more
+    // variant takes them, so that a miss is a warm miss, as mlx-vlm's encoder
+    // time (a median after a warm-up) is. A clip's miss is a first run.
+    if let Some(warm) = variant(&bytes, medium, rounds) {
+        timed(&mut c, ask("W", &warm)).await?;
+    }
+    let mut cases: [Vec<(f64, mlxbc_client::GenerationStats)>; 4] = Default::default();
+    for (k, input) in inputs.iter().enumerate() {
+        cases[0].push(timed(&mut c, ask(&format!("A{k}"), input)).await?);
+        cases[1].push(timed(&mut c, ask(&format!("B{k}"), input)).await?);
+        cases[2].push(timed(&mut c, ask(&format!("B{k}"), input)).await?);
+    }
     drop(c);
     let home = b.stop().await;
     let b = Bench::start(&model, Some(home))?;
     let mut c = b.client().await;
-    timed(&mut c, GenerateRequest { model: Some(b.name.clone()), ..GenerateRequest::ask("warm up") }).await?;
-    rows.push(row("SSD hit (after restart)", timed(&mut c, ask("C")).await?));
+    timed(&mut c, warm_up).await?;
+    for (k, input) in inputs.iter().enumerate() {
+        cases[3].push(timed(&mut c, ask(&format!("C{k}"), input)).await?);
+    }
     drop(c);
     b.stop().await;
+    let miss = if medium == Medium::Image { "miss (new image)" } else { "miss (new clip)" };
+    let labels = [miss, "RAM hit", "prefix hit", "SSD hit (after restart)"];
+    let rows: Vec<_> = labels
+        .iter()
+        .zip(&cases)
+        .map(|(label, runs)| {
+            let m = |f: &dyn Fn(&(f64, mlxbc_client::GenerationStats)) -> f64| median(runs.iter().map(f).collect());
+            serde_json::json!({"case": label, "rounds": runs.len(), "ttft_ms": m(&|r| r.0),
+                               "encode_ms": m(&|r| r.1.encode_ms), "lookup_ms": m(&|r| r.1.lookup_ms),
+                               "preprocess_ms": m(&|r| r.1.preprocess_ms), "prefill_ms": m(&|r| r.1.prefill_ms),
+                               "hits": runs[0].1.encoder_hits, "misses": runs[0].1.encoder_misses,
+                               "prefix_reused": runs[0].1.prefix_tokens_reused})
+        })
+        .collect();
     println!("{}", serde_json::Value::Array(rows));
     Ok(())
+}
+
+/// Variant `k` (1, 2, ...) of a medium: the same shape, new content (so a
+/// new content hash). An image with every channel shifted by 37k (wrapping),
+/// re-encoded as PNG; a WAV with its 16-bit samples scaled by (-0.9)^k. None
+/// for a clip (no encoder here to write one).
+fn variant(bytes: &[u8], medium: Medium, k: usize) -> Option<Vec<u8>> {
+    match medium {
+        Medium::Image => {
+            let mut img = image::load_from_memory(bytes).ok()?.to_rgb8();
+            for p in img.pixels_mut() {
+                p.0 = p.0.map(|v| v.wrapping_add((37 * k % 256) as u8));
+            }
+            let mut out = std::io::Cursor::new(Vec::new());
+            img.write_to(&mut out, image::ImageFormat::Png).ok()?;
+            Some(out.into_inner())
+        }
+        Medium::Audio => {
+            // 16-bit PCM after the "data" chunk header (what the bench's clips hold).
+            let data = bytes.windows(4).position(|w| w == b"data")? + 8;
+            let gain = (-0.9f32).powi(k as i32);
+            let mut out = bytes.to_vec();
+            for s in out[data..].chunks_exact_mut(2) {
+                let v = (i16::from_le_bytes([s[0], s[1]]) as f32 * gain) as i16;
+                s.copy_from_slice(&v.to_le_bytes());
+            }
+            Some(out)
+        }
+        Medium::Video => None,
+    }
 }
 
 /// A `side`x`side` PNG no store has seen: smooth gradients plus a seeded
@@ -532,8 +598,13 @@ async fn main() -> Result<()> {
         let n = args.get(3).map(|n| n.parse()).transpose()?.unwrap_or(8);
         return queued_images_bench(std::path::Path::new(&args[2]), n).await;
     }
-    if args.len() == 4 && (args[1] == "--image" || args[1] == "--video") {
-        return image_bench(std::path::Path::new(&args[2]), std::path::Path::new(&args[3]), args[1] == "--video").await;
+    if args.len() == 4 && matches!(args[1].as_str(), "--image" | "--video" | "--audio") {
+        let medium = match args[1].as_str() {
+            "--image" => Medium::Image,
+            "--video" => Medium::Video,
+            _ => Medium::Audio,
+        };
+        return image_bench(std::path::Path::new(&args[2]), std::path::Path::new(&args[3]), medium).await;
     }
     if args.len() != 4 {
         bail!("usage: mlxbc-bench MODEL_PATH PROMPT_TOKENS DECODE_TOKENS");
