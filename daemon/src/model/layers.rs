@@ -2,10 +2,34 @@
 //! projection and a token embedding, each either dense or MLX affine-quantized.
 //! Their arithmetic mirrors mlx-lm's `nn.Linear`, `nn.QuantizedLinear`,
 //! `nn.Embedding` and `nn.QuantizedEmbedding`, so greedy ids match it exactly.
+//! And the towers' LayerNorm (weight and bias), which every encoder has.
 
+use crate::model::weights::TensorMap;
 use crate::options::Fusion;
 use anyhow::Result;
-use mlx_rs::{ops, Array};
+use mlx_rs::{fast, ops, Array};
+
+/// LayerNorm with a weight and a bias, as the vision and audio towers use it
+/// (`nn.LayerNorm`). The epsilon is the family's: mlx-vlm builds some bare
+/// (MLX's default, 1e-5) and passes 1e-6 to others, and a tower's features
+/// only match its reference with the same one.
+pub struct LayerNorm {
+    weight: Array,
+    bias: Array,
+    eps: f32,
+}
+
+impl LayerNorm {
+    /// `{prefix}.weight` and `{prefix}.bias`, as f32.
+    pub fn load(t: &mut TensorMap, prefix: &str, eps: f32) -> Result<Self> {
+        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: t.float(&format!("{prefix}.bias"))?, eps })
+    }
+
+    /// Normalizes the last axis, then scales and shifts it.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
+    }
+}
 
 /// MLX affine quantization of a weight matrix (`weight` packed in uint32).
 #[derive(Debug, Clone)]

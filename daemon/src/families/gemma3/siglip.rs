@@ -3,7 +3,7 @@
 //! encoder layers (LayerNorm, multi-head attention with biases, tanh-GELU
 //! MLP), and a final LayerNorm.
 
-use crate::model::layers::Linear;
+use crate::model::layers::{LayerNorm, Linear};
 use crate::model::weights::TensorMap;
 use anyhow::Result;
 use mlx_rs::{fast, nn, ops, Array};
@@ -27,21 +27,6 @@ fn default_image_size() -> i32 {
 }
 fn default_eps() -> f32 {
     1e-6
-}
-
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-    eps: f32,
-}
-
-impl LayerNorm {
-    fn load(t: &mut TensorMap, prefix: &str, eps: f32) -> Result<Self> {
-        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: t.float(&format!("{prefix}.bias"))?, eps })
-    }
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
-    }
 }
 
 struct EncoderLayer {

@@ -8,7 +8,7 @@
 
 use crate::families::gemma4::vision::splice_with_pad_rows;
 use crate::model::family::{AudioPreprocessor, LanguageModel, Prepared, PreparedAudio, VisionTower};
-use crate::model::layers::Linear;
+use crate::model::layers::{LayerNorm, Linear};
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
 use mlx_rs::{fast, ops::indexing::IndexOp, Array};
@@ -64,21 +64,6 @@ fn d_samples() -> usize {
 /// PyTorch's/MLX's `LayerNorm` default epsilon (mlx-vlm builds them bare).
 const LAYER_NORM_EPS: f32 = 1e-5;
 
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-}
-
-impl LayerNorm {
-    fn load(t: &mut TensorMap, prefix: &str) -> Result<Self> {
-        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: t.float(&format!("{prefix}.bias"))? })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, Some(&self.weight), Some(&self.bias), LAYER_NORM_EPS)?)
-    }
-}
-
 /// The patch embedder and both projectors.
 pub struct UnifiedEmbedder {
     pub vision: UnifiedVisionConfig,
@@ -110,11 +95,11 @@ impl UnifiedEmbedder {
     ) -> Result<Self> {
         let ve = "vision_embedder";
         Ok(Self {
-            ln1: LayerNorm::load(t, &format!("{ve}.patch_ln1"))?,
+            ln1: LayerNorm::load(t, &format!("{ve}.patch_ln1"), LAYER_NORM_EPS)?,
             dense: t.linear(&format!("{ve}.patch_dense"))?,
-            ln2: LayerNorm::load(t, &format!("{ve}.patch_ln2"))?,
+            ln2: LayerNorm::load(t, &format!("{ve}.patch_ln2"), LAYER_NORM_EPS)?,
             positions: t.float(&format!("{ve}.pos_embedding"))?,
-            pos_norm: LayerNorm::load(t, &format!("{ve}.pos_norm"))?,
+            pos_norm: LayerNorm::load(t, &format!("{ve}.pos_norm"), LAYER_NORM_EPS)?,
             embed_vision: t.linear("embed_vision.embedding_projection")?,
             embed_audio: match audio {
                 Some(_) => Some(t.linear("embed_audio.embedding_projection")?),

@@ -11,7 +11,7 @@
 //! and patches (daemon/tests/vision_towers.rs).
 
 use crate::families::qwen2_5_vl::tower::{block_mask, rotary};
-use crate::model::layers::{Embedding, Linear};
+use crate::model::layers::{Embedding, LayerNorm, Linear};
 use crate::model::weights::TensorMap;
 use anyhow::{ensure, Result};
 use mlx_rs::{fast, nn, ops, Array};
@@ -51,20 +51,8 @@ fn d_positions() -> i32 {
     2304
 }
 
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-}
-
-impl LayerNorm {
-    fn load(t: &mut TensorMap, prefix: &str) -> Result<Self> {
-        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: t.float(&format!("{prefix}.bias"))? })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, &self.weight, &self.bias, 1e-6)?)
-    }
-}
+/// The tower's LayerNorm epsilon (mlx-vlm's Qwen3-VL passes 1e-6).
+const TOWER_LN_EPS: f32 = 1e-6;
 
 struct Block {
     norm1: LayerNorm,
@@ -87,7 +75,7 @@ struct Merger {
 impl Merger {
     fn load(t: &mut TensorMap, prefix: &str, norm_after_shuffle: bool) -> Result<Self> {
         Ok(Self {
-            norm: LayerNorm::load(t, &format!("{prefix}.norm"))?,
+            norm: LayerNorm::load(t, &format!("{prefix}.norm"), TOWER_LN_EPS)?,
             norm_after_shuffle,
             fc1: t.linear(&format!("{prefix}.linear_fc1"))?,
             fc2: t.linear(&format!("{prefix}.linear_fc2"))?,
@@ -126,8 +114,8 @@ impl Qwen3VisionTower {
         for i in 0..config.depth {
             let p = format!("{prefix}.blocks.{i}");
             blocks.push(Block {
-                norm1: LayerNorm::load(t, &format!("{p}.norm1"))?,
-                norm2: LayerNorm::load(t, &format!("{p}.norm2"))?,
+                norm1: LayerNorm::load(t, &format!("{p}.norm1"), TOWER_LN_EPS)?,
+                norm2: LayerNorm::load(t, &format!("{p}.norm2"), TOWER_LN_EPS)?,
                 qkv: t.linear(&format!("{p}.attn.qkv"))?,
                 proj: t.linear(&format!("{p}.attn.proj"))?,
                 fc1: t.linear(&format!("{p}.mlp.linear_fc1"))?,

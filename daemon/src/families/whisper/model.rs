@@ -6,25 +6,14 @@
 //! mapped onto them first ([`hf_name`]).
 
 use super::config::WhisperConfig;
-use crate::model::layers::{Embedding, Linear};
+use crate::model::layers::{Embedding, LayerNorm, Linear};
 use crate::model::weights::TensorMap;
 use anyhow::{Context, Result};
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::{fast, nn, ops, Array, Dtype};
+use mlx_rs::{nn, ops, Array, Dtype};
 
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-}
-
-impl LayerNorm {
-    fn load(t: &mut TensorMap, prefix: &str) -> Result<Self> {
-        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: t.float(&format!("{prefix}.bias"))? })
-    }
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, &self.weight, &self.bias, 1e-5)?)
-    }
-}
+/// Whisper's LayerNorm epsilon (PyTorch's and MLX's default).
+const LAYER_NORM_EPS: f32 = 1e-5;
 
 struct Attention {
     query: Linear,
@@ -71,7 +60,7 @@ struct Mlp {
 impl Mlp {
     fn load(t: &mut TensorMap, prefix: &str) -> Result<Self> {
         Ok(Self {
-            norm: LayerNorm::load(t, &format!("{prefix}.final_layer_norm"))?,
+            norm: LayerNorm::load(t, &format!("{prefix}.final_layer_norm"), LAYER_NORM_EPS)?,
             fc1: t.linear(&format!("{prefix}.fc1"))?,
             fc2: t.linear(&format!("{prefix}.fc2"))?,
         })
@@ -117,7 +106,7 @@ impl Encoder {
         for i in 0..c.audio_layers {
             let l = format!("{p}.layers.{i}");
             layers.push(EncoderLayer {
-                norm: LayerNorm::load(t, &format!("{l}.self_attn_layer_norm"))?,
+                norm: LayerNorm::load(t, &format!("{l}.self_attn_layer_norm"), LAYER_NORM_EPS)?,
                 attn: Attention::load(t, &format!("{l}.self_attn"), c.audio_heads)?,
                 mlp: Mlp::load(t, &l)?,
             });
@@ -132,7 +121,7 @@ impl Encoder {
             conv2: (conv_weight(t, &format!("{p}.conv2.weight"))?, t.float(&format!("{p}.conv2.bias"))?),
             positions,
             layers,
-            norm: LayerNorm::load(t, &format!("{p}.layer_norm"))?,
+            norm: LayerNorm::load(t, &format!("{p}.layer_norm"), LAYER_NORM_EPS)?,
         })
     }
 
@@ -195,9 +184,9 @@ impl Decoder {
         for i in 0..c.text_layers {
             let l = format!("{p}.layers.{i}");
             layers.push(DecoderLayer {
-                self_norm: LayerNorm::load(t, &format!("{l}.self_attn_layer_norm"))?,
+                self_norm: LayerNorm::load(t, &format!("{l}.self_attn_layer_norm"), LAYER_NORM_EPS)?,
                 self_attn: Attention::load(t, &format!("{l}.self_attn"), c.text_heads)?,
-                cross_norm: LayerNorm::load(t, &format!("{l}.encoder_attn_layer_norm"))?,
+                cross_norm: LayerNorm::load(t, &format!("{l}.encoder_attn_layer_norm"), LAYER_NORM_EPS)?,
                 cross_attn: Attention::load(t, &format!("{l}.encoder_attn"), c.text_heads)?,
                 mlp: Mlp::load(t, &l)?,
             });
@@ -206,7 +195,7 @@ impl Decoder {
             tokens: t.embedding(&format!("{p}.embed_tokens"))?,
             positions: t.float(&format!("{p}.embed_positions.weight"))?,
             layers,
-            norm: LayerNorm::load(t, &format!("{p}.layer_norm"))?,
+            norm: LayerNorm::load(t, &format!("{p}.layer_norm"), LAYER_NORM_EPS)?,
             context: c.text_ctx,
         })
     }
