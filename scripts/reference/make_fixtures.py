@@ -11,10 +11,11 @@ architecture's arithmetic, not language. Weights come from MLX's seeded RNG,
 so the same MLX version rebuilds them bit for bit; tests check a sha256.
 
   OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/, OUT/tiny-qwen3-vl[-4bit]/,
-  OUT/tiny-qwen3_5[-4bit]/, OUT/tiny-gemma4[-4bit]/, OUT/tiny-gemma4-unified/
+  OUT/tiny-qwen3_5[-4bit]/, OUT/tiny-gemma4[-4bit]/, OUT/tiny-gemma4-unified[-4bit]/,
+  OUT/tiny-{qwen3-vl,qwen3_5,gemma4,gemma4-unified}-bf16/
                      random-weight VLMs with the real Gemma 3 / Qwen2.5
                      tokenizers (from the GGUF metadata), in f32 and as
-                     mlx-community style 4-bit copies
+                     mlx-community style 4-bit and bf16 copies
 
 Usage: make_fixtures.py SMOLLM2.gguf TOKENIZER_DIR OUT GEMMA3.gguf[.part] QWEN25.gguf[.part]
 """
@@ -682,6 +683,22 @@ def quantized_copy(src, out, bits=4, group=32):
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def bf16_copy(src, out):
+    """An mlx-community style bf16 copy: every floating-point tensor (towers,
+    projectors, clamps and norms included) in bfloat16."""
+    out.mkdir(parents=True, exist_ok=True)
+    w = mx.load(str(src / "model.safetensors"))
+    w = {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in w.items()}
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def main():
     if sys.argv[1] == "--wide-unified":
         wide_gemma4_unified(Path(sys.argv[2]), Path(sys.argv[3]))
@@ -704,6 +721,9 @@ def main():
     tiny_gemma4(gemma_gguf, out / "tiny-gemma4", 11)
     quantized_copy(out / "tiny-gemma4", out / "tiny-gemma4-4bit")
     tiny_gemma4_unified(gemma_gguf, out / "tiny-gemma4-unified", 12)
+    quantized_copy(out / "tiny-gemma4-unified", out / "tiny-gemma4-unified-4bit")
+    for family in ("tiny-qwen3-vl", "tiny-qwen3_5", "tiny-gemma4", "tiny-gemma4-unified"):
+        bf16_copy(out / family, out / f"{family}-bf16")
     hashes = {d.name: sha256(d / "model.safetensors") for d in sorted(out.iterdir()) if (d / "model.safetensors").exists()}
     (out / "hashes.json").write_text(json.dumps(hashes, indent=2) + "\n")
     print(json.dumps(hashes, indent=2))
