@@ -12,7 +12,7 @@ so the same MLX version rebuilds them bit for bit; tests check a sha256.
 
   OUT/tiny-gemma3-vlm[-4bit]/, OUT/tiny-qwen25-vl[-4bit]/, OUT/tiny-qwen3-vl[-4bit]/,
   OUT/tiny-qwen3_5[-4bit]/, OUT/tiny-gemma4[-4bit]/, OUT/tiny-gemma4-unified[-4bit]/,
-  OUT/tiny-{qwen3-vl,qwen3_5,gemma4,gemma4-unified}-bf16/
+  OUT/tiny-{qwen3-vl,qwen3_5,gemma4,gemma4-unified}-bf16/, OUT/tiny-gemma4-moe[-4bit]/
                      random-weight VLMs with the real Gemma 3 / Qwen2.5
                      tokenizers (from the GGUF metadata), in f32 and as
                      mlx-community style 4-bit and bf16 copies
@@ -554,6 +554,41 @@ def tiny_gemma4(gemma_gguf, out, seed):
                              "max_soft_tokens": 70, "pooling_kernel_size": 3, "num_frames": 32}}, indent=2) + "\n")
 
 
+def tiny_gemma4_moe(src, out, seed):
+    """tiny-gemma4 with Gemma 4's mixture-of-experts block on every layer
+    (26B-A4B's feed-forward: the dense MLP beside a router — RMS norm with a
+    learned scale, projection, top 2 of 4 experts, softmax, per-expert scale —
+    and GELU-gated experts of 32, each branch normed, their sum normed
+    again). The rest is tiny-gemma4's weights, unchanged; the audio tower is
+    dropped (26B-A4B has none)."""
+    out.mkdir(parents=True, exist_ok=True)
+    w = {k: v for k, v in mx.load(str(src / "model.safetensors")).items()
+         if not k.startswith(("audio_tower.", "embed_audio."))}
+    cfg = json.loads((src / "config.json").read_text())
+    t = cfg["text_config"]
+    experts, top_k, inter, hidden = 4, 2, 32, t["hidden_size"]
+    t.update({"enable_moe_block": True, "num_experts": experts, "top_k_experts": top_k, "moe_intermediate_size": inter})
+    cfg["audio_config"] = None
+    mx.random.seed(seed)
+    for i in range(t["num_hidden_layers"]):
+        p = f"language_model.model.layers.{i}"
+        w[f"{p}.router.proj.weight"] = mx.random.normal((experts, hidden)) * 0.5
+        w[f"{p}.router.scale"] = 1 + mx.random.normal((hidden,)) * 0.1
+        w[f"{p}.router.per_expert_scale"] = 1 + mx.random.normal((experts,)) * 0.1
+        e = f"{p}.experts.switch_glu"
+        w[f"{e}.gate_proj.weight"] = mx.random.normal((experts, inter, hidden)) * 0.3
+        w[f"{e}.up_proj.weight"] = mx.random.normal((experts, inter, hidden)) * 0.3
+        w[f"{e}.down_proj.weight"] = mx.random.normal((experts, hidden, inter)) * 0.3
+        for n in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+            w[f"{p}.{n}.weight"] = 1 + mx.random.normal((hidden,)) * 0.1
+    mx.eval(w)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def tiny_gemma4_unified(gemma_gguf, out, seed, hidden=64, layers=6, d=32, posemb=64):
     """A tiny Gemma 4 unified (or, with the real widths, `wide_gemma4_unified`'s): no tower. Images as 48x48 patches through
     LayerNorm -> Linear -> LayerNorm, learned x/y positions, LayerNorm, then
@@ -667,7 +702,8 @@ def quantized_copy(src, out, bits=4, group=32):
     w = mx.load(str(src / "model.safetensors"))
     q = {}
     for k, v in w.items():
-        if k.startswith("language_model.") and k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group == 0:
+        # 2-D weights, and the experts' stacked [experts, out, in] ones.
+        if k.startswith("language_model.") and k.endswith(".weight") and v.ndim in (2, 3) and v.shape[-1] % group == 0:
             wq, scales, biases = mx.quantize(v, group_size=group, bits=bits)
             base = k[: -len(".weight")]
             q[k], q[base + ".scales"], q[base + ".biases"] = wq, scales, biases
@@ -721,6 +757,8 @@ def main():
     tiny_gemma4(gemma_gguf, out / "tiny-gemma4", 11)
     quantized_copy(out / "tiny-gemma4", out / "tiny-gemma4-4bit")
     tiny_gemma4_unified(gemma_gguf, out / "tiny-gemma4-unified", 12)
+    tiny_gemma4_moe(out / "tiny-gemma4", out / "tiny-gemma4-moe", 14)
+    quantized_copy(out / "tiny-gemma4-moe", out / "tiny-gemma4-moe-4bit")
     quantized_copy(out / "tiny-gemma4-unified", out / "tiny-gemma4-unified-4bit")
     for family in ("tiny-qwen3-vl", "tiny-qwen3_5", "tiny-gemma4", "tiny-gemma4-unified"):
         bf16_copy(out / family, out / f"{family}-bf16")

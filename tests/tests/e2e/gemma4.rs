@@ -207,3 +207,29 @@ async fn gemma4_unified_matches_mlx_vlm_and_stores_its_features() {
         assert_eq!((s.encoder_hits, s.encoder_misses), (hits, 0), "{case}: from disk: {s:?}");
     }
 }
+
+/// Gemma 4's mixture-of-experts shape (26B-A4B's feed-forward: a router and
+/// experts beside each dense MLP) through the daemon, f32 and 4-bit (goldens:
+/// scripts/reference/mlx_vlm_gemma4_moe.py): greedy ids exactly for text and
+/// an image, both at once (batched), and the image again from the store.
+#[tokio::test(flavor = "multi_thread")]
+async fn gemma4_moe_matches_mlx_vlm() {
+    const MOE: [&str; 2] = ["tiny-gemma4-moe", "tiny-gemma4-moe-4bit"];
+    let g = golden("gemma4-moe");
+    let models: Vec<_> = MOE.iter().map(|f| (*f, fixture(&format!("mlx/{f}")))).collect();
+    for (family, dir) in &models {
+        check_weights(dir, &g[*family]);
+    }
+    let d = Daemon::start_with(DaemonOptions { models, args: vec![] });
+    for family in MOE {
+        for case in ["text", "image"] {
+            let s = ask_ok(&d, request(&g, family, case)).await;
+            assert_golden(&g, family, case, &s, "alone");
+        }
+        let both = futures::future::join_all(["text", "image"].map(|case| ask_ok(&d, request(&g, family, case)))).await;
+        for (case, s) in ["text", "image"].iter().zip(&both) {
+            assert_golden(&g, family, case, s, "batched");
+        }
+        assert_eq!((both[1].encoder_hits, both[1].encoder_misses), (1, 0), "{family}: the image from the store");
+    }
+}

@@ -8,6 +8,7 @@
 
 pub mod audio;
 pub mod audio_features;
+pub mod moe;
 pub mod processor;
 pub mod text;
 pub mod video;

@@ -6,7 +6,8 @@
 //! MLP (twice as wide on KV-shared layers), per-layer input embeddings
 //! gated into every layer, a per-layer scalar, the last layers reading the
 //! keys and values of the last unshared layer of their kind, and a logit
-//! soft-cap.
+//! soft-cap; on the mixture-of-experts shape (26B-A4B) a routed experts'
+//! branch beside each dense MLP ([`super::moe`]).
 //!
 //! The per-layer inputs ride the embedding seam: [`LanguageModel::embed`]
 //! returns rows `[B, L, hidden + layers × per_layer]` — the scaled token
@@ -14,6 +15,7 @@
 //! media positions their features and pad-id per-layer embeddings, as
 //! mlx-vlm does, and `forward` splits them again.
 
+use super::moe::MoeBlock;
 use crate::families::gemma3::text::attend;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
@@ -72,6 +74,14 @@ pub struct Gemma4TextConfig {
     pub use_double_wide_mlp: bool,
     #[serde(default)]
     pub enable_moe_block: bool,
+    /// The MoE shapes (26B-A4B): experts per layer, how many each position
+    /// uses, and their hidden width.
+    #[serde(default)]
+    pub num_experts: Option<i32>,
+    #[serde(default)]
+    pub top_k_experts: Option<i32>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<i32>,
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
 }
@@ -211,6 +221,8 @@ struct Block {
     post_ff_norm: Array,
     per_layer: Option<(Linear, Linear, Array)>,
     layer_scalar: Option<Array>,
+    /// The experts' branch (`enable_moe_block`).
+    moe: Option<MoeBlock>,
     sliding: bool,
 }
 
@@ -245,10 +257,12 @@ fn scale_in(value: f64, dtype: Dtype) -> Result<Array> {
 impl Gemma4Text {
     /// Loads `prefix.model.*` (mlx-vlm's names after its sanitize).
     pub fn load(config: Gemma4TextConfig, t: &mut TensorMap, prefix: &str) -> Result<Self> {
-        if config.enable_moe_block {
-            bail!("Gemma 4's mixture-of-experts checkpoints (26B-A4B) are not supported yet: the dense ones are");
-        }
         let c = &config;
+        let moe_shape = match (c.enable_moe_block, c.num_experts, c.top_k_experts) {
+            (false, _, _) => None,
+            (true, Some(experts), Some(top_k)) => Some((experts, top_k)),
+            _ => bail!("text_config.enable_moe_block without num_experts and top_k_experts"),
+        };
         let sliding = c.sliding();
         if sliding.len() != c.num_hidden_layers as usize {
             bail!("text_config.layer_types names {} layers, num_hidden_layers {}", sliding.len(), c.num_hidden_layers);
@@ -297,6 +311,10 @@ impl Gemma4Text {
             };
             let layer_scalar =
                 if t.has(&format!("{p}.layer_scalar")) { Some(t.float(&format!("{p}.layer_scalar"))?) } else { None };
+            let moe = match moe_shape {
+                Some((experts, top_k)) => Some(MoeBlock::load(t, &p, c.hidden_size, experts, top_k)?),
+                None => None,
+            };
             blocks.push(Block {
                 q: t.linear(&format!("{p}.self_attn.q_proj"))?,
                 o: t.linear(&format!("{p}.self_attn.o_proj"))?,
@@ -314,6 +332,7 @@ impl Gemma4Text {
                 post_ff_norm: t.float(&format!("{p}.post_feedforward_layernorm.weight"))?,
                 per_layer,
                 layer_scalar,
+                moe,
                 sliding: is_sliding,
             });
         }
@@ -430,6 +449,10 @@ impl Gemma4Text {
             let h2 = h.add(&r)?;
             let x = fast::rms_norm(&h2, Some(&b.pre_ff_norm), eps)?;
             let m = b.down.forward(&nn::gelu_approximate(b.gate.forward(&x)?)?.multiply(b.up.forward(&x)?)?)?;
+            let m = match &b.moe {
+                Some(moe) => fast::rms_norm(&m, Some(&moe.post_dense_norm), eps)?.add(moe.experts(&h2, eps)?)?,
+                None => m,
+            };
             h = h2.add(fast::rms_norm(&m, Some(&b.post_ff_norm), eps)?)?;
             if let (Some((gate, projection, norm)), Some(inputs)) = (&b.per_layer, &per_layer_inputs) {
                 let mine = inputs.index((.., .., i as i32, ..));
