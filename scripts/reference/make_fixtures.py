@@ -709,14 +709,7 @@ def quantized_copy(src, out, bits=4, group=32):
             q[k], q[base + ".scales"], q[base + ".biases"] = wq, scales, biases
         else:
             q[k] = v
-    mx.eval(q)
-    mx.save_safetensors(str(out / "model.safetensors"), q, metadata={"format": "mlx"})
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization"] = {"group_size": group, "bits": bits}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_copy(src, out, q, quantization={"group_size": group, "bits": bits})
 
 
 def bf16_copy(src, out):
@@ -725,13 +718,19 @@ def bf16_copy(src, out):
     out.mkdir(parents=True, exist_ok=True)
     w = mx.load(str(src / "model.safetensors"))
     w = {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in w.items()}
-    mx.eval(w)
-    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    write_copy(src, out, w, torch_dtype="bfloat16")
+
+
+def write_copy(src, out, weights, **config):
+    """`weights` as OUT's model.safetensors, SRC's other files beside them,
+    and SRC's config with `config`'s keys set."""
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     for f in src.iterdir():
         if f.name != "model.safetensors":
             shutil.copy(f, out / f.name)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["torch_dtype"] = "bfloat16"
+    cfg.update(config)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
