@@ -44,8 +44,13 @@ fn bf16_and_4bit_directories_load_and_match_mlx_vlm() {
     let image = mlxbc_daemon::model::image::decode(&image).unwrap();
     let clip = std::fs::read(reference_path("gemma4-audio.wav")).unwrap();
     let samples = mlxbc_daemon::audio::decode::decode(&clip).unwrap().samples;
-    for name in ["tiny-qwen3-vl-bf16", "tiny-qwen3_5-bf16", "tiny-gemma4-bf16", "tiny-gemma4-unified-bf16",
-                 "tiny-gemma4-unified-4bit"] {
+    for name in [
+        "tiny-qwen3-vl-bf16",
+        "tiny-qwen3_5-bf16",
+        "tiny-gemma4-bf16",
+        "tiny-gemma4-unified-bf16",
+        "tiny-gemma4-unified-4bit",
+    ] {
         let model = load(name, &golden);
         let rendered = model.prompter.template.render(&[ChatMessage::user(golden["text"].as_str().unwrap())]).unwrap();
         let ids = model.encode(&rendered).unwrap();

@@ -300,3 +300,26 @@ fn gemma4_moe_matches_mlx_vlm() {
     eprintln!("{family}, packed (gather_qmm), first logits, text: relative error {err:e}");
     assert!(err < TOLERANCE, "{family} packed: first logits differ from mlx-vlm's: {err:e}");
 }
+
+/// A MoE directory whose config names more experts than its weights hold is
+/// refused at load with a sentence, not run (the router's picks would index
+/// past the stacks: MLX's gathers do not bound-check).
+#[test]
+fn gemma4_moe_with_a_wrong_expert_count_is_refused() {
+    let src = fixture("mlx/tiny-gemma4-moe");
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "config.json" {
+            std::os::unix::fs::symlink(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["text_config"]["num_experts"] = 8.into();
+    std::fs::write(tmp.path().join("config.json"), config.to_string()).unwrap();
+    let form = mlxbc_daemon::model::weights::WeightForm::DenseF32;
+    let err = mlxbc_daemon::families::load(tmp.path(), form, None).err().expect("a wrong expert count must not load");
+    let text = format!("{err:#}");
+    assert!(text.contains("MoE weights hold [4, 4, 4, 4, 4] experts") && text.contains("config 8"), "{text}");
+}

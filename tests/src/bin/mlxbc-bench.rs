@@ -369,7 +369,7 @@ fn variant(bytes: &[u8], medium: Medium, k: usize) -> Option<Vec<u8>> {
             let data = bytes.windows(4).position(|w| w == b"data")? + 8;
             let gain = (-0.9f32).powi(k as i32);
             let mut out = bytes.to_vec();
-            for s in out[data..].chunks_exact_mut(2) {
+            for s in out.get_mut(data..)?.chunks_exact_mut(2) {
                 let v = (i16::from_le_bytes([s[0], s[1]]) as f32 * gain) as i16;
                 s.copy_from_slice(&v.to_le_bytes());
             }

@@ -36,14 +36,33 @@ impl MoeBlock {
         }
         let scale = t.float(&format!("{p}.router.scale"))?;
         let e = format!("{p}.experts.switch_glu");
+        let router = t.linear(&format!("{p}.router.proj"))?;
+        let per_expert_scale = t.float(&format!("{p}.router.per_expert_scale"))?;
+        let (gate, up, down) = (
+            t.linear(&format!("{e}.gate_proj"))?,
+            t.linear(&format!("{e}.up_proj"))?,
+            t.linear(&format!("{e}.down_proj"))?,
+        );
+        // The router's picks index the scales and the stacks, and MLX's
+        // gathers do not bound-check: every one must hold `experts` rows.
+        let rows = |l: &Linear| match l {
+            Linear::Dense { weight, .. } => weight.shape()[0],
+            Linear::Quantized { q, .. } => q.weight.shape()[0],
+        };
+        let counts = [rows(&router), per_expert_scale.shape()[0], rows(&gate), rows(&up), rows(&down)];
+        if counts.iter().any(|&n| n != experts) || [&gate, &up, &down].iter().any(|l| l.arrays()[0].ndim() != 3) {
+            bail!(
+                "{p}: Gemma 4 MoE weights hold {counts:?} experts (router, scales, gate, up, down), config {experts}"
+            );
+        }
         Ok(Self {
-            router: t.linear(&format!("{p}.router.proj"))?,
+            router,
             router_norm: scale.multiply(Array::from_f32((hidden as f64).powf(-0.5) as f32))?,
-            per_expert_scale: t.float(&format!("{p}.router.per_expert_scale"))?,
+            per_expert_scale,
             top_k,
-            gate: t.linear(&format!("{e}.gate_proj"))?,
-            up: t.linear(&format!("{e}.up_proj"))?,
-            down: t.linear(&format!("{e}.down_proj"))?,
+            gate,
+            up,
+            down,
             post_dense_norm: t.float(&format!("{p}.post_feedforward_layernorm_1.weight"))?,
             pre_experts_norm: t.float(&format!("{p}.pre_feedforward_layernorm_2.weight"))?,
             post_experts_norm: t.float(&format!("{p}.post_feedforward_layernorm_2.weight"))?,
@@ -76,18 +95,9 @@ impl MoeBlock {
 fn switch(projection: &Linear, x: &Array, indices: &Array) -> Result<Array> {
     Ok(match projection {
         Linear::Dense { weight, bias: None } => ops::gather_mm(x, weight.swap_axes(-1, -2)?, None, indices, false)?,
-        Linear::Quantized { q, bias: None } => ops::gather_qmm(
-            x,
-            &q.weight,
-            &q.scales,
-            &q.biases,
-            None,
-            indices,
-            true,
-            q.group_size,
-            q.bits,
-            false,
-        )?,
+        Linear::Quantized { q, bias: None } => {
+            ops::gather_qmm(x, &q.weight, &q.scales, &q.biases, None, indices, true, q.group_size, q.bits, false)?
+        }
         _ => bail!("Gemma 4's experts have no biases"),
     })
 }

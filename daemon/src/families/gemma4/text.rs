@@ -74,14 +74,12 @@ pub struct Gemma4TextConfig {
     pub use_double_wide_mlp: bool,
     #[serde(default)]
     pub enable_moe_block: bool,
-    /// The MoE shapes (26B-A4B): experts per layer, how many each position
-    /// uses, and their hidden width.
+    /// The MoE shape (26B-A4B): experts per layer and how many each
+    /// position uses (their width comes from the weights).
     #[serde(default)]
     pub num_experts: Option<i32>,
     #[serde(default)]
     pub top_k_experts: Option<i32>,
-    #[serde(default)]
-    pub moe_intermediate_size: Option<i32>,
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
 }
