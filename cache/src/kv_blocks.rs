@@ -18,6 +18,7 @@
 
 use crate::key::hex;
 use crate::value::Features;
+use mlxbc_shared::settings::DiskReserve;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -46,6 +47,12 @@ pub struct BlockStats {
     pub corrupt: u64,
     pub evictions: u64,
     pub writes: u64,
+    /// Blocks not written because the disk was down to its reserve.
+    pub skipped_for_space: u64,
+    /// What the filesystem's free space allows beyond what is stored now
+    /// (the budget in force is the smaller of `budget_bytes` and
+    /// `bytes + room_bytes`).
+    pub room_bytes: u64,
 }
 
 struct Entry {
@@ -67,6 +74,9 @@ struct Index {
 pub struct BlockStore {
     dir: PathBuf,
     budget: u64,
+    /// What the filesystem keeps free whatever the budget says.
+    reserve: DiskReserve,
+    skipped_for_space: AtomicU64,
     index: Mutex<Index>,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -78,8 +88,9 @@ pub struct BlockStore {
 impl BlockStore {
     /// Opens (creating) the store in `dir`: leftover `.tmp` files of a
     /// write that never finished are removed, the rest indexed by their
-    /// modification times (oldest evicted first).
-    pub fn open(dir: &Path, budget_bytes: u64) -> std::io::Result<Self> {
+    /// modification times (oldest evicted first). Writes stop short of
+    /// `budget_bytes` and of the filesystem's `reserve`, whichever comes first.
+    pub fn open(dir: &Path, budget_bytes: u64, reserve: DiskReserve) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut found = Vec::new();
         for e in std::fs::read_dir(dir)? {
@@ -107,6 +118,8 @@ impl BlockStore {
         let store = Self {
             dir: dir.to_path_buf(),
             budget: budget_bytes,
+            reserve,
+            skipped_for_space: AtomicU64::new(0),
             index: Mutex::new(index),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -173,6 +186,10 @@ impl BlockStore {
             return Ok(());
         }
         let bytes = encode(hash, block);
+        if !self.make_room(bytes.len() as u64) {
+            self.skipped_for_space.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         let path = self.path(hash);
         let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
         let written = (|| {
@@ -194,6 +211,43 @@ impl BlockStore {
         self.writes.fetch_add(1, Ordering::Relaxed);
         self.evict_over_budget();
         Ok(())
+    }
+
+    /// Evicts least-recently-used blocks until `need` more bytes fit above
+    /// the filesystem's reserve; false when even an empty store would not
+    /// leave it (the block is then skipped: the disk belongs to the user's
+    /// files and the sessions first).
+    fn make_room(&self, need: u64) -> bool {
+        loop {
+            if crate::disk_room::room(&self.dir, self.reserve) >= need {
+                return true;
+            }
+            let mut index = self.index.lock().unwrap();
+            let Some((&oldest, _)) = index.entries.iter().min_by_key(|(_, e)| e.used) else { return false };
+            let e = index.entries.remove(&oldest).unwrap();
+            index.bytes -= e.bytes;
+            drop(index);
+            let _ = std::fs::remove_file(self.path(&oldest));
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Evicts least-recently-used blocks until `bytes` more are free on the
+    /// filesystem (for a session file that could not be written: sessions
+    /// get the disk before the cache); returns the bytes removed.
+    pub fn free_for_others(&self, bytes: u64) -> u64 {
+        let mut freed = 0;
+        while freed < bytes {
+            let mut index = self.index.lock().unwrap();
+            let Some((&oldest, _)) = index.entries.iter().min_by_key(|(_, e)| e.used) else { break };
+            let e = index.entries.remove(&oldest).unwrap();
+            index.bytes -= e.bytes;
+            drop(index);
+            let _ = std::fs::remove_file(self.path(&oldest));
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+            freed += e.bytes;
+        }
+        freed
     }
 
     fn evict_over_budget(&self) {
@@ -231,6 +285,8 @@ impl BlockStore {
             corrupt: self.corrupt.load(Ordering::Relaxed),
             evictions: self.evictions.load(Ordering::Relaxed),
             writes: self.writes.load(Ordering::Relaxed),
+            skipped_for_space: self.skipped_for_space.load(Ordering::Relaxed),
+            room_bytes: crate::disk_room::room(&self.dir, self.reserve).min(self.budget),
         }
     }
 
@@ -272,6 +328,8 @@ fn parse_hex(s: &str) -> Option<BlockHash> {
 mod tests {
     use super::*;
 
+    const NO_RESERVE: DiskReserve = DiskReserve { percent: 0, min_bytes: 0 };
+
     fn block(seed: f32) -> Features {
         Features::from_f32(vec![2, 1, 2, 4, 3], &(0..48).map(|i| i as f32 * seed).collect::<Vec<_>>())
     }
@@ -281,7 +339,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = ([1u8; 32], [2u8; 32]);
         {
-            let store = BlockStore::open(dir.path(), 1 << 20).unwrap();
+            let store = BlockStore::open(dir.path(), 1 << 20, NO_RESERVE).unwrap();
             store.write(&a, &block(1.0)).unwrap();
             store.write(&b, &block(2.0)).unwrap();
             assert_eq!(store.read(&a), Some(block(1.0)));
@@ -293,7 +351,7 @@ mod tests {
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
         std::fs::write(&path_b, bytes).unwrap();
-        let store = BlockStore::open(dir.path(), 1 << 20).unwrap();
+        let store = BlockStore::open(dir.path(), 1 << 20, NO_RESERVE).unwrap();
         assert_eq!(store.stats().blocks, 2, "the .tmp file is not a block");
         assert!(std::fs::read_dir(dir.path()).unwrap().all(|e| !e
             .unwrap()
@@ -307,7 +365,7 @@ mod tests {
         assert_eq!((s.blocks, s.corrupt, s.hits), (1, 1, 1));
         // A file holding another block's bytes is not served under this name.
         std::fs::copy(dir.path().join(format!("{}.kv", hex(&a))), &path_b).unwrap();
-        let store = BlockStore::open(dir.path(), 1 << 20).unwrap();
+        let store = BlockStore::open(dir.path(), 1 << 20, NO_RESERVE).unwrap();
         assert_eq!(store.read(&b), None);
     }
 
@@ -315,7 +373,7 @@ mod tests {
     fn the_least_recently_used_blocks_go_past_the_budget() {
         let dir = tempfile::tempdir().unwrap();
         let one = encode(&[0; 32], &block(1.0)).len() as u64;
-        let store = BlockStore::open(dir.path(), 2 * one).unwrap();
+        let store = BlockStore::open(dir.path(), 2 * one, NO_RESERVE).unwrap();
         store.write(&[1; 32], &block(1.0)).unwrap();
         store.write(&[2; 32], &block(2.0)).unwrap();
         assert!(store.read(&[1; 32]).is_some());
@@ -325,5 +383,26 @@ mod tests {
         assert_eq!(store.stats().evictions, 1);
         assert_eq!(store.clear(), 2);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_disk_down_to_its_reserve_takes_no_block_and_gives_back_what_it_has() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlockStore::open(dir.path(), 1 << 30, NO_RESERVE).unwrap();
+        store.write(&[1; 32], &block(1.0)).unwrap();
+        store.write(&[2; 32], &block(2.0)).unwrap();
+        drop(store);
+        // A reserve larger than the whole disk: nothing fits, and the
+        // blocks already there are evicted first, oldest first.
+        let full = DiskReserve { percent: 0, min_bytes: u64::MAX };
+        let store = BlockStore::open(dir.path(), 1 << 30, full).unwrap();
+        store.write(&[3; 32], &block(3.0)).unwrap();
+        let s = store.stats();
+        assert_eq!((s.blocks, s.writes, s.skipped_for_space, s.evictions, s.room_bytes), (0, 0, 1, 2, 0));
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        let store = BlockStore::open(dir.path(), 1 << 30, NO_RESERVE).unwrap();
+        store.write(&[1; 32], &block(1.0)).unwrap();
+        assert!(store.free_for_others(1) > 0);
+        assert_eq!(store.stats().blocks, 0);
     }
 }

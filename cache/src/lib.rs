@@ -14,12 +14,14 @@
 //! No MLX here: features are plain bytes plus dtype and shape, so the store
 //! can be inspected (`mlxbc cache ...`) without linking MLX.
 
+mod disk_room;
 mod fingerprint;
 mod key;
 mod kv_blocks;
 mod store;
 mod value;
 
+pub use disk_room::{disk_space, room, DiskSpace};
 pub use fingerprint::{TowerFingerprint, WeightFileIdentity};
 pub use key::{content_hash, hex, FeatureKey, Modality, SCHEMA_VERSION};
 pub use kv_blocks::{BlockHash, BlockStats, BlockStore};

@@ -8,6 +8,7 @@
 
 use crate::{FeatureKey, Features};
 use lru::LruCache;
+use mlxbc_shared::settings::DiskReserve;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -18,11 +19,14 @@ pub struct StoreConfig {
     pub ram_bytes: usize,
     /// Most payload bytes kept on disk before evicting.
     pub disk_bytes: u64,
+    /// What the filesystem keeps free whatever `disk_bytes` says: a write
+    /// that would cross it is skipped (and counted).
+    pub reserve: DiskReserve,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self { ram_bytes: 256 << 20, disk_bytes: 4 << 30 }
+        Self { ram_bytes: 256 << 20, disk_bytes: 4 << 30, reserve: DiskReserve { percent: 10, min_bytes: 2 << 30 } }
     }
 }
 
@@ -38,6 +42,8 @@ pub struct StoreStats {
     pub misses: u64,
     pub evictions: u64,
     pub corrupt: u64,
+    /// Entries kept in RAM only because the disk was down to its reserve.
+    pub skipped_for_space: u64,
 }
 
 /// Why the store could not be opened or written.
@@ -58,6 +64,7 @@ pub enum Tier {
 
 /// Vision features by [`FeatureKey`].
 pub struct FeatureStore {
+    dir: PathBuf,
     db: sled::Db,
     features: sled::Tree,
     access: sled::Tree,
@@ -97,6 +104,7 @@ impl FeatureStore {
         let features = db.open_tree("features").map_err(open_err)?;
         let access = db.open_tree("access").map_err(open_err)?;
         let mut store = Self {
+            dir: dir.to_owned(),
             db,
             features,
             access,
@@ -204,6 +212,13 @@ impl FeatureStore {
     pub fn put(&mut self, key: &FeatureKey, features: &Features) -> Result<(), StoreError> {
         let raw = key.to_bytes();
         let value = features.encode();
+        // sled writes a log: a value takes about its size again until
+        // compaction, hence the factor of two.
+        if crate::disk_room::room(&self.dir, self.config.reserve) < 2 * value.len() as u64 {
+            self.stats.skipped_for_space += 1;
+            self.remember(ram_key(key), features.clone());
+            return Ok(());
+        }
         let tick = self.next_tick();
         self.features.insert(&raw, value.as_slice())?;
         self.access.insert(&raw, &tick.to_be_bytes())?;

@@ -143,10 +143,16 @@ pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) 
                     );
                 }
                 if args.verbose {
+                    // A single token comes from the prefill: no decode step to time.
+                    let decode = if stats.decode_tokens_per_s > 0.0 {
+                        format!("{:.1} tok/s", stats.decode_tokens_per_s)
+                    } else {
+                        "- (no decode step)".to_string()
+                    };
                     eprintln!(
-                        "model {} | prompt {} tok | generated {} tok | ttft {:.0} ms (load {:.0} ms) | prefill {:.1} tok/s | decode {:.1} tok/s | stop {:?}",
+                        "model {} | prompt {} tok | generated {} tok | ttft {:.0} ms (load {:.0} ms) | prefill {:.1} tok/s | decode {decode} | stop {:?}",
                         stats.model, stats.prompt_tokens, stats.generated_tokens, stats.time_to_first_token_ms, stats.load_ms,
-                        stats.prefill_tokens_per_s, stats.decode_tokens_per_s, stats.stop_reason
+                        stats.prefill_tokens_per_s, stats.stop_reason
                     );
                     eprintln!(
                         "prompt cache: {} tok reused ({} RAM, {} disk) | {} tok prefilled",

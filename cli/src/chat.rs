@@ -5,24 +5,36 @@
 //! can continue it later. Piped stdin: one turn per line.
 //!
 //! In the prompt: `/image PATH` attaches an image to the next message,
-//! `/reset` forgets the conversation, `/exit` (or Ctrl-D) leaves.
+//! `/reset` forgets the conversation, `/help` lists the commands, `/exit`
+//! (or Ctrl-D) leaves; any other `/word` is refused, not sent (a line that
+//! starts with a space is sent as it is). A turn the daemon could not save
+//! to the session is warned about at once, and the exit code is 5, as `ask`'s.
 
 use crate::ChatArgs;
 use anyhow::Result;
 use mlxbc_client::{ChatMessage, Client, GenerateRequest, MediaRef, Response, SamplingParams, SessionCommand};
 use std::io::{IsTerminal, Write};
 
+/// What `/help` prints.
+const HELP: &str = "commands:\n  /image PATH   attach an image to the next message\n  /reset        forget the conversation\n  \
+/help         this list\n  /exit         leave (or Ctrl-D)\na line starting with a space is sent as it is, even if it starts with /";
+
 pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path::Path) -> Result<()> {
     let interactive = std::io::stdin().is_terminal();
     let mut editor = rustyline::DefaultEditor::new()?;
     if interactive {
         let _ = editor.load_history(history_file);
-        if let Some(name) = &args.session {
-            let past = client.sessions(SessionCommand::Show { name: name.clone() }).await?;
-            let n = past.first().map_or(0, |s| s.messages.len());
-            eprintln!("session {name}: {n} earlier messages (kept by the daemon). /exit to leave, /reset to forget.");
+        let model = args.model.as_deref().unwrap_or("the default model");
+        match &args.session {
+            Some(name) => {
+                let past = client.sessions(SessionCommand::Show { name: name.clone() }).await?;
+                let n = past.first().map_or(0, |s| s.messages.len());
+                eprintln!("chatting with {model} in session {name}: {n} earlier messages (kept by the daemon). /help for commands, /exit to leave.");
+            }
+            None => eprintln!("chatting with {model}. /help for commands, /exit or Ctrl-D to leave."),
         }
     }
+    let mut warnings: Vec<String> = Vec::new();
     let mut conversation: Vec<ChatMessage> = Vec::new();
     let mut images: Vec<MediaRef> = Vec::new();
     let mut system_sent = false;
@@ -44,10 +56,16 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
                 None => break,
             }
         };
+        let command = line.starts_with('/');
         let line = line.trim();
         match line.split_once(' ').map_or((line, ""), |(c, rest)| (c, rest.trim())) {
             ("", _) => continue,
+            (_, _) if !command => {}
             ("/exit" | "/quit", _) => break,
+            ("/help" | "/?", _) => {
+                eprintln!("{HELP}");
+                continue;
+            }
             ("/reset", _) => {
                 conversation.clear();
                 system_sent = false;
@@ -62,7 +80,12 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
                 eprintln!("(image attached to the next message)");
                 continue;
             }
-            _ => {}
+            (other, _) => {
+                eprintln!(
+                    "(unknown command {other}: /help lists them; start the line with a space to send it as text)"
+                );
+                continue;
+            }
         }
         let mut user = ChatMessage::user(line);
         user.images = std::mem::take(&mut images);
@@ -110,6 +133,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
                     for w in &stats.warnings {
                         eprintln!("\nmlxbc: warning: {w}");
                     }
+                    warnings.extend(stats.warnings.iter().cloned());
                 }
                 _ => {}
             }
@@ -121,5 +145,10 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
     if interactive {
         let _ = editor.save_history(history_file);
     }
-    Ok(())
+    if warnings.is_empty() {
+        Ok(())
+    } else {
+        // Already printed as they came; the exit code says so too (5).
+        Err(crate::Warned(vec![format!("{} turn(s) had warnings (above)", warnings.len())]).into())
+    }
 }

@@ -8,6 +8,7 @@
 mod ask;
 mod chat;
 mod manage;
+mod prefetch;
 mod progress;
 mod pull;
 mod service;
@@ -267,6 +268,33 @@ struct Interrupted;
 #[error("{}", .0.iter().map(|w| format!("warning: {w}")).collect::<Vec<_>>().join("\nmlxbc: "))]
 pub struct Warned(pub Vec<String>);
 
+/// A keep-alive as people write it: `30m`, `1h30m`, `45s`, `forever`.
+pub fn human_duration(k: mlxbc_client::KeepAlive) -> String {
+    match k {
+        mlxbc_client::KeepAlive::Seconds(s) if s < 100 * 365 * 24 * 3600 => {
+            let (h, m, s) = (s / 3600, s / 60 % 60, s % 60);
+            let mut out = String::new();
+            if h > 0 {
+                out += &format!("{h}h");
+            }
+            if m > 0 {
+                out += &format!("{m}m");
+            }
+            if s > 0 || out.is_empty() {
+                out += &format!("{s}s");
+            }
+            out
+        }
+        _ => "forever".into(),
+    }
+}
+
+/// Some of what was asked was refused by the daemon (e.g. some files of a
+/// prefetch); each was named already. The exit code is 4.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
 fn exit_for(e: &anyhow::Error) -> ExitCode {
     if e.downcast_ref::<Interrupted>().is_some() {
         // Dropping the connection (the runtime is gone) cancels the generation.
@@ -285,8 +313,18 @@ fn exit_for(e: &anyhow::Error) -> ExitCode {
             | ClientError::DaemonExited { .. }
             | ClientError::HandshakeTimeout { .. },
         ) => ExitCode::from(EXIT_UNREACHABLE),
+        Some(ClientError::Disconnected) => {
+            if let Ok(s) = Settings::from_env() {
+                eprintln!(
+                    "mlxbc: its log: {} (or `mlxbc service logs` when it runs as a service)",
+                    mlxbc_client::log_path(&s).display()
+                );
+            }
+            ExitCode::from(EXIT_UNREACHABLE)
+        }
         Some(ClientError::Daemon { .. } | ClientError::ProtocolMismatch(_)) => ExitCode::from(EXIT_REFUSED),
         _ if e.downcast_ref::<Warned>().is_some() => ExitCode::from(EXIT_WARNED),
+        _ if e.downcast_ref::<Refused>().is_some() => ExitCode::from(EXIT_REFUSED),
         _ => ExitCode::FAILURE,
     }
 }

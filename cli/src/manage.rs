@@ -5,6 +5,10 @@ use anyhow::Result;
 use mlxbc_client::{CacheCommand, Client};
 use std::io::Write;
 
+/// Keep-alives this long are forever for practical purposes (2^63 s was
+/// printed as `9223372036854775807s`).
+const FOREVER_S: u64 = 100 * 365 * 24 * 3600;
+
 fn gib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
@@ -40,7 +44,10 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE"
             )?;
             for m in &s.loaded {
-                let until = m.expires_in_s.map_or("never".into(), |s| format!("{s}s"));
+                let until = match m.expires_in_s {
+                    Some(s) if s < FOREVER_S => format!("{s}s"),
+                    _ => "never".into(),
+                };
                 writeln!(
                     out,
                     "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}",
@@ -48,7 +55,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     m.architecture,
                     gib(m.memory_bytes),
                     if m.pinned { "yes" } else { "" },
-                    m.keep_alive.to_string(),
+                    crate::human_duration(m.keep_alive),
                     until,
                     format!("{}s ago", m.idle_s)
                 )?;
@@ -213,7 +220,11 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     }
                 }
                 SessionsCmd::Show { name } => {
-                    for s in client.sessions(SessionCommand::Show { name }).await? {
+                    let found = client.sessions(SessionCommand::Show { name: name.clone() }).await?;
+                    if found.iter().all(|s| s.messages.is_empty()) {
+                        anyhow::bail!("no session {name} (`mlxbc sessions ls` lists them)");
+                    }
+                    for s in found {
                         for m in s.messages {
                             writeln!(out, "{:?}: {}", m.role, m.content)?;
                         }
@@ -230,10 +241,24 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             }
         }
         Command::Prefetch { model, files } => {
-            let mut spinner = crate::progress::Spinner::start(format!("encoding {} images", files.len()));
-            let (encoded, cached) = client.prefetch(model.as_deref(), crate::ask::read_media(&files)?).await?;
-            spinner.stop();
-            writeln!(out, "{encoded} encoded, {cached} already stored")?;
+            let outcome = crate::prefetch::run(client, model.as_deref(), &files).await?;
+            writeln!(
+                out,
+                "{} encoded, {} already stored, {} failed",
+                outcome.encoded,
+                outcome.cached,
+                outcome.failed.len()
+            )?;
+            for (path, why) in &outcome.failed {
+                eprintln!("mlxbc: {}: {why}", path.display());
+            }
+            if !outcome.failed.is_empty() {
+                anyhow::bail!(crate::Refused(format!(
+                    "{} of {} files could not be prefetched (above)",
+                    outcome.failed.len(),
+                    files.len()
+                )));
+            }
         }
         Command::Ask(_)
         | Command::Transcribe(_)

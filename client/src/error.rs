@@ -24,15 +24,12 @@ pub enum ClientError {
     /// A frame could not be read or written.
     #[error(transparent)]
     Frame(#[from] FrameError),
-    /// Something accepted the connection but never answered the Hello.
-    #[error(
-        "{socket} accepted the connection but sent no answer within {after:?}: is the process listening there mlxbcd? \
-         A service that failed to start leaves its socket listening: check `mlxbc service status` and `mlxbc service logs`, \
-         or `mlxbc stop` and retry"
-    )]
-    HandshakeTimeout { socket: PathBuf, after: std::time::Duration },
-    /// The daemon closed the connection.
-    #[error("mlxbcd closed the connection")]
+    /// Something accepted the connection but never answered the Hello;
+    /// `why` is what could be found out about the process listening there.
+    #[error("{socket} accepted the connection but sent no answer within {after:?}: {why}")]
+    HandshakeTimeout { socket: PathBuf, after: std::time::Duration, why: String },
+    /// The daemon closed the connection before the answer was complete.
+    #[error("mlxbcd closed the connection before answering: it stopped or crashed (its log says why)")]
     Disconnected,
     /// The daemon answered with something that does not fit the request.
     #[error("unexpected answer from mlxbcd: {0}")]
@@ -40,4 +37,32 @@ pub enum ClientError {
     /// Settings could not be read.
     #[error(transparent)]
     Settings(#[from] mlxbc_shared::settings::SettingsError),
+}
+
+/// Why a daemon that accepted a connection may not have answered: when the
+/// process holding the socket's lock is found (Linux's /proc), whether it is
+/// out of file descriptors; otherwise the likely causes, in order.
+pub(crate) fn silent_daemon(socket: &std::path::Path) -> String {
+    let pid = std::fs::read_to_string(socket.with_extension("lock")).ok().and_then(|p| p.trim().parse::<u32>().ok());
+    if let Some(pid) = pid {
+        let open = std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count() as u64);
+        let limit = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok().and_then(|l| {
+            l.lines().find(|l| l.starts_with("Max open files"))?.split_whitespace().nth(3)?.parse::<u64>().ok()
+        });
+        if let (Ok(open), Some(limit)) = (open, limit) {
+            if open + 8 >= limit {
+                return format!(
+                    "mlxbcd (pid {pid}) is out of file descriptors ({open} of {limit} open): too many connections are \
+                     held open (`mlxbc status` counts them); it closes idle ones over time, or restart it with `mlxbc stop`"
+                );
+            }
+            return format!(
+                "mlxbcd (pid {pid}) is running ({open} of {limit} descriptors open) but did not answer: it may be \
+                 stuck; its log (`mlxbc service logs`, or logs/mlxbcd.log in the data directory) may say why; `mlxbc stop` and retry"
+            );
+        }
+    }
+    "the process listening there is overloaded, out of file descriptors, or not mlxbcd (a service that failed to \
+     start leaves its socket listening): check `mlxbc service status` and `mlxbc service logs`, or `mlxbc stop` and retry"
+        .to_string()
 }

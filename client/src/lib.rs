@@ -32,6 +32,8 @@ pub use mlxbc_shared::settings::Settings;
 pub use mlxbc_shared::subtitles;
 /// Framing errors a [`ClientError::Frame`] carries.
 pub use mlxbc_shared::FrameError;
+/// The largest frame either side sends: a request's media bytes must fit.
+pub use mlxbc_shared::MAX_FRAME_BYTES;
 
 use futures::{SinkExt, StreamExt};
 use mlxbc_shared::codec::ClientCodec;
@@ -61,7 +63,11 @@ impl Client {
     /// times out after [`HANDSHAKE_TIMEOUT`]: something that accepts
     /// connections there but never answers is an error, not a hang.
     pub async fn connect(socket: &Path) -> Result<Self, ClientError> {
-        let timeout = || ClientError::HandshakeTimeout { socket: socket.to_owned(), after: HANDSHAKE_TIMEOUT };
+        let timeout = || ClientError::HandshakeTimeout {
+            socket: socket.to_owned(),
+            after: HANDSHAKE_TIMEOUT,
+            why: error::silent_daemon(socket),
+        };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, Self::handshake(socket)).await.map_err(|_| timeout())?
     }
 

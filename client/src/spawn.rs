@@ -39,7 +39,15 @@ pub fn start_daemon(settings: &Settings) -> Result<Child, ClientError> {
         .map(Stdio::from)
         .unwrap_or_else(|_| Stdio::null());
     let mut cmd = Command::new(&program);
-    cmd.arg("--socket").arg(&settings.socket).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
+    // The daemon rotates its log by size; stderr goes there too until it
+    // has parsed its arguments.
+    cmd.arg("--socket")
+        .arg(&settings.socket)
+        .arg("--log-file")
+        .arg(&log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr);
     // A new session: the daemon outlives the terminal and ignores its Ctrl-C.
     // SAFETY: setsid is async-signal-safe and touches no parent state.
     unsafe {

@@ -7,6 +7,7 @@ pub mod engine;
 pub mod families;
 pub mod http;
 pub mod limits;
+pub mod logging;
 pub mod model;
 pub mod options;
 pub mod requests;

@@ -8,13 +8,13 @@
 //! growing 7.8 GB in 40 s, while `mlxbc ask` timed out.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
-/// Descriptors kept free for model files, the feature store, logs and the
-/// HTTP gateway, whatever the connections take.
+/// Descriptors kept free for model files, the feature store and logs,
+/// whatever the connections take.
 const RESERVED_FDS: u64 = 64;
 
 /// Raises the soft descriptor limit to the hard one (as most servers do:
@@ -45,6 +45,18 @@ pub fn connection_cap(configured: usize, fd_limit: u64) -> usize {
     configured.min(fits as usize).max(1)
 }
 
+/// The caps of the socket and of the HTTP gateway (0 when it is off): the
+/// gateway's is at most half of the descriptors left after
+/// [`RESERVED_FDS`], and the socket's fits in the rest, so however many
+/// TCP connections a neighbour opens, the owner's socket clients always
+/// find descriptors.
+pub fn connection_caps(socket: usize, http: Option<usize>, fd_limit: u64) -> (usize, usize) {
+    let Some(http) = http else { return (connection_cap(socket, fd_limit), 0) };
+    let budget = fd_limit.saturating_sub(RESERVED_FDS).max(16) as usize;
+    let http = http.min(budget / 2).max(1);
+    (socket.min(budget - http).max(1), http)
+}
+
 struct Entry {
     /// Since when it has had no request in flight (None: busy).
     idle_since: Option<Instant>,
@@ -69,6 +81,19 @@ pub struct Slot {
     id: u64,
     /// Notified when the daemon wants this connection closed.
     pub close: Arc<Notify>,
+    /// Requests in flight on it (HTTP counts them; the socket has one at most).
+    in_flight: AtomicUsize,
+}
+
+/// A request in flight on a [`Slot`]; the slot idles when the last one drops.
+pub struct InFlight(Arc<Slot>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle();
+        }
+    }
 }
 
 impl ConnectionTable {
@@ -109,7 +134,7 @@ impl ConnectionTable {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let close = Arc::new(Notify::new());
         open.insert(id, Entry { idle_since: Some(Instant::now()), close: close.clone() });
-        Some(Slot { table: self.clone(), id, close })
+        Some(Slot { table: self.clone(), id, close, in_flight: AtomicUsize::new(0) })
     }
 
     /// Closes the longest-idle connection (to free a descriptor after EMFILE).
@@ -154,6 +179,21 @@ impl Slot {
         if let Some(e) = self.table.open.lock().unwrap().get_mut(&self.id) {
             e.idle_since = Some(Instant::now());
         }
+    }
+
+    /// Counts a request in flight until the guard drops (the connection is
+    /// busy while any is).
+    pub fn begin_request(self: &Arc<Self>) -> InFlight {
+        if self.in_flight.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.busy();
+        }
+        InFlight(self.clone())
+    }
+
+    /// How long it has had no request in flight (None: busy, or already
+    /// closed for room).
+    pub fn idle_for(&self) -> Option<Duration> {
+        self.table.open.lock().unwrap().get(&self.id).and_then(|e| e.idle_since).map(|t| t.elapsed())
     }
 }
 
@@ -233,6 +273,29 @@ mod tests {
         assert!(t.admit().is_none(), "everyone busy: refused");
         c.idle();
         assert!(t.admit().is_some());
+    }
+
+    #[test]
+    fn the_gateway_never_takes_the_sockets_descriptors() {
+        assert_eq!(connection_caps(512, None, 1 << 20), (512, 0));
+        assert_eq!(connection_caps(512, Some(256), 1 << 20), (512, 256));
+        // 1024 descriptors: 960 for connections, at most half to HTTP.
+        assert_eq!(connection_caps(2048, Some(4096), 1024), (480, 480));
+        assert_eq!(connection_caps(512, Some(256), 256), (96, 96));
+    }
+
+    #[test]
+    fn a_slot_is_busy_while_any_request_is_in_flight() {
+        let t = ConnectionTable::new(4);
+        let slot = Arc::new(t.admit().unwrap());
+        assert!(slot.idle_for().is_some());
+        let a = slot.begin_request();
+        let b = slot.begin_request();
+        assert!(slot.idle_for().is_none());
+        drop(a);
+        assert!(slot.idle_for().is_none(), "one still in flight");
+        drop(b);
+        assert!(slot.idle_for().is_some());
     }
 
     #[test]

@@ -23,6 +23,10 @@ pub struct AppState {
     pub shutdown: watch::Sender<bool>,
     /// Open client connections, under a cap.
     pub connections: Arc<ConnectionTable>,
+    /// The HTTP gateway's open connections, under a cap of their own.
+    pub http_connections: Arc<ConnectionTable>,
+    /// Whether the HTTP gateway is serving.
+    pub http_on: bool,
     /// A connection with no request in flight is closed after this long.
     pub idle_timeout: Option<Duration>,
     /// Bounds checked before a request is queued.

@@ -30,7 +30,9 @@ pub fn value(spec: &ServiceSpec) -> Value {
     }
     let mut d = Dictionary::new();
     d.insert("Label".into(), Value::String(LABEL.into()));
-    d.insert("ProgramArguments".into(), Value::Array(vec![path(&spec.daemon)]));
+    // --log-file: the daemon rotates the file launchd opens for it.
+    let args = vec![path(&spec.daemon), Value::String("--log-file".into()), path(&spec.log_file)];
+    d.insert("ProgramArguments".into(), Value::Array(args));
     d.insert("RunAtLoad".into(), Value::Boolean(true));
     d.insert("KeepAlive".into(), Value::Dictionary(keep_alive));
     d.insert("Sockets".into(), Value::Dictionary(sockets));
@@ -65,6 +67,8 @@ mod tests {
         assert_eq!(d.get("RunAtLoad").and_then(Value::as_boolean), Some(true));
         let args = d.get("ProgramArguments").and_then(Value::as_array).unwrap();
         assert_eq!(args[0].as_string(), Some("/opt/mlxbc/bin/mlxbcd"));
+        assert_eq!(args[1].as_string(), Some("--log-file"));
+        assert_eq!(args[2].as_string(), Some("/Users/a/Library/Logs/mlxbc/mlxbcd.log"));
         let ka = d.get("KeepAlive").and_then(Value::as_dictionary).unwrap();
         assert_eq!(ka.get("SuccessfulExit").and_then(Value::as_boolean), Some(false));
         let l = d.get("Sockets").and_then(Value::as_dictionary).unwrap().get("Listeners").unwrap();

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -241,6 +241,8 @@ pub struct CacheReport {
     pub corrupt: u64,
     /// Entries removed by Clear or Verify.
     pub removed: u64,
+    /// Entries not written to disk because it was down to its reserve.
+    pub skipped_for_space: u64,
     /// Filled by List.
     pub listing: Vec<CacheEntry>,
     /// The prompt cache (KV blocks of prompt prefixes).
@@ -274,6 +276,12 @@ pub struct PromptCacheReport {
     /// prefilling them was measured cheaper than reading them (a small
     /// model on a fast GPU).
     pub disk_skipped_tokens: u64,
+    /// Blocks not written because the disk was down to its reserve
+    /// (`disk_reserve_percent`, `disk_reserve_mib`).
+    pub disk_skipped_for_space: u64,
+    /// What the disk's free space above the reserve still allows (the
+    /// budget in force is the smaller of the two).
+    pub disk_room_bytes: u64,
 }
 
 /// A message from the daemon to a client.
@@ -754,6 +762,12 @@ pub struct DaemonStatus {
     /// Limits in force: sequences of one model at once, and waiting requests.
     pub max_batch: u32,
     pub max_queue: u32,
+    /// The HTTP gateway's connections open now and its cap (0: gateway off),
+    /// idle ones closed for room and ones refused (all busy).
+    pub http_connections_open: u32,
+    pub http_connections_cap: u32,
+    pub http_connections_evicted: u64,
+    pub http_connections_refused: u64,
 }
 
 /// One request in flight, as `mlxbc ps` shows it.

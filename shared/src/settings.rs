@@ -71,9 +71,28 @@ pub struct SettingsFile {
     /// A connection with no request in flight is closed after this long
     /// (default "5m"; clients reconnect transparently).
     pub connection_idle_timeout: Option<String>,
+    /// Most HTTP gateway connections open at once (default 256, and never
+    /// more than half the descriptors the socket's connections leave). Like
+    /// the socket's: the longest-idle is closed to make room.
+    pub max_http_connections: Option<usize>,
+    /// An HTTP connection with no request in flight — none sent yet, its
+    /// headers still arriving, or idle between keep-alive requests — is
+    /// closed after this long (default "30s").
+    pub http_idle_timeout: Option<String>,
+    /// The caches on disk (prompt KV blocks, encoder features) leave this
+    /// share of their filesystem free, in percent (default 10)...
+    pub disk_reserve_percent: Option<u64>,
+    /// ...and at least this many MiB (default 2048), whichever is larger.
+    pub disk_reserve_mib: Option<u64>,
+    /// The daemon's log file is rotated past this many MiB (default 16),
+    /// keeping two old files.
+    pub log_max_mib: Option<u64>,
     /// Largest prompt accepted, in bytes of message text (default 8 MiB),
     /// checked before anything is tokenized.
     pub max_prompt_bytes: Option<usize>,
+    /// Most messages in one request (default 4096), checked before anything
+    /// is tokenized.
+    pub max_prompt_messages: Option<usize>,
     /// Ceiling on `max_tokens` (default: none beyond the model's context).
     pub max_tokens_limit: Option<u32>,
     /// Requests of one model decoded together in one batch (default per
@@ -128,7 +147,16 @@ pub struct Settings {
     pub max_connections: usize,
     /// Idle connections are closed after this long (None: never).
     pub connection_idle_timeout: Option<std::time::Duration>,
+    /// Most HTTP connections at once (before the descriptor limit is applied).
+    pub max_http_connections: usize,
+    /// HTTP connections with no request in flight are closed after this long.
+    pub http_idle_timeout: std::time::Duration,
+    /// What the disk caches leave free on their filesystem.
+    pub disk_reserve: DiskReserve,
+    /// The log file's size before it is rotated, in bytes.
+    pub log_max_bytes: u64,
     pub max_prompt_bytes: usize,
+    pub max_prompt_messages: usize,
     /// None: only the model's context bounds `max_tokens`.
     pub max_tokens_limit: Option<u32>,
     /// None: the device's default.
@@ -138,6 +166,21 @@ pub struct Settings {
     pub weights: Option<String>,
     pub decode: Option<String>,
     pub fuse: Option<String>,
+}
+
+/// What the caches on disk leave free on their filesystem: `percent` of
+/// its size or `min_bytes`, whichever is larger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskReserve {
+    pub percent: u64,
+    pub min_bytes: u64,
+}
+
+impl DiskReserve {
+    /// The bytes to leave free on a filesystem of `total` bytes.
+    pub fn bytes(&self, total: u64) -> u64 {
+        (total / 100 * self.percent).max(self.min_bytes)
+    }
 }
 
 /// Why settings could not be loaded.
@@ -198,7 +241,20 @@ impl Settings {
                 KeepAlive::Forever => None,
                 KeepAlive::Seconds(s) => Some(std::time::Duration::from_secs(s.max(1))),
             },
+            max_http_connections: file.max_http_connections.unwrap_or(256).max(1),
+            http_idle_timeout: match KeepAlive::parse(file.http_idle_timeout.as_deref().unwrap_or("30s"))? {
+                KeepAlive::Forever => {
+                    return Err("http_idle_timeout cannot be forever: idle connections hold descriptors".into())
+                }
+                KeepAlive::Seconds(s) => std::time::Duration::from_secs(s.max(1)),
+            },
+            disk_reserve: DiskReserve {
+                percent: file.disk_reserve_percent.unwrap_or(10).min(90),
+                min_bytes: file.disk_reserve_mib.unwrap_or(2048) << 20,
+            },
+            log_max_bytes: file.log_max_mib.unwrap_or(16).max(1) << 20,
             max_prompt_bytes: file.max_prompt_bytes.unwrap_or(8 << 20),
+            max_prompt_messages: file.max_prompt_messages.unwrap_or(4096).max(1),
             max_tokens_limit: file.max_tokens_limit,
             max_batch: file.max_batch.map(|b| b.max(1)),
             max_queue: file.max_queue.unwrap_or(1024),

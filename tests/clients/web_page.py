@@ -72,6 +72,20 @@ try:
     print(f"answer: {body[:80]!r}")
     shot("3-answered.png")
 
+    # Greedy by default, as the CLI: the same question in a new
+    # conversation gets the same answer (at the API's default of 1.0 it
+    # would not), and the temperature control says 0.
+    driver.get(base + "/")
+    wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    assert driver.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    Select(driver.find_element(By.ID, "model")).select_by_value(text_model)
+    prompt = driver.find_element(By.ID, "prompt")
+    prompt.send_keys(heard)
+    prompt.send_keys(Keys.ENTER)
+    again = wait_answer(1).find_element(By.CSS_SELECTOR, ".body").text
+    assert again == body, f"greedy answers differ: {body!r} then {again!r}"
+    print("the same question again: the same answer (greedy by default)")
+
     # A new conversation with the vision model: the image, then a second question about it.
     driver.get(base + "/")
     wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")

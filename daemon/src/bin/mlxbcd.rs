@@ -24,18 +24,19 @@ struct Args {
     /// When socket-activated: exit after this long idle with no model loaded (10m, 0, forever).
     #[arg(long)]
     idle_exit: Option<String>,
+    /// Log to this file (and make it stderr), rotated past `log_max_mib`.
+    #[arg(long)]
+    log_file: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("MLXBC_LOG").unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let args = Args::parse();
     // Before any thread exists: it clears LISTEN_* from the environment.
     let inherited = mlxbc_daemon::server::activation::take_inherited()?;
     let mut settings = Settings::from_env()?;
+    if let Err(e) = mlxbc_daemon::logging::init(args.log_file.as_deref(), settings.log_max_bytes) {
+        anyhow::bail!("opening the log file {}: {e}", args.log_file.unwrap_or_default().display());
+    }
     if let Some(s) = args.socket {
         settings.socket = s;
     }

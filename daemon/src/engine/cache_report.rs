@@ -63,6 +63,7 @@ pub fn run(
         evictions: s.evictions,
         corrupt: s.corrupt,
         removed,
+        skipped_for_space: s.skipped_for_space,
         listing,
         prompts,
     })

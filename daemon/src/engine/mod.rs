@@ -186,7 +186,11 @@ fn open_prompt_disk(settings: &Settings) -> Option<Arc<mlxbc_cache::BlockStore>>
     if settings.prompt_cache_disk_bytes == 0 {
         return None;
     }
-    match mlxbc_cache::BlockStore::open(&settings.prompt_cache_dir, settings.prompt_cache_disk_bytes) {
+    match mlxbc_cache::BlockStore::open(
+        &settings.prompt_cache_dir,
+        settings.prompt_cache_disk_bytes,
+        settings.disk_reserve,
+    ) {
         Ok(s) => Some(Arc::new(s)),
         Err(e) => {
             tracing::warn!(path = %settings.prompt_cache_dir.display(), error = %e, "the prompt cache's disk tier could not be opened: RAM only");
@@ -248,6 +252,8 @@ impl EngineHandle {
             corrupt: disk.corrupt,
             writes_dropped: ram.counters.writes_dropped,
             disk_skipped_tokens: self.prompt_shared.lock().unwrap_or_else(PoisonError::into_inner).costs.skipped_tokens,
+            disk_skipped_for_space: disk.skipped_for_space,
+            disk_room_bytes: disk.room_bytes,
         }
     }
 
@@ -292,6 +298,10 @@ impl EngineHandle {
             connections_cap: 0,
             connections_evicted: 0,
             connections_refused: 0,
+            http_connections_open: 0,
+            http_connections_cap: 0,
+            http_connections_evicted: 0,
+            http_connections_refused: 0,
             sequences: snap.sequences,
             admission_queue: snap.admission_queue,
             reserved_kv_bytes: snap.reserved_kv_bytes,
@@ -340,6 +350,7 @@ pub fn spawn(
         mlxbc_cache::StoreConfig {
             ram_bytes: settings.feature_ram_bytes as usize,
             disk_bytes: settings.feature_cache_bytes,
+            reserve: settings.disk_reserve,
         },
     ) {
         Ok(s) => Some(media::SharedStore::new(s)),
@@ -372,6 +383,16 @@ pub fn spawn(
         crate::options::ModelOptions { form: WeightForm::for_device(&device, options.weights), fusion: options.fusion };
     let decode = crate::model::decode_step::DecodeMode::for_device(device_name == "gpu", options.decode);
     let on_gpu = device_name == "gpu";
+    let memory_budget = settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3);
+    let max_batch = settings.max_batch.unwrap_or_else(|| max_batch_for(on_gpu));
+    {
+        // The limits are known now: status before the first model load
+        // must not show a zero budget or "max_batch 0".
+        let mut snap = handle.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        snap.memory_budget_bytes = memory_budget;
+        snap.max_batch = max_batch as u32;
+        snap.max_queue = settings.max_queue as u32;
+    }
     let (snapshot, queued, served, cancelled, stopping) = (
         handle.snapshot.clone(),
         handle.queued.clone(),
@@ -393,11 +414,7 @@ pub fn spawn(
             prompts: prompt_cache::PromptCache::new(prompt_ram_bytes, prompt_disk, prompt_shared),
             registry,
             residency: {
-                let mut r = Residency::new(
-                    settings.keep_alive,
-                    settings.max_loaded_models,
-                    settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3),
-                );
+                let mut r = Residency::new(settings.keep_alive, settings.max_loaded_models, memory_budget);
                 r.device = device_for_keys;
                 r
             },
@@ -407,7 +424,7 @@ pub fn spawn(
             decode,
             prefill_chunk,
             scheduler: scheduler::Scheduler::new(scheduler::SchedulerLimits {
-                max_batch: settings.max_batch.unwrap_or_else(|| max_batch_for(on_gpu)),
+                max_batch,
                 max_queue: settings.max_queue,
                 prefill_budget: prefill_chunk,
             }),
@@ -661,7 +678,7 @@ impl Engine {
                     messages.push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, stop)));
                     if let Err(e) = self.sessions.finish(&name, &started, &messages) {
                         // The answer stands, but the client must know the turn is lost.
-                        tracing::warn!(session = %name, "{e}");
+                        tracing::warn!(session = %crate::logging::peer(&name), "{}", crate::logging::peer(&e.to_string()));
                         stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));
                     }
                 }
@@ -673,7 +690,7 @@ impl Engine {
                 tracing::info!("generation cancelled: the client went away");
             }
             Err(e) => {
-                tracing::warn!(kind = ?e.kind(), message = %e, "generation failed");
+                tracing::warn!(kind = ?e.kind(), message = %crate::logging::peer(&e.to_string()), "generation failed");
                 let _ = events.send(e.into_response());
             }
         }

@@ -7,6 +7,11 @@ use anyhow::Result;
 use mlx_rs::{ops, ops::indexing::argmax_axis, random, Array};
 use mlxbc_shared::SamplingParams;
 
+/// Temperatures below this are greedy decoding: dividing logits by 1e-45
+/// gives infinities, and softmax over them NaNs (garbage text was seen at
+/// `-t 1e-45`); at 1e-4 sampling is already argmax for any real logits.
+pub const MIN_TEMPERATURE: f32 = 1e-4;
+
 /// A sampler for one generation.
 pub struct Sampler {
     params: SamplingParams,
@@ -15,9 +20,10 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// Seeds from `params.seed`, or from entropy when there is none.
+    /// Seeds from `params.seed`, or from entropy when there is none; below
+    /// [`MIN_TEMPERATURE`] it is greedy.
     pub fn new(params: SamplingParams) -> Result<Self> {
-        let key = if params.temperature <= 0.0 || params.top_k == 1 {
+        let key = if params.temperature < MIN_TEMPERATURE || params.top_k == 1 {
             None
         } else {
             Some(random::key(params.seed.unwrap_or_else(rand::random))?)

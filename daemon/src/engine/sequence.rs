@@ -121,6 +121,9 @@ pub struct Sequence {
     stream: StreamState,
     t_prefill: Option<Instant>,
     t_first: Option<Instant>,
+    /// When the last token arrived: the decode rate counts the steps up to
+    /// it, not the step queued after it (pipelined) that is thrown away.
+    t_last: Option<Instant>,
     /// The stop string that ended it, once one did.
     stop_string: Option<String>,
 }
@@ -137,6 +140,7 @@ impl Sequence {
             stream: StreamState::default(),
             t_prefill: None,
             t_first: None,
+            t_last: None,
             stop_string: None,
         }
     }
@@ -357,6 +361,7 @@ impl Sequence {
     /// string or the token limit, else streams its text. `Some` when the
     /// sequence is over.
     pub fn accept(&mut self, token: u32) -> Option<Result<Finished, EngineError>> {
+        self.t_last = Some(Instant::now());
         if !self.s.ignore_eos && self.s.model.eos_ids.contains(&token) {
             return Some(self.finish(StopReason::Eos));
         }
@@ -444,7 +449,7 @@ impl Sequence {
         }
         let t_first = self.t_first.unwrap_or_else(Instant::now);
         let t_prefill = self.t_prefill.unwrap_or(t_first);
-        let decode_s = t_first.elapsed().as_secs_f64();
+        let decode_s = self.t_last.map_or(0.0, |t| t.saturating_duration_since(t_first).as_secs_f64());
         // The first token came from the prefill; the others from decode steps.
         let steps = (self.generated.len() + usize::from(stop_reason == StopReason::Eos)).saturating_sub(1);
         let prefill_s = t_first.duration_since(t_prefill).as_secs_f64();
@@ -452,7 +457,9 @@ impl Sequence {
         stats.generated_tokens = self.generated.len() as u32;
         stats.time_to_first_token_ms = t_first.duration_since(self.s.received).as_secs_f64() * 1000.0;
         stats.prefill_tokens_per_s = (self.s.ids.len() - self.s.reused) as f64 / prefill_s.max(1e-9);
-        stats.decode_tokens_per_s = if steps > 0 { steps as f64 / decode_s.max(1e-9) } else { 0.0 };
+        // One token (or none) takes no decode step: no rate to report (the
+        // CLI says so rather than printing 0.0 tok/s).
+        stats.decode_tokens_per_s = if steps > 0 && decode_s > 0.0 { steps as f64 / decode_s } else { 0.0 };
         stats.stop_reason = stop_reason;
         stats.token_ids = std::mem::take(&mut self.generated);
         stats.prefix_tokens_reused = self.s.reused as u32;

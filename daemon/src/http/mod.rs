@@ -13,6 +13,7 @@
 mod anthropic;
 mod audio;
 mod guard;
+mod listener;
 mod ollama;
 mod ollama_pull;
 mod openai;
@@ -42,12 +43,15 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the HTTP gateway to {addr}"))
 }
 
-/// Serves HTTP on `listener` until `stop` turns true.
+/// Serves HTTP on `listener` until `stop` turns true; a connection with no
+/// request in flight is closed after `idle_timeout`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    idle_timeout: std::time::Duration,
+    stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<()> {
+    let limits = listener::HttpLimits { idle_timeout, max_body_bytes: mlxbc_shared::MAX_FRAME_BYTES };
     let addr = listener.local_addr()?;
     let guard = Arc::new(guard::Guard::new(addr, state.http_token.clone(), state.http_allowed_origins.clone()));
     let app = Router::new()
@@ -67,17 +71,16 @@ pub async fn serve(
         .route("/api/pull", post(ollama_pull::pull))
         .route("/v1/audio/transcriptions", post(audio::transcriptions))
         .route("/v1/audio/translations", post(audio::translations))
-        // Bodies carry base64 images: the socket's frame cap, no more.
-        .layer(axum::extract::DefaultBodyLimit::max(mlxbc_shared::MAX_FRAME_BYTES))
+        // Bodies carry base64 images: the socket's frame cap, no more,
+        // read whole under a deadline before a handler runs; and before
+        // that, the guard.
+        .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(limits, listener::read_body))
         .layer(axum::middleware::from_fn_with_state(guard, guard::check))
         .with_state(state.clone());
     tracing::info!(%addr, token = state.http_token.is_some(), "OpenAI-compatible HTTP gateway listening");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await
-        .context("HTTP gateway")
+    listener::accept_loop(listener, app, state.http_connections.clone(), limits, stop).await;
+    Ok(())
 }
 
 /// How `begin` says images sent by hash are not in the store: the message

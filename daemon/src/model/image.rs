@@ -22,6 +22,10 @@ pub enum MediaError {
     Unsupported(String),
     #[error("image is {width}x{height}: over the limit of {MAX_SIDE} per side and {MAX_PIXELS} pixels")]
     TooLarge { width: u32, height: u32 },
+    #[error("image is {width}x{height}: it has no pixels")]
+    Empty { width: u32, height: u32 },
+    #[error("image needs more than {} MiB to decode, the limit", MAX_ALLOC >> 20)]
+    TooLargeToDecode,
     #[error("corrupt or truncated image: {0}")]
     Corrupt(String),
 }
@@ -34,7 +38,10 @@ pub fn decode(bytes: &[u8]) -> Result<image::RgbImage, MediaError> {
     }
     // The header alone says how big the image claims to be.
     let (width, height) = ImageReader::with_format(Cursor::new(bytes), format).into_dimensions().map_err(classify)?;
-    if width == 0 || height == 0 || width > MAX_SIDE || height > MAX_SIDE || width as u64 * height as u64 > MAX_PIXELS {
+    if width == 0 || height == 0 {
+        return Err(MediaError::Empty { width, height });
+    }
+    if width > MAX_SIDE || height > MAX_SIDE || width as u64 * height as u64 > MAX_PIXELS {
         return Err(MediaError::TooLarge { width, height });
     }
     let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
@@ -52,7 +59,7 @@ pub fn decode(bytes: &[u8]) -> Result<image::RgbImage, MediaError> {
 
 fn classify(e: image::ImageError) -> MediaError {
     match e {
-        image::ImageError::Limits(_) => MediaError::TooLarge { width: 0, height: 0 },
+        image::ImageError::Limits(_) => MediaError::TooLargeToDecode,
         image::ImageError::Unsupported(u) => MediaError::Unsupported(u.to_string()),
         other => MediaError::Corrupt(other.to_string()),
     }
@@ -179,6 +186,15 @@ mod tests {
         let crc = crc32fast::hash(&bomb[12..29]);
         bomb[29..33].copy_from_slice(&crc.to_be_bytes());
         assert!(matches!(decode(&bomb), Err(MediaError::TooLarge { .. })), "{:?}", decode(&bomb));
+    }
+
+    #[test]
+    fn an_empty_gif_is_called_empty_not_too_large() {
+        // GIF89a, a 0x0 logical screen, no frames, the trailer.
+        let gif = b"GIF89a\0\0\0\0\0\0\0;";
+        let err = decode(gif).unwrap_err();
+        assert!(matches!(err, MediaError::Empty { .. } | MediaError::Corrupt(_)), "{err:?}");
+        assert!(!err.to_string().contains("over the limit"), "{err}");
     }
 
     fn encode(img: &image::RgbImage, format: ImageFormat) -> Vec<u8> {

@@ -169,7 +169,7 @@ async fn handshake(conn: &mut Conn) -> bool {
             conn.send(hello).await.is_ok()
         }
         Ok(Request::Hello { protocol, client_version }) => {
-            tracing::warn!(protocol, %client_version, "refused client with another protocol version");
+            tracing::warn!(protocol, client_version = %crate::logging::peer(&client_version), "refused client with another protocol version");
             let msg = format!(
                 "protocol mismatch: client {client_version} speaks protocol {protocol}, this daemon (mlxbcd {}) speaks {PROTOCOL_VERSION}; \
                  run `mlxbc stop` and retry so the matching daemon starts",
@@ -193,7 +193,7 @@ async fn reject_frame(conn: &mut Conn, e: FrameError) {
     if e.is_disconnect() {
         return;
     }
-    tracing::warn!(error = %e, "bad frame from client; closing its connection");
+    tracing::warn!(error = %crate::logging::peer(&e.to_string()), "bad frame from client; closing its connection");
     let _ = conn.send(error(ErrorKind::BadFrame, e.to_string())).await;
 }
 
@@ -276,12 +276,16 @@ async fn answer(state: &AppState, request: Request) -> Response {
             Response::Models { models }
         }
         Request::Status => {
-            let c = &state.connections;
+            let (c, h) = (&state.connections, &state.http_connections);
             Response::Status(mlxbc_shared::DaemonStatus {
                 connections_open: c.len() as u32,
                 connections_cap: c.cap() as u32,
                 connections_evicted: c.evicted_count(),
                 connections_refused: c.refused_count(),
+                http_connections_open: h.len() as u32,
+                http_connections_cap: if state.http_on { h.cap() as u32 } else { 0 },
+                http_connections_evicted: h.evicted_count(),
+                http_connections_refused: h.refused_count(),
                 ..state.engine.status(state.started)
             })
         }

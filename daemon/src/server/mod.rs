@@ -66,16 +66,25 @@ pub async fn run(
     );
     let (shutdown, mut shutdown_rx) = watch::channel(false);
     let fd_limit = limits::raise_fd_limit();
-    let cap = limits::connection_cap(settings.max_connections, fd_limit);
-    tracing::info!(fd_limit, max_connections = cap, "connection limits");
+    let (cap, http_cap) = limits::connection_caps(
+        settings.max_connections,
+        http.is_some().then_some(settings.max_http_connections),
+        fd_limit,
+    );
+    tracing::info!(fd_limit, max_connections = cap, max_http_connections = http_cap, "connection limits");
     let state = Arc::new(AppState {
         engine,
         registry,
         started: Instant::now(),
         shutdown,
         connections: limits::ConnectionTable::new(cap),
+        http_connections: limits::ConnectionTable::new(http_cap.max(1)),
+        http_on: http.is_some(),
         idle_timeout: settings.connection_idle_timeout,
-        limits: validate::Limits { max_prompt_bytes: settings.max_prompt_bytes },
+        limits: validate::Limits {
+            max_prompt_bytes: settings.max_prompt_bytes,
+            max_prompt_messages: settings.max_prompt_messages,
+        },
         http_token: settings.http_token.clone(),
         http_allowed_origins: settings.http_allowed_origins.clone(),
         // SAFETY: geteuid cannot fail.
@@ -84,8 +93,9 @@ pub async fn run(
     });
     if let Some(listener) = http {
         let (state, stop) = (state.clone(), shutdown_rx.clone());
+        let idle_timeout = settings.http_idle_timeout;
         tokio::spawn(async move {
-            if let Err(e) = crate::http::serve(listener, state, stop).await {
+            if let Err(e) = crate::http::serve(listener, state, idle_timeout, stop).await {
                 tracing::error!("{e:#}");
             }
         });

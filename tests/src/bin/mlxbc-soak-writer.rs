@@ -41,7 +41,7 @@ fn key(n: u64) -> FeatureKey {
 }
 
 fn store(dir: &Path) -> FeatureStore {
-    let config = StoreConfig { ram_bytes: 1 << 20, disk_bytes: 64 << 20 };
+    let config = StoreConfig { ram_bytes: 1 << 20, disk_bytes: 64 << 20, ..Default::default() };
     FeatureStore::open(&dir.join("features"), config).expect("opening the feature store")
 }
 
