@@ -137,6 +137,16 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 "clients:  {} connections open (cap {}); {} idle ones closed for room, {} refused (all busy)",
                 s.connections_open, s.connections_cap, s.connections_evicted, s.connections_refused
             )?;
+            if s.http_connections_cap > 0 {
+                writeln!(
+                    out,
+                    "gateway:  {} HTTP connections open (cap {}); {} idle ones closed for room, {} refused (all busy)",
+                    s.http_connections_open,
+                    s.http_connections_cap,
+                    s.http_connections_evicted,
+                    s.http_connections_refused
+                )?;
+            }
         }
         Command::Load { model, keep_alive: ka } => {
             let mut spinner = crate::progress::Spinner::start(format!("loading {model}"));
@@ -183,6 +193,13 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         "hits:      {} RAM, {} disk; misses {}; evictions {}; corrupt {}",
                         r.ram_hits, r.disk_hits, r.misses, r.evictions, r.corrupt
                     )?;
+                    if r.skipped_for_space > 0 {
+                        writeln!(
+                            out,
+                            "disk full: {} entries kept in RAM only (the disk is down to its reserve)",
+                            r.skipped_for_space
+                        )?;
+                    }
                     let p = &r.prompts;
                     writeln!(out, "prompts:   {} ({} tokens per block)", p.path, p.block_tokens)?;
                     writeln!(
@@ -200,6 +217,16 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         "reused:    {} prompt tokens from RAM, {} from disk; {} blocks stored; evictions {} RAM, {} disk; corrupt {}; writes dropped {}",
                         p.ram_hit_tokens, p.disk_hit_tokens, p.stored_blocks, p.ram_evictions, p.disk_evictions, p.corrupt, p.writes_dropped
                     )?;
+                    if p.disk_room_bytes < p.disk_budget_bytes.saturating_sub(p.disk_bytes)
+                        || p.disk_skipped_for_space > 0
+                    {
+                        writeln!(
+                            out,
+                            "disk room: {} more before the filesystem's reserve (disk_reserve_percent, disk_reserve_mib); {} blocks not written for it",
+                            gib(p.disk_room_bytes),
+                            p.disk_skipped_for_space
+                        )?;
+                    }
                     if p.disk_skipped_tokens > 0 {
                         writeln!(
                             out,
@@ -242,13 +269,11 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
         }
         Command::Prefetch { model, files } => {
             let outcome = crate::prefetch::run(client, model.as_deref(), &files).await?;
-            writeln!(
-                out,
-                "{} encoded, {} already stored, {} failed",
-                outcome.encoded,
-                outcome.cached,
-                outcome.failed.len()
-            )?;
+            write!(out, "{} encoded, {} already stored", outcome.encoded, outcome.cached)?;
+            match outcome.failed.len() {
+                0 => writeln!(out)?,
+                n => writeln!(out, ", {n} failed")?,
+            }
             for (path, why) in &outcome.failed {
                 eprintln!("mlxbc: {}: {why}", path.display());
             }

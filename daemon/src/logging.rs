@@ -218,11 +218,11 @@ pub fn init(log_file: Option<&Path>, max_bytes: u64) -> std::io::Result<()> {
     let file = log_file.map(|p| LogFile::open(p, max_bytes)).transpose()?;
     let ansi = file.is_none() && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let filter = tracing_subscriber::EnvFilter::try_from_env("MLXBC_LOG").unwrap_or_else(|_| "info".into());
+    // The level filter first: the throttle counts only lines that would be written.
     let layer = tracing_subscriber::fmt::layer()
         .with_writer(MakeLogWriter(file))
         .with_ansi(ansi)
-        .with_filter(filter)
-        .with_filter(Throttle::default());
+        .with_filter(tracing_subscriber::filter::FilterExt::and(filter, Throttle::default()));
     tracing_subscriber::registry().with(layer).init();
     Ok(())
 }

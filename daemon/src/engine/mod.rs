@@ -449,6 +449,18 @@ pub fn sessions_dir(settings: &Settings) -> std::path::PathBuf {
     settings.paths.home.join("sessions")
 }
 
+/// What a session turn that found the disk full frees from the prompt
+/// cache's disk tier before trying again (a session file is kilobytes; the
+/// margin is for whatever else filled the disk meanwhile).
+const SESSION_ROOM_BYTES: u64 = 64 << 20;
+
+/// True when both paths are on one filesystem (so freeing one frees room
+/// for the other).
+fn same_filesystem(a: &std::path::Path, b: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    matches!((std::fs::metadata(a), std::fs::metadata(b)), (Ok(x), Ok(y)) if x.dev() == y.dev())
+}
+
 /// How often the engine looks at available memory when idle.
 const PRESSURE_POLL: Duration = Duration::from_secs(2);
 
@@ -676,7 +688,25 @@ impl Engine {
             Ok(generate::Finished::Done(mut stats)) => {
                 if let Some(SessionTurn { name, mut messages, started }) = turn {
                     messages.push(mlxbc_shared::ChatMessage::assistant(self.answer_text(&stats, stop)));
-                    if let Err(e) = self.sessions.finish(&name, &started, &messages) {
+                    let mut saved = self.sessions.finish(&name, &started, &messages);
+                    if let (Err(sessions::SessionError::Io { source, .. }), Some(disk)) = (&saved, self.prompts.disk())
+                    {
+                        // Sessions get the disk before the cache: a full
+                        // disk gives up cached KV blocks for the turn.
+                        if source.kind() == std::io::ErrorKind::StorageFull
+                            && same_filesystem(disk.dir(), self.sessions.dir())
+                        {
+                            let freed = disk.free_for_others(SESSION_ROOM_BYTES);
+                            tracing::warn!(
+                                freed_bytes = freed,
+                                "the disk is full: prompt cache blocks removed so a session turn can be saved"
+                            );
+                            if freed > 0 {
+                                saved = self.sessions.finish(&name, &started, &messages);
+                            }
+                        }
+                    }
+                    if let Err(e) = saved {
                         // The answer stands, but the client must know the turn is lost.
                         tracing::warn!(session = %crate::logging::peer(&name), "{}", crate::logging::peer(&e.to_string()));
                         stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));

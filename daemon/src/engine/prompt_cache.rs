@@ -343,6 +343,11 @@ pub struct PromptCache {
 }
 
 impl PromptCache {
+    /// The disk tier, if there is one.
+    pub fn disk(&self) -> Option<&Arc<BlockStore>> {
+        self.disk.as_ref()
+    }
+
     /// A RAM tier of `ram_budget` bytes whose block names are kept in
     /// `shared` (with request preparation), writing blocks to `disk`
     /// (if any) from a thread of its own.

@@ -82,6 +82,11 @@ impl SessionStore {
         self.write_appended(name, new)
     }
 
+    /// The folder the session files are in.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     fn path(&self, name: &str) -> PathBuf {
         self.dir.join(format!("{name}.json"))
     }

@@ -15,6 +15,7 @@ mod hostile;
 mod hostile_gateway;
 mod http;
 mod lifecycle;
+mod neighbour;
 mod prompt_cache;
 mod pull;
 mod qwen3_5;
