@@ -9,6 +9,10 @@
 use mlxbc_cache::{BlockStore, Features};
 use std::time::Instant;
 
+/// The measurement is of the storage, not of the free-space guard.
+const NO_RESERVE: mlxbc_shared::settings::DiskReserve =
+    mlxbc_shared::settings::DiskReserve { percent: 0, min_bytes: 0 };
+
 fn du(path: &std::path::Path) -> u64 {
     walk(path).iter().map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)).sum()
 }
@@ -47,7 +51,7 @@ fn main() {
             let dir = tempfile::tempdir_in(std::env::var("TMPDIR").unwrap_or("/tmp".into())).unwrap();
             let (write_s, read_s, peak, after);
             if name.starts_with("files") {
-                let store = BlockStore::open(dir.path(), u64::MAX).unwrap();
+                let store = BlockStore::open(dir.path(), u64::MAX, NO_RESERVE).unwrap();
                 let t = Instant::now();
                 for i in 0..blocks {
                     store.write(&hash(i), &block).unwrap();
@@ -60,7 +64,7 @@ fn main() {
                 read_s = t.elapsed().as_secs_f64();
                 peak = du(dir.path());
                 drop(store);
-                let small = BlockStore::open(dir.path(), peak / 2).unwrap();
+                let small = BlockStore::open(dir.path(), peak / 2, NO_RESERVE).unwrap();
                 drop(small);
                 after = du(dir.path());
             } else {

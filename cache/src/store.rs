@@ -345,6 +345,8 @@ impl FeatureStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const NO_RESERVE: DiskReserve = DiskReserve { percent: 0, min_bytes: 0 };
     use crate::Modality;
 
     fn key(n: u8) -> FeatureKey {
@@ -359,13 +361,14 @@ mod tests {
     fn survives_reopen_and_reports_tiers() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let mut s = FeatureStore::open(dir.path(), StoreConfig::default()).unwrap();
+            let mut s =
+                FeatureStore::open(dir.path(), StoreConfig { reserve: NO_RESERVE, ..Default::default() }).unwrap();
             assert!(s.get(&key(1)).is_none());
             s.put(&key(1), &feats(16, 1.5)).unwrap();
             assert_eq!(s.get(&key(1)).unwrap().1, Tier::Ram);
             s.flush().unwrap();
         }
-        let mut s = FeatureStore::open(dir.path(), StoreConfig::default()).unwrap();
+        let mut s = FeatureStore::open(dir.path(), StoreConfig { reserve: NO_RESERVE, ..Default::default() }).unwrap();
         let (f, tier) = s.get(&key(1)).unwrap();
         assert_eq!((f, tier), (feats(16, 1.5), Tier::Disk));
         assert_eq!(s.get(&key(1)).unwrap().1, Tier::Ram);
@@ -376,7 +379,7 @@ mod tests {
     #[test]
     fn corrupt_entries_are_misses_and_removed() {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = FeatureStore::open(dir.path(), StoreConfig::default()).unwrap();
+        let mut s = FeatureStore::open(dir.path(), StoreConfig { reserve: NO_RESERVE, ..Default::default() }).unwrap();
         s.put(&key(1), &feats(16, 1.0)).unwrap();
         s.shed_ram();
         let raw = key(1).to_bytes();
@@ -394,7 +397,9 @@ mod tests {
     fn disk_budget_evicts_least_recently_used() {
         let dir = tempfile::tempdir().unwrap();
         let one = feats(256, 0.0).encode().len() as u64;
-        let mut s = FeatureStore::open(dir.path(), StoreConfig { ram_bytes: 0, disk_bytes: one * 3 }).unwrap();
+        let mut s =
+            FeatureStore::open(dir.path(), StoreConfig { ram_bytes: 0, disk_bytes: one * 3, reserve: NO_RESERVE })
+                .unwrap();
         for n in 1..=3 {
             s.put(&key(n), &feats(256, n as f32)).unwrap();
         }
@@ -411,7 +416,9 @@ mod tests {
     #[test]
     fn ram_tier_is_bounded() {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = FeatureStore::open(dir.path(), StoreConfig { ram_bytes: 2048, disk_bytes: 1 << 30 }).unwrap();
+        let mut s =
+            FeatureStore::open(dir.path(), StoreConfig { ram_bytes: 2048, disk_bytes: 1 << 30, reserve: NO_RESERVE })
+                .unwrap();
         for n in 1..=5 {
             s.put(&key(n), &feats(256, 0.0)).unwrap(); // 1 KiB each
         }
@@ -423,7 +430,7 @@ mod tests {
     #[test]
     fn verify_and_clear() {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = FeatureStore::open(dir.path(), StoreConfig::default()).unwrap();
+        let mut s = FeatureStore::open(dir.path(), StoreConfig { reserve: NO_RESERVE, ..Default::default() }).unwrap();
         s.put(&key(1), &feats(8, 1.0)).unwrap();
         s.put(&key(2), &feats(8, 2.0)).unwrap();
         s.raw_tree().insert(key(2).to_bytes(), &b"garbage"[..]).unwrap();
@@ -431,5 +438,18 @@ mod tests {
         assert_eq!(s.list().len(), 1);
         assert_eq!(s.clear().unwrap(), 1);
         assert_eq!(s.stats().entries, 0);
+    }
+
+    #[test]
+    fn a_disk_down_to_its_reserve_keeps_features_in_ram_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let full = DiskReserve { percent: 0, min_bytes: u64::MAX };
+        let mut s = FeatureStore::open(dir.path(), StoreConfig { reserve: full, ..Default::default() }).unwrap();
+        let k = key(1);
+        let f = Features::from_f32(vec![2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        s.put(&k, &f).unwrap();
+        assert_eq!(s.stats().skipped_for_space, 1);
+        assert_eq!(s.stats().entries, 0, "nothing on disk");
+        assert!(s.get(&k).is_some(), "still served from RAM");
     }
 }

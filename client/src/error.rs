@@ -66,3 +66,35 @@ pub(crate) fn silent_daemon(socket: &std::path::Path) -> String {
      start leaves its socket listening): check `mlxbc service status` and `mlxbc service logs`, or `mlxbc stop` and retry"
         .to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The process holding the socket's lock (this test process) near its
+    /// descriptor limit: the message says it is out of descriptors, with
+    /// the counts; with room, it says the daemon runs but did not answer.
+    /// (Linux: the diagnosis reads /proc.)
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_silent_daemon_out_of_descriptors_is_named() {
+        let dir = std::env::temp_dir().join(format!("mlxbc-silent-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("mlxbcd.sock");
+        std::fs::write(socket.with_extension("lock"), std::process::id().to_string()).unwrap();
+        let roomy = silent_daemon(&socket);
+        assert!(roomy.contains("is running") && roomy.contains("did not answer"), "{roomy}");
+        let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: get/setrlimit with valid pointers; the old limit is restored.
+        unsafe {
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+            let tight = libc::rlimit { rlim_cur: open + 4, rlim_max: lim.rlim_max };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &tight);
+        }
+        let full = silent_daemon(&socket);
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+        assert!(full.contains("out of file descriptors"), "{full}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
