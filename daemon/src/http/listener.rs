@@ -41,8 +41,6 @@ const BODY_GRACE: Duration = Duration::from_secs(10);
 const BODY_MIN_BYTES_PER_S: u64 = 64 << 10;
 /// How long a refusal may take to write.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
-/// How often a connection checks whether it has idled out.
-const IDLE_CHECK: Duration = Duration::from_millis(250);
 
 /// Accept errors, logged at most once every 10 s.
 static ACCEPT_LOG: RateLimitedLog = RateLimitedLog::new(Duration::from_secs(10));
@@ -137,14 +135,16 @@ async fn serve_connection(
         .header_read_timeout(limits.idle_timeout)
         .serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
-    let mut check = tokio::time::interval(IDLE_CHECK);
     let mut stopping = false;
     loop {
+        // Wake when the connection would have idled out, not on a timer:
+        // hundreds of idle connections must not cost the daemon wakeups.
+        let left = slot.idle_for().map_or(limits.idle_timeout, |idle| limits.idle_timeout.saturating_sub(idle));
         tokio::select! {
             _ = connection.as_mut() => return,
             // Taken for a newer connection: only ever an idle one.
             _ = slot.close.notified() => return,
-            _ = check.tick() => {
+            _ = tokio::time::sleep(left) => {
                 if slot.idle_for().is_some_and(|idle| idle >= limits.idle_timeout) {
                     return;
                 }

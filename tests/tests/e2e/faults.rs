@@ -7,30 +7,6 @@
 use crate::helper::*;
 use mlxbc_client::{ClientError, ErrorKind};
 use std::path::Path;
-use std::process::Command;
-
-/// A tmpfs at `at`, unmounted on drop.
-struct Mount(std::path::PathBuf);
-
-impl Mount {
-    fn tmpfs(at: &Path, options: &str) -> Self {
-        std::fs::create_dir_all(at).unwrap();
-        let out = Command::new("mount").args(["-t", "tmpfs", "-o", options, "tmpfs"]).arg(at).output().unwrap();
-        assert!(
-            out.status.success(),
-            "mounting a tmpfs at {} ({options}) failed: {} — these fault tests need root (CI runs as root)",
-            at.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Self(at.to_owned())
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
 
 fn fill(dir: &Path) {
     let mut f = std::fs::File::create(dir.join("filler")).unwrap();

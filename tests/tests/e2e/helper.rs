@@ -253,3 +253,27 @@ pub async fn until_first_token(stream: &mut mlxbc_client::GenerationStream<'_>) 
         }
     }
 }
+
+/// A tmpfs at `at`, unmounted on drop (the fault tests' small disks; root,
+/// as CI runs: a failed mount is a failure that says so).
+pub struct Mount(PathBuf);
+
+impl Mount {
+    pub fn tmpfs(at: &Path, options: &str) -> Self {
+        std::fs::create_dir_all(at).unwrap();
+        let out = Command::new("mount").args(["-t", "tmpfs", "-o", options, "tmpfs"]).arg(at).output().unwrap();
+        assert!(
+            out.status.success(),
+            "mounting a tmpfs at {} ({options}) failed: {} — these fault tests need root (CI runs as root)",
+            at.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self(at.to_owned())
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
