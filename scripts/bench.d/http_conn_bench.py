@@ -3,7 +3,8 @@
 medians. Cases, none of which generates (what is measured is the HTTP path,
 not the model): GET /api/version on one keep-alive connection, the same on
 a new connection each time, and POST /v1/messages/count_tokens with a
-body of ~1 MiB and ~8 MiB of text (tokenized, nothing computed).
+body of 1 MiB and 7 MiB of text (read whole, parsed, and refused by the
+prompt-size check before tokenizing: a 400, which is the answer expected).
     http_conn_bench.py NEW_URL BASE_URL MODEL [ROUNDS=5]"""
 import http.client
 import json
@@ -57,7 +58,7 @@ def count_tokens(url, mib, n=3):
         c.request("POST", "/v1/messages/count_tokens", body, {"Content-Type": "application/json"})
         r = c.getresponse()
         out = r.read()
-        assert r.status == 200, (r.status, out[:200])
+        assert r.status == 400 and b"shorten it" in out, (r.status, out[:200])
     c.close()
     return (time.perf_counter() - t) / n * 1e6
 
@@ -65,8 +66,8 @@ def count_tokens(url, mib, n=3):
 CASES = {
     "GET /api/version, keep-alive (us/request)": keepalive,
     "GET /api/version, a new connection each (us/request)": fresh,
-    "count_tokens, 1 MiB body (us/request)": lambda u: count_tokens(u, 1),
-    "count_tokens, 7 MiB body (us/request)": lambda u: count_tokens(u, 7),
+    "POST 1 MiB body, refused by size (us/request)": lambda u: count_tokens(u, 1),
+    "POST 7 MiB body, refused by size (us/request)": lambda u: count_tokens(u, 7),
 }
 results = {(case, side): [] for case in CASES for side in ("this build", "baseline")}
 for r in range(rounds):

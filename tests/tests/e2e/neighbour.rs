@@ -62,9 +62,16 @@ fn a_flood_of_idle_and_slow_connections_cannot_lock_the_owner_out() {
     // Warm: the model is loaded before the flood, so 2 s measures serving.
     let warm = d.cli().args(["ask", "-n", "1", "Hi"]).output().unwrap();
     assert!(warm.status.success(), "{}", String::from_utf8_lossy(&warm.stderr));
-    let t = Instant::now();
-    assert!(d.cli().args(["ask", "-n", "1", "Hi"]).output().unwrap().status.success());
-    let warm_s = t.elapsed();
+    // What an ask costs on this machine now, unflooded (the slowest of
+    // three: CI runs two tests at once on two cores).
+    let warm_s = (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            assert!(d.cli().args(["ask", "-n", "1", "Hi"]).output().unwrap().status.success());
+            t.elapsed()
+        })
+        .max()
+        .unwrap();
 
     let mut idle = Vec::new();
     for _ in 0..2000 {
@@ -107,7 +114,11 @@ fn a_flood_of_idle_and_slow_connections_cannot_lock_the_owner_out() {
     let out = d.cli().args(["ask", "-n", "1", "Hi"]).output().unwrap();
     let ask_s = t.elapsed();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(ask_s < Duration::from_secs(2), "mlxbc ask took {ask_s:?} during the flood (before it: {warm_s:?})");
+    eprintln!("mlxbc ask: {warm_s:?} before the flood, {ask_s:?} during it");
+    // Within 2 s; on a machine so loaded that an unflooded ask takes over
+    // half a second, within four times that.
+    let bound = Duration::from_secs(2).max(warm_s * 4);
+    assert!(ask_s < bound, "mlxbc ask took {ask_s:?} during the flood (before it: {warm_s:?})");
     let t = Instant::now();
     let mut s = TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -115,7 +126,8 @@ fn a_flood_of_idle_and_slow_connections_cannot_lock_the_owner_out() {
     let mut answer = String::new();
     let _ = s.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "GET /api/version during the flood: {answer:?}");
-    assert!(t.elapsed() < Duration::from_secs(2), "HTTP took {:?}", t.elapsed());
+    eprintln!("GET /api/version during the flood: {:?}", t.elapsed());
+    assert!(t.elapsed() < bound, "HTTP took {:?}", t.elapsed());
 
     // A declared body over the cap: refused before a byte of it is read.
     let t = Instant::now();
