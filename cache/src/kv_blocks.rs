@@ -218,18 +218,12 @@ impl BlockStore {
     /// leave it (the block is then skipped: the disk belongs to the user's
     /// files and the sessions first).
     fn make_room(&self, need: u64) -> bool {
-        loop {
-            if crate::disk_room::room(&self.dir, self.reserve) >= need {
-                return true;
+        while crate::disk_room::room(&self.dir, self.reserve) < need {
+            if self.evict_oldest().is_none() {
+                return false;
             }
-            let mut index = self.index.lock().unwrap();
-            let Some((&oldest, _)) = index.entries.iter().min_by_key(|(_, e)| e.used) else { return false };
-            let e = index.entries.remove(&oldest).unwrap();
-            index.bytes -= e.bytes;
-            drop(index);
-            let _ = std::fs::remove_file(self.path(&oldest));
-            self.evictions.fetch_add(1, Ordering::Relaxed);
         }
+        true
     }
 
     /// Evicts least-recently-used blocks until `bytes` more are free on the
@@ -238,16 +232,24 @@ impl BlockStore {
     pub fn free_for_others(&self, bytes: u64) -> u64 {
         let mut freed = 0;
         while freed < bytes {
-            let mut index = self.index.lock().unwrap();
-            let Some((&oldest, _)) = index.entries.iter().min_by_key(|(_, e)| e.used) else { break };
-            let e = index.entries.remove(&oldest).unwrap();
-            index.bytes -= e.bytes;
-            drop(index);
-            let _ = std::fs::remove_file(self.path(&oldest));
-            self.evictions.fetch_add(1, Ordering::Relaxed);
-            freed += e.bytes;
+            match self.evict_oldest() {
+                Some(n) => freed += n,
+                None => break,
+            }
         }
         freed
+    }
+
+    /// Removes the least recently used block; its size, or None when empty.
+    fn evict_oldest(&self) -> Option<u64> {
+        let mut index = self.index.lock().unwrap();
+        let (&oldest, _) = index.entries.iter().min_by_key(|(_, e)| e.used)?;
+        let e = index.entries.remove(&oldest).expect("just found");
+        index.bytes -= e.bytes;
+        drop(index);
+        let _ = std::fs::remove_file(self.path(&oldest));
+        self.evictions.fetch_add(1, Ordering::Relaxed);
+        Some(e.bytes)
     }
 
     fn evict_over_budget(&self) {

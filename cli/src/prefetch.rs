@@ -52,6 +52,15 @@ pub async fn run(client: &mut Client, model: Option<&str>, files: &[PathBuf]) ->
     let mut sized = Vec::new();
     for path in files {
         match std::fs::metadata(path) {
+            // Too large for any request: named without being read.
+            Ok(m) if m.is_file() && m.len() > mlxbc_client::MAX_FRAME_BYTES as u64 => outcome.failed.push((
+                path.clone(),
+                format!(
+                    "{} MiB: the daemon takes images up to {} MiB",
+                    m.len() >> 20,
+                    mlxbc_client::MAX_FRAME_BYTES >> 20
+                ),
+            )),
             Ok(m) if m.is_file() => sized.push((path.clone(), m.len())),
             Ok(_) => outcome.failed.push((path.clone(), "not a file".into())),
             Err(e) => outcome.failed.push((path.clone(), e.to_string())),

@@ -39,6 +39,10 @@ const BODY_GRACE: Duration = Duration::from_secs(10);
 /// Loopback delivers hundreds of MB/s; 64 KiB/s is a client that is stuck
 /// or hostile, and a 64 MiB body still gets 17 minutes at that rate.
 const BODY_MIN_BYTES_PER_S: u64 = 64 << 10;
+/// How long a response may wait on a peer that does not read it: past
+/// this the connection is dropped, so an answer nobody reads cannot keep a
+/// slot busy forever.
+const WRITE_STALL: Duration = Duration::from_secs(60);
 /// How long a refusal may take to write.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -133,7 +137,7 @@ async fn serve_connection(
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.idle_timeout)
-        .serve_connection(TokioIo::new(stream), service);
+        .serve_connection(TokioIo::new(StallTimeout::new(stream, WRITE_STALL)), service);
     tokio::pin!(connection);
     let mut stopping = false;
     loop {
@@ -244,4 +248,103 @@ fn refusal(status: StatusCode, message: String) -> Response {
             .into_response();
     response.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
     response
+}
+
+/// A stream whose writes fail once they have made no progress for
+/// `limit` (the peer stopped reading); reads are untouched (the idle and
+/// body deadlines bound those).
+struct StallTimeout<S> {
+    inner: S,
+    limit: Duration,
+    stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> StallTimeout<S> {
+    fn new(inner: S, limit: Duration) -> Self {
+        Self { inner, limit, stalled: None }
+    }
+
+    /// Pending from the inner stream: arm (or check) the stall clock.
+    fn pending<T>(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<T>> {
+        let limit = self.limit;
+        let sleep = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match sleep.as_mut().poll(cx) {
+            std::task::Poll::Ready(()) => std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the peer has not read its answer for a minute",
+            ))),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+use std::future::Future as _;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+impl<S: AsyncRead + Unpin> AsyncRead for StallTimeout<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for StallTimeout<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match Pin::new(&mut self.inner).poll_write(cx, buf) {
+            Poll::Pending => self.pending(cx),
+            done => {
+                self.stalled = None;
+                done
+            }
+        }
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match Pin::new(&mut self.inner).poll_flush(cx) {
+            Poll::Pending => self.pending(cx),
+            done => {
+                self.stalled = None;
+                done
+            }
+        }
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match Pin::new(&mut self.inner).poll_shutdown(cx) {
+            Poll::Pending => self.pending(cx),
+            done => {
+                self.stalled = None;
+                done
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A peer that never reads: the write fails after the limit instead
+    /// of waiting forever; a peer that reads is never cut off.
+    #[tokio::test]
+    async fn a_write_nobody_reads_times_out() {
+        let (a, mut b) = tokio::io::duplex(1024);
+        let mut w = StallTimeout::new(a, Duration::from_millis(200));
+        let t = std::time::Instant::now();
+        let err = w.write_all(&vec![0u8; 1 << 20]).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(t.elapsed() < Duration::from_secs(2));
+        let (a, mut b2) = tokio::io::duplex(1024);
+        let reader = tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut sink = Vec::new();
+            b2.read_to_end(&mut sink).await.map(|_| sink.len())
+        });
+        let mut w = StallTimeout::new(a, Duration::from_millis(200));
+        w.write_all(&vec![0u8; 1 << 20]).await.unwrap();
+        w.shutdown().await.unwrap();
+        drop(w);
+        assert_eq!(reader.await.unwrap().unwrap(), 1 << 20);
+        let _ = &mut b;
+    }
 }
