@@ -3,15 +3,20 @@
 //! [`run`], so tests can also boot the daemon in-process.
 
 pub mod audio;
+pub mod catalog;
+pub mod decoding;
 pub mod engine;
+pub mod error;
 pub mod families;
 pub mod http;
 pub mod limits;
 pub mod logging;
+pub mod media;
 pub mod model;
-pub mod options;
+pub mod prompt_cache;
 pub mod requests;
 pub mod server;
+pub mod sessions;
 pub mod state;
 
 pub use server::run;

@@ -3,7 +3,8 @@
 //! connection table and the request bounds. Each on-disk store here has one
 //! owner (one `SessionStore`, one `ModelRegistry`), built once at start.
 
-use crate::engine::{EngineError, EngineHandle, Job};
+use crate::engine::{EngineHandle, Job};
+use crate::error::EngineError;
 use crate::limits::ConnectionTable;
 use crate::requests::prepare::{Prepared, Ready};
 use crate::requests::validate;
@@ -17,7 +18,7 @@ use tokio::sync::watch;
 /// Shared by every connection, socket or HTTP.
 pub struct AppState {
     pub engine: EngineHandle,
-    pub registry: Arc<crate::engine::registry::ModelRegistry>,
+    pub registry: Arc<crate::catalog::registry::ModelRegistry>,
     pub started: Instant,
     /// Set to true to stop the daemon.
     pub shutdown: watch::Sender<bool>,
@@ -37,7 +38,7 @@ pub struct AppState {
     /// The only uid allowed to connect: the daemon's own.
     pub owner_uid: u32,
     /// Named conversations: the one store the engine appends to and connections list and delete.
-    pub sessions: Arc<crate::engine::sessions::SessionStore>,
+    pub sessions: Arc<crate::sessions::SessionStore>,
 }
 
 impl AppState {

@@ -3,3 +3,10 @@
 
 pub mod decode;
 pub mod mel;
+
+/// A recording ready for the engine: its samples (when sent; `None` when
+/// the store holds its encoder outputs) and its length in mel frames (10 ms each).
+pub struct AudioInput {
+    pub samples: Option<std::sync::Arc<Vec<f32>>>,
+    pub frames: usize,
+}

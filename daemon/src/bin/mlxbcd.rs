@@ -52,7 +52,8 @@ fn main() -> Result<()> {
     if let Some(i) = args.idle_exit {
         settings.idle_exit = mlxbc_shared::KeepAlive::parse(&i).map_err(anyhow::Error::msg)?;
     }
-    let options = mlxbc_daemon::options::EngineOptions::from_settings_and_env(&settings).map_err(anyhow::Error::msg)?;
+    let options =
+        mlxbc_daemon::model::options::EngineOptions::from_settings_and_env(&settings).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(mlxbc_daemon::run(settings, options, inherited));
     if let Err(e) = &result {

@@ -11,8 +11,8 @@
 //! the cache: computed by the step in flight, or (for a row that has just
 //! joined) the first token, which its prefill already streamed.
 
-use super::error::EngineError;
 use super::sequence::Sequence;
+use crate::error::EngineError;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
@@ -257,7 +257,7 @@ pub fn prefill_together(
     model: &Model,
     seqs: &mut [&mut Sequence],
     chunk: usize,
-    prompts: &mut super::prompt_cache::PromptCache,
+    prompts: &mut crate::prompt_cache::PromptCache,
 ) -> Result<(KvCache, Array, Vec<Option<Result<super::generate::Finished, EngineError>>>), EngineError> {
     use mlx_rs::ops::indexing::IndexOp;
     let lm = &model.lm;

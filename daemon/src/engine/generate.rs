@@ -3,16 +3,16 @@
 //! out is a [`super::sequence::Sequence`] for the scheduler, which runs its
 //! chunked prefill and batches its decode steps with the others'.
 
-use super::error::EngineError;
-use super::media::{self, Encoded, MediaStats, PreparedMedia, Resolved, SharedStore};
-use super::prompt_cache::{self, PromptCache, PromptKeys};
-use super::sampling::Sampler;
 use super::sequence::{stats_without_decode, Sequence, Setup};
-use super::stop::StopFilter;
+use crate::decoding::sampling::Sampler;
+use crate::decoding::stop::StopFilter;
+use crate::error::EngineError;
+use crate::media::{self, Encoded, MediaStats, PreparedMedia, Resolved, SharedStore};
 use crate::model::decode_step::DecodeMode;
 use crate::model::family::MediaAttention;
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
+use crate::prompt_cache::{self, PromptCache, PromptKeys};
 use mlx_rs::Array;
 use mlxbc_shared::{GenerateRequest, GenerationStats, Response};
 use mlxbc_shared::{MediaKind, MediaRef};
@@ -93,9 +93,9 @@ fn prompt_here(
 ) -> Result<Option<(Vec<u32>, Encoded)>, Failure> {
     let template = &model.prompter.template;
     let mut prompt = match &request.raw {
-        Some(raw) => super::raw_prompt::text(&model.prompter.tokenizer, raw).map_err(EngineError::BadRequest)?,
+        Some(raw) => crate::model::raw_prompt::text(&model.prompter.tokenizer, raw).map_err(EngineError::BadRequest)?,
         None => {
-            let tools = super::tools::for_prompt(template, request).map_err(EngineError::BadRequest)?;
+            let tools = crate::decoding::tools::for_prompt(template, request).map_err(EngineError::BadRequest)?;
             template
                 .render_with_tools(&request.messages, tools)
                 .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?
@@ -256,8 +256,9 @@ pub fn begin(
     };
     let room = context - ids.len();
     let asked = request.max_tokens.min(ctx.max_tokens_limit.unwrap_or(u32::MAX)) as usize;
-    let calls_tools =
-        !super::tools::for_prompt(&model.prompter.template, request).map_err(EngineError::BadRequest)?.is_empty();
+    let calls_tools = !crate::decoding::tools::for_prompt(&model.prompter.template, request)
+        .map_err(EngineError::BadRequest)?
+        .is_empty();
     let setup = Setup {
         model: model.clone(),
         name: ctx.model_name.to_string(),
@@ -272,8 +273,9 @@ pub fn begin(
         disk_cost,
         sampler: Sampler::new(request.sampling.clone()).map_err(EngineError::inference)?,
         constraint: constraint_of(&model, request)?,
-        tool_filter: calls_tools.then(|| super::tools::ToolCallFilter::new(&model.prompter.tokenizer, &request.tools)),
-        logprobs: request.logprobs.map(super::logprobs::LogprobTracker::new),
+        tool_filter: calls_tools
+            .then(|| crate::decoding::tools::ToolCallFilter::new(&model.prompter.tokenizer, &request.tools)),
+        logprobs: request.logprobs.map(crate::decoding::logprobs::LogprobTracker::new),
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,
         limit: asked.min(room),
@@ -294,10 +296,10 @@ pub fn begin(
 fn constraint_of(
     model: &Model,
     request: &GenerateRequest,
-) -> Result<Option<super::constraint::Constrained>, EngineError> {
+) -> Result<Option<crate::decoding::constraint::Constrained>, EngineError> {
     let tokenizer = &model.prompter.tokenizer;
-    let format = model.prompter.template.tool_format.unwrap_or(super::tools::ToolFormat::Hermes);
-    let required = super::tools::required_call_grammar(
+    let format = model.prompter.template.tool_format.unwrap_or(crate::decoding::tools::ToolFormat::Hermes);
+    let required = crate::decoding::tools::required_call_grammar(
         format,
         &request.tools,
         &request.tool_choice,
@@ -315,6 +317,6 @@ fn constraint_of(
         (None, None) => return Ok(None),
     };
     let eos: Vec<u32> = model.eos_ids.iter().copied().collect();
-    let compiled = model.constraint_factory().and_then(|f| super::constraint::Constrained::new(&f, &c, eos));
+    let compiled = model.constraint_factory().and_then(|f| crate::decoding::constraint::Constrained::new(&f, &c, eos));
     compiled.map(Some).map_err(EngineError::BadRequest)
 }

@@ -3,8 +3,8 @@
 //! Loading beyond either unloads the least recently used unpinned model
 //! first; a model that cannot fit even then is refused before it is loaded.
 
-use super::error::EngineError;
-use super::registry::ModelRegistry;
+use crate::catalog::registry::ModelRegistry;
+use crate::error::EngineError;
 use crate::model::family::SpeechRecognizer;
 use crate::model::{weights::WeightForm, Model};
 use mlxbc_shared::{KeepAlive, LoadedModel};
@@ -185,7 +185,7 @@ impl Residency {
         &mut self,
         registry: &ModelRegistry,
         name: Option<&str>,
-        form: crate::options::ModelOptions,
+        form: crate::model::options::ModelOptions,
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
     ) -> Result<Loaded, EngineError> {
@@ -204,7 +204,7 @@ impl Residency {
         &mut self,
         registry: &ModelRegistry,
         name: &str,
-        form: crate::options::ModelOptions,
+        form: crate::model::options::ModelOptions,
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
     ) -> Result<(String, Rc<dyn SpeechRecognizer>, f64), EngineError> {
@@ -223,7 +223,7 @@ impl Residency {
         &mut self,
         registry: &ModelRegistry,
         name: Option<&str>,
-        form: crate::options::ModelOptions,
+        form: crate::model::options::ModelOptions,
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
     ) -> Result<(String, Servable, f64), EngineError> {
@@ -243,7 +243,7 @@ impl Residency {
                 model.warm_up().map_err(|e| {
                     EngineError::ModelLoad(format!("running model {} for the first time: {e:#}", resolved.name))
                 })?;
-                model.kv_root = match super::prompt_cache::model_root(
+                model.kv_root = match crate::prompt_cache::model_root(
                     &resolved.path,
                     &format!("{form:?}"),
                     &self.device,

@@ -12,11 +12,11 @@
 //! model's batch is full.
 
 use super::batch::{prefill_together, DecodeBatch, SeqId};
-use super::error::EngineError;
 use super::generate::Finished;
-use super::prompt_cache::PromptCache;
 use super::sequence::{Prefilled, Sequence};
 use super::SessionTurn;
+use crate::error::EngineError;
+use crate::prompt_cache::PromptCache;
 use mlxbc_shared::{KeepAlive, SequenceInfo};
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
@@ -467,7 +467,7 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineErr
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(panic) => {
-            let what = super::error::panic_message(&*panic);
+            let what = crate::error::panic_message(&*panic);
             tracing::error!("a step panicked ({what})");
             Err(EngineError::Internal(format!("the engine hit a bug ({what}); the request was dropped")))
         }

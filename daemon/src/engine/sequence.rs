@@ -9,17 +9,17 @@
 //! the last token in chunks, then the last token alone), so the computation,
 //! and therefore the greedy token ids, are the reference's.
 
-use super::constraint::Constrained;
-use super::error::EngineError;
 use super::generate::Finished;
-use super::media::MediaStats;
-use super::prompt_cache::{PromptCache, PromptKeys};
-use super::sampling::Sampler;
-use super::stop::{Filtered, StopFilter};
-use super::tools::ToolCallFilter;
+use crate::decoding::constraint::Constrained;
+use crate::decoding::sampling::Sampler;
+use crate::decoding::stop::{Filtered, StopFilter};
+use crate::decoding::tools::ToolCallFilter;
+use crate::error::EngineError;
+use crate::media::MediaStats;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
+use crate::prompt_cache::{PromptCache, PromptKeys};
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::Array;
 use mlxbc_shared::{GenerationStats, Response, StopReason};
@@ -73,7 +73,7 @@ pub struct Setup {
     /// Takes tool calls out of the answer's text (a request with tools).
     pub tool_filter: Option<ToolCallFilter>,
     /// Records the tokens' log-probabilities (a request that asked).
-    pub logprobs: Option<super::logprobs::LogprobTracker>,
+    pub logprobs: Option<crate::decoding::logprobs::LogprobTracker>,
     pub stops: StopFilter,
     pub ignore_eos: bool,
     /// Tokens to generate at most (the request's and the context's bound),

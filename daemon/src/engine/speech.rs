@@ -6,10 +6,10 @@
 //! when it had to be computed: transcribing a recording again, even after
 //! a restart, skips the encoder.
 
-use super::error::EngineError;
-use super::media::SharedStore;
+use crate::audio::AudioInput;
+use crate::error::EngineError;
+use crate::media::SharedStore;
 use crate::model::family::{SpeechRecognizer, SpeechTask};
-use crate::requests::transcribe::AudioInput;
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, Features, Modality};
 use mlxbc_shared::{Response, TranscribeRequest, TranscribeStats, Transcript};
@@ -185,4 +185,44 @@ fn to_array(f: &Features) -> Option<Array> {
     }
     let shape: Vec<i32> = f.shape.iter().map(|&d| d as i32).collect();
     Some(Array::from_slice(&values, &shape))
+}
+
+/// Transcriptions in flight, advanced one window at a time in turn (round
+/// robin) between the scheduler's ticks.
+#[derive(Default)]
+pub struct Transcriptions {
+    queue: std::collections::VecDeque<ActiveTranscription>,
+}
+
+impl Transcriptions {
+    pub fn add(&mut self, t: ActiveTranscription) {
+        self.queue.push_back(t);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Drops them all (shutting down: their clients hear the channel close).
+    pub fn clear(&mut self) {
+        self.queue.clear();
+    }
+
+    /// The models transcriptions are running on.
+    pub fn models(&self) -> impl Iterator<Item = &str> {
+        self.queue.iter().map(|t| t.model_name())
+    }
+
+    /// Runs one window of the transcription whose turn it is; when it
+    /// ended, the model it was using and its keep-alive.
+    pub fn step(&mut self, store: Option<&SharedStore>) -> Option<(String, Option<mlxbc_shared::KeepAlive>)> {
+        let t = self.queue.pop_front()?;
+        match t.step(store) {
+            Progress::Going(t) => {
+                self.queue.push_back(t);
+                None
+            }
+            Progress::Ended { model, keep_alive } => Some((model, keep_alive)),
+        }
+    }
 }

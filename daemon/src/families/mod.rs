@@ -15,8 +15,8 @@ pub mod whisper;
 
 use crate::model::family::SpeechRecognizer;
 use crate::model::gguf::{gguf_string, Gguf};
+use crate::model::options::ModelOptions;
 use crate::model::Model;
-use crate::options::ModelOptions;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 

@@ -83,7 +83,7 @@ async fn run(state: Arc<AppState>, form: Multipart, translate: bool) -> Response
     let Some(file) = f.file.filter(|b| !b.is_empty()) else { return bad("file is required: the audio to transcribe") };
     let model = f.model.filter(|m| !m.is_empty() && m != "whisper-1");
     if let Some(m) = &model {
-        if !crate::engine::registry::is_plain_name(m) {
+        if !crate::catalog::registry::is_plain_name(m) {
             return error_response(ErrorKind::UnknownModel, format!("model {m:?}: name a model the model list shows"));
         }
     }

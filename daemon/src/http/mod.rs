@@ -174,7 +174,7 @@ struct Begun {
 async fn begin(state: &AppState, request: mlxbc_shared::GenerateRequest) -> Result<Begun, (ErrorKind, String)> {
     crate::requests::validate::generate(&request, state.limits).map_err(|e| (ErrorKind::BadRequest, e.0))?;
     if let Some(name) = &request.model {
-        if !crate::engine::registry::is_plain_name(name) {
+        if !crate::catalog::registry::is_plain_name(name) {
             return Err((
                 ErrorKind::UnknownModel,
                 format!("model {name:?} is a path; over HTTP name a model that the model list shows (paths are accepted on the socket only)"),

@@ -96,7 +96,7 @@ pub async fn show(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -
     let Some(name) = req.model.or(req.name).filter(|n| !n.is_empty()) else {
         return error(ErrorKind::BadRequest, "model is required".into());
     };
-    if !crate::engine::registry::is_plain_name(&name) {
+    if !crate::catalog::registry::is_plain_name(&name) {
         return error(ErrorKind::UnknownModel, format!("model {name:?} not found"));
     }
     let Some(info) = state.registry.list().into_iter().find(|m| m.name == name || m.aliases.contains(&name)) else {
@@ -109,7 +109,7 @@ pub async fn show(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -
         return error(ErrorKind::Internal, format!("model {name:?} could not be loaded (see the daemon's log)"));
     };
     let mut capabilities = vec!["completion"];
-    if crate::engine::raw_prompt::has_fim(&route.prompter.tokenizer) {
+    if crate::model::raw_prompt::has_fim(&route.prompter.tokenizer) {
         capabilities.push("insert");
     }
     if route.prompter.template.tool_format.is_some() {

@@ -11,7 +11,7 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     /// How this template writes tool calls (`None`: it takes no tools).
-    pub tool_format: Option<crate::engine::tools::ToolFormat>,
+    pub tool_format: Option<super::tool_format::ToolFormat>,
 }
 
 impl ChatTemplate {
@@ -23,7 +23,7 @@ impl ChatTemplate {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_function("strftime_now", |fmt: String| -> String { strftime_today(&fmt) });
-        let tool_format = crate::engine::tools::ToolFormat::of_template(&source);
+        let tool_format = super::tool_format::ToolFormat::of_template(&source);
         env.add_template_owned("chat", source).context("compiling the chat template")?;
         Ok(Self { env, bos_token, eos_token, tool_format })
     }
@@ -76,7 +76,7 @@ impl ChatTemplate {
             })
             .collect();
         let tools =
-            (!tools.is_empty()).then(|| minijinja::Value::from_serialize(crate::engine::tools::template_tools(tools)));
+            (!tools.is_empty()).then(|| minijinja::Value::from_serialize(super::tool_format::template_tools(tools)));
         let tmpl = self.env.get_template("chat")?;
         tmpl.render(context! {
             messages => messages,

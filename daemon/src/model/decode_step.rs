@@ -24,7 +24,7 @@ pub enum DecodeMode {
 }
 
 impl DecodeMode {
-    /// `forced` (`MLXBC_DECODE=eager|compiled`, crate::options); otherwise what measured faster on the
+    /// `forced` (`MLXBC_DECODE=eager|compiled`, crate::model::options); otherwise what measured faster on the
     /// device: compiled on CPU (1.4x eager on a tiny Qwen3, equal on
     /// SmolLM2), eager on a GPU. There MLX's per-operation host work in
     /// evaluation, not graph building, bounds the step (an H200 spent 99% of

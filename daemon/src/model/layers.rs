@@ -4,8 +4,8 @@
 //! `nn.Embedding` and `nn.QuantizedEmbedding`, so greedy ids match it exactly.
 //! And the towers' LayerNorm (weight and bias), which every encoder has.
 
+use crate::model::options::Fusion;
 use crate::model::weights::TensorMap;
-use crate::options::Fusion;
 use anyhow::Result;
 use mlx_rs::{fast, ops, Array};
 
@@ -116,7 +116,7 @@ pub enum FusedLinear {
 impl FusedLinear {
     /// Fuses `parts` when all are dense of one dtype, or all quantized alike
     /// (bits, group size, scales' dtype), with biases on all or none, as
-    /// `fusion` allows (`MLXBC_FUSE`, read once at start: crate::options).
+    /// `fusion` allows (`MLXBC_FUSE`, read once at start: crate::model::options).
     pub fn new(parts: Vec<Linear>, fusion: Fusion) -> Result<Self> {
         let quantized = parts.iter().any(|p| matches!(p, Linear::Quantized { .. }));
         if fusion == Fusion::Off || (quantized && fusion == Fusion::DenseOnly) {

@@ -9,9 +9,12 @@ pub mod gguf;
 pub mod image;
 pub mod kv_cache;
 pub mod layers;
+pub mod options;
 pub mod prompt;
+pub mod raw_prompt;
 pub mod splice;
 pub mod tokenizer;
+pub mod tool_format;
 pub mod video;
 pub mod vlm_dir;
 pub mod weights;
@@ -319,7 +322,7 @@ impl Model {
         self.constraints
             .get_or_init(|| {
                 let eos: Vec<u32> = self.eos_ids.iter().copied().collect();
-                crate::engine::constraint::factory(&self.prompter.tokenizer, &eos)
+                tokenizer::constraint_factory(&self.prompter.tokenizer, &eos)
                     .map_err(|e| format!("this model's tokenizer cannot be used for constraints: {e:#}"))
             })
             .clone()

@@ -77,3 +77,20 @@ pub fn from_gguf(file: &Gguf) -> Result<Tokenizer> {
 pub fn from_file(path: &std::path::Path) -> Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("reading tokenizer at {}: {e}", path.display()))
 }
+
+/// llguidance's parser factory for a tokenizer (for constrained decoding,
+/// `crate::decoding::constraint`): the tokenizer as llguidance sees it, with
+/// the model's end-of-sequence ids (allowed where the grammar may end).
+pub fn constraint_factory(
+    tokenizer: &tokenizers::Tokenizer,
+    eos_ids: &[u32],
+) -> anyhow::Result<std::sync::Arc<llguidance::ParserFactory>> {
+    let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_tokenizer(tokenizer.clone())?;
+    if !eos_ids.is_empty() {
+        bytes.set_eos_tokens(eos_ids);
+    }
+    let env = bytes.into_tok_env(None)?;
+    let mut f = llguidance::ParserFactory::new_simple(&env)?;
+    f.quiet();
+    Ok(std::sync::Arc::new(f))
+}

@@ -4,7 +4,7 @@
 
 use super::gguf::Gguf;
 use super::layers::{Embedding, Linear, Quantized};
-use crate::options::Fusion;
+use crate::model::options::Fusion;
 use anyhow::{bail, Context, Result};
 use mlx_rs::{Array, Dtype};
 use std::collections::HashMap;
@@ -23,7 +23,7 @@ pub enum WeightForm {
 
 impl WeightForm {
     /// The fastest form for the default device, unless `forced`
-    /// (`MLXBC_WEIGHTS=dense|packed`, crate::options; packed on a CPU runs
+    /// (`MLXBC_WEIGHTS=dense|packed`, crate::model::options; packed on a CPU runs
     /// the GPU's arithmetic, slowly: tests).
     pub fn for_device(device: &mlx_rs::Device, forced: Option<WeightForm>) -> Self {
         match (forced, device.get_type()) {

@@ -13,11 +13,12 @@
 //! placeholders expand by the features' sizes, known once encoded.
 
 use crate::engine::generate::{fits_by_bytes, fits_by_tokens};
-use crate::engine::media::{self, PreparedMedia, Resolved};
-use crate::engine::prompt_cache;
-use crate::engine::sessions::SessionStore;
 use crate::engine::EngineHandle;
-use crate::engine::{EngineError, Job, PreparedPrompt, PromptRoute, SessionTurn};
+use crate::engine::{Job, PreparedPrompt, PromptRoute, SessionTurn};
+use crate::error::EngineError;
+use crate::media::{self, PreparedMedia, Resolved};
+use crate::prompt_cache;
+use crate::sessions::SessionStore;
 use mlxbc_shared::{GenerateRequest, MediaRef, Response};
 use std::sync::Arc;
 use tokio::sync::oneshot;
@@ -149,10 +150,10 @@ async fn tokenize(
     type Made = Option<(Vec<u32>, prompt_cache::StoredBlocks)>;
     let made = tokio::task::spawn_blocking(move || -> anyhow::Result<Made> {
         let text = match &request_copy.raw {
-            Some(raw) => crate::engine::raw_prompt::text(&prompter.tokenizer, raw).map_err(anyhow::Error::msg)?,
+            Some(raw) => crate::model::raw_prompt::text(&prompter.tokenizer, raw).map_err(anyhow::Error::msg)?,
             None => {
-                let tools =
-                    crate::engine::tools::for_prompt(&prompter.template, &request_copy).map_err(anyhow::Error::msg)?;
+                let tools = crate::decoding::tools::for_prompt(&prompter.template, &request_copy)
+                    .map_err(anyhow::Error::msg)?;
                 prompter.template.render_with_tools(&request_copy.messages, tools)?
             }
         };

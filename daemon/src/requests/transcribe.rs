@@ -6,20 +6,15 @@
 //! window missing there asks for the bytes (the engine's `NeedMedia`).
 
 use crate::audio::decode::{self, AudioError};
-use crate::engine::media::SharedStore;
-use crate::engine::EngineError;
+use crate::audio::AudioInput;
+use crate::error::EngineError;
+use crate::media::SharedStore;
 use mlxbc_cache::{FeatureKey, Features, Modality};
 use mlxbc_shared::TranscribeRequest;
 use std::sync::Arc;
 
 /// The longest `prompt` (bytes): Whisper reads at most 223 of its tokens.
 pub const MAX_PROMPT_BYTES: usize = 4096;
-
-/// A recording's samples (when sent) and its length in mel frames (10 ms each).
-pub struct AudioInput {
-    pub samples: Option<Arc<Vec<f32>>>,
-    pub frames: usize,
-}
 
 /// The store entry that remembers a recording's length (in 10 ms mel
 /// frames: exact in f32 up to 46 hours), whatever model transcribes it.

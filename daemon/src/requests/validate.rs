@@ -111,16 +111,16 @@ pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid
         check_name("the model name", m)?;
     }
     if let Some(name) = &request.session {
-        crate::engine::sessions::check_name(name).map_err(|e| Invalid(e.to_string()))?;
+        crate::sessions::check_name(name).map_err(|e| Invalid(e.to_string()))?;
     }
     if request.tools.len() > MAX_TOOLS
         || request.tools.iter().any(|t| t.parameters.len() > MAX_TOOL_BYTES || t.description.len() > MAX_TOOL_BYTES)
     {
         return bad(format!("tools: at most {MAX_TOOLS}, each description and schema at most {MAX_TOOL_BYTES} bytes"));
     }
-    crate::engine::tools::check(&request.tools, &request.tool_choice).map_err(Invalid)?;
+    crate::decoding::tools::check(&request.tools, &request.tool_choice).map_err(Invalid)?;
     if let Some(c) = &request.constraint {
-        crate::engine::constraint::check(c).map_err(Invalid)?;
+        crate::decoding::constraint::check(c).map_err(Invalid)?;
     }
     Ok(())
 }

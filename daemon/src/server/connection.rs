@@ -314,7 +314,7 @@ async fn answer(state: &AppState, request: Request) -> Response {
             let prompts = state.engine.prompt_report();
             let (store, path) = (state.engine.store.clone(), state.engine.store_path.clone());
             tokio::task::spawn_blocking(move || {
-                crate::engine::cache_report::run(store.as_ref(), &path, command, prompts, removed_prompts)
+                crate::server::cache_report::run(store.as_ref(), &path, command, prompts, removed_prompts)
             })
             .await
             .unwrap_or_else(|e| error(ErrorKind::Internal, format!("cache command failed: {e}")))
@@ -330,7 +330,7 @@ async fn answer(state: &AppState, request: Request) -> Response {
             };
             match result {
                 Ok(list) => Response::Sessions(list),
-                Err(e) => crate::engine::EngineError::from(e).into_response(),
+                Err(e) => crate::error::EngineError::from(e).into_response(),
             }
         }
         Request::Shutdown => {

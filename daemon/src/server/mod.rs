@@ -2,6 +2,7 @@
 //! SIGTERM/SIGINT, a Shutdown request or (socket-activated) an idle period.
 
 pub mod activation;
+pub mod cache_report;
 pub mod connection;
 mod socket;
 
@@ -22,7 +23,7 @@ use tokio::sync::watch;
 /// daemon binds `settings.socket` itself.
 pub async fn run(
     settings: Settings,
-    options: crate::options::EngineOptions,
+    options: crate::model::options::EngineOptions,
     inherited: Option<activation::Inherited>,
 ) -> Result<()> {
     private_files(&settings);
@@ -44,8 +45,8 @@ pub async fn run(
     };
     // One session store for the engine (which appends) and the connections
     // (which list and delete): the single writer of those files.
-    let sessions = Arc::new(crate::engine::sessions::SessionStore::new(&crate::engine::sessions_dir(&settings)));
-    let registry = Arc::new(crate::engine::registry::ModelRegistry::new(&settings));
+    let sessions = Arc::new(crate::sessions::SessionStore::new(&crate::sessions::sessions_dir(&settings)));
+    let registry = Arc::new(crate::catalog::registry::ModelRegistry::new(&settings));
     let (engine, engine_thread) = crate::engine::spawn(&settings, options, sessions.clone(), registry.clone())
         .context("starting the engine thread")?;
     // Only a socket-activated daemon may leave: its manager keeps listening

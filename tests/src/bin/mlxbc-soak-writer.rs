@@ -13,7 +13,7 @@
 //! and prints `entries=N turns=M` (or fails with what is wrong).
 
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality, StoreConfig};
-use mlxbc_daemon::engine::sessions::SessionStore;
+use mlxbc_daemon::sessions::SessionStore;
 use mlxbc_shared::{ChatMessage, Role};
 use std::path::Path;
 

@@ -8,10 +8,10 @@ pub mod text;
 pub mod vision;
 
 use crate::model::image::{Preprocess, Resample};
+use crate::model::options::ModelOptions;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
 use crate::model::{chat_parts, read_json, Model, Placeholder, Vision};
-use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use siglip::SiglipConfig;
 use std::path::Path;

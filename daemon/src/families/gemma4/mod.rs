@@ -14,10 +14,10 @@ pub mod text;
 pub mod video;
 pub mod vision;
 
+use crate::model::options::ModelOptions;
 use crate::model::vlm_dir::{quantization, tower_fingerprint, weights_fingerprint};
 use crate::model::weights::TensorMap;
 use crate::model::{chat_parts, read_json, AudioPrompt, Model, Placeholder, VideoPrompt, VideoTimestamps, Vision};
-use crate::options::ModelOptions;
 use anyhow::{bail, Context, Result};
 use processor::Gemma4Preprocess;
 use std::path::Path;

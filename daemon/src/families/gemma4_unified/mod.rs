@@ -17,10 +17,10 @@ use super::gemma4::{
     video, video_preprocess, video_prompt,
 };
 use crate::model::image::Resample;
+use crate::model::options::ModelOptions;
 use crate::model::vlm_dir::{quantization, weights_fingerprint};
 use crate::model::weights::TensorMap;
 use crate::model::{chat_parts, read_json, Model, Vision};
-use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use embedder::{UnifiedAudioConfig, UnifiedAudioFrames, UnifiedEmbedder, UnifiedVisionConfig};
 use std::path::Path;

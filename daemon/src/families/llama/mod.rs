@@ -8,9 +8,9 @@ pub mod export;
 pub mod model;
 
 use crate::model::gguf::{gguf_number, Gguf};
+use crate::model::options::ModelOptions;
 use crate::model::weights::TensorMap;
 use crate::model::{chat_parts, chat_template, chat_template::ChatTemplate, token_text, tokenizer, Model};
-use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use config::TextConfig;
 use model::Transformer;

@@ -8,10 +8,10 @@ pub mod vision;
 
 use crate::families::llama::{config::TextConfig, model::Transformer};
 use crate::model::image::Resample;
+use crate::model::options::ModelOptions;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
 use crate::model::{chat_parts, read_json, Model, Placeholder, Vision};
-use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::sync::Arc;

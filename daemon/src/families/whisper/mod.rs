@@ -20,8 +20,8 @@ pub mod tokens;
 pub mod transcribe;
 
 use crate::model::family::SpeechRecognizer;
+use crate::model::options::ModelOptions;
 use crate::model::weights::TensorMap;
-use crate::options::ModelOptions;
 use anyhow::{Context, Result};
 use config::WhisperConfig;
 use mlx_rs::Array;

@@ -9,8 +9,6 @@
 //! every token as bytes), on first use; a schema is compiled per request.
 //! llguidance's default parser limits bound what a hostile grammar can cost.
 
-use std::sync::Arc;
-
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use mlx_rs::Array;
@@ -44,19 +42,6 @@ fn grammar(c: &Constraint) -> Result<TopLevelGrammar, String> {
         Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
         Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
     })
-}
-
-/// The parser factory of a model: its tokenizer as llguidance sees it, with
-/// the model's end-of-sequence ids (allowed where the grammar may end).
-pub fn factory(tokenizer: &tokenizers::Tokenizer, eos_ids: &[u32]) -> anyhow::Result<Arc<ParserFactory>> {
-    let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_tokenizer(tokenizer.clone())?;
-    if !eos_ids.is_empty() {
-        bytes.set_eos_tokens(eos_ids);
-    }
-    let env = bytes.into_tok_env(None)?;
-    let mut f = ParserFactory::new_simple(&env)?;
-    f.quiet();
-    Ok(Arc::new(f))
 }
 
 /// One sequence's constraint.

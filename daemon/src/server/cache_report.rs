@@ -3,7 +3,7 @@
 //! tokio's blocking pool, never on the engine thread; `verify` reads every
 //! entry without holding the store, so lookups and writes go on meanwhile.
 
-use super::media::SharedStore;
+use crate::media::SharedStore;
 use mlxbc_cache::hex;
 use mlxbc_shared::{CacheCommand, CacheEntry, CacheReport, ErrorKind, PromptCacheReport, Response};
 use std::path::Path;

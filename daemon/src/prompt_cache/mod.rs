@@ -26,6 +26,8 @@
 //! the very KV it would have computed, so greedy ids with the cache equal
 //! ids without it.
 
+pub mod costs;
+
 use crate::model::kv_cache::KvCache;
 use lru::LruCache;
 use mlx_rs::{Array, Dtype};
@@ -33,7 +35,7 @@ use mlxbc_cache::{BlockHash, BlockStore, FeatureDtype, Features, WeightFileIdent
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
 
-use super::prompt_costs::PromptCosts;
+use costs::PromptCosts;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -27,10 +27,10 @@ pub enum SessionError {
     DeletedMeanwhile(String),
 }
 
-impl From<SessionError> for super::EngineError {
+impl From<SessionError> for crate::error::EngineError {
     /// Every session failure is the request's: a name, or a file to fix.
     fn from(e: SessionError) -> Self {
-        super::EngineError::BadRequest(e.to_string())
+        crate::error::EngineError::BadRequest(e.to_string())
     }
 }
 
@@ -171,6 +171,11 @@ fn write_durably(tmp: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         std::fs::File::open(dir)?.sync_all()?;
     }
     Ok(())
+}
+
+/// Where named conversations are kept.
+pub fn sessions_dir(settings: &mlxbc_shared::settings::Settings) -> std::path::PathBuf {
+    settings.paths.home.join("sessions")
 }
 
 #[cfg(test)]

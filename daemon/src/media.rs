@@ -16,7 +16,7 @@
 //! once: the engine looks the store up again before encoding, and the
 //! first request's features are there by then.
 
-use super::error::EngineError;
+use crate::error::EngineError;
 use crate::model::family::{MediaPreprocessor, Prepared, PreparedAudio};
 use crate::model::{image, video, MediaLayout, Model};
 use mlx_rs::{Array, Dtype};

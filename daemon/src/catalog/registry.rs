@@ -2,7 +2,7 @@
 //! are. A name is an alias from the settings, a file or directory name in the
 //! models directory, a path, or a model another tool keeps (see `discovery`).
 
-use super::error::EngineError;
+use crate::error::EngineError;
 use mlxbc_shared::{settings::Settings, ModelInfo};
 use std::path::{Path, PathBuf};
 

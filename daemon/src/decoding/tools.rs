@@ -10,37 +10,10 @@
 //! results as `ipython` turns). A model whose template has no tool support
 //! gets a clear `BadRequest` rather than tools it would ignore.
 
+pub use crate::model::tool_format::ToolFormat;
+use crate::model::tool_format::{CLOSE, OPEN};
 use mlxbc_shared::{Constraint, Tool, ToolCall, ToolChoice};
 use serde_json::{json, Value};
-
-/// How a model's template writes tool calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ToolFormat {
-    /// `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Qwen2.5,
-    /// Qwen3, Hermes).
-    Hermes,
-    /// A bare `{"name": ..., "parameters": ...}` answer (Llama 3.1 / 3.2).
-    Llama3Json,
-}
-
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
-
-impl ToolFormat {
-    /// The format a chat template's source uses, if it takes tools at all.
-    pub fn of_template(source: &str) -> Option<Self> {
-        if !source.contains("tools") {
-            return None;
-        }
-        if source.contains(OPEN) {
-            return Some(Self::Hermes);
-        }
-        // Llama 3.x: "Respond in the format {"name": function name,
-        // "parameters": dictionary of argument name and its value}".
-        let llama = source.contains("\"parameters\": dictionary") || source.contains("Environment: ipython");
-        llama.then_some(Self::Llama3Json)
-    }
-}
 
 /// The tools a request's prompt describes to the model (none when it
 /// sends none or chose `ToolChoice::None`); a `BadRequest` message when the
@@ -58,17 +31,6 @@ pub fn for_prompt<'a>(
             .into());
     }
     Ok(&request.tools)
-}
-
-/// The tools as templates expect them (OpenAI's shape, parameters parsed).
-pub fn template_tools(tools: &[Tool]) -> Vec<Value> {
-    tools
-        .iter()
-        .map(|t| {
-            let parameters: Value = serde_json::from_str(&t.parameters).unwrap_or_else(|_| json!({}));
-            json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": parameters}})
-        })
-        .collect()
 }
 
 /// Checks tools before anything is rendered: names, schemas as JSON, a

@@ -1,0 +1,348 @@
+//! The engine thread's loop: jobs are taken between the scheduler's ticks
+//! (blocking for one only when nothing is generating), a generation's job
+//! is set up (`generate::begin`) and handed to the scheduler, transcriptions
+//! advance one window per pass, and housekeeping runs every
+//! `PRESSURE_POLL`. Status is published to the handle's snapshot.
+
+use super::housekeeping::PRESSURE_POLL;
+use super::jobs::{refuse, Control, Job, PromptRoute};
+use super::residency::{self, Residency};
+use super::{generate, scheduler, speech, EngineSnapshot, PromptRamState};
+use crate::catalog::registry::ModelRegistry;
+use crate::error::{self, EngineError};
+use crate::{media, prompt_cache, sessions};
+use mlxbc_shared::{KeepAlive, Response};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Requested model names remembered for tokenizing off the engine thread.
+const MAX_ROUTES: usize = 64;
+
+/// Jobs (new requests' setup, loads, prefetches) taken between two ticks
+/// while generations run.
+const JOBS_PER_TICK: usize = 16;
+
+/// How often status is republished while generations run.
+const PUBLISH_EVERY: Duration = Duration::from_millis(200);
+
+pub(super) struct Engine {
+    pub(super) store: Option<media::SharedStore>,
+    pub(super) prompts: prompt_cache::PromptCache,
+    pub(super) registry: Arc<ModelRegistry>,
+    pub(super) residency: Residency,
+    /// Below this much available memory, shed.
+    pub(super) low_memory_bytes: u64,
+    pub(super) sessions: Arc<sessions::SessionStore>,
+    pub(super) form: crate::model::options::ModelOptions,
+    /// How decode steps are built.
+    pub(super) decode: crate::model::decode_step::DecodeMode,
+    pub(super) prefill_chunk: usize,
+    pub(super) scheduler: scheduler::Scheduler,
+    /// Transcriptions in flight, advanced one window at a time in turn.
+    pub(super) transcriptions: speech::Transcriptions,
+    pub(super) last_publish: Instant,
+    pub(super) last_housekeeping: Instant,
+    pub(super) max_tokens_limit: Option<u32>,
+    /// Requested model names (None: the default) and what they resolved to.
+    pub(super) routes: HashMap<Option<String>, String>,
+    pub(super) snapshot: Arc<Mutex<EngineSnapshot>>,
+    pub(super) queued: Arc<AtomicU32>,
+    pub(super) served: Arc<AtomicU64>,
+    pub(super) cancelled: Arc<AtomicU64>,
+    pub(super) stopping: Arc<AtomicBool>,
+}
+
+impl Engine {
+    pub(super) fn run(&mut self, rx: mpsc::Receiver<Control>) {
+        let mut stopped = false;
+        loop {
+            // Jobs are taken between ticks; the engine blocks for one only
+            // when nothing is generating (waking at least every
+            // PRESSURE_POLL to look at the machine's memory).
+            let mut pending = false;
+            let mut first = if self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped {
+                let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
+                match rx.recv_timeout(wait) {
+                    Ok(c) => Some(c),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                None
+            };
+            // While generating, at most JOBS_PER_TICK jobs are taken before
+            // the next step, so a flood of requests cannot stall the streams.
+            let mut taken = 0;
+            loop {
+                if taken >= JOBS_PER_TICK && !self.scheduler.is_empty() {
+                    break;
+                }
+                taken += 1;
+                let control = match first.take() {
+                    Some(c) => c,
+                    None => match rx.try_recv() {
+                        Ok(c) => c,
+                        Err(_) => break,
+                    },
+                };
+                match control {
+                    Control::Job(job) => {
+                        self.queued.fetch_sub(1, Ordering::SeqCst);
+                        if self.stopping.load(Ordering::SeqCst) {
+                            refuse(job);
+                            continue;
+                        }
+                        pending |= self.handle_guarded(job);
+                        self.served.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Control::Stop => {
+                        stopped = true;
+                        while let Ok(Control::Job(job)) = rx.try_recv() {
+                            refuse(job);
+                        }
+                        self.transcriptions.clear();
+                        for ended in self.scheduler.refuse_waiting() {
+                            self.answer(ended);
+                        }
+                    }
+                }
+            }
+            // One window of one transcription per pass, taking turns.
+            if let Some((model, keep_alive)) = self.transcriptions.step(self.store.as_ref()) {
+                self.residency.touch(&model, keep_alive);
+                self.publish();
+            }
+            if !self.scheduler.is_empty() {
+                // The prompt cache's RAM tier counts in the budget.
+                let used = self.residency.used_bytes() + self.prompts.ram_usage().1;
+                let free = self.residency.budget_bytes().saturating_sub(used);
+                let ended = self.scheduler.tick(&mut self.prompts, free);
+                // Status follows arrivals, admissions and ends at once (before
+                // a client hears its answer is done), token counts every PUBLISH_EVERY.
+                if self.scheduler.take_changed() || self.last_publish.elapsed() >= PUBLISH_EVERY {
+                    self.publish();
+                }
+                for ended in ended {
+                    self.answer(ended);
+                }
+                // While generating, keep-alive and memory pressure are looked at every PRESSURE_POLL.
+                if !self.scheduler.is_empty() && self.last_housekeeping.elapsed() < PRESSURE_POLL {
+                    continue;
+                }
+            }
+            if !self.transcriptions.is_empty() && self.last_housekeeping.elapsed() < PRESSURE_POLL {
+                continue;
+            }
+            if stopped && self.scheduler.is_empty() && self.transcriptions.is_empty() {
+                break;
+            }
+            if pending {
+                // Its request is coming (image bytes being resent, or being prepared): keep its model.
+                self.publish();
+                continue;
+            }
+            self.housekeeping();
+        }
+        tracing::info!("engine stopped");
+    }
+
+    /// Runs a job; a bug that panics in it (a hostile model file the checks
+    /// missed) fails that job, not the engine: its reply channels drop, so
+    /// its client hears "dropped the request".
+    fn handle_guarded(&mut self, job: Job) -> bool {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(job))) {
+            Ok(pending) => pending,
+            Err(panic) => {
+                let what = error::panic_message(&*panic);
+                tracing::error!("a job panicked ({what}); its client was answered with an error");
+                false
+            }
+        }
+    }
+
+    /// Runs a job; true when its request is still in flight (the daemon
+    /// asked the client for media bytes, or loaded a model for a request
+    /// being prepared) and the model is about to be needed. A generation
+    /// is set up here and handed to the scheduler.
+    fn handle(&mut self, job: Job) -> bool {
+        match job {
+            Job::Generate { request, events, cancel, received, prepared, media, turn, load_ms: loaded_ms } => {
+                let keep_alive = request.keep_alive;
+                let begun = match self.load(request.model.as_deref(), keep_alive) {
+                    Err(e) => Err(e),
+                    Ok(residency::Loaded { name, model, load_ms }) => {
+                        self.publish();
+                        let mut ctx = generate::GenerationContext {
+                            model_name: &name,
+                            load_ms: load_ms.max(loaded_ms),
+                            prefill_chunk: self.prefill_chunk,
+                            decode: self.decode,
+                            received,
+                            store: self.store.as_ref(),
+                            prompts: &mut self.prompts,
+                            max_tokens_limit: self.max_tokens_limit,
+                            prepared,
+                            media,
+                        };
+                        let begun = generate::begin(model, &mut ctx, &request, events.clone(), cancel);
+                        self.residency.touch(&name, keep_alive);
+                        begun
+                    }
+                };
+                match begun {
+                    Ok(generate::Begun::Sequence(seq)) => {
+                        let own = self.residency.memory_of(seq.model_name());
+                        let beside = self.residency.budget_bytes().saturating_sub(own);
+                        let active = scheduler::Active::new(*seq, request.stop, turn, keep_alive);
+                        if let Err((active, e)) = self.scheduler.add(active, beside) {
+                            self.answer((active, Err(e)));
+                        }
+                    }
+                    Ok(generate::Begun::Finished(generate::Finished::AskedForMedia)) => return true,
+                    Ok(generate::Begun::Finished(f)) => self.finish(Ok(f), &events, &request.stop, turn),
+                    Err(e) => self.finish(Err(e), &events, &request.stop, turn),
+                }
+            }
+            Job::Transcribe { request, audio, events, cancel, received } => {
+                let loaded = match &request.model {
+                    Some(m) => Ok(m.clone()),
+                    None => self.registry.default_speech(),
+                }
+                .and_then(|m| {
+                    let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
+                    self.residency.ensure_speech(&self.registry, &m, self.form, request.keep_alive, memo.as_ref())
+                });
+                match loaded {
+                    Err(e) => {
+                        let _ = events.send(e.into_response());
+                    }
+                    Ok((name, model, load_ms)) => {
+                        self.publish();
+                        let begun = speech::ActiveTranscription::begin(
+                            name, model, &request, audio, events, cancel, received, load_ms,
+                        );
+                        match begun {
+                            Ok(t) => self.transcriptions.add(t),
+                            Err((e, events)) => {
+                                let _ = events.send(e.into_response());
+                            }
+                        }
+                    }
+                }
+            }
+            Job::ClearPromptRam { reply } => {
+                let dropped = self.prompts.clear_ram() as u64;
+                self.publish();
+                let _ = reply.send(dropped);
+            }
+            Job::Prefetch { model, media, prepared, reply } => {
+                let response = match self.load(model.as_deref(), None) {
+                    Err(e) => e.into_response(),
+                    Ok(residency::Loaded { name, model: m, .. }) => {
+                        let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
+                        let resolved = match prepared {
+                            Some(p) => media::finish(&m, &name, self.store.as_ref(), p, &refs),
+                            None => media::resolve(&m, &name, self.store.as_ref(), &refs),
+                        };
+                        match resolved {
+                            Ok(media::Resolved::Missing(missing)) => {
+                                let _ = reply.send(Response::NeedMedia { missing });
+                                return true;
+                            }
+                            Ok(media::Resolved::Ready(e)) => {
+                                Response::Prefetched { encoded: e.stats.misses, cached: e.stats.hits }
+                            }
+                            Err(e) => e.into_response(),
+                        }
+                    }
+                };
+                let _ = reply.send(response);
+            }
+            Job::Load { model, keep_alive, for_request, reply } => {
+                let t = Instant::now();
+                let response = match self.load(model.as_deref(), keep_alive) {
+                    Ok(residency::Loaded { name, .. }) => {
+                        if let Some(ka) = keep_alive {
+                            self.residency.touch(&name, Some(ka));
+                        }
+                        let memory_bytes = self.residency.memory_of(&name);
+                        Response::Loaded { model: name, load_ms: t.elapsed().as_millis() as u64, memory_bytes }
+                    }
+                    Err(e) => e.into_response(),
+                };
+                // Status read right after the reply must already see this load.
+                self.publish();
+                let _ = reply.send(response);
+                return for_request;
+            }
+            Job::Unload { model, reply } => {
+                self.prompts.clear_ram();
+                let response = match self.registry.resolve(Some(&model)) {
+                    Ok(resolved) => {
+                        Response::Unloaded { was_loaded: self.residency.unload(&resolved.name), model: resolved.name }
+                    }
+                    Err(_) => Response::Unloaded { was_loaded: self.residency.unload(&model), model },
+                };
+                self.publish();
+                let _ = reply.send(response);
+            }
+        }
+        false
+    }
+
+    /// Makes a model resident (fingerprinting its tower through the store's
+    /// memo) and remembers which model the requested name led to.
+    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<residency::Loaded, EngineError> {
+        // A name that already led to a resident model needs no resolving
+        // (which may scan other tools' stores).
+        let asked = model.map(String::from);
+        if let Some((name, model)) = self.routes.get(&asked).and_then(|n| Some((n, self.residency.handle(n)?))) {
+            return Ok(residency::Loaded { name: name.clone(), model, load_ms: 0.0 });
+        }
+        let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
+        let loaded = self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())?;
+        if self.routes.len() >= MAX_ROUTES {
+            // Many spellings of paths can name one model: keep the table small.
+            self.routes.clear();
+        }
+        self.routes.insert(asked, loaded.name.clone());
+        Ok(loaded)
+    }
+
+    pub(super) fn publish(&mut self) {
+        self.last_publish = Instant::now();
+        let mut snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        snap.sequences = self.scheduler.describe();
+        snap.admission_queue = self.scheduler.queue_length() as u32;
+        snap.reserved_kv_bytes = self.scheduler.reserved_bytes();
+        let limits = self.scheduler.limits();
+        snap.max_batch = limits.max_batch as u32;
+        snap.max_queue = limits.max_queue as u32;
+        snap.memory_budget_bytes = self.residency.budget_bytes();
+        snap.loaded = self.residency.describe();
+        snap.routes = self
+            .routes
+            .iter()
+            .filter_map(|(asked, name)| {
+                let m = self.residency.get(name)?;
+                let route = PromptRoute {
+                    model: name.clone(),
+                    prompter: m.prompter.clone(),
+                    context: m.lm.context_length() as usize,
+                    placeholder: m.vision.as_ref().map(|v| v.placeholder.clone()),
+                    media: media::MediaRoute::of(m),
+                    kv_root: m.kv_root,
+                    recurrent: m.lm.recurrent(),
+                };
+                Some((asked.clone(), route))
+            })
+            .collect();
+        let (blocks, bytes) = self.prompts.ram_usage();
+        snap.prompt_ram =
+            PromptRamState { blocks, bytes, budget_bytes: self.prompts.ram_budget(), counters: self.prompts.counters };
+        snap.mlx_active_bytes = mlx_rs::memory::active_memory().unwrap_or(0) as u64;
+        snap.mlx_peak_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
+    }
+}
