@@ -22,7 +22,7 @@ use mlx_rs::Array;
 use std::rc::Rc;
 
 /// A sequence's key in the scheduler.
-pub type SeqId = u64;
+pub use super::scheduler::SeqId;
 
 struct Row {
     seq: SeqId,

@@ -10,6 +10,7 @@ pub mod generate;
 mod handle;
 mod housekeeping;
 mod jobs;
+mod keep_alive;
 pub mod memory;
 mod residency;
 mod scheduler;

@@ -3,6 +3,7 @@
 //! Loading beyond either unloads the least recently used unpinned model
 //! first; a model that cannot fit even then is refused before it is loaded.
 
+use super::keep_alive::{self, Clock, NoRoom};
 use crate::catalog::registry::ModelRegistry;
 use crate::error::EngineError;
 use crate::model::family::SpeechRecognizer;
@@ -34,25 +35,7 @@ impl Servable {
 struct Resident {
     /// Shared with the generation using it (the engine is one thread).
     model: Servable,
-    /// MLX memory the load took.
-    memory_bytes: u64,
-    keep_alive: KeepAlive,
-    last_used: Instant,
-}
-
-impl Resident {
-    fn pinned(&self) -> bool {
-        self.keep_alive == KeepAlive::Forever
-    }
-
-    fn expires_at(&self) -> Option<Instant> {
-        match self.keep_alive {
-            KeepAlive::Forever => None,
-            // A keep-alive past what an Instant can hold (a client may send
-            // u64::MAX seconds) never expires; `+` would panic.
-            KeepAlive::Seconds(s) => self.last_used.checked_add(Duration::from_secs(s)),
-        }
-    }
+    clock: Clock,
 }
 
 /// A model made resident (or found so).
@@ -124,38 +107,41 @@ impl Residency {
 
     /// What the resident models took at load, together.
     pub fn used_bytes(&self) -> u64 {
-        self.models.values().map(|r| r.memory_bytes).sum()
+        self.models.values().map(|r| r.clock.memory_bytes).sum()
+    }
+
+    fn clocks(&self) -> impl Iterator<Item = (&String, &Clock)> {
+        self.models.iter().map(|(n, r)| (n, &r.clock))
     }
 
     /// The least recently used model that may be unloaded.
     fn least_recent_unpinned(&self) -> Option<String> {
-        self.models.iter().filter(|(_, r)| !r.pinned()).min_by_key(|(_, r)| r.last_used).map(|(n, _)| n.clone())
+        keep_alive::least_recent_unpinned(self.clocks())
     }
 
     /// Unloads least recently used unpinned models until one more model of
     /// `need` bytes fits both limits.
     fn make_room(&mut self, name: &str, need: u64) -> Result<(), EngineError> {
-        if need > self.budget_bytes {
-            return Err(EngineError::OutOfMemory(format!(
-                "model {name} needs about {} MiB, more than the memory budget of {} MiB; \
+        let victims = keep_alive::make_room(self.clocks(), need, self.budget_bytes, self.max_loaded).map_err(|e| {
+            EngineError::OutOfMemory(match e {
+                NoRoom::OverBudget => format!(
+                    "model {name} needs about {} MiB, more than the memory budget of {} MiB; \
                      raise memory_budget_mib in config.toml or use a smaller (quantized) model",
-                need / MIB,
-                self.budget_bytes / MIB
-            )));
-        }
-        while self.models.len() >= self.max_loaded || self.used_bytes() + need > self.budget_bytes {
-            let Some(victim) = self.least_recent_unpinned() else {
-                let pinned: Vec<&str> = self.models.keys().map(String::as_str).collect();
-                return Err(EngineError::OutOfMemory(format!(
+                    need / MIB,
+                    self.budget_bytes / MIB
+                ),
+                NoRoom::Pinned { pinned, used } => format!(
                     "model {name} (about {} MiB) does not fit next to the pinned models {} ({} of {} MiB used, \
-                         at most {} loaded); unload one with `mlxbc unload NAME`",
+                     at most {} loaded); unload one with `mlxbc unload NAME`",
                     need / MIB,
                     pinned.join(", "),
-                    self.used_bytes() / MIB,
+                    used / MIB,
                     self.budget_bytes / MIB,
                     self.max_loaded
-                )));
-            };
+                ),
+            })
+        })?;
+        for victim in victims {
             tracing::info!(model = %victim, to_load = %name, "unloading the least recently used model to make room");
             self.unload(&victim);
             self.evicted.push(victim);
@@ -272,9 +258,11 @@ impl Residency {
             resolved.name.clone(),
             Resident {
                 model: model.clone(),
-                memory_bytes,
-                keep_alive: keep_alive.unwrap_or(self.default_keep_alive),
-                last_used: Instant::now(),
+                clock: Clock {
+                    memory_bytes,
+                    keep_alive: keep_alive.unwrap_or(self.default_keep_alive),
+                    last_used: Instant::now(),
+                },
             },
         );
         Ok((resolved.name, model, load_ms))
@@ -299,16 +287,16 @@ impl Residency {
     /// Restarts a model's idle clock, optionally with a new keep-alive.
     pub fn touch(&mut self, name: &str, keep_alive: Option<KeepAlive>) {
         if let Some(r) = self.models.get_mut(name) {
-            r.last_used = Instant::now();
+            r.clock.last_used = Instant::now();
             if let Some(ka) = keep_alive {
-                r.keep_alive = ka;
+                r.clock.keep_alive = ka;
             }
         }
     }
 
     /// MLX memory a resident model took at load.
     pub fn memory_of(&self, name: &str) -> u64 {
-        self.models.get(name).map_or(0, |r| r.memory_bytes)
+        self.models.get(name).map_or(0, |r| r.clock.memory_bytes)
     }
 
     /// Drops a model; false when it was not resident.
@@ -323,19 +311,12 @@ impl Residency {
 
     /// How long until the next model's keep-alive runs out.
     pub fn next_expiry(&self) -> Option<Duration> {
-        let now = Instant::now();
-        self.models.values().filter_map(|r| r.expires_at()).min().map(|t| t.saturating_duration_since(now))
+        keep_alive::next_expiry(self.clocks(), Instant::now())
     }
 
     /// Unloads every model whose keep-alive has run out; returns their names.
     pub fn expire(&mut self) -> Vec<String> {
-        let now = Instant::now();
-        let gone: Vec<String> = self
-            .models
-            .iter()
-            .filter(|(_, r)| r.expires_at().is_some_and(|t| t <= now))
-            .map(|(n, _)| n.clone())
-            .collect();
+        let gone = keep_alive::expired(self.clocks(), Instant::now());
         for name in &gone {
             self.models.remove(name);
         }
@@ -354,15 +335,15 @@ impl Residency {
             .map(|(name, r)| LoadedModel {
                 name: name.clone(),
                 architecture: r.model.architecture().to_string(),
-                memory_bytes: r.memory_bytes,
-                keep_alive: r.keep_alive,
-                expires_in_s: r.expires_at().map(|t| t.saturating_duration_since(now).as_secs()),
-                idle_s: now.duration_since(r.last_used).as_secs(),
+                memory_bytes: r.clock.memory_bytes,
+                keep_alive: r.clock.keep_alive,
+                expires_in_s: r.clock.expires_at().map(|t| t.saturating_duration_since(now).as_secs()),
+                idle_s: now.duration_since(r.clock.last_used).as_secs(),
                 context_length: match &r.model {
                     Servable::Chat(m) => m.lm.context_length(),
                     Servable::Speech(_) => 0,
                 },
-                pinned: r.pinned(),
+                pinned: r.clock.pinned(),
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

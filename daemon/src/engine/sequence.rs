@@ -293,13 +293,8 @@ impl Sequence {
         let n = self.s.ids.len();
         let to = n - 1;
         if at < to {
-            let mut end = chunk_end(self.s.blocks.as_deref(), at, to, self.s.prefill_chunk);
-            // A recurrent model's state is saved where the prefix the prompt
-            // cache may store ends, so a chunk ends there.
-            let checkpoint = self.state_checkpoint().filter(|&p| at < p && p <= end);
-            if let Some(p) = checkpoint {
-                end = p;
-            }
+            let end = self.chunk_end_from(at);
+            let checkpoint = self.state_checkpoint().filter(|&p| p == end);
             let lm = &self.s.model.lm;
             lm.forward(&positions(&self.s.embeds, at, end)?, &mut self.s.cache, self.s.blocks.as_deref())
                 .map_err(EngineError::inference)?;
@@ -350,6 +345,35 @@ impl Sequence {
     /// For a recurrent model whose prompt is cached, the position where the
     /// prefix the prompt cache may store ends (its last full block, or the
     /// end of its last image when that is further): its state is saved there.
+    /// Where the prefill chunk that starts at `at` ends: `prefill_chunk`
+    /// tokens on, not cutting an image's block, and stopping where a
+    /// recurrent model's state is saved (where the prefix the prompt cache
+    /// may store ends).
+    fn chunk_end_from(&self, at: usize) -> usize {
+        let to = self.s.ids.len() - 1;
+        let end = chunk_end(self.s.blocks.as_deref(), at, to, self.s.prefill_chunk);
+        match self.state_checkpoint() {
+            Some(p) if at < p && p <= end => p,
+            _ => end,
+        }
+    }
+
+    /// The prompt tokens each prefill call still to come takes, in order
+    /// (the last is the final position alone, which yields the first
+    /// token); empty when the prompt is done. The scheduler plans with it.
+    pub fn prefill_calls(&self) -> Vec<usize> {
+        let Some(mut at) = self.prefill_at else { return vec![] };
+        let to = self.s.ids.len() - 1;
+        let mut calls = Vec::new();
+        while at < to {
+            let end = self.chunk_end_from(at);
+            calls.push(end - at);
+            at = end;
+        }
+        calls.push(1);
+        calls
+    }
+
     fn state_checkpoint(&self) -> Option<usize> {
         if !self.s.model.lm.recurrent() {
             return None;

@@ -10,18 +10,26 @@
 //! may take; it waits (in arrival order) while that does not fit beside the
 //! resident models and the reservations of those running, or while its
 //! model's batch is full.
+//!
+//! The decisions are made in [`plan`] from plain data (each sequence's
+//! model, KV need, prompt length and prefill calls); this file carries a
+//! plan out on the sequences and their batches.
 
-use super::batch::{prefill_together, DecodeBatch, SeqId};
+mod plan;
+
+pub use plan::SchedulerLimits;
+pub use plan::SeqId;
+use plan::{Facts, Queues, Refusal, TickPlan};
+
+use super::batch::{prefill_together, DecodeBatch};
 use super::generate::Finished;
 use super::sequence::{Prefilled, Sequence};
 use super::SessionTurn;
 use crate::error::EngineError;
 use crate::prompt_cache::PromptCache;
 use mlxbc_shared::{KeepAlive, SequenceInfo};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::rc::Rc;
-
-const MIB: u64 = 1 << 20;
 
 /// A sequence and what answering it needs once it ends.
 pub struct Active {
@@ -30,13 +38,11 @@ pub struct Active {
     pub stop: Vec<String>,
     pub turn: Option<SessionTurn>,
     pub keep_alive: Option<KeepAlive>,
-    /// KV bytes reserved at admission (0 until admitted).
-    reserved: u64,
 }
 
 impl Active {
     pub fn new(seq: Sequence, stop: Vec<String>, turn: Option<SessionTurn>, keep_alive: Option<KeepAlive>) -> Self {
-        Self { seq, stop, turn, keep_alive, reserved: 0 }
+        Self { seq, stop, turn, keep_alive }
     }
 }
 
@@ -52,28 +58,14 @@ struct BatchKey {
     alone: Option<SeqId>,
 }
 
-/// Limits the scheduler keeps.
-#[derive(Debug, Clone, Copy)]
-pub struct SchedulerLimits {
-    /// Sequences of one model admitted at once (prefilling or decoding).
-    pub max_batch: usize,
-    /// Sequences waiting for admission before new ones are refused.
-    pub max_queue: usize,
-    /// Prompt tokens prefilled per tick, across sequences.
-    pub prefill_budget: usize,
-}
-
 /// Every sequence in flight.
 pub struct Scheduler {
     limits: SchedulerLimits,
     next_id: SeqId,
     active: HashMap<SeqId, Active>,
-    /// Not admitted yet, in arrival order.
-    waiting: VecDeque<SeqId>,
-    /// Admitted and prefilling, oldest first.
-    prefilling: VecDeque<SeqId>,
+    /// Waiting, prefilling, decoding; the KV reserved.
+    queues: Queues,
     batches: HashMap<BatchKey, DecodeBatch>,
-    reserved_bytes: u64,
     /// A sequence arrived, was admitted, joined a batch or ended since
     /// [`Self::take_changed`] was last called (status should be republished).
     changed: bool,
@@ -85,10 +77,8 @@ impl Scheduler {
             limits,
             next_id: 1,
             active: HashMap::new(),
-            waiting: VecDeque::new(),
-            prefilling: VecDeque::new(),
+            queues: Queues::default(),
             batches: HashMap::new(),
-            reserved_bytes: 0,
             changed: false,
         }
     }
@@ -110,12 +100,12 @@ impl Scheduler {
 
     /// Sequences waiting for admission.
     pub fn queue_length(&self) -> usize {
-        self.waiting.len()
+        self.queues.waiting().count()
     }
 
     /// KV bytes reserved by admitted sequences.
     pub fn reserved_bytes(&self) -> u64 {
-        self.reserved_bytes
+        self.queues.reserved_bytes()
     }
 
     /// Names of the models sequences are running on.
@@ -130,12 +120,11 @@ impl Scheduler {
     pub fn describe(&self) -> Vec<SequenceInfo> {
         let batch_of: HashMap<SeqId, usize> =
             self.batches.values().flat_map(|b| b.sequences().map(move |s| (s, b.len()))).collect();
-        let waiting: std::collections::HashSet<SeqId> = self.waiting.iter().copied().collect();
         let mut out: Vec<(SeqId, SequenceInfo)> = self
             .active
             .iter()
             .map(|(&id, a)| {
-                let state = if waiting.contains(&id) {
+                let state = if self.queues.is_waiting(id) {
                     "waiting"
                 } else if a.seq.is_prefilling() {
                     "prefill"
@@ -150,7 +139,7 @@ impl Scheduler {
                     generated_tokens: a.seq.generated_tokens() as u32,
                     batch_size: batch_of.get(&id).copied().unwrap_or(0) as u32,
                     age_ms: a.seq.received().elapsed().as_millis() as u64,
-                    reserved_kv_bytes: a.reserved,
+                    reserved_kv_bytes: self.queues.reserved_by(id),
                 };
                 (id, info)
             })
@@ -163,185 +152,123 @@ impl Scheduler {
     /// budget leaves next to its own model: a sequence whose KV would not
     /// fit even there is refused now, and so is one past the queue limit.
     pub fn add(&mut self, active: Active, never_fits_beside: u64) -> Result<(), (Active, EngineError)> {
-        let need = kv_need(&active.seq);
-        if need > never_fits_beside {
-            let e = EngineError::OutOfMemory(format!(
-                "this request's KV cache ({} prompt tokens plus up to {} generated) needs about {} MiB, \
-                 more than the memory budget leaves beside model {} ({} MiB); lower max_tokens or raise \
-                 memory_budget_mib in config.toml",
-                active.seq.prompt_tokens(),
-                active.seq.max_positions() - active.seq.prompt_tokens(),
-                need.div_ceil(MIB),
-                active.seq.model_name(),
-                never_fits_beside / MIB
-            ));
-            return Err((active, e));
-        }
-        if self.waiting.len() >= self.limits.max_queue {
-            let e = EngineError::Busy(format!(
-                "mlxbcd is busy: {} requests are already waiting (max_queue in config.toml); retry shortly",
-                self.waiting.len()
-            ));
+        if let Err(r) = self.queues.check_arrival(&self.limits, kv_need(&active.seq), never_fits_beside) {
+            let e = refusal_error(&r, &active.seq);
             return Err((active, e));
         }
         let id = self.next_id;
         self.next_id += 1;
         self.active.insert(id, active);
-        self.waiting.push_back(id);
+        self.queues.arrive(id);
         self.changed = true;
         Ok(())
-    }
-
-    /// Admits waiting sequences in arrival order while their KV fits in
-    /// `free_bytes` (the budget less the resident models) beside what is
-    /// reserved, and their model's batch has room. When nothing is running
-    /// and the oldest still does not fit, it never will: it is refused.
-    fn admit(&mut self, free_bytes: u64, ended: &mut Vec<Ended>) {
-        while let Some(&id) = self.waiting.front() {
-            let Some(a) = self.active.get(&id) else {
-                self.waiting.pop_front();
-                continue;
-            };
-            let need = kv_need(&a.seq);
-            let model = Rc::as_ptr(a.seq.model()) as usize;
-            // Admitted: prefilling, or a row of one of the model's batches.
-            let of_model =
-                |id: &SeqId| self.active.get(id).is_some_and(|o| Rc::as_ptr(o.seq.model()) as usize == model);
-            let admitted_of_model = self.prefilling.iter().filter(|i| of_model(i)).count()
-                + self.batches.iter().filter(|(k, _)| k.model == model).map(|(_, b)| b.len()).sum::<usize>();
-            let fits = self.reserved_bytes + need <= free_bytes;
-            if fits && admitted_of_model < self.limits.max_batch {
-                self.waiting.pop_front();
-                self.reserved_bytes += need;
-                if let Some(a) = self.active.get_mut(&id) {
-                    a.reserved = need;
-                }
-                self.prefilling.push_back(id);
-                self.changed = true;
-                continue;
-            }
-            if !fits && self.reserved_bytes == 0 {
-                self.waiting.pop_front();
-                let a = self.take(id).expect("a waiting sequence");
-                let e = EngineError::OutOfMemory(format!(
-                    "this request's KV cache needs about {} MiB and the memory budget leaves {} MiB beside the \
-                     resident models; unload one (`mlxbc unload NAME`) or lower max_tokens",
-                    need.div_ceil(MIB),
-                    free_bytes / MIB
-                ));
-                ended.push((a, Err(e)));
-                continue;
-            }
-            break;
-        }
     }
 
     /// Removes a sequence, releasing its reservation.
     fn take(&mut self, id: SeqId) -> Option<Active> {
         let a = self.active.remove(&id)?;
         self.changed = true;
-        self.reserved_bytes -= a.reserved;
-        self.waiting.retain(|&w| w != id);
-        self.prefilling.retain(|&p| p != id);
+        self.queues.leave(id);
         Some(a)
     }
 
     /// Refuses every sequence not admitted yet (shutting down).
     pub fn refuse_waiting(&mut self) -> Vec<Ended> {
-        let ids: Vec<SeqId> = self.waiting.drain(..).collect();
+        let ids: Vec<SeqId> = self.queues.waiting().collect();
         let err = || EngineError::ShuttingDown("mlxbcd is shutting down".into());
         ids.into_iter().filter_map(|id| self.take(id)).map(|a| (a, Err(err()))).collect()
     }
 
-    /// One round: admission, a budget of prefill chunks, then one decode
-    /// step of every batch. Returns the sequences that ended.
+    /// One round: the plan for this tick (who leaves, who is admitted, what
+    /// is prefilled), carried out, then one decode step of every batch.
+    /// Returns the sequences that ended.
     pub fn tick(&mut self, prompts: &mut PromptCache, free_bytes: u64) -> Vec<Ended> {
+        let plan = self.queues.plan(&self.facts(), &self.limits, free_bytes);
         let mut ended = Vec::new();
-        // A client that left while its request waited is let go at once.
-        let gone: Vec<SeqId> = self
-            .waiting
-            .iter()
-            .chain(&self.prefilling)
-            .copied()
-            .filter(|id| self.active.get(id).is_some_and(|a| a.seq.gone()))
-            .collect();
-        for id in gone {
-            if let Some(a) = self.take(id) {
-                ended.push((a, Ok(Finished::Abandoned)));
-            }
-        }
-        self.admit(free_bytes, &mut ended);
-        self.prefill(prompts, &mut ended);
+        self.carry_out(plan, prompts, &mut ended);
         self.decode(&mut ended);
         ended
     }
 
-    fn prefill(&mut self, prompts: &mut PromptCache, ended: &mut Vec<Ended>) {
-        let mut budget = self.limits.prefill_budget;
-        // A burst of new prompts on one model is prefilled as one batch.
-        if let Some((group, cost)) = self.prefill_group(budget) {
-            budget = budget.saturating_sub(cost);
-            self.prefill_group_now(&group, prompts, ended);
+    /// What the plan needs of the sequences not decoding yet.
+    fn facts(&self) -> HashMap<SeqId, Facts> {
+        self.queues
+            .waiting()
+            .chain(self.queues.prefilling())
+            .filter_map(|id| {
+                let seq = &self.active.get(&id)?.seq;
+                let facts = Facts {
+                    model: model_id(seq),
+                    kv_need: kv_need(seq),
+                    prompt_tokens: seq.prompt_tokens(),
+                    groupable: seq.can_prefill_together(),
+                    gone: seq.gone(),
+                    prefill_calls: seq.prefill_calls(),
+                };
+                Some((id, facts))
+            })
+            .collect()
+    }
+
+    fn carry_out(&mut self, plan: TickPlan, prompts: &mut PromptCache, ended: &mut Vec<Ended>) {
+        for id in plan.abandon {
+            // A client that left while its request waited is let go at once.
+            if let Some(a) = self.take(id) {
+                ended.push((a, Ok(Finished::Abandoned)));
+            }
         }
-        while budget > 0 {
-            let Some(&id) = self.prefilling.front() else { return };
-            let Some(a) = self.active.get_mut(&id) else {
-                self.prefilling.pop_front();
-                continue;
-            };
-            let step = guarded(|| a.seq.prefill(prompts));
-            match step {
-                Ok(Prefilled::Chunk { tokens }) => budget = budget.saturating_sub(tokens.max(1)),
-                Ok(Prefilled::Ready) => {
-                    budget = budget.saturating_sub(1);
-                    self.prefilling.pop_front();
-                    let (model, mode) = (a.seq.model().clone(), a.seq.decode_mode());
-                    let Some((cache, first)) = a.seq.take_for_batch() else { continue };
-                    let key =
-                        BatchKey { model: Rc::as_ptr(&model) as usize, alone: cache.mrope.is_some().then_some(id) };
-                    self.changed = true;
-                    let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model, mode));
-                    if let Err(e) = batch.join(&[id], cache, first) {
-                        let a = self.take(id).expect("a prefilled sequence");
-                        ended.push((a, Err(e)));
-                    }
-                }
-                Ok(Prefilled::Finished(f)) => {
-                    let a = self.take(id).expect("a prefilling sequence");
-                    ended.push((a, Ok(f)));
-                }
-                Err(e) => {
-                    let a = self.take(id).expect("a prefilling sequence");
-                    ended.push((a, Err(e)));
+        for (id, refusal) in plan.refuse {
+            if let Some(a) = self.take(id) {
+                let e = refusal_error(&refusal, &a.seq);
+                ended.push((a, Err(e)));
+            }
+        }
+        for id in plan.admit {
+            let Some(a) = self.active.get(&id) else { continue };
+            self.queues.admit(id, kv_need(&a.seq));
+            self.changed = true;
+        }
+        if !plan.group.is_empty() {
+            self.prefill_group_now(&plan.group, prompts, ended);
+        }
+        for (id, calls) in plan.prefill {
+            for _ in 0..calls {
+                if !self.prefill_once(id, prompts, ended) {
+                    break;
                 }
             }
         }
     }
 
-    /// The oldest prefilling sequences on the first one's model that can be
-    /// prefilled together, while the padded batch (rows × longest prompt)
-    /// stays within `budget` tokens; `None` unless at least two.
-    fn prefill_group(&self, budget: usize) -> Option<(Vec<SeqId>, usize)> {
-        let head = self.active.get(self.prefilling.front()?)?;
-        if !head.seq.can_prefill_together() {
-            return None;
-        }
-        let model = Rc::as_ptr(head.seq.model());
-        let (mut group, mut longest) = (Vec::new(), 0);
-        for &id in &self.prefilling {
-            let Some(a) = self.active.get(&id) else { continue };
-            if Rc::as_ptr(a.seq.model()) != model || !a.seq.can_prefill_together() {
-                continue;
+    /// One prefill call of a sequence; true while it is still prefilling.
+    fn prefill_once(&mut self, id: SeqId, prompts: &mut PromptCache, ended: &mut Vec<Ended>) -> bool {
+        let Some(a) = self.active.get_mut(&id) else { return false };
+        match guarded(|| a.seq.prefill(prompts)) {
+            Ok(Prefilled::Chunk { .. }) => true,
+            Ok(Prefilled::Ready) => {
+                let (model, mode) = (a.seq.model().clone(), a.seq.decode_mode());
+                let Some((cache, first)) = a.seq.take_for_batch() else { return false };
+                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: cache.mrope.is_some().then_some(id) };
+                self.changed = true;
+                self.queues.start_decoding(id, key.model);
+                let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model, mode));
+                if let Err(e) = batch.join(&[id], cache, first) {
+                    let a = self.take(id).expect("a prefilled sequence");
+                    ended.push((a, Err(e)));
+                }
+                false
             }
-            let n = a.seq.prompt_tokens().max(longest);
-            if !group.is_empty() && (n * (group.len() + 1) > budget || group.len() >= self.limits.max_batch) {
-                break;
+            Ok(Prefilled::Finished(f)) => {
+                let a = self.take(id).expect("a prefilling sequence");
+                ended.push((a, Ok(f)));
+                false
             }
-            longest = n;
-            group.push(id);
+            Err(e) => {
+                let a = self.take(id).expect("a prefilling sequence");
+                ended.push((a, Err(e)));
+                false
+            }
         }
-        let cost = longest * group.len();
-        (group.len() >= 2).then_some((group, cost))
     }
 
     /// Prefills `group` as one batch; those that did not end on their first
@@ -356,7 +283,6 @@ impl Scheduler {
         tracing::debug!(rows = seqs.len(), "prompts prefilled together");
         let outcome = guarded(|| prefill_together(&model, &mut seqs, chunk, prompts));
         drop(seqs);
-        self.prefilling.retain(|p| !group.contains(p));
         self.changed = true;
         let (mut cache, mut first, ends) = match outcome {
             Ok(made) => made,
@@ -393,6 +319,9 @@ impl Scheduler {
                     .map_err(EngineError::inference)?;
             }
             let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None };
+            for &id in &joined {
+                self.queues.start_decoding(id, key.model);
+            }
             let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model.clone(), mode));
             batch.join(&joined, cache, first)
         };
@@ -453,6 +382,20 @@ impl Scheduler {
                 self.batches.remove(&key);
             }
         }
+    }
+}
+
+/// The model a sequence runs on, by address.
+fn model_id(seq: &Sequence) -> plan::ModelId {
+    Rc::as_ptr(seq.model()) as usize
+}
+
+/// The error a refused sequence's client hears.
+fn refusal_error(r: &Refusal, seq: &Sequence) -> EngineError {
+    let message = r.message(seq.prompt_tokens(), seq.max_positions() - seq.prompt_tokens(), seq.model_name());
+    match r {
+        Refusal::QueueFull { .. } => EngineError::Busy(message),
+        Refusal::NeverFits { .. } | Refusal::DoesNotFitNow { .. } => EngineError::OutOfMemory(message),
     }
 }
 
