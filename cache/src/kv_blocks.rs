@@ -16,6 +16,7 @@
 //! block's hash, a bad checksum, a short file — is a miss: removed and
 //! counted, never served.
 
+use mlxbc_shared::sync::lock;
 use crate::key::hex;
 use crate::value::Features;
 use mlxbc_shared::settings::DiskReserve;
@@ -137,12 +138,12 @@ impl BlockStore {
 
     /// True when a block of that hash is on disk (it may still turn out corrupt).
     pub fn contains(&self, hash: &BlockHash) -> bool {
-        self.index.lock().unwrap().entries.contains_key(hash)
+        lock(&self.index).entries.contains_key(hash)
     }
 
     /// The size on disk of the block of that hash, if there is one.
     pub fn size(&self, hash: &BlockHash) -> Option<u64> {
-        self.index.lock().unwrap().entries.get(hash).map(|e| e.bytes)
+        lock(&self.index).entries.get(hash).map(|e| e.bytes)
     }
 
     /// The block, verified; `None` when absent or damaged (then removed).
@@ -154,7 +155,7 @@ impl BlockStore {
         let path = self.path(hash);
         let small_enough = std::fs::metadata(&path).is_ok_and(|m| m.len() <= MAX_BLOCK_BYTES);
         let block = small_enough.then(|| std::fs::read(&path).ok()).flatten().and_then(|b| decode(&b, hash));
-        let mut index = self.index.lock().unwrap();
+        let mut index = lock(&self.index);
         match block {
             Some(f) => {
                 index.clock += 1;
@@ -202,7 +203,7 @@ impl BlockStore {
             return written;
         }
         {
-            let mut index = self.index.lock().unwrap();
+            let mut index = lock(&self.index);
             index.clock += 1;
             let used = index.clock;
             index.bytes += bytes.len() as u64;
@@ -242,7 +243,7 @@ impl BlockStore {
 
     /// Removes the least recently used block; its size, or None when empty.
     fn evict_oldest(&self) -> Option<u64> {
-        let mut index = self.index.lock().unwrap();
+        let mut index = lock(&self.index);
         let (&oldest, _) = index.entries.iter().min_by_key(|(_, e)| e.used)?;
         let e = index.entries.remove(&oldest).expect("just found");
         index.bytes -= e.bytes;
@@ -253,7 +254,7 @@ impl BlockStore {
     }
 
     fn evict_over_budget(&self) {
-        let mut index = self.index.lock().unwrap();
+        let mut index = lock(&self.index);
         while index.bytes > self.budget {
             let Some((&oldest, _)) = index.entries.iter().min_by_key(|(_, e)| e.used) else { break };
             let e = index.entries.remove(&oldest).unwrap();
@@ -265,7 +266,7 @@ impl BlockStore {
 
     /// Removes every block; returns how many there were.
     pub fn clear(&self) -> u64 {
-        let mut index = self.index.lock().unwrap();
+        let mut index = lock(&self.index);
         let n = index.entries.len() as u64;
         for hash in index.entries.keys() {
             let _ = std::fs::remove_file(self.path(hash));
@@ -277,7 +278,7 @@ impl BlockStore {
 
     /// Sizes and counters.
     pub fn stats(&self) -> BlockStats {
-        let index = self.index.lock().unwrap();
+        let index = lock(&self.index);
         BlockStats {
             blocks: index.entries.len() as u64,
             bytes: index.bytes,

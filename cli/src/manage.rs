@@ -9,7 +9,8 @@ use std::io::Write;
 /// printed as `9223372036854775807s`).
 const FOREVER_S: u64 = 100 * 365 * 24 * 3600;
 
-fn gib(bytes: u64) -> String {
+/// Bytes as MiB with one decimal.
+fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
@@ -29,7 +30,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     m.name,
                     m.format,
                     m.capability,
-                    gib(m.size_bytes),
+                    mib(m.size_bytes),
                     m.source,
                     if m.loaded { "yes" } else { "" },
                     m.aliases.join(",")
@@ -53,7 +54,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}",
                     m.name,
                     m.architecture,
-                    gib(m.memory_bytes),
+                    mib(m.memory_bytes),
                     if m.pinned { "yes" } else { "" },
                     crate::human_duration(m.keep_alive),
                     until,
@@ -77,28 +78,28 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         q.generated_tokens,
                         if q.batch_size > 0 { q.batch_size.to_string() } else { "-".into() },
                         format!("{:.1}s", q.age_ms as f64 / 1000.0),
-                        gib(q.reserved_kv_bytes)
+                        mib(q.reserved_kv_bytes)
                     )?;
                 }
             }
             let used: u64 = s.loaded.iter().map(|m| m.memory_bytes).sum();
-            let avail = s.available_bytes.map_or("unknown".into(), gib);
+            let avail = s.available_bytes.map_or("unknown".into(), mib);
             writeln!(
                 out,
                 "\nmemory: {} of {} budget (models), {} reserved for generations' KV; {avail} available on this machine",
-                gib(used),
-                gib(s.memory_budget_bytes),
-                gib(s.reserved_kv_bytes)
+                mib(used),
+                mib(s.memory_budget_bytes),
+                mib(s.reserved_kv_bytes)
             )?;
             for e in &s.memory_sheds {
                 writeln!(
                     out,
                     "shed {}s ago under memory pressure ({} available): {} — {} ({})",
                     e.ago_s,
-                    gib(e.available_bytes),
+                    mib(e.available_bytes),
                     e.tier,
                     e.what,
-                    gib(e.freed_bytes)
+                    mib(e.freed_bytes)
                 )?;
             }
         }
@@ -110,9 +111,9 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             writeln!(
                 out,
                 "memory:   MLX active {}, peak {}, RSS {}",
-                gib(s.mlx_active_bytes),
-                gib(s.mlx_peak_bytes),
-                gib(s.rss_bytes)
+                mib(s.mlx_active_bytes),
+                mib(s.mlx_peak_bytes),
+                mib(s.rss_bytes)
             )?;
             writeln!(out, "loaded:   {}", s.loaded.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "))?;
             writeln!(
@@ -130,7 +131,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 s.admission_queue,
                 s.max_batch,
                 s.max_queue,
-                gib(s.reserved_kv_bytes)
+                mib(s.reserved_kv_bytes)
             )?;
             writeln!(
                 out,
@@ -152,7 +153,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             let mut spinner = crate::progress::Spinner::start(format!("loading {model}"));
             let (name, ms, bytes) = client.load(&model, keep_alive(&ka)?).await?;
             spinner.stop();
-            writeln!(out, "loaded {name} in {ms} ms ({})", gib(bytes))?;
+            writeln!(out, "loaded {name} in {ms} ms ({})", mib(bytes))?;
         }
         Command::Unload { model } => {
             let was = client.unload(&model).await?;
@@ -168,7 +169,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             };
             let r = client.cache(cmd).await?;
             for e in &r.listing {
-                writeln!(out, "{}  tower {}  {}", e.content, e.tower, gib(e.bytes))?;
+                writeln!(out, "{}  tower {}  {}", e.content, e.tower, mib(e.bytes))?;
             }
             match command {
                 CacheCmd::Clear { prompts: false } => writeln!(out, "removed {} entries", r.removed)?,
@@ -183,10 +184,10 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         out,
                         "entries:   {} ({} of {} on disk; {} in RAM, {})",
                         r.entries,
-                        gib(r.disk_bytes),
-                        gib(r.disk_budget_bytes),
+                        mib(r.disk_bytes),
+                        mib(r.disk_budget_bytes),
                         r.ram_entries,
-                        gib(r.ram_bytes)
+                        mib(r.ram_bytes)
                     )?;
                     writeln!(
                         out,
@@ -206,11 +207,11 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         out,
                         "blocks:    {} on disk ({} of {}); {} in RAM ({} of {})",
                         p.disk_blocks,
-                        gib(p.disk_bytes),
-                        gib(p.disk_budget_bytes),
+                        mib(p.disk_bytes),
+                        mib(p.disk_budget_bytes),
                         p.ram_blocks,
-                        gib(p.ram_bytes),
-                        gib(p.ram_budget_bytes)
+                        mib(p.ram_bytes),
+                        mib(p.ram_budget_bytes)
                     )?;
                     writeln!(
                         out,
@@ -223,7 +224,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                         writeln!(
                             out,
                             "disk room: {} more before the filesystem's reserve (disk_reserve_percent, disk_reserve_mib); {} blocks not written for it",
-                            gib(p.disk_room_bytes),
+                            mib(p.disk_room_bytes),
                             p.disk_skipped_for_space
                         )?;
                     }

@@ -7,6 +7,7 @@
 //! `accept` failed with EMFILE in a tight loop, one core at 100% and the log
 //! growing 7.8 GB in 40 s, while `mlxbc ask` timed out.
 
+use mlxbc_shared::sync::lock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -114,7 +115,7 @@ impl ConnectionTable {
 
     /// Connections open now.
     pub fn len(&self) -> usize {
-        self.open.lock().unwrap().len()
+        lock(&self.open).len()
     }
 
     /// True when no connection is open.
@@ -126,7 +127,7 @@ impl ConnectionTable {
     /// the longest-idle connection is told to close and the new one takes its
     /// place; when every connection is busy, `None`.
     pub fn admit(self: &Arc<Self>) -> Option<Slot> {
-        let mut open = self.open.lock().unwrap();
+        let mut open = lock(&self.open);
         if open.len() >= self.cap && !Self::evict_one(&mut open) {
             self.refused.fetch_add(1, Ordering::Relaxed);
             return None;
@@ -139,7 +140,7 @@ impl ConnectionTable {
 
     /// Closes the longest-idle connection (to free a descriptor after EMFILE).
     pub fn evict_idle(&self) -> bool {
-        Self::evict_one(&mut self.open.lock().unwrap())
+        Self::evict_one(&mut lock(&self.open))
     }
 
     fn evict_one(open: &mut HashMap<u64, Entry>) -> bool {
@@ -169,14 +170,14 @@ impl ConnectionTable {
 impl Slot {
     /// A request is in flight (the connection may not be closed for room).
     pub fn busy(&self) {
-        if let Some(e) = self.table.open.lock().unwrap().get_mut(&self.id) {
+        if let Some(e) = lock(&self.table.open).get_mut(&self.id) {
             e.idle_since = None;
         }
     }
 
     /// The request is answered; the connection idles.
     pub fn idle(&self) {
-        if let Some(e) = self.table.open.lock().unwrap().get_mut(&self.id) {
+        if let Some(e) = lock(&self.table.open).get_mut(&self.id) {
             e.idle_since = Some(Instant::now());
         }
     }
@@ -193,13 +194,13 @@ impl Slot {
     /// How long it has had no request in flight (None: busy, or already
     /// closed for room).
     pub fn idle_for(&self) -> Option<Duration> {
-        self.table.open.lock().unwrap().get(&self.id).and_then(|e| e.idle_since).map(|t| t.elapsed())
+        lock(&self.table.open).get(&self.id).and_then(|e| e.idle_since).map(|t| t.elapsed())
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if self.table.open.lock().unwrap().remove(&self.id).is_none() {
+        if lock(&self.table.open).remove(&self.id).is_none() {
             // It was evicted, and already left the table then.
             self.table.evicted.fetch_add(1, Ordering::Relaxed);
         }
@@ -220,7 +221,7 @@ impl RateLimitedLog {
 
     /// Calls `log(suppressed)` if the interval has passed since the last call that logged.
     pub fn log(&self, log: impl FnOnce(u64)) {
-        let mut s = self.state.lock().unwrap();
+        let mut s = lock(&self.state);
         let due = s.0.map_or(true, |t| t.elapsed() >= self.interval);
         if due {
             let suppressed = s.1;

@@ -8,6 +8,7 @@
 //! 4.25 KB (its 4,096-byte name and the whole model list), unthrottled;
 //! 3,000 of them added 12.8 MB to the log in 2.5 s.
 
+use mlxbc_shared::sync::lock;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
@@ -57,7 +58,7 @@ impl Throttle {
     /// Whether an event of `meta` may be logged now; writes the count of
     /// the ones dropped in the window that just ended, if any.
     fn admit(&self, meta: &Metadata<'_>) -> bool {
-        let mut sites = self.sites.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut sites = lock(&self.sites);
         let w = sites.entry(meta.callsite()).or_insert_with(|| Window {
             started: Instant::now(),
             logged: 0,

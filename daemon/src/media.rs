@@ -22,7 +22,8 @@ use crate::model::{image, video, MediaLayout, Model};
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality};
 use mlxbc_shared::{MediaKind, MediaRef};
-use std::sync::{Arc, Mutex, PoisonError};
+use mlxbc_shared::sync::lock;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// The feature store, shared by the engine and the connections' blocking
@@ -39,7 +40,7 @@ impl SharedStore {
 
     /// The store, for one short operation.
     pub fn lock(&self) -> std::sync::MutexGuard<'_, FeatureStore> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.0)
     }
 }
 

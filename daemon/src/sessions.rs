@@ -9,10 +9,11 @@
 //! session are serialized, and a turn that began before its session was
 //! deleted is not written back (which used to resurrect the file).
 
+use mlxbc_shared::sync::lock;
 use mlxbc_shared::{ChatMessage, SessionInfo};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex};
 
 /// Why a session could not be read, written or named.
 #[derive(Debug, thiserror::Error)]
@@ -68,14 +69,14 @@ impl SessionStore {
 
     /// The history a new turn of `name` starts from.
     pub fn begin(&self, name: &str) -> Result<Turn, SessionError> {
-        let epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        let epochs = lock(&self.epochs);
         let epoch = epochs.get(name).copied().unwrap_or(0);
         Ok(Turn { history: self.load(name)?, epoch })
     }
 
     /// Appends a finished turn, unless the session was deleted since it began.
     pub fn finish(&self, name: &str, turn: &Turn, new: &[ChatMessage]) -> Result<(), SessionError> {
-        let epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        let epochs = lock(&self.epochs);
         if epochs.get(name).copied().unwrap_or(0) != turn.epoch {
             return Err(SessionError::DeletedMeanwhile(name.to_string()));
         }
@@ -105,7 +106,7 @@ impl SessionStore {
 
     /// Appends messages (their text; images are dropped).
     pub fn append(&self, name: &str, new: &[ChatMessage]) -> Result<(), SessionError> {
-        let _writing = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        let _writing = lock(&self.epochs);
         self.write_appended(name, new)
     }
 
@@ -139,7 +140,7 @@ impl SessionStore {
 
     /// Forgets a session; returns it if it existed.
     pub fn delete(&self, name: &str) -> Result<Option<SessionInfo>, SessionError> {
-        let mut epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut epochs = lock(&self.epochs);
         let messages = self.load(name)?;
         match std::fs::remove_file(self.path(name)) {
             Ok(()) => {

@@ -6,7 +6,7 @@
 use crate::engine::{EngineHandle, Job};
 use crate::error::EngineError;
 use crate::limits::ConnectionTable;
-use crate::requests::prepare::{Prepared, Ready};
+use crate::requests::prepare::{Preparation, Ready};
 use crate::requests::validate;
 use mlxbc_shared::{GenerateRequest, Response};
 use std::sync::atomic::AtomicBool;
@@ -54,10 +54,10 @@ impl AppState {
         let (events, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         match crate::requests::prepare::prepare(&self.engine, &self.sessions, request).await? {
-            Prepared::NeedMedia(missing) => {
+            Preparation::NeedMedia(missing) => {
                 let _ = events.send(Response::NeedMedia { missing });
             }
-            Prepared::Ready(ready) => {
+            Preparation::Ready(ready) => {
                 let Ready { request, prepared, media, turn, load_ms } = *ready;
                 let cancel = cancel.clone();
                 self.engine.submit(Job::Generate {
@@ -82,15 +82,15 @@ impl AppState {
         &self,
         request: mlxbc_shared::TranscribeRequest,
     ) -> Result<(mpsc::UnboundedReceiver<Response>, Arc<AtomicBool>), EngineError> {
-        use crate::requests::transcribe::{prepare, PreparedAudio};
+        use crate::requests::transcribe::{prepare, AudioPreparation};
         let received = Instant::now();
         let (events, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         match prepare(self.engine.store.clone(), &request).await? {
-            PreparedAudio::NeedBytes(sha) => {
+            AudioPreparation::NeedBytes(sha) => {
                 let _ = events.send(Response::NeedMedia { missing: vec![sha] });
             }
-            PreparedAudio::Ready(audio) => {
+            AudioPreparation::Ready(audio) => {
                 let cancel = cancel.clone();
                 self.engine.submit(Job::Transcribe { request, audio, events, cancel, received })?;
             }

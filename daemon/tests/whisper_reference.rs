@@ -13,15 +13,15 @@ use common::*;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_daemon::audio::{decode, mel};
-use mlxbc_daemon::families::{self, Loaded};
+use mlxbc_daemon::families::{self, LoadedModel};
 use mlxbc_daemon::model::family::SpeechRecognizer;
 use mlxbc_daemon::model::weights::WeightForm;
 use mlxbc_shared::{MediaRef, TranscribeRequest};
 
 fn whisper(dir: &str) -> Box<dyn SpeechRecognizer> {
     match families::load_any(&fixture(dir), WeightForm::DenseF32, None).unwrap() {
-        Loaded::Speech(s) => s,
-        Loaded::Chat(_) => panic!("{dir} loaded as a chat model"),
+        LoadedModel::Speech(s) => s,
+        LoadedModel::Chat(_) => panic!("{dir} loaded as a chat model"),
     }
 }
 

@@ -8,6 +8,7 @@ pub mod fuzz;
 pub mod paths;
 pub mod protocol;
 pub mod settings;
+pub mod sync;
 pub mod subtitles;
 
 pub use codec::{FrameError, WireCodec, MAX_FRAME_BYTES};

@@ -6,6 +6,7 @@
 //! Names: `org/name` (an HF snapshot with config.json), `org/name/file.gguf`
 //! (a GGUF in an HF snapshot), `ollama:model:tag`, `lmstudio:publisher/repo/file.gguf`.
 
+use mlxbc_shared::sync::lock;
 use std::path::{Path, PathBuf};
 
 /// A model found in another tool's store.
@@ -66,7 +67,7 @@ impl Discovery {
     /// Every model the three stores hold, from the last scan while it is fresh.
     pub fn models(&self) -> Vec<Found> {
         let stamps: Vec<_> = roots().iter().map(|r| std::fs::metadata(r).and_then(|m| m.modified()).ok()).collect();
-        let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut last = lock(&self.last);
         match &*last {
             Some(s) if s.stamps == stamps && s.at.elapsed() < RESCAN_AFTER => s.found.clone(),
             _ => {

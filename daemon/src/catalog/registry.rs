@@ -34,7 +34,6 @@ impl ModelRegistry {
         }
     }
 
-    /// Resolves `name` (`None`: the default model). The error lists what is known.
     /// The speech model a transcription that names none uses: the first
     /// one listed (the models directory first, by name).
     pub fn default_speech(&self) -> Result<String, EngineError> {
@@ -47,6 +46,7 @@ impl ModelRegistry {
         })
     }
 
+    /// Resolves `name` (`None`: the default model). The error lists what is known.
     pub fn resolve(&self, name: Option<&str>) -> Result<ResolvedModel, EngineError> {
         let name = name.unwrap_or(&self.default_model);
         let target = self.aliases.get(name).map(String::as_str).unwrap_or(name);
@@ -129,15 +129,16 @@ impl ModelRegistry {
     }
 }
 
-/// What a model does, from its files: a directory whose config is
-/// Whisper's transcribes ("speech"), one with a vision config sees
+/// What a model does, from its files: a directory whose family loads a
+/// speech recognizer transcribes ("speech"), one with a vision config sees
 /// ("vision"); the rest chat.
 pub fn capability(path: &Path) -> &'static str {
     if !path.is_dir() {
         return "chat";
     }
     let Ok(Some(raw)) = crate::model::read_json(&path.join("config.json")) else { return "chat" };
-    if crate::families::model_type_of(&raw) == Some("whisper") {
+    let family = crate::families::family_of(&raw);
+    if family.is_some_and(|f| matches!(f.load_dir, crate::families::DirLoader::Speech(_))) {
         "speech"
     } else if raw.get("vision_config").is_some() {
         "vision"

@@ -2,6 +2,7 @@
 //! status, routes and the prompt cache's report from the last snapshot the
 //! engine published, without queueing.
 
+use mlxbc_shared::sync::lock;
 use super::jobs::{Control, Job, PromptRoute};
 use super::memory;
 use crate::error::EngineError;
@@ -9,7 +10,7 @@ use crate::{media, prompt_cache};
 use mlxbc_shared::{DaemonStatus, LoadedModel, ShedEvent};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 /// What the engine last published about itself; read without queueing.
@@ -71,7 +72,7 @@ impl EngineHandle {
     /// The prompt cache's state: its RAM tier as last published, its disk
     /// tier now.
     pub fn prompt_report(&self) -> mlxbc_shared::PromptCacheReport {
-        let ram = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).prompt_ram;
+        let ram = lock(&self.snapshot).prompt_ram;
         let disk = self.prompt_disk.as_ref().map(|d| d.stats()).unwrap_or_default();
         mlxbc_shared::PromptCacheReport {
             path: self.prompt_path.display().to_string(),
@@ -89,7 +90,7 @@ impl EngineHandle {
             disk_evictions: disk.evictions,
             corrupt: disk.corrupt,
             writes_dropped: ram.counters.writes_dropped,
-            disk_skipped_tokens: self.prompt_shared.lock().unwrap_or_else(PoisonError::into_inner).costs.skipped_tokens,
+            disk_skipped_tokens: lock(&self.prompt_shared).costs.skipped_tokens,
             disk_skipped_for_space: disk.skipped_for_space,
             disk_room_bytes: disk.room_bytes,
         }
@@ -109,7 +110,7 @@ impl EngineHandle {
 
     /// Status, built from the last snapshot plus live counters.
     pub fn status(&self, started: Instant) -> DaemonStatus {
-        let snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let snap = lock(&self.snapshot).clone();
         DaemonStatus {
             daemon_version: env!("CARGO_PKG_VERSION").to_string(),
             protocol: mlxbc_shared::PROTOCOL_VERSION,
@@ -158,18 +159,18 @@ impl EngineHandle {
 
     /// No model resident, no job queued, nothing generating.
     pub fn is_idle(&self) -> bool {
-        let snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        let snap = lock(&self.snapshot);
         self.queued.load(Ordering::SeqCst) == 0 && snap.loaded.is_empty() && snap.sequences.is_empty()
     }
 
     /// How to tokenize and prepare media for the model `model` names (`None`:
     /// the default), when that model is resident; `None` otherwise.
     pub fn route(&self, model: &Option<String>) -> Option<PromptRoute> {
-        self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).routes.get(model).cloned()
+        lock(&self.snapshot).routes.get(model).cloned()
     }
 
     /// Names of resident models.
     pub fn loaded_names(&self) -> Vec<String> {
-        self.snapshot.lock().unwrap_or_else(PoisonError::into_inner).loaded.iter().map(|m| m.name.clone()).collect()
+        lock(&self.snapshot).loaded.iter().map(|m| m.name.clone()).collect()
     }
 }

@@ -3,10 +3,10 @@
 //! tier at a time is let go (encoder RAM tier, prompt-cache RAM tier, the
 //! least recently used unpinned model).
 
+use mlxbc_shared::sync::lock;
 use super::memory;
 use super::thread::Engine;
 use mlxbc_shared::ShedEvent;
-use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 /// How often the engine looks at available memory when idle.
@@ -61,7 +61,7 @@ impl Engine {
             let _ = mlx_rs::memory::clear_cache();
             let (tier, what, freed_bytes) = shed;
             tracing::warn!(tier, %what, freed_bytes, available, threshold = self.low_memory_bytes, "memory pressure: shed");
-            let mut snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut snap = lock(&self.snapshot);
             snap.sheds.push((
                 Instant::now(),
                 ShedEvent { ago_s: 0, tier: tier.into(), what, freed_bytes, available_bytes: available },

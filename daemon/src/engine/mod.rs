@@ -21,13 +21,14 @@ mod thread;
 pub use handle::{EngineHandle, EngineSnapshot, PromptRamState};
 pub use jobs::{Job, PreparedPrompt, PromptRoute, SessionTurn};
 
+use mlxbc_shared::sync::lock;
 use crate::catalog::registry::ModelRegistry;
 use crate::model::weights::WeightForm;
 use crate::{media, prompt_cache, sessions};
 use mlxbc_shared::settings::Settings;
 use residency::Residency;
 use std::collections::HashMap;
-use std::sync::{mpsc, Arc, PoisonError};
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 /// Opens the prompt cache's disk tier, or says in the log why not.
@@ -102,7 +103,7 @@ pub fn spawn(
     {
         // The limits are known now: status before the first model load
         // must not show a zero budget or "max_batch 0".
-        let mut snap = handle.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut snap = lock(&handle.snapshot);
         snap.memory_budget_bytes = memory_budget;
         snap.max_batch = max_batch as u32;
         snap.max_queue = settings.max_queue as u32;

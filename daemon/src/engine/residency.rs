@@ -39,7 +39,7 @@ struct Resident {
 }
 
 /// A model made resident (or found so).
-pub struct Loaded {
+pub struct Ready {
     /// Its canonical name.
     pub name: String,
     pub model: Rc<Model>,
@@ -174,10 +174,10 @@ impl Residency {
         form: crate::model::options::ModelOptions,
         keep_alive: Option<KeepAlive>,
         fingerprints: Option<&sled::Tree>,
-    ) -> Result<Loaded, EngineError> {
+    ) -> Result<Ready, EngineError> {
         let (name, model, load_ms) = self.ensure_any(registry, name, form, keep_alive, fingerprints)?;
         match model {
-            Servable::Chat(model) => Ok(Loaded { name, model, load_ms }),
+            Servable::Chat(model) => Ok(Ready { name, model, load_ms }),
             Servable::Speech(_) => Err(EngineError::BadRequest(format!(
                 "{name} is a speech model: it transcribes audio (`mlxbc transcribe FILE -m {name}`, \
                  /v1/audio/transcriptions) and does not chat"
@@ -225,7 +225,7 @@ impl Residency {
             EngineError::ModelLoad(format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
         })?;
         let model = match loaded {
-            crate::families::Loaded::Chat(mut model) => {
+            crate::families::LoadedModel::Chat(mut model) => {
                 model.warm_up().map_err(|e| {
                     EngineError::ModelLoad(format!("running model {} for the first time: {e:#}", resolved.name))
                 })?;
@@ -242,7 +242,7 @@ impl Residency {
                 };
                 Servable::Chat(Rc::new(model))
             }
-            crate::families::Loaded::Speech(s) => Servable::Speech(Rc::from(s)),
+            crate::families::LoadedModel::Speech(s) => Servable::Speech(Rc::from(s)),
         };
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;

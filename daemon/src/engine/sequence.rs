@@ -111,7 +111,7 @@ struct StreamState {
 
 /// A generation between steps.
 pub struct Sequence {
-    s: Setup,
+    setup: Setup,
     /// Prompt positions from here are still to prefill; `None` once done.
     prefill_at: Option<usize>,
     /// The first token (on the device) and the cache, from the end of the
@@ -133,7 +133,7 @@ impl Sequence {
     pub fn new(setup: Setup) -> Self {
         let at = setup.start;
         Self {
-            s: setup,
+            setup,
             prefill_at: Some(at),
             handoff: None,
             generated: Vec::new(),
@@ -147,17 +147,17 @@ impl Sequence {
 
     /// The model it runs on.
     pub fn model(&self) -> &Rc<Model> {
-        &self.s.model
+        &self.setup.model
     }
 
     /// The model's canonical name.
     pub fn model_name(&self) -> &str {
-        &self.s.name
+        &self.setup.name
     }
 
     /// Prompt tokens.
     pub fn prompt_tokens(&self) -> usize {
-        self.s.ids.len()
+        self.setup.ids.len()
     }
 
     /// Tokens generated so far.
@@ -173,52 +173,52 @@ impl Sequence {
     /// Positions its KV cache may come to hold: the prompt and every token
     /// it may generate (what admission reserves).
     pub fn max_positions(&self) -> usize {
-        self.s.ids.len() + self.s.limit
+        self.setup.ids.len() + self.setup.limit
     }
 
     /// How decode steps are built for it.
     pub fn decode_mode(&self) -> DecodeMode {
-        self.s.mode
+        self.setup.mode
     }
 
     /// Where its events go.
     pub fn events(&self) -> &UnboundedSender<Response> {
-        &self.s.events
+        &self.setup.events
     }
 
     /// When the daemon received it.
     pub fn received(&self) -> Instant {
-        self.s.received
+        self.setup.received
     }
 
     /// True when the next token depends on a host-side mask (a
     /// constraint): its step cannot be queued before this one's token is read.
     pub fn is_constrained(&self) -> bool {
-        self.s.constraint.is_some()
+        self.setup.constraint.is_some()
     }
 
     /// True when its next token is the argmax of its logits.
     pub fn picks_argmax(&self) -> bool {
-        self.s.constraint.is_none() && self.s.logprobs.is_none() && self.s.sampler.is_greedy()
+        self.setup.constraint.is_none() && self.setup.logprobs.is_none() && self.setup.sampler.is_greedy()
     }
 
     /// Its next token `[1, 1]` from its row's logits: masked by its
     /// constraint, then picked by its sampler.
     pub fn pick(&mut self, logits: &Array) -> Result<Array, EngineError> {
-        if let Some(t) = &mut self.s.logprobs {
+        if let Some(t) = &mut self.setup.logprobs {
             t.queue(logits).map_err(EngineError::inference)?;
         }
         let masked;
         // (A row that just ended still gets a pick from its batch: unmasked.)
-        let logits = match &mut self.s.constraint {
+        let logits = match &mut self.setup.constraint {
             Some(c) if !c.is_done() => {
                 masked = c.mask(logits).map_err(EngineError::inference)?;
                 &masked
             }
             _ => logits,
         };
-        let token = self.s.sampler.pick(logits).map_err(EngineError::inference)?;
-        if let Some(t) = &mut self.s.logprobs {
+        let token = self.setup.sampler.pick(logits).map_err(EngineError::inference)?;
+        if let Some(t) = &mut self.setup.logprobs {
             t.picked(&token).map_err(EngineError::inference)?;
         }
         Ok(token)
@@ -226,12 +226,12 @@ impl Sequence {
 
     /// The log-probability arrays its last pick queued (none when not asked).
     pub fn logprob_arrays(&self) -> Vec<&Array> {
-        self.s.logprobs.as_ref().map(|t| t.newest()).unwrap_or_default()
+        self.setup.logprobs.as_ref().map(|t| t.newest()).unwrap_or_default()
     }
 
     /// The client cancelled or went away.
     pub fn gone(&self) -> bool {
-        self.s.cancel.load(Ordering::Relaxed) || self.s.events.is_closed()
+        self.setup.cancel.load(Ordering::Relaxed) || self.setup.events.is_closed()
     }
 
     /// The cache and the first token (already streamed), for a batch.
@@ -244,16 +244,16 @@ impl Sequence {
     /// other, no multimodal rope.
     pub fn can_prefill_together(&self) -> bool {
         self.prefill_at == Some(0)
-            && !self.s.model.lm.recurrent()
-            && self.s.blocks.is_none()
-            && self.s.cache.mrope.is_none()
-            && self.s.reused == 0
-            && self.s.cache.offset == 0
+            && !self.setup.model.lm.recurrent()
+            && self.setup.blocks.is_none()
+            && self.setup.cache.mrope.is_none()
+            && self.setup.reused == 0
+            && self.setup.cache.offset == 0
     }
 
     /// The prompt's embeddings `[1, L, hidden]`, for a batched prefill.
     pub fn prompt_embeds(&self) -> &Array {
-        &self.s.embeds
+        &self.setup.embeds
     }
 
     /// A batched prefill has begun with this sequence in it.
@@ -273,11 +273,11 @@ impl Sequence {
     ) -> Option<Result<Finished, EngineError>> {
         self.t_first = Some(Instant::now());
         self.prefill_at = None;
-        self.s.embeds = Array::from_int(0);
-        self.s.cache = KvCache::new(0);
+        self.setup.embeds = Array::from_int(0);
+        self.setup.cache = KvCache::new(0);
         let ended = self.accept(token);
         // After the first token is streamed: this row's blocks are kept.
-        if let Some(keys) = self.s.keys.take() {
+        if let Some(keys) = self.setup.keys.take() {
             self.note_prefill_costs(&keys, prompts);
             prompts.store(&keys, batch, row);
         }
@@ -290,23 +290,23 @@ impl Sequence {
             return Err(EngineError::Internal("prefill after the prompt was done".into()));
         };
         self.t_prefill.get_or_insert_with(Instant::now);
-        let n = self.s.ids.len();
+        let n = self.setup.ids.len();
         let to = n - 1;
         if at < to {
             let end = self.chunk_end_from(at);
             let checkpoint = self.state_checkpoint().filter(|&p| p == end);
-            let lm = &self.s.model.lm;
-            lm.forward(&positions(&self.s.embeds, at, end)?, &mut self.s.cache, self.s.blocks.as_deref())
+            let lm = &self.setup.model.lm;
+            lm.forward(&positions(&self.setup.embeds, at, end)?, &mut self.setup.cache, self.setup.blocks.as_deref())
                 .map_err(EngineError::inference)?;
             if checkpoint.is_some() {
-                self.s.cache.checkpoint_states();
+                self.setup.cache.checkpoint_states();
             }
             // The prompt's final chunk is queued, not waited for: the host
             // builds the last position's step while the device computes it.
             if end < to {
-                eval(self.s.cache.arrays()).map_err(EngineError::inference)?;
+                eval(self.setup.cache.arrays()).map_err(EngineError::inference)?;
             } else {
-                async_eval(self.s.cache.arrays()).map_err(EngineError::inference)?;
+                async_eval(self.setup.cache.arrays()).map_err(EngineError::inference)?;
             }
             if self.gone() {
                 return Ok(Prefilled::Finished(Finished::Abandoned));
@@ -315,9 +315,9 @@ impl Sequence {
             return Ok(Prefilled::Chunk { tokens: end - at });
         }
         // The last prompt position alone, then the first token.
-        let last = positions(&self.s.embeds, n - 1, n)?;
-        let lm = &self.s.model.lm;
-        let h = lm.forward(&last, &mut self.s.cache, None).map_err(EngineError::inference)?;
+        let last = positions(&self.setup.embeds, n - 1, n)?;
+        let lm = &self.setup.model.lm;
+        let h = lm.forward(&last, &mut self.setup.cache, None).map_err(EngineError::inference)?;
         let logits = lm.logits(&h).map_err(EngineError::inference)?;
         let next = self.pick(&logits)?;
         async_eval([&next]).map_err(EngineError::inference)?;
@@ -325,19 +325,19 @@ impl Sequence {
         self.t_first = Some(Instant::now());
         self.prefill_at = None;
         // The prompt's embeddings are not needed any more.
-        self.s.embeds = Array::from_int(0);
+        self.setup.embeds = Array::from_int(0);
         let ended = self.accept(token);
         // The first token is out (streamed by `accept`): now the prompt's
         // new blocks are kept (RAM now, disk behind), computed by the chunks above.
-        if let Some(keys) = self.s.keys.take() {
+        if let Some(keys) = self.setup.keys.take() {
             self.note_prefill_costs(&keys, prompts);
-            prompts.store(&keys, &self.s.cache, 0);
+            prompts.store(&keys, &self.setup.cache, 0);
         }
-        self.s.cache.checkpoint = None;
+        self.setup.cache.checkpoint = None;
         if let Some(end) = ended {
             return end.map(Prefilled::Finished);
         }
-        let cache = std::mem::replace(&mut self.s.cache, KvCache::new(0));
+        let cache = std::mem::replace(&mut self.setup.cache, KvCache::new(0));
         self.handoff = Some((cache, next));
         Ok(Prefilled::Ready)
     }
@@ -350,8 +350,8 @@ impl Sequence {
     /// recurrent model's state is saved (where the prefix the prompt cache
     /// may store ends).
     fn chunk_end_from(&self, at: usize) -> usize {
-        let to = self.s.ids.len() - 1;
-        let end = chunk_end(self.s.blocks.as_deref(), at, to, self.s.prefill_chunk);
+        let to = self.setup.ids.len() - 1;
+        let end = chunk_end(self.setup.blocks.as_deref(), at, to, self.setup.prefill_chunk);
         match self.state_checkpoint() {
             Some(p) if at < p && p <= end => p,
             _ => end,
@@ -363,7 +363,7 @@ impl Sequence {
     /// token); empty when the prompt is done. The scheduler plans with it.
     pub fn prefill_calls(&self) -> Vec<usize> {
         let Some(mut at) = self.prefill_at else { return vec![] };
-        let to = self.s.ids.len() - 1;
+        let to = self.setup.ids.len() - 1;
         let mut calls = Vec::new();
         while at < to {
             let end = self.chunk_end_from(at);
@@ -375,10 +375,10 @@ impl Sequence {
     }
 
     fn state_checkpoint(&self) -> Option<usize> {
-        if !self.s.model.lm.recurrent() {
+        if !self.setup.model.lm.recurrent() {
             return None;
         }
-        self.s.keys.as_ref().and_then(|k| k.longest_storable())
+        self.setup.keys.as_ref().and_then(|k| k.longest_storable())
     }
 
     /// Takes the next generated token: stops on end-of-sequence, a stop
@@ -386,16 +386,16 @@ impl Sequence {
     /// sequence is over.
     pub fn accept(&mut self, token: u32) -> Option<Result<Finished, EngineError>> {
         self.t_last = Some(Instant::now());
-        if !self.s.ignore_eos && self.s.model.eos_ids.contains(&token) {
+        if !self.setup.ignore_eos && self.setup.model.eos_ids.contains(&token) {
             return Some(self.finish(StopReason::Eos));
         }
-        if let Some(c) = &mut self.s.constraint {
+        if let Some(c) = &mut self.setup.constraint {
             if let Err(e) = c.consume(token) {
                 return Some(Err(EngineError::Inference(format!("{e:#}"))));
             }
         }
-        let tokenizer = &self.s.model.prompter.tokenizer;
-        if let Some(t) = &mut self.s.logprobs {
+        let tokenizer = &self.setup.model.prompter.tokenizer;
+        if let Some(t) = &mut self.setup.logprobs {
             if let Err(e) = t.accept(token, tokenizer) {
                 return Some(Err(EngineError::inference(e)));
             }
@@ -415,21 +415,21 @@ impl Sequence {
         };
         // A tool-call marker is a special token the decoder does not print:
         // its text goes to the tool filter as if it had.
-        let marker = self.s.tool_filter.as_ref().and_then(|f| f.marker(token));
+        let marker = self.setup.tool_filter.as_ref().and_then(|f| f.marker(token));
         let piece = match (piece, marker) {
             (Some(p), Some(m)) => Some(p + m),
             (None, Some(m)) => Some(m.to_string()),
             (p, None) => p,
         };
         if let Some(piece) = piece {
-            let (mut text, stop) = match self.s.stops.push(&piece) {
+            let (mut text, stop) = match self.setup.stops.push(&piece) {
                 Filtered::Emit(t) => (t, None),
                 Filtered::Stop(t, matched) => (t, Some(matched)),
             };
-            if let Some(f) = &mut self.s.tool_filter {
+            if let Some(f) = &mut self.setup.tool_filter {
                 text = f.push(&text);
             }
-            if !text.is_empty() && self.s.events.send(Response::Token { text }).is_err() {
+            if !text.is_empty() && self.setup.events.send(Response::Token { text }).is_err() {
                 return Some(Ok(Finished::Abandoned));
             }
             if let Some(matched) = stop {
@@ -438,11 +438,11 @@ impl Sequence {
             }
         }
         // A complete constrained answer ends here (its grammar admits no more).
-        if self.s.constraint.as_ref().is_some_and(|c| c.is_done()) {
+        if self.setup.constraint.as_ref().is_some_and(|c| c.is_done()) {
             return Some(self.finish(StopReason::Eos));
         }
-        if self.generated.len() >= self.s.limit {
-            let reason = if self.s.limit < self.s.asked { StopReason::ContextFull } else { StopReason::MaxTokens };
+        if self.generated.len() >= self.setup.limit {
+            let reason = if self.setup.limit < self.setup.asked { StopReason::ContextFull } else { StopReason::MaxTokens };
             return Some(self.finish(reason));
         }
         if self.gone() {
@@ -455,20 +455,20 @@ impl Sequence {
     /// disk reads against prefills with it).
     fn note_prefill_costs(&self, keys: &PromptKeys, prompts: &mut PromptCache) {
         let (Some(first), Some(start)) = (self.t_first, self.t_prefill) else { return };
-        let computed = self.s.ids.len() - self.s.reused;
-        prompts.note_prefilled(keys, computed, first.duration_since(start).as_secs_f64(), self.s.disk_cost);
+        let computed = self.setup.ids.len() - self.setup.reused;
+        prompts.note_prefilled(keys, computed, first.duration_since(start).as_secs_f64(), self.setup.disk_cost);
     }
 
     fn finish(&mut self, stop_reason: StopReason) -> Result<Finished, EngineError> {
-        let mut tail = if stop_reason != StopReason::StopString { self.s.stops.finish() } else { String::new() };
+        let mut tail = if stop_reason != StopReason::StopString { self.setup.stops.finish() } else { String::new() };
         let (mut tool_calls, mut warnings) = (Vec::new(), Vec::new());
-        if let Some(f) = &mut self.s.tool_filter {
+        if let Some(f) = &mut self.setup.tool_filter {
             tail = f.push(&tail);
             tail.push_str(&f.finish());
             tool_calls = std::mem::take(&mut f.calls);
             warnings = std::mem::take(&mut f.warnings);
         }
-        if !tail.is_empty() && self.s.events.send(Response::Token { text: tail }).is_err() {
+        if !tail.is_empty() && self.setup.events.send(Response::Token { text: tail }).is_err() {
             return Ok(Finished::Abandoned);
         }
         let t_first = self.t_first.unwrap_or_else(Instant::now);
@@ -477,22 +477,22 @@ impl Sequence {
         // The first token came from the prefill; the others from decode steps.
         let steps = (self.generated.len() + usize::from(stop_reason == StopReason::Eos)).saturating_sub(1);
         let prefill_s = t_first.duration_since(t_prefill).as_secs_f64();
-        let mut stats = stats_without_decode(&self.s.name, self.s.ids.len(), self.s.load_ms, &self.s.media_stats);
+        let mut stats = stats_without_decode(&self.setup.name, self.setup.ids.len(), self.setup.load_ms, &self.setup.media_stats);
         stats.generated_tokens = self.generated.len() as u32;
-        stats.time_to_first_token_ms = t_first.duration_since(self.s.received).as_secs_f64() * 1000.0;
-        stats.prefill_tokens_per_s = (self.s.ids.len() - self.s.reused) as f64 / prefill_s.max(1e-9);
+        stats.time_to_first_token_ms = t_first.duration_since(self.setup.received).as_secs_f64() * 1000.0;
+        stats.prefill_tokens_per_s = (self.setup.ids.len() - self.setup.reused) as f64 / prefill_s.max(1e-9);
         // One token (or none) takes no decode step: no rate to report (the
         // CLI says so rather than printing 0.0 tok/s).
         stats.decode_tokens_per_s = if steps > 0 && decode_s > 0.0 { steps as f64 / decode_s } else { 0.0 };
         stats.stop_reason = stop_reason;
         stats.token_ids = std::mem::take(&mut self.generated);
-        stats.prefix_tokens_reused = self.s.reused as u32;
-        stats.prompt_tokens_from_disk = self.s.from_disk as u32;
-        stats.prefill_tokens_computed = (self.s.ids.len() - self.s.reused) as u32;
+        stats.prefix_tokens_reused = self.setup.reused as u32;
+        stats.prompt_tokens_from_disk = self.setup.from_disk as u32;
+        stats.prefill_tokens_computed = (self.setup.ids.len() - self.setup.reused) as u32;
         stats.prefill_ms = prefill_s * 1000.0;
         stats.tool_calls = tool_calls;
         stats.stop_string = self.stop_string.take();
-        stats.logprobs = self.s.logprobs.take().map(|t| t.entries).unwrap_or_default();
+        stats.logprobs = self.setup.logprobs.take().map(|t| t.entries).unwrap_or_default();
         stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))
     }

@@ -4,6 +4,7 @@
 //! advance one window per pass, and housekeeping runs every
 //! `PRESSURE_POLL`. Status is published to the handle's snapshot.
 
+use mlxbc_shared::sync::lock;
 use super::housekeeping::PRESSURE_POLL;
 use super::jobs::{refuse, Control, Job, PromptRoute};
 use super::residency::{self, Residency};
@@ -14,7 +15,7 @@ use crate::{media, prompt_cache, sessions};
 use mlxbc_shared::{KeepAlive, Response};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Requested model names remembered for tokenizing off the engine thread.
@@ -172,7 +173,7 @@ impl Engine {
                 let keep_alive = request.keep_alive;
                 let begun = match self.load(request.model.as_deref(), keep_alive) {
                     Err(e) => Err(e),
-                    Ok(residency::Loaded { name, model, load_ms }) => {
+                    Ok(residency::Ready { name, model, load_ms }) => {
                         self.publish();
                         let mut ctx = generate::GenerationContext {
                             model_name: &name,
@@ -240,7 +241,7 @@ impl Engine {
             Job::Prefetch { model, media, prepared, reply } => {
                 let response = match self.load(model.as_deref(), None) {
                     Err(e) => e.into_response(),
-                    Ok(residency::Loaded { name, model: m, .. }) => {
+                    Ok(residency::Ready { name, model: m, .. }) => {
                         let refs: Vec<&mlxbc_shared::MediaRef> = media.iter().collect();
                         let resolved = match prepared {
                             Some(p) => media::finish(&m, &name, self.store.as_ref(), p, &refs),
@@ -263,7 +264,7 @@ impl Engine {
             Job::Load { model, keep_alive, for_request, reply } => {
                 let t = Instant::now();
                 let response = match self.load(model.as_deref(), keep_alive) {
-                    Ok(residency::Loaded { name, .. }) => {
+                    Ok(residency::Ready { name, .. }) => {
                         if let Some(ka) = keep_alive {
                             self.residency.touch(&name, Some(ka));
                         }
@@ -294,12 +295,12 @@ impl Engine {
 
     /// Makes a model resident (fingerprinting its tower through the store's
     /// memo) and remembers which model the requested name led to.
-    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<residency::Loaded, EngineError> {
+    fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<residency::Ready, EngineError> {
         // A name that already led to a resident model needs no resolving
         // (which may scan other tools' stores).
         let asked = model.map(String::from);
         if let Some((name, model)) = self.routes.get(&asked).and_then(|n| Some((n, self.residency.handle(n)?))) {
-            return Ok(residency::Loaded { name: name.clone(), model, load_ms: 0.0 });
+            return Ok(residency::Ready { name: name.clone(), model, load_ms: 0.0 });
         }
         let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
         let loaded = self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())?;
@@ -313,7 +314,7 @@ impl Engine {
 
     pub(super) fn publish(&mut self) {
         self.last_publish = Instant::now();
-        let mut snap = self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut snap = lock(&self.snapshot);
         snap.sequences = self.scheduler.describe();
         snap.admission_queue = self.scheduler.queue_length() as u32;
         snap.reserved_kv_bytes = self.scheduler.reserved_bytes();

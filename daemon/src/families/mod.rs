@@ -36,7 +36,7 @@ pub enum DirLoader {
 }
 
 /// A loaded model of either kind.
-pub enum Loaded {
+pub enum LoadedModel {
     Chat(Model),
     Speech(Box<dyn SpeechRecognizer>),
 }
@@ -115,6 +115,12 @@ pub fn model_type_of(raw: &serde_json::Value) -> Option<&str> {
         .or_else(|| (raw.get("n_mels").is_some() && raw.get("n_audio_ctx").is_some()).then_some("whisper"))
 }
 
+/// The family of a directory's parsed `config.json`, if one serves it.
+pub fn family_of(raw: &serde_json::Value) -> Option<&'static Family> {
+    let model_type = model_type_of(raw)?;
+    FAMILIES.iter().find(|f| f.model_types.contains(&model_type))
+}
+
 /// The `model_type`s and GGUF architectures served, for error messages.
 fn supported() -> String {
     let mut names: Vec<&str> = FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect();
@@ -127,15 +133,15 @@ fn supported() -> String {
 /// `memo` remembers tower fingerprints per weight-file identity.
 pub fn load(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sled::Tree>) -> Result<Model> {
     match load_any(path, options, memo)? {
-        Loaded::Chat(m) => Ok(m),
-        Loaded::Speech(s) => {
+        LoadedModel::Chat(m) => Ok(m),
+        LoadedModel::Speech(s) => {
             bail!("{} is a speech model ({}): it transcribes audio and does not chat", path.display(), s.architecture())
         }
     }
 }
 
 /// Loads a model of either kind.
-pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sled::Tree>) -> Result<Loaded> {
+pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sled::Tree>) -> Result<LoadedModel> {
     let options = options.into();
     if path.is_dir() {
         let text = std::fs::read_to_string(path.join("config.json"))
@@ -148,8 +154,8 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
             bail!("unsupported architecture {model_type:?} (supported: {})", supported());
         };
         match family.load_dir {
-            DirLoader::Chat(load) => load(path, &raw, options, memo).map(Loaded::Chat),
-            DirLoader::Speech(load) => load(path, &raw, options, memo).map(Loaded::Speech),
+            DirLoader::Chat(load) => load(path, &raw, options, memo).map(LoadedModel::Chat),
+            DirLoader::Speech(load) => load(path, &raw, options, memo).map(LoadedModel::Speech),
         }
     } else if path.is_file() {
         let file = Gguf::open(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
@@ -158,7 +164,7 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
         let Some(load_gguf) = loader else {
             bail!("unsupported architecture {arch:?} in GGUF (supported: {})", supported());
         };
-        load_gguf(&file, options).map(Loaded::Chat)
+        load_gguf(&file, options).map(LoadedModel::Chat)
     } else {
         bail!("model path {} does not exist", path.display())
     }

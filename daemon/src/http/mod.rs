@@ -38,7 +38,7 @@ use std::sync::Arc;
 /// Binds the gateway's address; only loopback addresses are accepted.
 pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
     if !addr.ip().is_loopback() {
-        bail!("--http must be a loopback address (127.0.0.1 or ::1), not {addr}: the gateway has no authentication");
+        bail!("--http must be a loopback address (127.0.0.1 or ::1), not {addr}: a token (http_token) guards requests, not the traffic, which is unencrypted");
     }
     tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the HTTP gateway to {addr}"))
 }

@@ -158,9 +158,14 @@ impl TensorMap {
             .with_context(|| format!("missing {prefix}.biases"))?
             .as_dtype(dtype)?;
         let group_size = self.group_overrides.get(prefix).copied().unwrap_or(self.default_group);
-        let packed_cols = *weight.shape().last().unwrap();
-        let groups = *scales.shape().last().unwrap();
-        let bits = packed_cols * 32 / (groups * group_size);
+        let packed_cols = weight.shape().last().copied().unwrap_or(0);
+        let groups = scales.shape().last().copied().unwrap_or(0);
+        // The counts come from the file: a zero or negative one is an error, not a panic.
+        let bits = groups
+            .checked_mul(group_size)
+            .filter(|&d| d > 0)
+            .and_then(|d| packed_cols.checked_mul(32).map(|n| n / d))
+            .unwrap_or(0);
         if ![2, 3, 4, 5, 6, 8].contains(&bits) {
             bail!(
                 "{prefix}: cannot infer quantization bits (weight {:?}, scales {:?}, group {group_size})",
@@ -260,7 +265,10 @@ fn gguf_to_hf_name(module: &str) -> Option<String> {
 /// scales and biases alike.
 fn unpermute_rows(a: &Array, heads: i32) -> Result<Array> {
     let shape = a.shape().to_vec();
-    let rows = shape[0];
+    let rows = shape.first().copied().unwrap_or(0);
+    if heads <= 0 || rows % (heads * 2) != 0 {
+        anyhow::bail!("{rows} rows cannot be split into {heads} heads of rotary pairs");
+    }
     let mut split = vec![heads, rows / heads / 2, 2];
     split.extend_from_slice(&shape[1..]);
     Ok(a.reshape(&split)?.swap_axes(1, 2)?.reshape(&shape)?)

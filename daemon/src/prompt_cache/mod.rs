@@ -28,6 +28,7 @@
 
 pub mod costs;
 
+use mlxbc_shared::sync::lock;
 use crate::model::kv_cache::KvCache;
 use lru::LruCache;
 use mlx_rs::{Array, Dtype};
@@ -89,6 +90,7 @@ fn mlx_version() -> String {
     unsafe {
         let mut s = mlx_sys::mlx_string_new();
         if mlx_sys::mlx_version(&mut s) != 0 {
+            mlx_sys::mlx_string_free(s);
             return String::new();
         }
         let text = std::ffi::CStr::from_ptr(mlx_sys::mlx_string_data(s)).to_string_lossy().into_owned();
@@ -249,7 +251,7 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
     // The disk part of the run: its size, before reading anything.
     let (mut bytes, mut tokens) = (0u64, 0usize);
     {
-        let shared = shared.lock().unwrap();
+        let shared = lock(&shared);
         for (hash, positions) in &chain {
             if shared.in_ram.contains(hash) {
                 continue;
@@ -263,14 +265,14 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
     if tokens == 0 {
         return StoredBlocks::default();
     }
-    if !shared.lock().unwrap().costs.disk_pays(&keys.root, bytes, tokens) {
-        shared.lock().unwrap().costs.skipped_tokens += tokens as u64;
+    if !lock(&shared).costs.disk_pays(&keys.root, bytes, tokens) {
+        lock(&shared).costs.skipped_tokens += tokens as u64;
         return StoredBlocks::default();
     }
     let started = std::time::Instant::now();
     let mut out = StoredBlocks::default();
     for (hash, _) in &chain {
-        if shared.lock().unwrap().in_ram.contains(hash) {
+        if lock(&shared).in_ram.contains(hash) {
             continue;
         }
         match disk.read(hash) {
@@ -283,10 +285,10 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
     }
     if keys.recurrent {
         // The states saved with the longest stored prefix (one per prompt).
-        let read = |h: &BlockHash| out.blocks.contains_key(h) || shared.lock().unwrap().in_ram.contains(h);
+        let read = |h: &BlockHash| out.blocks.contains_key(h) || lock(&shared).in_ram.contains(h);
         for (link, _) in keys.links().iter().rev().filter(|(l, _)| read(l)) {
             let name = state_name(link);
-            if shared.lock().unwrap().in_ram.contains(&name) {
+            if lock(&shared).in_ram.contains(&name) {
                 break;
             }
             if let Some(state) = disk.read(&name) {
@@ -418,7 +420,7 @@ impl PromptCache {
         let n = self.ram.len();
         self.ram.clear();
         self.ram_bytes = 0;
-        self.shared.lock().unwrap().in_ram.clear();
+        lock(&self.shared).in_ram.clear();
         n
     }
 
@@ -544,7 +546,7 @@ impl PromptCache {
         if !self.is_on() {
             return;
         }
-        let costs = &mut self.shared.lock().unwrap().costs;
+        let costs = &mut lock(&self.shared).costs;
         match disk {
             None => costs.note_prefill(&keys.root, computed, prefill_s),
             Some((bytes, read_s)) => {
@@ -633,11 +635,11 @@ impl PromptCache {
         }
         self.ram_bytes += bytes;
         self.ram.put(hash, RamBlock { data, positions, bytes });
-        self.shared.lock().unwrap().in_ram.insert(hash);
+        lock(&self.shared).in_ram.insert(hash);
         while self.ram_bytes > self.ram_budget {
             let Some((old, b)) = self.ram.pop_lru() else { break };
             self.ram_bytes -= b.bytes;
-            self.shared.lock().unwrap().in_ram.remove(&old);
+            lock(&self.shared).in_ram.remove(&old);
             self.counters.ram_evictions += 1;
         }
     }
@@ -674,8 +676,15 @@ fn to_features(a: &Array) -> Option<Features> {
     Some(Features { dtype, shape: a.shape().iter().map(|&d| d as u32).collect(), data: bytes.to_vec() })
 }
 
-fn bytes_of<T>(values: &[T]) -> &[u8] {
-    // SAFETY: plain floating-point elements, no padding; the bytes are
+/// Element types whose values are plain bytes: no padding, every bit
+/// pattern valid (what `bytes_of` may view).
+trait PlainNumber: Copy {}
+impl PlainNumber for f32 {}
+impl PlainNumber for half::f16 {}
+impl PlainNumber for half::bf16 {}
+
+fn bytes_of<T: PlainNumber>(values: &[T]) -> &[u8] {
+    // SAFETY: plain floating-point elements (`PlainNumber`), no padding; the bytes are
     // read (little-endian machine, as the stored format says) while
     // `values` is borrowed.
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }

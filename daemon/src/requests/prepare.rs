@@ -34,7 +34,7 @@ pub struct Ready {
 }
 
 /// What preparing a request came to.
-pub enum Prepared {
+pub enum Preparation {
     Ready(Box<Ready>),
     /// The store lacks these images and their bytes were not sent.
     NeedMedia(Vec<[u8; 32]>),
@@ -67,7 +67,7 @@ pub async fn prepare(
     engine: &EngineHandle,
     sessions: &Arc<SessionStore>,
     mut request: GenerateRequest,
-) -> Result<Prepared, EngineError> {
+) -> Result<Preparation, EngineError> {
     let turn = begin_session(sessions, &mut request).await?;
     let has_media = request.messages.iter().any(|m| !m.images.is_empty());
     let mut load_ms = 0.0;
@@ -79,7 +79,7 @@ pub async fn prepare(
         route = engine.route(&request.model);
     }
     let ready =
-        |request, prepared, media, turn| Prepared::Ready(Box::new(Ready { request, prepared, media, turn, load_ms }));
+        |request, prepared, media, turn| Preparation::Ready(Box::new(Ready { request, prepared, media, turn, load_ms }));
     let Some(route) = route else { return Ok(ready(request, None, None, turn)) };
     if has_media {
         let Some(media_route) = route.media.clone() else {
@@ -94,7 +94,7 @@ pub async fn prepare(
         })
         .await?;
         return match outcome? {
-            Resolved::Missing(missing) => Ok(Prepared::NeedMedia(missing)),
+            Resolved::Missing(missing) => Ok(Preparation::NeedMedia(missing)),
             Resolved::Ready(media) => Ok(ready(request, None, Some(media), turn)),
         };
     }

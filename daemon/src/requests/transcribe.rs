@@ -50,13 +50,13 @@ pub fn validate(r: &TranscribeRequest) -> Result<(), EngineError> {
 }
 
 /// What preparing came to: the audio, or the hash the daemon lacks.
-pub enum PreparedAudio {
+pub enum AudioPreparation {
     Ready(AudioInput),
     NeedBytes([u8; 32]),
 }
 
 /// Decodes the audio (or finds its length in the store) on the blocking pool.
-pub async fn prepare(store: Option<SharedStore>, r: &TranscribeRequest) -> Result<PreparedAudio, EngineError> {
+pub async fn prepare(store: Option<SharedStore>, r: &TranscribeRequest) -> Result<AudioPreparation, EngineError> {
     validate(r)?;
     let sha = r.audio.sha256;
     let Some(bytes) = r.audio.bytes.clone() else {
@@ -65,8 +65,8 @@ pub async fn prepare(store: Option<SharedStore>, r: &TranscribeRequest) -> Resul
             .await
             .map_err(|e| EngineError::Internal(e.to_string()))?;
         return Ok(match stored.and_then(|f| f.to_f32().first().copied()) {
-            Some(frames) => PreparedAudio::Ready(AudioInput { samples: None, frames: frames as usize }),
-            None => PreparedAudio::NeedBytes(sha),
+            Some(frames) => AudioPreparation::Ready(AudioInput { samples: None, frames: frames as usize }),
+            None => AudioPreparation::NeedBytes(sha),
         });
     };
     let decoded = tokio::task::spawn_blocking(move || {
@@ -87,5 +87,5 @@ pub async fn prepare(store: Option<SharedStore>, r: &TranscribeRequest) -> Resul
     .map_err(|e| EngineError::Internal(e.to_string()))??;
     tracing::debug!(seconds = decoded.seconds(), rate = decoded.source_rate, "audio decoded");
     let frames = decoded.samples.len() / crate::audio::mel::HOP;
-    Ok(PreparedAudio::Ready(AudioInput { samples: Some(Arc::new(decoded.samples)), frames }))
+    Ok(AudioPreparation::Ready(AudioInput { samples: Some(Arc::new(decoded.samples)), frames }))
 }
