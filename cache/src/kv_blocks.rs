@@ -16,10 +16,10 @@
 //! block's hash, a bad checksum, a short file — is a miss: removed and
 //! counted, never served.
 
-use mlxbc_shared::sync::lock;
 use crate::key::hex;
 use crate::value::Features;
 use mlxbc_shared::settings::DiskReserve;
+use mlxbc_shared::sync::lock;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -55,6 +55,14 @@ pub enum StoreError {
     Write(#[from] sled::Error),
 }
 
+impl StoreError {
+    /// The store could not be opened because another process holds it
+    /// (sled locks its directory; its error says "could not acquire lock").
+    pub fn is_held_elsewhere(&self) -> bool {
+        matches!(self, StoreError::Open { source: sled::Error::Io(e), .. } if e.to_string().contains("could not acquire lock"))
+    }
+}
+
 /// Where a lookup was answered from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tier {

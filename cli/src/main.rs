@@ -84,7 +84,7 @@ pub(crate) enum Command {
     /// Encode images ahead of time, so the first question about them is already a hit.
     Prefetch {
         /// Vision-language model whose tower encodes them.
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = crate::model_arg)]
         model: Option<String>,
         /// Image files.
         #[arg(required = true)]
@@ -132,7 +132,7 @@ pub(crate) enum SessionsCmd {
 #[derive(clap::Args, Debug)]
 pub(crate) struct ChatArgs {
     /// Model name, alias or path (default: the configured default model).
-    #[arg(long, short)]
+    #[arg(long, short, value_parser = crate::model_arg)]
     model: Option<String>,
     /// A system prompt (sent with the first turn).
     #[arg(long, short)]
@@ -182,7 +182,7 @@ pub(crate) struct AskArgs {
     #[arg(long)]
     audio: Vec<std::path::PathBuf>,
     /// Model name, alias or path (default: the configured default model).
-    #[arg(long, short)]
+    #[arg(long, short, value_parser = crate::model_arg)]
     model: Option<String>,
     /// A system prompt.
     #[arg(long, short)]
@@ -341,6 +341,20 @@ pub(crate) fn keep_alive(text: &Option<String>) -> Result<Option<KeepAlive>> {
     text.as_deref().map(KeepAlive::parse).transpose().map_err(anyhow::Error::msg)
 }
 
+/// A `--model` value as the daemon should see it: a relative path that
+/// exists here (it has a `/` or starts with `.`) becomes absolute, since
+/// the daemon resolves names from its own directory, not the shell's; names
+/// and aliases pass unchanged.
+pub(crate) fn model_arg(value: &str) -> Result<String, String> {
+    let path = std::path::Path::new(value);
+    let looks_like_path = value.contains('/') || value.starts_with('.');
+    if path.is_relative() && looks_like_path && path.exists() {
+        let absolute = std::fs::canonicalize(path).map_err(|e| format!("{value}: {e}"))?;
+        return absolute.to_str().map(String::from).ok_or_else(|| format!("{value}: not a UTF-8 path"));
+    }
+    Ok(value.to_string())
+}
+
 async fn run(cli: Cli) -> Result<()> {
     let settings = settings(&cli)?;
     match cli.command {
@@ -376,5 +390,20 @@ async fn run(cli: Cli) -> Result<()> {
             let mut client = Client::connect_or_start(&settings).await?;
             manage::manage(&mut client, command).await
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_relative_model_path_that_exists_is_sent_absolute_and_names_pass_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("my-model")).unwrap();
+        std::env::set_current_dir(dir.path()).unwrap();
+        let sent = super::model_arg("./my-model").unwrap();
+        assert_eq!(std::path::Path::new(&sent), std::fs::canonicalize(dir.path().join("my-model")).unwrap());
+        assert_eq!(super::model_arg("my-model").unwrap(), "my-model", "a plain name stays a name");
+        assert_eq!(super::model_arg("./not-there").unwrap(), "./not-there", "the daemon says it is unknown");
+        assert_eq!(super::model_arg("smollm2").unwrap(), "smollm2");
     }
 }

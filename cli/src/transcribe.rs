@@ -22,7 +22,7 @@ pub struct TranscribeArgs {
     #[arg(required = true)]
     files: Vec<std::path::PathBuf>,
     /// Speech model (default: the first Whisper model installed).
-    #[arg(long, short)]
+    #[arg(long, short, value_parser = crate::model_arg)]
     model: Option<String>,
     /// The spoken language (ISO 639-1, e.g. en); detected when not given.
     #[arg(long, short)]

@@ -9,6 +9,8 @@ pub mod engine;
 pub mod error;
 pub mod families;
 pub mod http;
+#[cfg(test)]
+mod layering;
 pub mod limits;
 pub mod logging;
 pub mod media;

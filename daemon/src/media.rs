@@ -21,8 +21,8 @@ use crate::model::family::{MediaPreprocessor, Prepared, PreparedAudio};
 use crate::model::{image, video, MediaLayout, Model};
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, FeatureStore, Features, Modality};
-use mlxbc_shared::{MediaKind, MediaRef};
 use mlxbc_shared::sync::lock;
+use mlxbc_shared::{MediaKind, MediaRef};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 

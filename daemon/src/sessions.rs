@@ -13,7 +13,7 @@ use mlxbc_shared::sync::lock;
 use mlxbc_shared::{ChatMessage, SessionInfo};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex};
+use std::sync::Mutex;
 
 /// Why a session could not be read, written or named.
 #[derive(Debug, thiserror::Error)]

@@ -6,7 +6,7 @@ same GGUF, packed weights with f16 floats: the daemon's GPU form).
 The CPU suite's goldens (tests/fixtures/reference/*.json) are dense-f32 ids;
 on the GPU both sides compute in f16 with packed weights, so the reference is
 computed here, on the device, with the pinned mlx-lm, on the CPU suite's
-prompts (scripts/reference/mlx_lm_reference.py: three chat prompts and one
+prompts (scripts/goldens/mlx_lm_reference.py: three chat prompts and one
 grown to 250 tokens, whose decode crosses the daemon's KV buffer growth).
 
 Usage: check_ids.py MLXBC_BINARY NAME=GGUF=MLX_DIR ...

@@ -146,7 +146,7 @@ case $step in
   w=/tmp/whisper; cat $w/whisper.part0 /tmp/stage/whisper.part1 > $w/whisper-tiny.en/model.safetensors
   cp $w/config.json $w/tokenizer.json $w/whisper-tiny.en/
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/*.whl
-  $PY scripts/reference/hf_whisper_to_mlx.py $w/whisper-tiny.en $w/mlx-tiny.en
+  $PY scripts/fixtures/hf_whisper_to_mlx.py $w/whisper-tiny.en $w/mlx-tiny.en
   export MLXBC_HOME=/tmp/mlxbc-audio; mkdir -p $MLXBC_HOME/models; ln -sfn $w/whisper-tiny.en $MLXBC_HOME/models/
   "$B/bin/mlxbcd" --http 127.0.0.1:18081 2> $OUT/audio-daemon.log & pid=$!
   for _ in $(seq 300); do [[ -S $MLXBC_HOME/mlxbcd.sock ]] && break; sleep 0.1; done

@@ -8,8 +8,8 @@ pub mod fuzz;
 pub mod paths;
 pub mod protocol;
 pub mod settings;
-pub mod sync;
 pub mod subtitles;
+pub mod sync;
 
 pub use codec::{FrameError, WireCodec, MAX_FRAME_BYTES};
 pub use protocol::*;

@@ -2,11 +2,11 @@
 //! status, routes and the prompt cache's report from the last snapshot the
 //! engine published, without queueing.
 
-use mlxbc_shared::sync::lock;
 use super::jobs::{Control, Job, PromptRoute};
 use super::memory;
 use crate::error::EngineError;
 use crate::{media, prompt_cache};
+use mlxbc_shared::sync::lock;
 use mlxbc_shared::{DaemonStatus, LoadedModel, ShedEvent};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

@@ -3,9 +3,9 @@
 //! tier at a time is let go (encoder RAM tier, prompt-cache RAM tier, the
 //! least recently used unpinned model).
 
-use mlxbc_shared::sync::lock;
 use super::memory;
 use super::thread::Engine;
+use mlxbc_shared::sync::lock;
 use mlxbc_shared::ShedEvent;
 use std::time::{Duration, Instant};
 

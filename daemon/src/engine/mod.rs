@@ -21,11 +21,11 @@ mod thread;
 pub use handle::{EngineHandle, EngineSnapshot, PromptRamState};
 pub use jobs::{Job, PreparedPrompt, PromptRoute, SessionTurn};
 
-use mlxbc_shared::sync::lock;
 use crate::catalog::registry::ModelRegistry;
 use crate::model::weights::WeightForm;
 use crate::{media, prompt_cache, sessions};
 use mlxbc_shared::settings::Settings;
+use mlxbc_shared::sync::lock;
 use residency::Residency;
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
@@ -67,6 +67,16 @@ pub fn spawn(
         },
     ) {
         Ok(s) => Some(media::SharedStore::new(s)),
+        Err(e) if e.is_held_elsewhere() => {
+            // Another daemon serves this data directory (through another
+            // socket): running beside it without the store would encode
+            // every image again and say so only in a log nobody reads.
+            return Err(std::io::Error::other(format!(
+                "another mlxbcd is using the data directory {} (its feature store is locked); stop it with \
+                 `mlxbc stop`, or give this daemon its own directory with MLXBC_HOME",
+                settings.paths.home.display()
+            )));
+        }
         Err(e) => {
             // Serving without the store only costs re-encoding.
             tracing::warn!("{e}; images will be encoded every time");

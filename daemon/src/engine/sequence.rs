@@ -442,7 +442,8 @@ impl Sequence {
             return Some(self.finish(StopReason::Eos));
         }
         if self.generated.len() >= self.setup.limit {
-            let reason = if self.setup.limit < self.setup.asked { StopReason::ContextFull } else { StopReason::MaxTokens };
+            let reason =
+                if self.setup.limit < self.setup.asked { StopReason::ContextFull } else { StopReason::MaxTokens };
             return Some(self.finish(reason));
         }
         if self.gone() {
@@ -477,7 +478,8 @@ impl Sequence {
         // The first token came from the prefill; the others from decode steps.
         let steps = (self.generated.len() + usize::from(stop_reason == StopReason::Eos)).saturating_sub(1);
         let prefill_s = t_first.duration_since(t_prefill).as_secs_f64();
-        let mut stats = stats_without_decode(&self.setup.name, self.setup.ids.len(), self.setup.load_ms, &self.setup.media_stats);
+        let mut stats =
+            stats_without_decode(&self.setup.name, self.setup.ids.len(), self.setup.load_ms, &self.setup.media_stats);
         stats.generated_tokens = self.generated.len() as u32;
         stats.time_to_first_token_ms = t_first.duration_since(self.setup.received).as_secs_f64() * 1000.0;
         stats.prefill_tokens_per_s = (self.setup.ids.len() - self.setup.reused) as f64 / prefill_s.max(1e-9);

@@ -4,7 +4,6 @@
 //! advance one window per pass, and housekeeping runs every
 //! `PRESSURE_POLL`. Status is published to the handle's snapshot.
 
-use mlxbc_shared::sync::lock;
 use super::housekeeping::PRESSURE_POLL;
 use super::jobs::{refuse, Control, Job, PromptRoute};
 use super::residency::{self, Residency};
@@ -12,6 +11,7 @@ use super::{generate, scheduler, speech, EngineSnapshot, PromptRamState};
 use crate::catalog::registry::ModelRegistry;
 use crate::error::{self, EngineError};
 use crate::{media, prompt_cache, sessions};
+use mlxbc_shared::sync::lock;
 use mlxbc_shared::{KeepAlive, Response};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

@@ -169,3 +169,32 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
         bail!("model path {} does not exist", path.display())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles the tokens given and keeps their text.
+    macro_rules! compiled_with_text {
+        ($($t:tt)*) => {
+            ($($t)*, stringify!($($t)*))
+        };
+    }
+
+    /// docs/adding-a-family.md's table line, with Llama standing in for
+    /// `newfamily`: it compiles, and the doc says exactly this.
+    #[test]
+    fn the_documented_table_line_compiles() {
+        use llama as newfamily;
+        let (line, text) = compiled_with_text!(Family {
+            model_types: &["newfamily"],
+            gguf_architectures: &[],
+            load_dir: DirLoader::Chat(newfamily::load_dir),
+            load_gguf: None
+        });
+        assert!(matches!(line.load_dir, DirLoader::Chat(_)));
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/adding-a-family.md")).unwrap();
+        let squash = |s: &str| s.chars().filter(|c| !c.is_whitespace()).collect::<String>();
+        assert!(squash(&doc).contains(&squash(text)), "docs/adding-a-family.md's table line is not {text}");
+    }
+}

@@ -28,11 +28,11 @@
 
 pub mod costs;
 
-use mlxbc_shared::sync::lock;
 use crate::model::kv_cache::KvCache;
 use lru::LruCache;
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{BlockHash, BlockStore, FeatureDtype, Features, WeightFileIdentity};
+use mlxbc_shared::sync::lock;
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
 

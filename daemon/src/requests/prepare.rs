@@ -78,8 +78,9 @@ pub async fn prepare(
         load_ms = load(engine, &request).await;
         route = engine.route(&request.model);
     }
-    let ready =
-        |request, prepared, media, turn| Preparation::Ready(Box::new(Ready { request, prepared, media, turn, load_ms }));
+    let ready = |request, prepared, media, turn| {
+        Preparation::Ready(Box::new(Ready { request, prepared, media, turn, load_ms }))
+    };
     let Some(route) = route else { return Ok(ready(request, None, None, turn)) };
     if has_media {
         let Some(media_route) = route.media.clone() else {

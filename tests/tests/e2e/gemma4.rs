@@ -1,7 +1,7 @@
 //! Gemma 4 (per-layer inputs, KV-shared layers, sliding windows, images
 //! attending both ways) through the real daemon on a real socket, against
 //! mlx-vlm 0.7.10's `generate` on the same tiny fixtures (goldens from
-//! scripts/reference/mlx_vlm_gemma4.py): greedy ids exactly for text, a long
+//! scripts/goldens/mlx_vlm_gemma4.py): greedy ids exactly for text, a long
 //! prompt past the window, a follow-up, an image, two images, a video (its
 //! frames sampled, `mm:ss` times, every frame attending both ways) and an
 //! image then a video, an audio clip and an image then a clip (f32 and
@@ -210,7 +210,7 @@ async fn gemma4_unified_matches_mlx_vlm_and_stores_its_features() {
 
 /// Gemma 4's mixture-of-experts shape (26B-A4B's feed-forward: a router and
 /// experts beside each dense MLP) through the daemon, f32 and 4-bit (goldens:
-/// scripts/reference/mlx_vlm_gemma4_moe.py): greedy ids exactly for text and
+/// scripts/goldens/mlx_vlm_gemma4_moe.py): greedy ids exactly for text and
 /// an image, both at once (batched), and the image again from the store.
 #[tokio::test(flavor = "multi_thread")]
 async fn gemma4_moe_matches_mlx_vlm() {

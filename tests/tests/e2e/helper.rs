@@ -6,9 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
+pub use mlxbc_test_support::{fixture, workspace};
 
 /// A built binary of this workspace (target/<profile>/NAME).
 pub fn binary(name: &str) -> PathBuf {
@@ -16,16 +14,6 @@ pub fn binary(name: &str) -> PathBuf {
     let dir = exe.parent().unwrap().parent().unwrap();
     let p = dir.join(name);
     assert!(p.is_file(), "{} is not built — run `cargo build --release --bins` (scripts/test does)", p.display());
-    p
-}
-
-/// A test fixture file or directory; missing ones fail with how to get them.
-pub fn fixture(rel: &str) -> PathBuf {
-    let root = std::env::var_os("MLXBC_TEST_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("target/test-fixtures"));
-    let p = root.join(rel);
-    assert!(p.exists(), "missing test fixture {} — run scripts/test-fixtures (or scripts/test) first", p.display());
     p
 }
 

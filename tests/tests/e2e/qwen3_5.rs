@@ -1,7 +1,7 @@
 //! Qwen3.5 (the hybrid Gated DeltaNet / gated-attention decoder with
 //! Qwen3-VL's tower) through the real daemon on a real socket, against
 //! mlx-vlm 0.7.10's `generate` on the same tiny fixtures (goldens from
-//! scripts/reference/mlx_vlm_qwen3_5.py): greedy ids exactly for text, a
+//! scripts/goldens/mlx_vlm_qwen3_5.py): greedy ids exactly for text, a
 //! long prompt, a follow-up, an image, two images and a video (f32 and
 //! 4-bit); the recurrent state
 //! through continuous batching (all at once, the same ids); and the prompt

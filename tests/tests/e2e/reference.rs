@@ -1,25 +1,16 @@
 //! Greedy token ids against mlx-lm on identical weights
-//! (tests/fixtures/reference, made by scripts/reference/mlx_lm_reference.py).
+//! (tests/fixtures/reference, made by scripts/goldens/mlx_lm_reference.py).
 
 use crate::helper::*;
 use mlxbc_client::{ChatMessage, Role};
 use std::path::PathBuf;
 
 pub(crate) fn golden(name: &str) -> serde_json::Value {
-    let path = workspace().join(format!("tests/fixtures/reference/{name}.json"));
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    mlxbc_test_support::reference_json(&format!("{name}.json"))
 }
 
 pub(crate) fn check_weights(dir: &std::path::Path, golden: &serde_json::Value) {
-    use sha2::Digest;
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let sum: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
-    assert_eq!(
-        sum,
-        golden["weights_sha256"].as_str().unwrap(),
-        "fixture {} is not the one the reference ids were made from; rebuild with scripts/test-fixtures",
-        dir.display()
-    );
+    mlxbc_test_support::check_weights(dir, golden["weights_sha256"].as_str().unwrap());
 }
 
 async fn assert_matches_reference(model: &'static str, path: PathBuf, golden: serde_json::Value) {
@@ -107,7 +98,7 @@ const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 /// Real Qwen2.5-Coder-0.5B weights in a Q4_K_M GGUF (Q5_0, Q4_K, Q6_K and
 /// Q8_0 blocks, which MLX's own GGUF loader cannot read) through the daemon's
 /// reader: greedy ids equal mlx-lm's on the directory mlxbc-gguf-to-mlx wrote
-/// from the same file (scripts/reference/mlx_lm_reference.py).
+/// from the same file (scripts/goldens/mlx_lm_reference.py).
 #[tokio::test(flavor = "multi_thread")]
 async fn qwen25_q4_k_m_gguf_matches_mlx_lm() {
     let g = golden("qwen25-0.5b");
@@ -133,7 +124,7 @@ async fn qwen25_exported_directory_matches_mlx_lm() {
 /// Qwen2.5-VL and Qwen3-VL (deepstack, interleaved multimodal rope) through the real daemon — image bytes over the socket, the
 /// daemon's processor, tower, splice and multimodal positions — against
 /// `mlx_vlm.generate` on the same fixture directory and image
-/// (tests/fixtures/reference/vlm-pipeline.json, scripts/reference/mlx_vlm_pipeline.py).
+/// (tests/fixtures/reference/vlm-pipeline.json, scripts/goldens/mlx_vlm_pipeline.py).
 /// Gemma 3 is checked up to the prompt here: mlx-vlm feeds it a doubled BOS
 /// and attends causally over the image, so its ids are not Gemma's; the
 /// daemon's greedy ids on mlx-vlm's exact inputs are checked in
@@ -173,7 +164,7 @@ async fn fixture_vlms_through_the_daemon_match_mlx_vlm_generate() {
 }
 
 /// Log-probabilities against mlx-lm's (`generate_step`'s log-softmax) on
-/// the same weights (scripts/reference/mlx_lm_logprobs.py): each greedy
+/// the same weights (scripts/goldens/mlx_lm_logprobs.py): each greedy
 /// token's and the top 5 alternatives within 1e-3 nats, the alternatives'
 /// order wherever their values are not within that of each other; both
 /// prompts at once, so the rows also go through a batched step.

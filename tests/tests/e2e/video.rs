@@ -1,6 +1,6 @@
 //! Qwen3-VL video through the real daemon on a real socket: greedy ids equal
 //! to mlx-vlm's `generate(..., video=[clip])` (goldens from
-//! scripts/reference/mlx_vlm_video.py), every temporal group encoded once
+//! scripts/goldens/mlx_vlm_video.py), every temporal group encoded once
 //! and then served from the store (RAM, and disk after a restart, with
 //! neither the bytes nor ffmpeg needed), `mlxbc ask --video`, an animated
 //! GIF decoded in-process, and bad video refused with a sentence while

@@ -1,6 +1,6 @@
 //! A Whisper checkpoint's shape, from either layout it comes in: the
 //! Hugging Face `config.json` (`openai/whisper-*`, and what
-//! scripts/whisper/ct2_to_hf.py writes) or mlx-whisper's `ModelDimensions`
+//! scripts/fixtures/whisper/ct2_to_hf.py writes) or mlx-whisper's `ModelDimensions`
 //! (`mlx-community/whisper-*`).
 
 use anyhow::{bail, Result};

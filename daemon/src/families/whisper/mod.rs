@@ -9,7 +9,7 @@
 //! - `transcribe`: a recording window by window (seek, fallback, segments)
 //!
 //! Loads the Hugging Face layout (`model.safetensors` with HF names, what
-//! `openai/whisper-*` and scripts/whisper/ct2_to_hf.py give) and
+//! `openai/whisper-*` and scripts/fixtures/whisper/ct2_to_hf.py give) and
 //! mlx-whisper's (`weights.safetensors` with its names, bf16/f16 or
 //! quantized, as `mlx-community/whisper-*` holds), given a `tokenizer.json`.
 

@@ -8,8 +8,7 @@
 //! English and German speech. Fixtures from scripts/test-fixtures
 //! (whisper/: clips, reference/, reference-base/).
 
-mod common;
-use common::*;
+use crate::common::*;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_daemon::audio::{decode, mel};

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """mlx-vlm 0.7.10's Gemma 4 unified on the tiny fixture, for the daemon to match.
 
-On tiny-gemma4-unified, with Gemma 4's test media (scripts/reference/
+On tiny-gemma4-unified, with Gemma 4's test media (scripts/goldens/
 mlx_vlm_gemma4.py draws the clips; the image, 864x672, is drawn here): text, an image, two images, the clip, the audio
 clip, and an image then the audio clip — prompt ids and greedy ids (an image
 with audio from mlx-vlm's forward pass, as for Gemma 4: its generate drops the

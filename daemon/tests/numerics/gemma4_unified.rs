@@ -1,14 +1,12 @@
 //! Gemma 4 unified's numerics against mlx-vlm 0.7.10 on the tiny fixture
 //! (tests/fixtures/reference/gemma4-unified.*,
-//! scripts/reference/mlx_vlm_gemma4_unified.py): the image's model patches
+//! scripts/goldens/mlx_vlm_gemma4_unified.py): the image's model patches
 //! exactly, the patch embedder's soft tokens and the audio projector's
 //! within 1e-4 relative, the prompt ids exactly, and the first logits of
 //! the text, image (attending both ways) and audio prompts. Greedy ids
 //! through the real daemon: tests/tests/e2e/gemma4.rs.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_daemon::model::kv_cache::KvCache;

@@ -5,13 +5,12 @@
 //! running batch and leave it mid-way, as continuous batching moves them.
 
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
-use mlx_rs::{ops, Array};
+use mlx_rs::Array;
 use mlxbc_daemon::model::kv_cache::KvCache;
 use mlxbc_daemon::model::weights::WeightForm;
 use mlxbc_daemon::model::Model;
 
-mod common;
-use common::*;
+use crate::common::*;
 
 /// Row results may differ from single-row ones only by reduction order.
 const TOLERANCE: f32 = 1e-4;
@@ -22,11 +21,6 @@ const STEPS: usize = 6;
 fn load(rel: &str) -> Model {
     mlxbc_daemon::families::load(&fixture(rel), WeightForm::DenseF32, None)
         .unwrap_or_else(|e| panic!("loading {rel}: {e:#} (build the fixtures with scripts/test-fixtures)"))
-}
-
-fn relative_error(ours: &Array, want: &Array) -> f32 {
-    let diff = ops::abs(ops::subtract(ours, want).unwrap()).unwrap().max(None).unwrap();
-    diff.item_cast::<f32>() / ops::abs(want).unwrap().max(None).unwrap().item_cast::<f32>()
 }
 
 /// Last-position logits after the prompt, then greedy ids for STEPS steps, one row alone.

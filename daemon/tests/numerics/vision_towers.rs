@@ -1,6 +1,6 @@
 //! Vision towers against mlx-vlm's own classes on the very same random
 //! weights and pixels (tests/fixtures/reference/*-tower.safetensors, made by
-//! scripts/reference/mlx_vlm_towers.py with mlx-vlm 0.7.10 on mlx 0.32.4).
+//! scripts/goldens/mlx_vlm_towers.py with mlx-vlm 0.7.10 on mlx 0.32.4).
 //!
 //! Tolerance: the largest absolute difference must stay below 1e-4 of the
 //! largest reference magnitude. Both sides compute in f32 on CPU; they differ
@@ -16,17 +16,15 @@ use mlxbc_daemon::model::MediaLayout;
 
 const TOLERANCE: f32 = 1e-4;
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn reference(name: &str) -> std::collections::HashMap<String, Array> {
     let p = reference_path(name);
-    Array::load_safetensors(&p).unwrap_or_else(|e| {
-        panic!("reading {}: {e} (regenerate with scripts/reference/mlx_vlm_towers.py)", p.display())
-    })
+    Array::load_safetensors(&p)
+        .unwrap_or_else(|e| panic!("reading {}: {e} (regenerate with scripts/goldens/mlx_vlm_towers.py)", p.display()))
 }
 
-/// The SigLIP shape scripts/reference/mlx_vlm_towers.py builds (VISION there).
+/// The SigLIP shape scripts/goldens/mlx_vlm_towers.py builds (VISION there).
 fn tiny_siglip() -> SiglipConfig {
     SiglipConfig {
         hidden_size: 64,
@@ -248,7 +246,7 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
     assert_greedy_matches("qwen2.5-vl whole model", &rec, &embeds, forward, embed);
 }
 
-/// The Qwen2.5-VL text shape scripts/reference/mlx_vlm_towers.py builds (QWEN_TEXT there).
+/// The Qwen2.5-VL text shape scripts/goldens/mlx_vlm_towers.py builds (QWEN_TEXT there).
 fn tiny_qwen_text() -> mlxbc_daemon::families::llama::config::TextConfig {
     mlxbc_daemon::families::llama::config::TextConfig::from_hf_json(
         &serde_json::json!({
@@ -266,7 +264,7 @@ fn tiny_qwen_text() -> mlxbc_daemon::families::llama::config::TextConfig {
 /// template, processor (resize, rescale, normalize), tower and projector,
 /// placeholder expansion, tokenizer — against mlx-vlm's whole pipeline on the
 /// same directory and image (tests/fixtures/reference/vlm-pipeline.*, made by
-/// scripts/reference/mlx_vlm_pipeline.py). Greedy ids through the real daemon
+/// scripts/goldens/mlx_vlm_pipeline.py). Greedy ids through the real daemon
 /// are checked in tests/tests/e2e/reference.rs.
 #[test]
 fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
@@ -384,7 +382,7 @@ fn qwen3_vl_tower_and_deepstack_match_mlx_vlm() {
 }
 
 /// A video through Qwen3-VL's whole pipeline against mlx-vlm's
-/// (`scripts/reference/mlx_vlm_video.py`, `generate(..., video=[clip])`)
+/// (`scripts/goldens/mlx_vlm_video.py`, `generate(..., video=[clip])`)
 /// on tiny-qwen3-vl and the same lossless clip: the frames sampled (ffmpeg
 /// here, OpenCV there), the patches of each temporal group, every group's
 /// features and deepstack (encoded group by group here, the clip at once

@@ -2,10 +2,9 @@
 //! `log_mel_spectrogram` on the same clip (an espeak-ng sentence, 16 kHz
 //! mono): the first 30-second window `[3000, 80]`, as transcription feeds
 //! the encoder (tests/fixtures/reference/whisper, made by
-//! scripts/reference/whisper_reference.py).
+//! scripts/fixtures/whisper_reference.py).
 
-mod common;
-use common::*;
+use crate::common::*;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_daemon::audio::mel;

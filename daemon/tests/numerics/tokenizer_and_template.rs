@@ -7,8 +7,7 @@ use mlxbc_daemon::model::{tokenizer, weights::WeightForm};
 use mlxbc_shared::{ChatMessage, Role};
 use std::path::PathBuf;
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn smollm2_gguf() -> PathBuf {
     fixture("models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -99,10 +98,10 @@ fn chat_prompts_tokenize_exactly_like_mlx_lm() {
 }
 
 /// The VLM fixtures' tokenizers (rebuilt from the Gemma 3 and Qwen2.5 GGUF
-/// metadata by scripts/reference/gguf_tokenizer.py) against independent
+/// metadata by scripts/fixtures/gguf_tokenizer.py) against independent
 /// references: SentencePiece itself for Gemma 3, and transformers' GGUF
 /// loader for Qwen2.5 (tests/fixtures/reference/tokenizers.json, made by
-/// scripts/reference/tokenizer_goldens.py).
+/// scripts/goldens/tokenizer_goldens.py).
 #[test]
 fn vlm_fixture_tokenizers_match_sentencepiece_and_transformers() {
     let golden = reference_json("tokenizers.json");

@@ -9,8 +9,7 @@
 use mlxbc_daemon::model::tokenizer::from_file;
 use tokenizers::Tokenizer;
 
-mod common;
-use common::*;
+use crate::common::*;
 
 /// Text with multi-byte characters split over byte tokens, leading spaces,
 /// newlines, CJK, accents and emoji.

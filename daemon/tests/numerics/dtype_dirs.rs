@@ -5,13 +5,11 @@
 //! prompt ids are mlx-vlm's; its first text logits are mlx-vlm's on the same
 //! weights in f32 arithmetic (what the daemon computes on CPU) within 1e-4,
 //! and within bf16 rounding of mlx-vlm's own bf16 arithmetic
-//! (tests/fixtures/reference/dtype-dirs.*, scripts/reference/mlx_vlm_dtype_dirs.py);
+//! (tests/fixtures/reference/dtype-dirs.*, scripts/goldens/mlx_vlm_dtype_dirs.py);
 //! and its tower reads the bf16 weights as the f32 fixture's within bf16
 //! rounding (the f32 towers are pinned to mlx-vlm by the other tests).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_daemon::model::kv_cache::KvCache;

@@ -1,5 +1,5 @@
 //! Gemma 4's numerics against mlx-vlm 0.7.10 on the tiny fixtures
-//! (tests/fixtures/reference/gemma4.*, scripts/reference/mlx_vlm_gemma4.py):
+//! (tests/fixtures/reference/gemma4.*, scripts/goldens/mlx_vlm_gemma4.py):
 //! the tower and projector on mlx-vlm's own pixels, the first logits of a
 //! text prompt and of an image prompt (per-layer inputs from the spliced
 //! features, the image attending both ways) within 1e-4 relative; a video:
@@ -13,9 +13,7 @@
 //! greedy ids, dense and packed.
 //! Greedy ids through the real daemon: tests/tests/e2e/gemma4.rs.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use mlx_rs::Array;
 use mlxbc_daemon::model::family::Prepared;
 use mlxbc_daemon::model::kv_cache::KvCache;
@@ -238,7 +236,7 @@ fn gemma4_audio_matches_mlx_vlm() {
 /// Gemma 4's mixture-of-experts block (26B-A4B's feed-forward) on
 /// tiny-gemma4-moe and its 4-bit copy (experts quantized too), against
 /// mlx-vlm (tests/fixtures/reference/gemma4-moe.*,
-/// scripts/reference/mlx_vlm_gemma4_moe.py): the prompt ids of a text and an
+/// scripts/goldens/mlx_vlm_gemma4_moe.py): the prompt ids of a text and an
 /// image prompt exactly, their first logits within 1e-4, and eight greedy ids
 /// exactly (the image attending both ways, as mlx-vlm's forward pass).
 #[test]

@@ -1,5 +1,5 @@
 //! Qwen3.5's numerics against mlx-vlm 0.7.10 on the tiny fixtures
-//! (tests/fixtures/reference/qwen3_5.*, scripts/reference/mlx_vlm_qwen3_5.py):
+//! (tests/fixtures/reference/qwen3_5.*, scripts/goldens/mlx_vlm_qwen3_5.py):
 //! the tower on mlx-vlm's own pixels and the first logits of a prompt within
 //! 1e-4 relative; and the gated delta rule's two forms (the chunked scan of
 //! a prefill, the step of a decode) against each other, with a prompt
@@ -7,9 +7,7 @@
 //! carried in the cache) against one pass. Greedy ids through the real
 //! daemon: tests/tests/e2e/qwen3_5.rs.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use mlx_rs::Array;
 use mlxbc_daemon::families::qwen3_5::gated_delta;
 use mlxbc_daemon::model::family::Prepared;

@@ -6,7 +6,8 @@ gguf_tokenizer.py rebuilt from GGUF metadata (and that the daemon loads).
   gemma3   SentencePiece itself (the `sentencepiece` package) on a ModelProto
            holding the GGUF's pieces, scores and types
   qwen2.5  the tokenizer.json that transformers' GGUF loader rebuilt from the
-           full Qwen2.5 GGUF (../shared/data/tokenizers/qwen2.5-coder-0.5b-instruct)
+           full Qwen2.5 GGUF (scripts/goldens/regenerate makes it
+           with transformers from the fixture GGUF)
 
 Writes tests/fixtures/reference/tokenizers.json.
 Usage: tokenizer_goldens.py GEMMA3.gguf[.part] QWEN_TOKENIZER_JSON OUT_DIR
@@ -19,7 +20,7 @@ from pathlib import Path
 import sentencepiece
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))  # gguf_tokenizer
 import gguf_tokenizer  # noqa: E402
 
 CORPUS = [

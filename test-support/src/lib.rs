@@ -1,14 +1,18 @@
-//! Paths shared by the daemon's integration tests.
-#![allow(dead_code)] // each test binary uses its own subset
+//! What the daemon's numerics tests (`daemon/tests/numerics/`) and the
+//! end-to-end suite (`tests/tests/e2e/`) share: where the workspace, the
+//! fixtures and the committed reference outputs are, a file's checksum, and
+//! the tolerance measure. A missing fixture fails with how to get it, never
+//! skips.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The workspace root.
 pub fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("test-support sits in the workspace").to_path_buf()
 }
 
-/// A path under the test fixtures; a missing fixture fails with how to get it.
+/// A path under the test fixtures (`MLXBC_TEST_FIXTURES`, else
+/// `target/test-fixtures`); a missing fixture fails with how to get it.
 pub fn fixture(rel: &str) -> PathBuf {
     let root = std::env::var_os("MLXBC_TEST_FIXTURES")
         .map(PathBuf::from)
@@ -18,7 +22,8 @@ pub fn fixture(rel: &str) -> PathBuf {
     p
 }
 
-/// A committed reference output (tests/fixtures/reference).
+/// A committed reference output (`tests/fixtures/reference`, made by the
+/// generators in `scripts/goldens/`).
 pub fn reference_path(name: &str) -> PathBuf {
     workspace().join("tests/fixtures/reference").join(name)
 }
@@ -27,14 +32,25 @@ pub fn reference_path(name: &str) -> PathBuf {
 pub fn reference_json(name: &str) -> serde_json::Value {
     let p = reference_path(name);
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
-    serde_json::from_str(&text).unwrap()
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 /// sha256 of a file, hex.
-pub fn sha256_hex(path: &std::path::Path) -> String {
+pub fn sha256_hex(path: &Path) -> String {
     use sha2::Digest;
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Fails unless `dir`'s `model.safetensors` is the file a golden was made
+/// from (its `weights_sha256`).
+pub fn check_weights(dir: &Path, want_sha256: &str) {
+    assert_eq!(
+        sha256_hex(&dir.join("model.safetensors")),
+        want_sha256,
+        "fixture {} is not the one the reference was made from; rebuild it with scripts/test-fixtures",
+        dir.display()
+    );
 }
 
 /// max |ours - want| / max |want|, the tolerance measure of the numerics tests.
@@ -42,16 +58,4 @@ pub fn relative_error(ours: &mlx_rs::Array, want: &mlx_rs::Array) -> f32 {
     assert_eq!(ours.shape(), want.shape());
     let diff = ours.subtract(want).unwrap().abs().unwrap().max(None).unwrap().item_cast::<f32>();
     diff / want.abs().unwrap().max(None).unwrap().item_cast::<f32>()
-}
-
-/// Loads fixture `mlx/{family}` in float32, after checking it is the one
-/// `golden` was made from (its `weights_sha256`).
-pub fn load_checked(family: &str, golden: &serde_json::Value) -> mlxbc_daemon::model::Model {
-    let dir = fixture(&format!("mlx/{family}"));
-    assert_eq!(
-        sha256_hex(&dir.join("model.safetensors")),
-        golden[family]["weights_sha256"].as_str().unwrap(),
-        "{family}: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
-    );
-    mlxbc_daemon::families::load(&dir, mlxbc_daemon::model::weights::WeightForm::DenseF32, None).unwrap()
 }

@@ -1,8 +1,6 @@
 //! The daemon's GGUF reader against llama.cpp's block formats and MLX's loader.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use mlx_rs::Array;
 use mlxbc_daemon::model::gguf::Gguf;
 use std::collections::HashMap;
@@ -18,7 +16,7 @@ fn converted(file: &Gguf) -> HashMap<String, Array> {
 }
 
 /// Real Q4_K, Q5_0, Q6_K and Q8_0 rows (from Qwen2.5-Coder-0.5B and Gemma 3
-/// 270M, scripts/reference/gguf_blocks.py): converted by the reader and
+/// 270M, scripts/goldens/gguf_blocks.py): converted by the reader and
 /// expanded by MLX, they are the values llama.cpp's gguf-py dequantizes.
 #[test]
 fn block_formats_give_llama_cpp_values() {
