@@ -36,7 +36,7 @@ pub fn raise_fd_limit() -> u64 {
             }
         }
     }
-    lim.rlim_cur as u64
+    lim.rlim_cur
 }
 
 /// The connection cap in force: the configured one, lowered to fit the
@@ -222,7 +222,7 @@ impl RateLimitedLog {
     /// Calls `log(suppressed)` if the interval has passed since the last call that logged.
     pub fn log(&self, log: impl FnOnce(u64)) {
         let mut s = lock(&self.state);
-        let due = s.0.map_or(true, |t| t.elapsed() >= self.interval);
+        let due = s.0.is_none_or(|t| t.elapsed() >= self.interval);
         if due {
             let suppressed = s.1;
             *s = (Some(Instant::now()), 0);

@@ -168,12 +168,11 @@ fn bad(msg: impl Into<String>) -> EngineError {
     EngineError::BadMedia(msg.into())
 }
 
+/// A medium's layout and its entries in the store.
+type StoredMedia = (MediaLayout, Vec<(FeatureKey, Features)>);
+
 /// One medium's entries as the store has them; `None` when any is missing.
-fn lookup(
-    route: &MediaRoute,
-    store: Option<&SharedStore>,
-    m: &MediaRef,
-) -> Result<Option<(MediaLayout, Vec<(FeatureKey, Features)>)>, EngineError> {
+fn lookup(route: &MediaRoute, store: Option<&SharedStore>, m: &MediaRef) -> Result<Option<StoredMedia>, EngineError> {
     let Some(store) = store else { return Ok(None) };
     let get = |key: &FeatureKey| store.lock().get(key).map(|(f, _)| f);
     match m.kind {

@@ -80,7 +80,7 @@ mod tests {
 
     fn draws(p: &SamplingParams, n: usize) -> Vec<u32> {
         let mut s = Sampler::new(p.clone()).unwrap();
-        (0..n).map(|_| s.pick(&logits()).unwrap().item::<u32>()).collect()
+        (0..n).map(|_| s.pick(&logits()).unwrap().item_cast::<u32>()).collect()
     }
 
     fn ranked() -> Vec<u32> {

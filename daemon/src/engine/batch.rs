@@ -24,6 +24,9 @@ use std::rc::Rc;
 /// A sequence's key in the scheduler.
 pub use super::scheduler::SeqId;
 
+/// A row that ended in a step, and how.
+pub type RowOutcome = (SeqId, Result<super::generate::Finished, EngineError>);
+
 struct Row {
     seq: SeqId,
     /// Its `ahead` token was already taken (it came from the prefill).
@@ -163,10 +166,7 @@ impl DecodeBatch {
     /// each sequence the token that was ahead. `seqs` are the rows'
     /// sequences in [`Self::sequences`]' order. Returns the sequences that
     /// ended (with how), for the caller to answer and [`Self::remove`].
-    pub fn step(
-        &mut self,
-        mut seqs: Vec<&mut Sequence>,
-    ) -> Result<Vec<(SeqId, Result<super::generate::Finished, EngineError>)>, EngineError> {
+    pub fn step(&mut self, mut seqs: Vec<&mut Sequence>) -> Result<Vec<RowOutcome>, EngineError> {
         if seqs.len() != self.rows.len() {
             return Err(EngineError::Internal("a batch row lost its sequence".into()));
         }
@@ -212,11 +212,7 @@ impl DecodeBatch {
 
     /// Hands each row's sequence its token of `ahead` (evaluated), except
     /// rows whose token was taken already; the sequences that ended.
-    fn accept_rows(
-        &mut self,
-        ahead: &Array,
-        seqs: &mut [&mut Sequence],
-    ) -> Vec<(SeqId, Result<super::generate::Finished, EngineError>)> {
+    fn accept_rows(&mut self, ahead: &Array, seqs: &mut [&mut Sequence]) -> Vec<RowOutcome> {
         let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
         let mut ended = Vec::new();
         for ((row, s), &token) in self.rows.iter_mut().zip(seqs.iter_mut()).zip(&tokens) {

@@ -70,6 +70,10 @@ pub fn fits_by_tokens(model: &str, context: usize, tokens: usize) -> Result<(), 
 type Failure = EngineError;
 
 /// How a generation ended, when it did not fail.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value per request or load, moved a few times and matched at once; boxing the large variant buys nothing"
+)]
 pub enum Finished {
     /// Answered; `Done` is to be sent with these statistics.
     Done(GenerationStats),
@@ -166,6 +170,10 @@ fn prompt_here(
 }
 
 /// What setting a request up came to.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value per request or load, moved a few times and matched at once; boxing the large variant buys nothing"
+)]
 pub enum Begun {
     /// A sequence to prefill and decode.
     Sequence(Box<Sequence>),

@@ -11,6 +11,10 @@ use std::time::Instant;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// Work for the engine thread.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value per request or load, moved a few times and matched at once; boxing the large variant buys nothing"
+)]
 pub enum Job {
     /// Stream a chat completion into `events`.
     Generate {
@@ -114,6 +118,10 @@ impl std::fmt::Debug for PromptRoute {
 }
 
 /// Control messages, kept apart from jobs so a stop is never stuck behind them.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value per request or load, moved a few times and matched at once; boxing the large variant buys nothing"
+)]
 pub(super) enum Control {
     Job(Job),
     /// Finish the job in hand, refuse the queued ones, exit.

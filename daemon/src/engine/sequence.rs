@@ -90,6 +90,10 @@ pub struct Setup {
 }
 
 /// What a prefill step came to.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value per request or load, moved a few times and matched at once; boxing the large variant buys nothing"
+)]
 pub enum Prefilled {
     /// `tokens` more prompt positions were processed; more remain.
     Chunk { tokens: usize },

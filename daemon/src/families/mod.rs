@@ -36,6 +36,10 @@ pub enum DirLoader {
 }
 
 /// A loaded model of either kind.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value per request or load, moved a few times and matched at once; boxing the large variant buys nothing"
+)]
 pub enum LoadedModel {
     Chat(Model),
     Speech(Box<dyn SpeechRecognizer>),

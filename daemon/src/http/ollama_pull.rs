@@ -62,7 +62,7 @@ impl mlxbc_pull::Progress for Lines {
     }
     async fn update(&mut self, size: usize) {
         self.completed += size;
-        if self.completed - self.reported >= self.total / 100 + 1 {
+        if self.completed - self.reported > self.total / 100 {
             self.reported = self.completed;
             let _ = self.tx.send(json!({"status": format!("pulling {}", self.file), "digest": self.file,
                                         "total": self.total, "completed": self.completed}));

@@ -77,7 +77,12 @@ fn bad(message: impl Into<String>) -> BadRequest {
 /// `input_image` with a `data:` URL).
 fn message_content(content: &Value, msg: &mut ChatMessage) -> Result<(), BadRequest> {
     let parts = match content {
-        Value::String(s) => return Ok(msg.content.push_str(s)),
+        Value::String(s) => {
+            return {
+                msg.content.push_str(s);
+                Ok(())
+            }
+        }
         Value::Array(parts) => parts,
         _ => return Err(bad("a message's content is a string or a list of parts")),
     };

@@ -228,7 +228,7 @@ impl Gguf {
         // MLX shape: outermost first.
         let shape: Vec<i32> = t.dims.iter().rev().map(|&d| d as i32).collect();
         let format = BlockFormat::of(t.kind)?;
-        ensure!(cols % format.block == 0, "row of {cols} values is not whole blocks of {}", format.block);
+        ensure!(cols.is_multiple_of(format.block), "row of {cols} values is not whole blocks of {}", format.block);
         let bytes = (count as usize / format.block) * format.bytes;
         let data = (self.data_start as u64)
             .checked_add(t.offset)

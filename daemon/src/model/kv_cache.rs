@@ -408,41 +408,6 @@ fn grown(buf: Array, kept: i32, end: i32) -> Result<Array> {
     Ok(mlx_rs::ops::concatenate(&[buf.index((.., .., ..kept, ..)), zeros], 2)?)
 }
 
-#[cfg(test)]
-mod kv_cache_tests {
-    use super::*;
-    use mlx_rs::ops::indexing::IndexOp;
-
-    /// The buffered cache returns exactly what concatenating every write
-    /// would, across growths (a prefill of 250 positions, then single steps
-    /// past the 256 boundary), and a clone is not disturbed by later writes.
-    #[test]
-    fn buffered_writes_equal_concatenation_across_growth() {
-        let mut cache = KvCache::new(1);
-        let mut all: Option<Array> = None;
-        let mut snapshot = None;
-        for (i, n) in [250, 1, 1, 1, 1, 1, 1, 1, 1, 300].into_iter().enumerate() {
-            let k = mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
-            let (got, _) = cache.update(0, k.clone(), k.clone()).unwrap();
-            cache.offset += n;
-            let want = match all.take() {
-                None => k,
-                Some(a) => mlx_rs::ops::concatenate(&[a, k], 2).unwrap(),
-            };
-            assert_eq!(got.shape(), want.shape());
-            assert!(got.all_close(&want, 0.0, 0.0, None).unwrap(), "write {i}");
-            if i == 3 {
-                snapshot = Some((cache.clone(), want.clone()));
-            }
-            all = Some(want);
-        }
-        let (old, want) = snapshot.unwrap();
-        let (k, _) = old.layers[0].clone().unwrap();
-        let seen = k.index((.., .., ..old.offset, ..));
-        assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
-    }
-}
-
 /// Per-layer additions at a prompt's visual positions (Qwen3-VL's deepstack).
 pub struct Deepstack {
     /// For each prompt position, its row in `layers[i]`, or -1 for text.
@@ -521,4 +486,39 @@ pub fn unflatten_states(flat: &Array, layout: &StateLayout) -> Option<Vec<Option
         });
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod kv_cache_tests {
+    use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
+
+    /// The buffered cache returns exactly what concatenating every write
+    /// would, across growths (a prefill of 250 positions, then single steps
+    /// past the 256 boundary), and a clone is not disturbed by later writes.
+    #[test]
+    fn buffered_writes_equal_concatenation_across_growth() {
+        let mut cache = KvCache::new(1);
+        let mut all: Option<Array> = None;
+        let mut snapshot = None;
+        for (i, n) in [250, 1, 1, 1, 1, 1, 1, 1, 1, 300].into_iter().enumerate() {
+            let k = mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
+            let (got, _) = cache.update(0, k.clone(), k.clone()).unwrap();
+            cache.offset += n;
+            let want = match all.take() {
+                None => k,
+                Some(a) => mlx_rs::ops::concatenate(&[a, k], 2).unwrap(),
+            };
+            assert_eq!(got.shape(), want.shape());
+            assert!(got.all_close(&want, 0.0, 0.0, None).unwrap(), "write {i}");
+            if i == 3 {
+                snapshot = Some((cache.clone(), want.clone()));
+            }
+            all = Some(want);
+        }
+        let (old, want) = snapshot.unwrap();
+        let (k, _) = old.layers[0].clone().unwrap();
+        let seen = k.index((.., .., ..old.offset, ..));
+        assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
+    }
 }

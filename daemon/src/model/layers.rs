@@ -275,6 +275,19 @@ impl Embedding {
     }
 }
 
+/// `[b, l, n * d]` → `[b, n, l, d]`. With one position the data is already in
+/// that order, so a reshape does it alone: one operation fewer per projection
+/// and layer, and a GPU's decode step is bound by the count.
+pub fn to_heads(y: &Array, b: i32, l: i32, n: i32) -> Result<Array> {
+    Ok(if l == 1 { y.reshape(&[b, n, 1, -1])? } else { y.reshape(&[b, l, n, -1])?.transpose_axes(&[0, 2, 1, 3])? })
+}
+
+/// `[b, n, l, d]` → `[b, l, n * d]` (a reshape alone for one position).
+pub fn from_heads(o: &Array) -> Result<Array> {
+    let (b, l) = (o.shape()[0], o.shape()[2]);
+    Ok(if l == 1 { o.reshape(&[b, 1, -1])? } else { o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])? })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,7 +315,7 @@ mod tests {
             for (g, p) in got.iter().zip(&parts) {
                 let want = p.forward(&x).unwrap();
                 assert_eq!(g.shape(), want.shape());
-                assert!(g.array_eq(&want, None).unwrap().item::<bool>(), "part differs at {len} positions");
+                assert!(g.eq_values(&want).unwrap(), "part differs at {len} positions");
             }
         }
     }
@@ -328,17 +341,4 @@ mod tests {
         assert_fused_equals_separate(vec![quantized(32, 64, 4, false), dense(32, 64)], false);
         assert_fused_equals_separate(vec![quantized(32, 64, 4, true), quantized(32, 64, 4, false)], false);
     }
-}
-
-/// `[b, l, n * d]` → `[b, n, l, d]`. With one position the data is already in
-/// that order, so a reshape does it alone: one operation fewer per projection
-/// and layer, and a GPU's decode step is bound by the count.
-pub fn to_heads(y: &Array, b: i32, l: i32, n: i32) -> Result<Array> {
-    Ok(if l == 1 { y.reshape(&[b, n, 1, -1])? } else { y.reshape(&[b, l, n, -1])?.transpose_axes(&[0, 2, 1, 3])? })
-}
-
-/// `[b, n, l, d]` → `[b, l, n * d]` (a reshape alone for one position).
-pub fn from_heads(o: &Array) -> Result<Array> {
-    let (b, l) = (o.shape()[0], o.shape()[2]);
-    Ok(if l == 1 { o.reshape(&[b, 1, -1])? } else { o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])? })
 }

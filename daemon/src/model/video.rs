@@ -77,7 +77,7 @@ impl SampledVideo {
     pub fn group_seconds(&self, temporal: usize) -> Vec<f64> {
         let temporal = temporal.max(1);
         let mut indices = self.indices.clone();
-        while indices.len() % temporal != 0 {
+        while !indices.len().is_multiple_of(temporal) {
             indices.push(*indices.last().unwrap_or(&0));
         }
         let time = |i: u32| i as f64 / self.source_fps;

@@ -290,7 +290,7 @@ pub fn check_safetensors(path: &Path) -> Result<()> {
     f.read_exact(&mut len).context("no safetensors header")?;
     let n = u64::from_le_bytes(len);
     anyhow::ensure!(
-        n >= 2 && n <= MAX_SAFETENSORS_HEADER && n <= size - 8,
+        (2..=MAX_SAFETENSORS_HEADER).contains(&n) && n <= size - 8,
         "safetensors header declares {n} bytes in a file of {size}"
     );
     let mut header = vec![0u8; n as usize];

@@ -251,7 +251,7 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
     // The disk part of the run: its size, before reading anything.
     let (mut bytes, mut tokens) = (0u64, 0usize);
     {
-        let shared = lock(&shared);
+        let shared = lock(shared);
         for (hash, positions) in &chain {
             if shared.in_ram.contains(hash) {
                 continue;
@@ -265,14 +265,14 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
     if tokens == 0 {
         return StoredBlocks::default();
     }
-    if !lock(&shared).costs.disk_pays(&keys.root, bytes, tokens) {
-        lock(&shared).costs.skipped_tokens += tokens as u64;
+    if !lock(shared).costs.disk_pays(&keys.root, bytes, tokens) {
+        lock(shared).costs.skipped_tokens += tokens as u64;
         return StoredBlocks::default();
     }
     let started = std::time::Instant::now();
     let mut out = StoredBlocks::default();
     for (hash, _) in &chain {
-        if lock(&shared).in_ram.contains(hash) {
+        if lock(shared).in_ram.contains(hash) {
             continue;
         }
         match disk.read(hash) {
@@ -285,10 +285,10 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
     }
     if keys.recurrent {
         // The states saved with the longest stored prefix (one per prompt).
-        let read = |h: &BlockHash| out.blocks.contains_key(h) || lock(&shared).in_ram.contains(h);
+        let read = |h: &BlockHash| out.blocks.contains_key(h) || lock(shared).in_ram.contains(h);
         for (link, _) in keys.links().iter().rev().filter(|(l, _)| read(l)) {
             let name = state_name(link);
-            if lock(&shared).in_ram.contains(&name) {
+            if lock(shared).in_ram.contains(&name) {
                 break;
             }
             if let Some(state) = disk.read(&name) {

@@ -238,7 +238,7 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
     let tower = Qwen25Tower { tower, image_token_id: 250 };
     let features = tower.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
     assert_eq!(tower.grid_of(&features), (1, 8, 12));
-    let embeds = tower.splice(&text, &rec.prompt, &[features.clone()]).unwrap();
+    let embeds = tower.splice(&text, &rec.prompt, std::slice::from_ref(&features)).unwrap();
     let mut cache = KvCache::new(2);
     cache.mrope = tower.rope_positions(&rec.prompt, &[features]);
     let forward = |e: &Array| text.logits(&text.forward(e, &mut cache, None).unwrap()).unwrap();

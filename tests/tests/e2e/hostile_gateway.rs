@@ -97,7 +97,7 @@ async fn host_origin_content_type_and_token_are_enforced() {
     let r = post(Some(format!("localhost:{port}"))).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let v: Value = r.json().await.unwrap();
-    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().len() > 0);
+    assert!(!v["choices"][0]["message"]["content"].as_str().unwrap().is_empty());
 }
 
 /// 32 concurrent streaming requests through the gateway: all complete, and

@@ -119,7 +119,7 @@ async fn a_daemon_killed_while_writing_blocks_restarts_serving_only_correct_ones
         {
             let mut c = d.client().await;
             let mut r = request.clone();
-            r.messages.push(ChatMessage::user(&format!("Round {round}.")));
+            r.messages.push(ChatMessage::user(format!("Round {round}.")));
             let mut stream = c.generate(r).await.unwrap();
             until_first_token(&mut stream).await;
             let child = d.child.take().unwrap();

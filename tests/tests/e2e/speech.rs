@@ -130,7 +130,8 @@ pub(crate) fn wav(rate: u32, samples: &[i16]) -> Vec<u8> {
     b.extend_from_slice(b"RIFF");
     b.extend_from_slice(&(36 + data).to_le_bytes());
     b.extend_from_slice(b"WAVEfmt ");
-    for v in [16u32] {
+    {
+        let v = 16u32;
         b.extend_from_slice(&v.to_le_bytes());
     }
     b.extend_from_slice(&1u16.to_le_bytes());

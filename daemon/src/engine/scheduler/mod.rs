@@ -151,6 +151,7 @@ impl Scheduler {
     /// Queues a sequence for admission. `never_fits_beside` is the memory the
     /// budget leaves next to its own model: a sequence whose KV would not
     /// fit even there is refused now, and so is one past the queue limit.
+    #[expect(clippy::result_large_err, reason = "the refused sequence comes back to be answered, once per request")]
     pub fn add(&mut self, active: Active, never_fits_beside: u64) -> Result<(), (Active, EngineError)> {
         if let Err(r) = self.queues.check_arrival(&self.limits, kv_need(&active.seq), never_fits_beside) {
             let e = refusal_error(&r, &active.seq);

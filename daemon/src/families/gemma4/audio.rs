@@ -342,7 +342,7 @@ impl Gemma4AudioTower {
         let padded = ops::concatenate(&[zeros(p)?, x.clone(), zeros(f + w - 1)?], 1)?;
         let blocks = (padded.shape()[1] - ctx) / w + 1;
         let idx: Vec<i32> = (0..blocks).flat_map(|u| (0..ctx).map(move |k| u * w + k)).collect();
-        let gathered = padded.take_axis(&Array::from_slice(&idx, &[blocks * ctx]), 1)?;
+        let gathered = padded.take_axis(Array::from_slice(&idx, &[blocks * ctx]), 1)?;
         let mut shape = vec![1, blocks, ctx];
         shape.append(&mut rest);
         Ok(gathered.reshape(&shape)?)

@@ -134,8 +134,8 @@ impl VisionTower for UnifiedEmbedder {
         // Patch i sits at column i % cols, row i / cols.
         let col: Vec<i32> = (0..n).map(|i| i % cols as i32).collect();
         let row: Vec<i32> = (0..n).map(|i| i / cols as i32).collect();
-        let by_x = self.positions.index((.., 0, ..)).take_axis(&Array::from_slice(&col, &[n]), 0)?;
-        let by_y = self.positions.index((.., 1, ..)).take_axis(&Array::from_slice(&row, &[n]), 0)?;
+        let by_x = self.positions.index((.., 0, ..)).take_axis(Array::from_slice(&col, &[n]), 0)?;
+        let by_y = self.positions.index((.., 1, ..)).take_axis(Array::from_slice(&row, &[n]), 0)?;
         let x = self.pos_norm.forward(&x.add(by_x.add(&by_y)?)?)?;
         self.embed_vision.forward(&fast::rms_norm(&x, None::<&Array>, self.vision.rms_norm_eps)?)
     }

@@ -369,7 +369,7 @@ fn mrope_cos_sin(
             })
             .collect()
     } else {
-        section.iter().enumerate().flat_map(|(a, &n)| std::iter::repeat(a).take(n as usize)).collect()
+        section.iter().enumerate().flat_map(|(a, &n)| std::iter::repeat_n(a, n as usize)).collect()
     };
     let positions: Vec<f32> = (offset..offset + l)
         .flat_map(|p| {

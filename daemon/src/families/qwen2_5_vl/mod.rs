@@ -37,7 +37,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         resample: Resample::from_config(pre.get("resample"), Resample::BICUBIC),
         max_pixels: pre.get("max_pixels").and_then(|v| v.as_u64()).unwrap_or(28 * 28 * 1280),
         mean: three_floats(pre.get("image_mean"), [0.481_454_66, 0.457_827_5, 0.408_210_73]),
-        std: three_floats(pre.get("image_std"), [0.268_629_54, 0.261_302_58, 0.275_777_1]),
+        std: three_floats(pre.get("image_std"), [0.268_629_54, 0.261_302_6, 0.275_777_1]),
         patch_size: vision.patch_size as u32,
         merge_size: vision.spatial_merge_size as u32,
         temporal_patch_size: vision.temporal_patch_size as u32,

@@ -80,6 +80,6 @@ impl Qwen35TextConfig {
 
     /// True for the gated-attention layers (the others are Gated DeltaNet).
     pub fn is_attention(&self, layer: usize) -> bool {
-        (layer + 1) % self.full_attention_interval == 0
+        (layer + 1).is_multiple_of(self.full_attention_interval)
     }
 }

@@ -164,8 +164,8 @@ impl Qwen35 {
         let starts: Vec<i64> = cache.paddings().iter().map(|&p| (offset - p) as i64).collect();
         let rows = if cache.is_padded() { starts.len() as i32 } else { 1 };
         let mut positions = Vec::with_capacity((rows * l * half) as usize);
-        for row in 0..rows as usize {
-            for p in starts[row]..starts[row] + l as i64 {
+        for &start in starts.iter().take(rows as usize) {
+            for p in start..start + l as i64 {
                 let pos = match &cache.mrope {
                     Some((prompt, _)) if (p as usize) < prompt.len() => prompt[p as usize],
                     Some((_, delta)) => [p + delta; 3],

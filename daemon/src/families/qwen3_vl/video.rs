@@ -112,7 +112,7 @@ impl VideoPreprocessor for Qwen3VideoPreprocess {
                 resized.pixels().flat_map(|px| (0..3).map(move |k| (px.0[k] as f32 / 255.0 - m[k]) / s[k])).collect()
             })
             .collect();
-        while normalized.len() % t as usize != 0 {
+        while !normalized.len().is_multiple_of(t as usize) {
             normalized.push(normalized.last().cloned().unwrap_or_default());
         }
         let (gh, gw) = (h / p, w / p);
