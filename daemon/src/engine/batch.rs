@@ -15,6 +15,7 @@ use super::sequence::Sequence;
 use crate::error::EngineError;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
+use crate::model::positions::MediaPositions;
 use crate::model::Model;
 use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::transforms::async_eval;
@@ -181,9 +182,11 @@ impl DecodeBatch {
         let mode = if alone { self.model.decode_mode(self.mode) } else { DecodeMode::Eager };
         let lm = &self.model.lm;
         let logits = if alone {
-            self.model.decode_logits(&ahead, cache, self.mode)
+            // A row alone may carry its prompt's multimodal positions.
+            self.model.decode_logits(&ahead, cache, &seqs[0].media_positions(false), self.mode)
         } else {
-            lm.embed(&ahead).and_then(|x| lm.forward(&x, cache, None)).and_then(|h| lm.logits(&h))
+            let plain = MediaPositions::default();
+            lm.embed(&ahead).and_then(|x| lm.forward(&x, cache, &plain)).and_then(|h| lm.logits(&h))
         }
         .map_err(EngineError::inference)?;
         let mut ended = Vec::new();
@@ -278,14 +281,16 @@ pub fn prefill_together(
     let mut at = 0;
     while at < longest - 1 {
         let end = (at + chunk as i32).min(longest - 1);
-        lm.forward(&embeds.index((.., at..end, ..)), &mut cache, None).map_err(EngineError::inference)?;
+        lm.forward(&embeds.index((.., at..end, ..)), &mut cache, &MediaPositions::default())
+            .map_err(EngineError::inference)?;
         if end < longest - 1 {
             mlx_rs::transforms::eval(cache.arrays()).map_err(EngineError::inference)?;
         }
         at = end;
     }
-    let h =
-        lm.forward(&embeds.index((.., longest - 1..longest, ..)), &mut cache, None).map_err(EngineError::inference)?;
+    let h = lm
+        .forward(&embeds.index((.., longest - 1..longest, ..)), &mut cache, &MediaPositions::default())
+        .map_err(EngineError::inference)?;
     let next = pick_rows(&lm.logits(&h).map_err(EngineError::inference)?, seqs)?;
     next.eval().map_err(EngineError::inference)?;
     let tokens: Vec<u32> = next.as_slice::<u32>().to_vec();

@@ -244,18 +244,17 @@ pub fn begin(
         let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
         ctx.prompts.lookup(k, stored, &model.kv_shapes, model.kv_block_bytes_per_position, &model.state_layout)
     });
-    let (mut cache, reused, from_disk, disk_cost) = match reuse {
+    let (cache, reused, from_disk, disk_cost) = match reuse {
         Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens, r.disk_cost),
         None => (KvCache::new(model.lm.num_layers()), 0, 0, None),
     };
-    if let Some(v) = &model.vision {
-        cache.mrope = v.tower.rope_positions(&ids, &features);
-        cache.deepstack = v
-            .tower
-            .deepstack(&ids, &features)
-            .map_err(|e| EngineError::BadMedia(format!("{e:#}")))?
-            .map(std::rc::Rc::new);
-    }
+    let (mrope, deepstack) = match &model.vision {
+        Some(v) => (
+            v.tower.rope_positions(&ids, &features),
+            v.tower.deepstack(&ids, &features).map_err(|e| EngineError::BadMedia(format!("{e:#}")))?,
+        ),
+        None => (None, None),
+    };
     // Which image each position belongs to, for a model whose image
     // positions see each other during prefill.
     let blocks = match (&model.vision, model.lm.media_attention()) {
@@ -274,6 +273,8 @@ pub fn begin(
         embeds,
         cache,
         blocks,
+        mrope,
+        deepstack,
         start: reused,
         keys,
         reused,

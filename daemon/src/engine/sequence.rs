@@ -18,6 +18,7 @@ use crate::error::EngineError;
 use crate::media::MediaStats;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
+use crate::model::positions::{Deepstack, MediaPositions, MropePositions};
 use crate::model::Model;
 use crate::prompt_cache::{PromptCache, PromptKeys};
 use mlx_rs::transforms::{async_eval, eval};
@@ -56,6 +57,12 @@ pub struct Setup {
     pub embeds: Array,
     pub cache: KvCache,
     pub blocks: Option<Vec<i32>>,
+    /// Multimodal rope positions of the prompt (models whose rope follows
+    /// an image's grid), from the tower's `rope_positions`.
+    pub mrope: Option<MropePositions>,
+    /// Qwen3-VL's deepstack: what the first layers add at the prompt's
+    /// visual positions, from the tower's `deepstack`.
+    pub deepstack: Option<Deepstack>,
     /// The first prompt position still to prefill (after a reused prefix).
     pub start: usize,
     /// The prompt's cache keys (None: the model's KV has no identity), for
@@ -250,9 +257,25 @@ impl Sequence {
         self.prefill_at == Some(0)
             && !self.setup.model.lm.recurrent()
             && self.setup.blocks.is_none()
-            && self.setup.cache.mrope.is_none()
+            && self.setup.mrope.is_none()
             && self.setup.reused == 0
             && self.setup.cache.offset == 0
+    }
+
+    /// Its prompt has multimodal rope positions: it decodes in a batch of its own.
+    pub fn has_mrope(&self) -> bool {
+        self.setup.mrope.is_some()
+    }
+
+    /// Its own inputs to a forward pass (image blocks only while prefilling
+    /// its prompt's chunks).
+    pub fn media_positions(&self, with_blocks: bool) -> MediaPositions<'_> {
+        let s = &self.setup;
+        MediaPositions {
+            image_blocks: s.blocks.as_deref().filter(|_| with_blocks),
+            mrope: s.mrope.as_ref(),
+            deepstack: s.deepstack.as_ref(),
+        }
     }
 
     /// The prompt's embeddings `[1, L, hidden]`, for a batched prefill.
@@ -299,9 +322,14 @@ impl Sequence {
         if at < to {
             let end = self.chunk_end_from(at);
             let checkpoint = self.state_checkpoint().filter(|&p| p == end);
-            let lm = &self.setup.model.lm;
-            lm.forward(&positions(&self.setup.embeds, at, end)?, &mut self.setup.cache, self.setup.blocks.as_deref())
-                .map_err(EngineError::inference)?;
+            let s = &mut self.setup;
+            let lm = &s.model.lm;
+            let media = MediaPositions {
+                image_blocks: s.blocks.as_deref(),
+                mrope: s.mrope.as_ref(),
+                deepstack: s.deepstack.as_ref(),
+            };
+            lm.forward(&positions(&s.embeds, at, end)?, &mut s.cache, &media).map_err(EngineError::inference)?;
             if checkpoint.is_some() {
                 self.setup.cache.checkpoint_states();
             }
@@ -320,8 +348,10 @@ impl Sequence {
         }
         // The last prompt position alone, then the first token.
         let last = positions(&self.setup.embeds, n - 1, n)?;
-        let lm = &self.setup.model.lm;
-        let h = lm.forward(&last, &mut self.setup.cache, None).map_err(EngineError::inference)?;
+        let s = &mut self.setup;
+        let lm = &s.model.lm;
+        let media = MediaPositions { image_blocks: None, mrope: s.mrope.as_ref(), deepstack: s.deepstack.as_ref() };
+        let h = lm.forward(&last, &mut s.cache, &media).map_err(EngineError::inference)?;
         let logits = lm.logits(&h).map_err(EngineError::inference)?;
         let next = self.pick(&logits)?;
         async_eval([&next]).map_err(EngineError::inference)?;

@@ -11,6 +11,7 @@
 //!   features (stored) → text, for speech models (Whisper).
 
 use super::kv_cache::KvCache;
+use super::positions::MediaPositions;
 use anyhow::Result;
 use mlx_rs::Array;
 
@@ -50,10 +51,12 @@ pub trait LanguageModel {
 
     /// Rows from [`Self::embed`] `[B, L, width]` through the layers at each row's next
     /// positions in `cache` (which grows by `L`); the hidden states that
-    /// [`Self::logits`] reads. `image_blocks` (single-row prefill only)
-    /// names, per absolute position, the image it belongs to (-1: text),
-    /// for a model whose [`Self::media_attention`] needs it.
-    fn forward(&self, embeds: &Array, cache: &mut KvCache, image_blocks: Option<&[i32]>) -> Result<Array>;
+    /// [`Self::logits`] reads. `media` carries the request's own inputs
+    /// (single-row only): its image blocks (per absolute position, the image
+    /// it belongs to, -1 for text) for a model whose
+    /// [`Self::media_attention`] needs them, its multimodal rope positions
+    /// and its deepstack features.
+    fn forward(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array>;
 
     /// Logits `[B, vocab]` of each row's last position of `hidden`.
     fn logits(&self, hidden: &Array) -> Result<Array>;
@@ -177,7 +180,7 @@ pub trait VisionTower {
     /// follows the images' grids (Qwen2-VL's multimodal rope): per position
     /// `(t, h, w)`, and the delta later positions add. `None`: positions are
     /// plain offsets.
-    fn rope_positions(&self, _ids: &[u32], _features: &[Array]) -> Option<(Vec<[i64; 3]>, i64)> {
+    fn rope_positions(&self, _ids: &[u32], _features: &[Array]) -> Option<super::positions::MropePositions> {
         None
     }
 
@@ -190,7 +193,7 @@ pub trait VisionTower {
     /// What the language model's first layers add at the prompt's visual
     /// positions (Qwen3-VL's deepstack), from the same features; `None`
     /// for a family without it.
-    fn deepstack(&self, _ids: &[u32], _features: &[Array]) -> Result<Option<super::kv_cache::Deepstack>> {
+    fn deepstack(&self, _ids: &[u32], _features: &[Array]) -> Result<Option<super::positions::Deepstack>> {
         Ok(None)
     }
 }

@@ -1,6 +1,11 @@
 //! The KV cache every family's attention writes: per layer, key and value
 //! buffers with a batch axis, and per row the padding that aligns prompts
-//! of different lengths.
+//! of different lengths; the recurrent states of layers that keep one
+//! instead (and their checkpoint, the states at the prefix the prompt cache
+//! may store). A memo of padding masks rides along because it is a function
+//! of this cache's padding. What belongs to one request rather than to its
+//! keys and values (image blocks, multimodal rope positions, deepstack
+//! features) is the sequence's: `model::positions`.
 
 use anyhow::Result;
 use mlx_rs::Array;
@@ -25,14 +30,6 @@ pub struct KvCache {
     /// padding: rows of different lengths are aligned at their ends, as
     /// mlx-lm's `BatchKVCache` aligns them. Empty: one row, no padding.
     left_padding: Vec<i32>,
-    /// Multimodal rope positions of the prompt, and the delta later
-    /// (decoded) positions add to their offset, for models whose rope
-    /// follows an image's grid; set from the tower's `rope_positions`.
-    pub mrope: Option<(Vec<[i64; 3]>, i64)>,
-    /// Qwen3-VL's deepstack: visual features the first layers add to their
-    /// output at the prompt's visual positions; set from the tower's
-    /// `deepstack`, read by prefill only.
-    pub deepstack: Option<std::rc::Rc<Deepstack>>,
     /// Padding masks made for the current padding, by
     /// `(start, queries, keys, window)`: every layer of a forward pass asks
     /// for the same one (two kinds with sliding-window layers).
@@ -59,8 +56,6 @@ impl KvCache {
             layers: (0..layers).map(|_| None).collect(),
             offset: 0,
             left_padding: Vec::new(),
-            mrope: None,
-            deepstack: None,
             masks: Vec::new(),
             states: Vec::new(),
             checkpoint: None,
@@ -264,10 +259,10 @@ impl KvCache {
 
     /// Adds `other`'s rows after this cache's, aligning every row at its
     /// end (mlx-lm's `BatchKVCache.extend`): the shorter side gets left
-    /// padding. Neither may carry multimodal rope positions.
+    /// padding. (Rows with multimodal rope positions decode alone: the
+    /// scheduler never joins them.)
     pub fn join(&mut self, mut other: KvCache) -> Result<()> {
         use mlx_rs::ops::indexing::IndexOp;
-        anyhow::ensure!(self.mrope.is_none() && other.mrope.is_none(), "rows with multimodal rope decode alone");
         anyhow::ensure!(self.layers.len() == other.layers.len(), "caches of different models");
         let end = self.offset.max(other.offset);
         self.pad_left(end - self.offset)?;
@@ -406,33 +401,6 @@ fn grown(buf: Array, kept: i32, end: i32) -> Result<Array> {
     let s = buf.shape();
     let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], round_up(end) - kept, s[3]], buf.dtype())?;
     Ok(mlx_rs::ops::concatenate(&[buf.index((.., .., ..kept, ..)), zeros], 2)?)
-}
-
-/// Per-layer additions at a prompt's visual positions (Qwen3-VL's deepstack).
-pub struct Deepstack {
-    /// For each prompt position, its row in `layers[i]`, or -1 for text.
-    pub row_of: Vec<i32>,
-    /// Per injected layer `[visual positions + 1, hidden]`; the last row is
-    /// zeros (what text positions add).
-    pub layers: Vec<Array>,
-}
-
-impl Deepstack {
-    /// What layer `layer` adds to positions `offset..offset + len` of one
-    /// row (`[1, len, hidden]`); `None` past the injected layers or where
-    /// the span holds no visual position.
-    pub fn addend(&self, layer: usize, offset: i32, len: i32) -> Result<Option<Array>> {
-        let Some(table) = self.layers.get(layer) else { return Ok(None) };
-        let zero = table.shape()[0] - 1;
-        let rows: Vec<i32> =
-            (offset..offset + len).map(|p| self.row_of.get(p as usize).copied().unwrap_or(-1)).collect();
-        if rows.iter().all(|&r| r < 0) {
-            return Ok(None);
-        }
-        let rows: Vec<i32> = rows.into_iter().map(|r| if r < 0 { zero } else { r }).collect();
-        let added = table.take_axis(Array::from_slice(&rows, &[len]), 0)?;
-        Ok(Some(added.reshape(&[1, len, -1])?))
-    }
 }
 
 /// Per KV slot, `(heads, head_dim)`.

@@ -10,6 +10,7 @@ pub mod image;
 pub mod kv_cache;
 pub mod layers;
 pub mod options;
+pub mod positions;
 pub mod prompt;
 pub mod raw_prompt;
 pub mod splice;
@@ -366,10 +367,17 @@ impl Model {
 
     /// Logits `[1, vocab]` after decoding token `ids` (`[1, 1]`) at the next
     /// position of `cache`, lazily, built as `decode_mode(mode)` says.
-    pub fn decode_logits(&self, ids: &mlx_rs::Array, cache: &mut KvCache, mode: DecodeMode) -> Result<mlx_rs::Array> {
+    pub fn decode_logits(
+        &self,
+        ids: &mlx_rs::Array,
+        cache: &mut KvCache,
+        media: &positions::MediaPositions,
+        mode: DecodeMode,
+    ) -> Result<mlx_rs::Array> {
         match &self.compiled_decode {
+            // Only plain decoders have a compiled graph: no media positions.
             Some(compiled) if mode == DecodeMode::Compiled => compiled.borrow_mut().step(ids, cache),
-            _ => self.lm.logits(&self.lm.forward(&self.lm.embed(ids)?, cache, None)?),
+            _ => self.lm.logits(&self.lm.forward(&self.lm.embed(ids)?, cache, media)?),
         }
     }
 
@@ -381,7 +389,7 @@ impl Model {
     pub fn warm_up(&mut self) -> Result<()> {
         let ids = mlx_rs::Array::from_slice(&[0u32], &[1, 1]);
         let mut cache = KvCache::new(self.lm.num_layers());
-        let h = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, None)?;
+        let h = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &positions::MediaPositions::default())?;
         self.lm.logits(&h)?.eval()?;
         self.kv_bytes_per_position = cache.nbytes() / cache.capacity().max(1) as u64;
         self.state_layout = kv_cache::state_layout(cache.states());

@@ -7,6 +7,7 @@
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
 use mlxbc_daemon::model::kv_cache::KvCache;
+use mlxbc_daemon::model::positions::MediaPositions;
 use mlxbc_daemon::model::weights::WeightForm;
 use mlxbc_daemon::model::Model;
 
@@ -28,14 +29,16 @@ fn alone(model: &Model, prompt: &[u32]) -> (Array, Vec<u32>) {
     let lm = &model.lm;
     let mut cache = KvCache::new(lm.num_layers());
     let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
-    let first = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+    let first =
+        lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, &MediaPositions::default()).unwrap()).unwrap();
     let mut logits = first.clone();
     let mut out = Vec::new();
     for _ in 0..STEPS {
         let y = argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
         out.push(y);
         let ids = Array::from_slice(&[y], &[1, 1]);
-        logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+        logits =
+            lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, &MediaPositions::default()).unwrap()).unwrap();
     }
     (first, out)
 }
@@ -53,7 +56,7 @@ fn batched(model: &Model, prompts: &[&[u32]]) -> anyhow::Result<(Array, Vec<Vec<
     let b = prompts.len() as i32;
     let mut cache = KvCache::batch(lm.num_layers(), pads);
     let ids = Array::from_slice(&ids, &[b, longest as i32]);
-    let first = lm.logits(&lm.forward(&lm.embed(&ids)?, &mut cache, None)?)?;
+    let first = lm.logits(&lm.forward(&lm.embed(&ids)?, &mut cache, &MediaPositions::default())?)?;
     assert_eq!(first.shape()[0], b, "logits are [B, vocab]");
     let mut logits = first.clone();
     let mut out = vec![Vec::new(); prompts.len()];
@@ -64,7 +67,7 @@ fn batched(model: &Model, prompts: &[&[u32]]) -> anyhow::Result<(Array, Vec<Vec<
             out[row].push(y);
         }
         let ids = Array::from_slice(&picks, &[b, 1]);
-        logits = lm.logits(&lm.forward(&lm.embed(&ids)?, &mut cache, None)?)?;
+        logits = lm.logits(&lm.forward(&lm.embed(&ids)?, &mut cache, &MediaPositions::default())?)?;
     }
     Ok((first, out))
 }
@@ -87,7 +90,8 @@ fn assert_rows_match_alone(rel: &str) {
     let mut padded = vec![0u32; 6];
     padded.extend_from_slice(PROMPTS[1]);
     let ids = Array::from_slice(&padded, &[1, 9]);
-    let wrong = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut unmasked, None).unwrap()).unwrap();
+    let wrong =
+        lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut unmasked, &MediaPositions::default()).unwrap()).unwrap();
     assert!(relative_error(&wrong, &alone(&model, PROMPTS[1]).0) > 1e-3, "{rel}: padding must matter unmasked");
 }
 
@@ -120,13 +124,15 @@ fn alone_ids(model: &Model, prompt: &[u32], steps: usize) -> Vec<u32> {
     let lm = &model.lm;
     let mut cache = KvCache::new(lm.num_layers());
     let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
-    let mut logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+    let mut logits =
+        lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, &MediaPositions::default()).unwrap()).unwrap();
     let mut out = Vec::new();
     for _ in 0..=steps {
         let y = argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
         out.push(y);
         let ids = Array::from_slice(&[y], &[1, 1]);
-        logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+        logits =
+            lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, &MediaPositions::default()).unwrap()).unwrap();
     }
     out
 }
@@ -154,7 +160,9 @@ fn assert_joins_and_leaves_match_alone(rel: &str) {
             }
             let mut cache = KvCache::new(lm.num_layers());
             let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
-            let logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, None).unwrap()).unwrap();
+            let logits = lm
+                .logits(&lm.forward(&lm.embed(&ids).unwrap(), &mut cache, &MediaPositions::default()).unwrap())
+                .unwrap();
             let y = argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
             got[i].push(y);
             match batch.as_mut() {
@@ -167,7 +175,8 @@ fn assert_joins_and_leaves_match_alone(rel: &str) {
         let cache = batch.as_mut().unwrap();
         let b = rows.len() as i32;
         let ids = Array::from_slice(&next, &[b, 1]);
-        let logits = lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), cache, None).unwrap()).unwrap();
+        let logits =
+            lm.logits(&lm.forward(&lm.embed(&ids).unwrap(), cache, &MediaPositions::default()).unwrap()).unwrap();
         let picks = argmax_axis(&logits, -1, None).unwrap().as_dtype(mlx_rs::Dtype::Uint32).unwrap();
         next = picks.as_slice::<u32>().to_vec();
         for (r, &i) in rows.iter().enumerate() {

@@ -13,6 +13,7 @@ use crate::common::*;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_daemon::model::kv_cache::KvCache;
+use mlxbc_daemon::model::positions::MediaPositions;
 use mlxbc_shared::ChatMessage;
 
 /// Against mlx-vlm on the same weights, both in f32 arithmetic.
@@ -56,7 +57,7 @@ fn bf16_and_4bit_directories_load_and_match_mlx_vlm() {
         assert_eq!(ids, theirs, "{name}: prompt ids");
         let ids = Array::from_slice(&ids, &[1, ids.len() as i32]);
         let mut cache = KvCache::new(model.lm.num_layers());
-        let hidden = model.lm.forward(&model.lm.embed(&ids).unwrap(), &mut cache, None).unwrap();
+        let hidden = model.lm.forward(&model.lm.embed(&ids).unwrap(), &mut cache, &MediaPositions::default()).unwrap();
         let ours = model.lm.logits(&hidden).unwrap().reshape(&[-1]).unwrap().index(..KEPT);
         let bf16 = name.ends_with("-bf16");
         let exact = want.get(&format!("{name}.{}", if bf16 { "logits_f32" } else { "logits" })).unwrap();

@@ -17,6 +17,7 @@ use crate::common::*;
 use mlx_rs::Array;
 use mlxbc_daemon::model::family::Prepared;
 use mlxbc_daemon::model::kv_cache::KvCache;
+use mlxbc_daemon::model::positions::MediaPositions;
 
 const TOLERANCE: f32 = 1e-4;
 const FAMILIES: [&str; 2] = ["tiny-gemma4", "tiny-gemma4-4bit"];
@@ -36,7 +37,8 @@ fn last_logits(
     blocks: Option<&[i32]>,
 ) -> Array {
     use mlx_rs::ops::indexing::IndexOp;
-    let hidden = model.lm.forward(embeds, cache, blocks).unwrap();
+    let hidden =
+        model.lm.forward(embeds, cache, &MediaPositions { image_blocks: blocks, ..Default::default() }).unwrap();
     model.lm.logits(&hidden).unwrap().reshape(&[-1]).unwrap().index(..KEPT)
 }
 
@@ -269,7 +271,19 @@ fn gemma4_moe_matches_mlx_vlm() {
             let embeds = vision.tower.splice(&*model.lm, &ids, &media).unwrap();
             let blocks = vision.image_blocks(&ids);
             let mut cache = KvCache::new(model.lm.num_layers());
-            let mut logits = model.lm.logits(&model.lm.forward(&embeds, &mut cache, Some(&blocks)).unwrap()).unwrap();
+            let mut logits = model
+                .lm
+                .logits(
+                    &model
+                        .lm
+                        .forward(
+                            &embeds,
+                            &mut cache,
+                            &MediaPositions { image_blocks: Some(&blocks), ..Default::default() },
+                        )
+                        .unwrap(),
+                )
+                .unwrap();
             let first = logits.reshape(&[-1]).unwrap().index(..KEPT);
             let err = relative_error(&first, &want.remove(&format!("{family}.{case}.logits")).unwrap());
             eprintln!("{family} first logits, {case}: relative error {err:e}");
@@ -279,7 +293,10 @@ fn gemma4_moe_matches_mlx_vlm() {
                 let next = argmax_axis(&logits, -1, None).unwrap().item_cast::<u32>();
                 greedy.push(next);
                 let embeds = model.lm.embed(&Array::from_slice(&[next], &[1, 1])).unwrap();
-                logits = model.lm.logits(&model.lm.forward(&embeds, &mut cache, None).unwrap()).unwrap();
+                logits = model
+                    .lm
+                    .logits(&model.lm.forward(&embeds, &mut cache, &MediaPositions::default()).unwrap())
+                    .unwrap();
             }
             let theirs: Vec<u32> = serde_json::from_value(g["generated_ids"].clone()).unwrap();
             assert_eq!(greedy, theirs, "{family} {case}: greedy ids");

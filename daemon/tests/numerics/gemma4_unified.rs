@@ -10,6 +10,7 @@ use crate::common::*;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_daemon::model::kv_cache::KvCache;
+use mlxbc_daemon::model::positions::MediaPositions;
 use mlxbc_daemon::model::MediaLayout;
 use mlxbc_shared::{ChatMessage, MediaRef};
 
@@ -31,7 +32,10 @@ fn gemma4_unified_matches_mlx_vlm() {
         let embeds = vision.tower.splice(&*model.lm, ids, features).unwrap();
         let blocks = vision.image_blocks(ids);
         let mut cache = KvCache::new(model.lm.num_layers());
-        let hidden = model.lm.forward(&embeds, &mut cache, Some(&blocks)).unwrap();
+        let hidden = model
+            .lm
+            .forward(&embeds, &mut cache, &MediaPositions { image_blocks: Some(&blocks), ..Default::default() })
+            .unwrap();
         let ours = model.lm.logits(&hidden).unwrap().reshape(&[-1]).unwrap().index(..KEPT);
         let err = relative_error(&ours, &want.get(&format!("{case}.logits")).unwrap().clone());
         eprintln!("{FAMILY} first logits, {case}: relative error {err:e}");

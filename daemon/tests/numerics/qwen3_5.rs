@@ -12,6 +12,7 @@ use mlx_rs::Array;
 use mlxbc_daemon::families::qwen3_5::gated_delta;
 use mlxbc_daemon::model::family::Prepared;
 use mlxbc_daemon::model::kv_cache::KvCache;
+use mlxbc_daemon::model::positions::MediaPositions;
 
 const TOLERANCE: f32 = 1e-4;
 const FAMILIES: [&str; 2] = ["tiny-qwen3_5", "tiny-qwen3_5-4bit"];
@@ -41,7 +42,7 @@ fn qwen3_5_tower_and_first_logits_match_mlx_vlm() {
         let ids: Vec<u32> = serde_json::from_value(golden[family]["text"]["prompt_ids"].clone()).unwrap();
         let ids = Array::from_slice(&ids, &[1, ids.len() as i32]);
         let mut cache = KvCache::new(model.lm.num_layers());
-        let hidden = model.lm.forward(&model.lm.embed(&ids).unwrap(), &mut cache, None).unwrap();
+        let hidden = model.lm.forward(&model.lm.embed(&ids).unwrap(), &mut cache, &MediaPositions::default()).unwrap();
         let logits = model.lm.logits(&hidden).unwrap().reshape(&[-1]).unwrap();
         let theirs = want.remove(&format!("{family}.text_logits")).unwrap();
         let err = relative_error(&logits, &theirs);
@@ -100,11 +101,13 @@ fn a_prompt_prefilled_in_pieces_equals_one_pass() {
     let n = ids.len() as i32;
     let embeds = model.lm.embed(&Array::from_slice(&ids, &[1, n])).unwrap();
     let mut whole = KvCache::new(model.lm.num_layers());
-    let one_pass = model.lm.logits(&model.lm.forward(&embeds, &mut whole, None).unwrap()).unwrap();
+    let one_pass =
+        model.lm.logits(&model.lm.forward(&embeds, &mut whole, &MediaPositions::default()).unwrap()).unwrap();
     let mut cache = KvCache::new(model.lm.num_layers());
     let mut last = None;
     for (from, to) in [(0, 64), (64, 128), (128, n - 1), (n - 1, n)] {
-        last = Some(model.lm.forward(&embeds.index((.., from..to, ..)), &mut cache, None).unwrap());
+        last =
+            Some(model.lm.forward(&embeds.index((.., from..to, ..)), &mut cache, &MediaPositions::default()).unwrap());
     }
     let pieces = model.lm.logits(&last.unwrap()).unwrap();
     let err = relative_error(&pieces, &one_pass);

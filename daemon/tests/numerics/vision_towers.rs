@@ -11,6 +11,7 @@ use mlxbc_daemon::families::gemma3::projector::Gemma3Projector;
 use mlxbc_daemon::families::gemma3::siglip::{SiglipConfig, SiglipTower};
 use mlxbc_daemon::model::family::{LanguageModel, VisionTower};
 use mlxbc_daemon::model::kv_cache::KvCache;
+use mlxbc_daemon::model::positions::MediaPositions;
 use mlxbc_daemon::model::weights::{TensorMap, WeightForm};
 use mlxbc_daemon::model::MediaLayout;
 
@@ -133,7 +134,7 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
     let features = tower.encode_pixels(&pixels).unwrap();
     let embeds = tower.splice(&lm, &prompt, &[features]).unwrap();
     let mut cache = KvCache::new(lm.num_layers());
-    let forward = |e: &Array| lm.logits(&lm.forward(e, &mut cache, None).unwrap()).unwrap();
+    let forward = |e: &Array| lm.logits(&lm.forward(e, &mut cache, &MediaPositions::default()).unwrap()).unwrap();
     let embed = |y: u32| LanguageModel::embed(&lm, &Array::from_slice(&[y], &[1, 1])).unwrap();
     assert_greedy_matches("gemma3 vlm", &rec, &embeds, forward, embed);
     // HF's mask (bidirectional within the image) changes the prefill — this
@@ -211,9 +212,10 @@ fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
     let model =
         Transformer::from_tensors(tiny_qwen_text(), TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
     let mut cache = KvCache::new(2);
-    cache.mrope = Some(mrope::positions(&rec.prompt, &[250], &[(1, 4, 6)], 2));
+    let positions = mrope::positions(&rec.prompt, &[250], &[(1, 4, 6)], 2);
+    let media = MediaPositions { mrope: Some(&positions), ..Default::default() };
     let embeds = model.embed(&Array::from_slice(&rec.prompt, &[1, rec.prompt.len() as i32])).unwrap();
-    let forward = |e: &Array| model.logits_last(&model.hidden(e, &mut cache).unwrap()).unwrap();
+    let forward = |e: &Array| model.logits_last(&model.hidden(e, &mut cache, &media).unwrap()).unwrap();
     let embed = |y: u32| model.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
     assert_greedy_matches("qwen2.5-vl language (mrope)", &rec, &embeds, forward, embed);
 }
@@ -240,8 +242,9 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
     assert_eq!(tower.grid_of(&features), (1, 8, 12));
     let embeds = tower.splice(&text, &rec.prompt, std::slice::from_ref(&features)).unwrap();
     let mut cache = KvCache::new(2);
-    cache.mrope = tower.rope_positions(&rec.prompt, &[features]);
-    let forward = |e: &Array| text.logits(&text.forward(e, &mut cache, None).unwrap()).unwrap();
+    let positions = tower.rope_positions(&rec.prompt, &[features]);
+    let media = MediaPositions { mrope: positions.as_ref(), ..Default::default() };
+    let forward = |e: &Array| text.logits(&text.forward(e, &mut cache, &media).unwrap()).unwrap();
     let embed = |y: u32| text.embed(&Array::from_slice(&[y], &[1, 1])).unwrap();
     assert_greedy_matches("qwen2.5-vl whole model", &rec, &embeds, forward, embed);
 }

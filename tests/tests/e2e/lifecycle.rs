@@ -25,6 +25,21 @@ fn a_second_daemon_on_the_same_socket_refuses_to_start() {
 }
 
 #[test]
+fn a_second_daemon_on_the_same_data_directory_through_another_socket_refuses_to_start() {
+    // It would run without the feature store the first one holds, and
+    // encode every image again with nothing but a log line to say so.
+    let d = Daemon::start();
+    let other = d.home.path().join("other.sock");
+    let mut cmd = std::process::Command::new(binary("mlxbcd"));
+    d.env(&mut cmd);
+    let out = cmd.env("MLXBC_SOCKET", &other).stdin(Stdio::null()).output().unwrap();
+    assert!(!out.status.success(), "a second daemon started beside the first");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another mlxbcd is using the data directory") && err.contains("MLXBC_HOME"), "stderr: {err}");
+    assert!(std::os::unix::net::UnixStream::connect(&d.socket).is_ok(), "the first daemon still serves");
+}
+
+#[test]
 fn a_stale_socket_file_is_replaced() {
     let mut d = Daemon::start();
     let status = d.terminate();

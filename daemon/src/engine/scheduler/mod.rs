@@ -247,9 +247,9 @@ impl Scheduler {
         match guarded(|| a.seq.prefill(prompts)) {
             Ok(Prefilled::Chunk { .. }) => true,
             Ok(Prefilled::Ready) => {
-                let (model, mode) = (a.seq.model().clone(), a.seq.decode_mode());
+                let (model, mode, alone) = (a.seq.model().clone(), a.seq.decode_mode(), a.seq.has_mrope());
                 let Some((cache, first)) = a.seq.take_for_batch() else { return false };
-                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: cache.mrope.is_some().then_some(id) };
+                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id) };
                 self.changed = true;
                 self.queues.start_decoding(id, key.model);
                 let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model, mode));

@@ -7,6 +7,7 @@
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
+use crate::model::positions::MediaPositions;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
 use mlx_rs::{
@@ -268,8 +269,8 @@ impl LanguageModel for Gemma3Text {
         Gemma3Text::embed(self, ids)
     }
 
-    fn forward(&self, embeds: &Array, cache: &mut KvCache, image_blocks: Option<&[i32]>) -> Result<Array> {
-        self.hidden(embeds, cache, image_blocks.filter(|_| self.bidirectional_images))
+    fn forward(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array> {
+        self.hidden(embeds, cache, media.image_blocks.filter(|_| self.bidirectional_images))
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {

@@ -6,6 +6,7 @@ use super::config::{Architecture, TextConfig};
 use crate::model::family::{DecodeGraph, LanguageModel};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, FusedLinear, Linear};
+use crate::model::positions::{MediaPositions, MropePositions};
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
 use mlx_rs::{
@@ -129,7 +130,7 @@ impl Transformer {
 
     /// Runs embeddings `[B, L, hidden]` through the layers, appending to
     /// `cache`; returns the final hidden states (before the last norm).
-    pub fn hidden(&self, embeds: &Array, cache: &mut KvCache) -> Result<Array> {
+    pub fn hidden(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array> {
         let len = embeds.shape()[1];
         let mut h = embeds.clone();
         let offset = cache.offset;
@@ -147,6 +148,7 @@ impl Transformer {
                 &layer.attn,
                 &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?,
                 cache,
+                media.mrope,
                 i,
                 at,
             )?;
@@ -156,7 +158,7 @@ impl Transformer {
                 &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
             )?;
             h = h2.add(&r)?;
-            if let Some(deepstack) = &cache.deepstack {
+            if let Some(deepstack) = media.deepstack {
                 if let Some(added) = deepstack.addend(i, offset, len)? {
                     h = h.add(&added)?;
                 }
@@ -178,13 +180,21 @@ impl Transformer {
         Ok(logits.reshape(&[b, -1])?)
     }
 
-    fn attention(&self, a: &Attention, x: &Array, cache: &mut KvCache, layer: usize, at: Position) -> Result<Array> {
+    fn attention(
+        &self,
+        a: &Attention,
+        x: &Array,
+        cache: &mut KvCache,
+        mrope: Option<&MropePositions>,
+        layer: usize,
+        at: Position,
+    ) -> Result<Array> {
         let l = x.shape()[1];
         let offset = cache.offset;
         let (q, k, v) = match &self.config.mrope_section {
             Some(section) => {
                 let (q, k, v) = self.project(a, x, at, false)?;
-                let (cos, sin) = mrope_cos_sin(&self.config, section, cache.mrope.as_ref(), offset, l)?;
+                let (cos, sin) = mrope_cos_sin(&self.config, section, mrope, offset, l)?;
                 (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?, v)
             }
             None => self.project(a, x, at, true)?,
@@ -435,8 +445,8 @@ impl LanguageModel for Transformer {
         Transformer::embed(self, ids)
     }
 
-    fn forward(&self, embeds: &Array, cache: &mut KvCache, _image_blocks: Option<&[i32]>) -> Result<Array> {
-        self.hidden(embeds, cache)
+    fn forward(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array> {
+        self.hidden(embeds, cache, media)
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {

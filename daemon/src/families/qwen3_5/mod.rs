@@ -9,8 +9,8 @@ pub mod model;
 
 use crate::families::qwen3_vl;
 use crate::model::family::{LanguageModel, Prepared, VisionTower};
-use crate::model::kv_cache::Deepstack;
 use crate::model::options::ModelOptions;
+use crate::model::positions::Deepstack;
 use crate::model::weights::TensorMap;
 use crate::model::Model;
 use anyhow::{ensure, Result};

@@ -12,6 +12,7 @@ use crate::families::llama::model::swiglu;
 use crate::model::family::LanguageModel;
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{Embedding, Linear};
+use crate::model::positions::{MediaPositions, MropePositions};
 use crate::model::weights::TensorMap;
 use anyhow::{ensure, Result};
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
@@ -149,7 +150,13 @@ impl Qwen35 {
     /// cos and sin `[rows, 1, L, rotary_dim]` for `l` positions from the
     /// cache's next one: each row's own positions when rows are padded; the
     /// prompt's multimodal positions (then `offset + delta`) when it has them.
-    fn rope_cos_sin(&self, cache: &KvCache, l: i32, dtype: Dtype) -> Result<(Array, Array)> {
+    fn rope_cos_sin(
+        &self,
+        cache: &KvCache,
+        mrope: Option<&MropePositions>,
+        l: i32,
+        dtype: Dtype,
+    ) -> Result<(Array, Array)> {
         let half = self.inv_freq.shape()[0];
         let section = &self.config.rope().mrope_section;
         // mlx-vlm's interleaved selector (as Qwen3-VL's).
@@ -166,7 +173,7 @@ impl Qwen35 {
         let mut positions = Vec::with_capacity((rows * l * half) as usize);
         for &start in starts.iter().take(rows as usize) {
             for p in start..start + l as i64 {
-                let pos = match &cache.mrope {
+                let pos = match mrope {
                     Some((prompt, _)) if (p as usize) < prompt.len() => prompt[p as usize],
                     Some((_, delta)) => [p + delta; 3],
                     None => [p; 3],
@@ -304,10 +311,10 @@ impl LanguageModel for Qwen35 {
         self.embed_tokens.lookup(ids)
     }
 
-    fn forward(&self, embeds: &Array, cache: &mut KvCache, _image_blocks: Option<&[i32]>) -> Result<Array> {
+    fn forward(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array> {
         let c = &self.config;
         let l = embeds.shape()[1];
-        let rope = self.rope_cos_sin(cache, l, embeds.dtype())?;
+        let rope = self.rope_cos_sin(cache, media.mrope, l, embeds.dtype())?;
         let mut h = embeds.clone();
         for layer in &self.layers {
             let x = fast::rms_norm(&h, Some(&layer.input_layernorm), c.rms_norm_eps)?;

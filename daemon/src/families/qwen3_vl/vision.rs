@@ -7,7 +7,7 @@
 
 use super::tower::Qwen3VisionTower;
 use crate::model::family::{LanguageModel, Prepared, VisionTower};
-use crate::model::kv_cache::Deepstack;
+use crate::model::positions::Deepstack;
 use anyhow::{bail, ensure, Result};
 use mlx_rs::{ops, Array};
 
