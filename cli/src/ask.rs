@@ -53,9 +53,9 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         messages.push(ChatMessage::system(s.clone()));
     }
     let mut user = ChatMessage::user(prompt);
-    user.images = read_media(&args.image)?;
-    user.images.extend(read_videos(&args.video)?);
-    user.images.extend(read_audio(&args.audio)?);
+    user.media = read_media(&args.image)?;
+    user.media.extend(read_videos(&args.video)?);
+    user.media.extend(read_audio(&args.audio)?);
     messages.push(user);
     Ok(GenerateRequest {
         model: args.model.clone(),

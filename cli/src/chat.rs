@@ -88,7 +88,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             }
         }
         let mut user = ChatMessage::user(line);
-        user.images = std::mem::take(&mut images);
+        user.media = std::mem::take(&mut images);
         let mut turn = Vec::new();
         if let (Some(system), false) = (&args.system, system_sent) {
             // Sent with this run's first turn (and so stored in a session's history).

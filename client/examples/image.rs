@@ -18,7 +18,7 @@ async fn main() -> Result<(), ClientError> {
     let bytes = std::fs::read(&path).map_err(|e| ClientError::Unexpected(format!("reading {path}: {e}")))?;
     let mut request = GenerateRequest::ask(question);
     request.model = Some(model);
-    request.messages[0].images.push(MediaRef::from_bytes(bytes));
+    request.messages[0].media.push(MediaRef::from_bytes(bytes));
     let mut client = Client::connect_or_start(&Settings::from_env()?).await?;
     let (text, stats) = client.ask(request).await?;
     println!("{text}");

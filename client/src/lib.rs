@@ -157,7 +157,7 @@ impl Client {
     /// daemon answers that it has no features for them.
     pub async fn generate(&mut self, request: GenerateRequest) -> Result<GenerationStream<'_>, ClientError> {
         let mut first_try = request.clone();
-        first_try.messages.iter_mut().flat_map(|m| m.images.iter_mut()).for_each(|m| m.bytes = None);
+        first_try.messages.iter_mut().flat_map(|m| m.media.iter_mut()).for_each(|m| m.bytes = None);
         self.reconnect_if_closed().await?;
         self.conn.send(Request::Generate(first_try)).await?;
         let first = self.conn.next().await.transpose()?;
@@ -167,7 +167,7 @@ impl Client {
                 with_bytes
                     .messages
                     .iter_mut()
-                    .flat_map(|m| m.images.iter_mut())
+                    .flat_map(|m| m.media.iter_mut())
                     .filter(|m| !missing.contains(&m.sha256))
                     .for_each(|m| m.bytes = None);
                 self.conn.send(Request::Generate(with_bytes)).await?;

@@ -61,7 +61,7 @@ pub struct MediaRoute {
 impl MediaRoute {
     /// The route of a vision model; `None` for a text-only one.
     pub fn of(model: &Model) -> Option<Self> {
-        let v = model.vision.as_ref()?;
+        let v = model.media_tower.as_ref()?;
         Some(Self {
             preprocessor: v.preprocessor.clone(),
             preprocess_key: v.preprocess_key.clone(),
@@ -105,7 +105,7 @@ impl MediaRoute {
 
     /// Made for `model`'s tower and preprocessing.
     fn is_for(&self, model: &Model) -> bool {
-        model.vision.as_ref().is_some_and(|v| {
+        model.media_tower.as_ref().is_some_and(|v| {
             v.fingerprint.0 == self.fingerprint
                 && v.preprocess_key == self.preprocess_key
                 && v.audio.as_ref().map(|a| (a.frontend_key.clone(), a.fingerprint.0)) == self.audio_key
@@ -363,7 +363,7 @@ fn encode(
     store: Option<&SharedStore>,
     prepared: PreparedMedia,
 ) -> Result<Resolved<Encoded>, EngineError> {
-    let Some(vision) = &model.vision else { return Err(bad("this model has no vision tower")) };
+    let Some(vision) = &model.media_tower else { return Err(bad("this model has no vision tower")) };
     let mut stats = prepared.stats;
     let mut out = Vec::with_capacity(prepared.items.len());
     let spans = prepared.items.iter().map(|(key, _)| span_identity(key)).collect();

@@ -112,7 +112,7 @@ impl SessionStore {
 
     fn write_appended(&self, name: &str, new: &[ChatMessage]) -> Result<(), SessionError> {
         let mut all = self.load(name)?;
-        all.extend(new.iter().map(|m| ChatMessage { images: vec![], ..m.clone() }));
+        all.extend(new.iter().map(|m| ChatMessage { media: vec![], ..m.clone() }));
         let io = |doing| move |source| SessionError::Io { doing, name: name.into(), source };
         mlxbc_shared::paths::create_private_dir(&self.dir).map_err(io("creating the directory of"))?;
         let tmp = self.dir.join(format!(".{name}.json.tmp"));

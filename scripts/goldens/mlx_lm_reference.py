@@ -3,7 +3,7 @@
 scripts/test-fixtures) for the test prompts, on the fixture weights.
 
 The daemon computes in dense f32 on CPU (quantized weights dequantized at
-load; see README "Compute dtype"), so the reference does the same: mlx-lm's
+load; see docs/benchmarks.md "Compute dtype"), so the reference does the same: mlx-lm's
 own `dequantize_model` on the loaded model. Output is committed under
 tests/fixtures/reference/ so that tests need no Python.
 

@@ -85,7 +85,7 @@ fn message(rng: &mut Rng) -> ChatMessage {
     let tool_calls =
         (0..rng.below(2)).map(|_| ToolCall { id: rng.string(), name: rng.string(), arguments: rng.string() }).collect();
     let tool_call_id = rng.one_in(4).then(|| rng.string());
-    ChatMessage { role, content: rng.string(), images, tool_calls, tool_call_id }
+    ChatMessage { role, content: rng.string(), media: images, tool_calls, tool_call_id }
 }
 
 fn keep_alive(rng: &mut Rng) -> Option<KeepAlive> {

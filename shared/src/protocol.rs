@@ -325,9 +325,11 @@ pub enum Response {
 pub struct ChatMessage {
     pub role: Role,
     pub content: String,
-    /// Media (images and videos, see [`MediaRef::kind`]) that come with
-    /// this message, in order, before its text.
-    pub images: Vec<MediaRef>,
+    /// Media (images, videos and audio clips, see [`MediaRef::kind`]) that
+    /// come with this message, in order, before its text. Sessions saved
+    /// before the rename wrote it as `images`.
+    #[serde(alias = "images")]
+    pub media: Vec<MediaRef>,
     /// An assistant message's tool calls (an earlier turn that called tools).
     #[serde(default)]
     pub tool_calls: Vec<ToolCall>,
@@ -338,13 +340,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     fn empty() -> Self {
-        Self {
-            role: Role::User,
-            content: String::new(),
-            images: Vec::new(),
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-        }
+        Self { role: Role::User, content: String::new(), media: Vec::new(), tool_calls: Vec::new(), tool_call_id: None }
     }
     /// A tool's result for the call `id`.
     pub fn tool(id: impl Into<String>, content: impl Into<String>) -> Self {
@@ -786,4 +782,18 @@ pub struct SequenceInfo {
     pub age_ms: u64,
     /// KV bytes reserved for it (prompt plus its whole answer).
     pub reserved_kv_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_saved_when_media_was_called_images_still_loads() {
+        let old = r#"{"role":"User","content":"what is this?","images":[]}"#;
+        let m: ChatMessage = serde_json::from_str(old).unwrap();
+        assert_eq!((m.content.as_str(), m.media.len()), ("what is this?", 0));
+        let new = serde_json::to_string(&m).unwrap();
+        assert!(new.contains("\"media\"") && !new.contains("\"images\""), "{new}");
+    }
 }

@@ -59,7 +59,7 @@ fn a_huge_length_in_any_field_is_refused() {
     let with_marker = GenerateRequest::ask(M);
     let image = MediaRef { sha256: [7; 32], bytes: Some(M.as_bytes().to_vec()), kind: MediaKind::Image };
     let mut with_image = GenerateRequest::ask("x");
-    with_image.messages[0].images.push(image.clone());
+    with_image.messages[0].media.push(image.clone());
     let requests: Vec<(&str, Request)> = vec![
         ("hello version", Request::Hello { protocol: PROTOCOL_VERSION, client_version: M.into() }),
         ("message text", Request::Generate(with_marker.clone())),

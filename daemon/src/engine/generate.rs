@@ -105,7 +105,7 @@ fn prompt_here(
                 .map_err(|e| EngineError::BadRequest(format!("{e:#}")))?
         }
     };
-    if let Some(v) = &model.vision {
+    if let Some(v) = &model.media_tower {
         let placeholders = prompt.matches(v.placeholder.as_str()).count();
         let video_placeholders = v.video.as_ref().map_or(0, |p| prompt.matches(p.text.as_str()).count());
         let audio_placeholders = v.audio.as_ref().map_or(0, |p| prompt.matches(p.text.as_str()).count());
@@ -157,7 +157,7 @@ fn prompt_here(
             }
         }
     };
-    if let Some(v) = &model.vision {
+    if let Some(v) = &model.media_tower {
         // Each placeholder becomes as many media tokens as its features have rows.
         let rows: Vec<usize> = encoded
             .features
@@ -194,8 +194,8 @@ pub fn begin(
     if request.messages.is_empty() && request.raw.is_none() {
         return Err(EngineError::BadRequest("the request has no messages".into()));
     }
-    let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
-    if !media.is_empty() && model.vision.is_none() {
+    let media: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.media).collect();
+    if !media.is_empty() && model.media_tower.is_none() {
         return Err(EngineError::BadMedia(format!(
             "model {} is text-only and cannot take images, video or audio; use a vision-language model",
             ctx.model_name
@@ -228,14 +228,14 @@ pub fn begin(
     }
 
     // Features exist only for a vision model (media::resolve refuses the others).
-    let embeds = match &model.vision {
+    let embeds = match &model.media_tower {
         Some(v) if !features.is_empty() => v.tower.splice(&*model.lm, &ids, &features),
         _ => model.lm.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
     }
     .map_err(|e| EngineError::BadMedia(format!("{e:#}")))?;
     // The longest cached prefix (RAM, or disk blocks read while the prompt
     // was tokenized), computed only for a model whose KV identity is known.
-    let spans = match &model.vision {
+    let spans = match &model.media_tower {
         Some(v) => prompt_cache::media_spans(&ids, &v.media_tokens(), &span_hashes),
         None => Vec::new(),
     };
@@ -248,7 +248,7 @@ pub fn begin(
         Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens, r.disk_cost),
         None => (KvCache::new(model.lm.num_layers()), 0, 0, None),
     };
-    let (mrope, deepstack) = match &model.vision {
+    let (mrope, deepstack) = match &model.media_tower {
         Some(v) => (
             v.tower.rope_positions(&ids, &features),
             v.tower.deepstack(&ids, &features).map_err(|e| EngineError::BadMedia(format!("{e:#}")))?,
@@ -257,7 +257,7 @@ pub fn begin(
     };
     // Which image each position belongs to, for a model whose image
     // positions see each other during prefill.
-    let blocks = match (&model.vision, model.lm.media_attention()) {
+    let blocks = match (&model.media_tower, model.lm.media_attention()) {
         (Some(v), MediaAttention::BidirectionalWithinImage) => Some(v.image_blocks(&ids)),
         _ => None,
     };

@@ -54,7 +54,7 @@ impl ActiveTranscription {
         load_ms: f64,
     ) -> Result<Self, (EngineError, UnboundedSender<Response>)> {
         let t = Instant::now();
-        let task = match model.begin(audio.samples.as_deref().map(|s| s.as_slice()), audio.frames, request) {
+        let task = match model.clone().begin(audio.samples.as_deref().map(|s| s.as_slice()), audio.frames, request) {
             Ok(task) => task,
             Err(e) => return Err((EngineError::BadRequest(format!("{e:#}")), events)),
         };
@@ -144,7 +144,7 @@ impl ActiveTranscription {
         };
         self.stats.encode_ms += t.elapsed().as_secs_f64() * 1000.0;
         let t = Instant::now();
-        self.task.step(&*self.model, &features).map_err(failed)?;
+        self.task.step(&features).map_err(failed)?;
         self.stats.decode_ms += t.elapsed().as_secs_f64() * 1000.0;
         Ok(true)
     }
@@ -152,10 +152,9 @@ impl ActiveTranscription {
     fn answer(mut self) -> Progress {
         self.stats.windows = self.task.windows();
         self.stats.total_ms = self.received.elapsed().as_secs_f64() * 1000.0;
-        let model = self.model.clone();
         let Self { task, events, stats, keep_alive, .. } = self;
         let name = stats.model.clone();
-        match task.finish(&*model) {
+        match task.finish() {
             Ok(r) => {
                 let _ = events.send(Response::Transcribed(Transcript {
                     text: r.text,

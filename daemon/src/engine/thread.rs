@@ -332,7 +332,7 @@ impl Engine {
                     model: name.clone(),
                     prompter: m.prompter.clone(),
                     context: m.lm.context_length() as usize,
-                    placeholder: m.vision.as_ref().map(|v| v.placeholder.clone()),
+                    placeholder: m.media_tower.as_ref().map(|v| v.placeholder.clone()),
                     media: media::MediaRoute::of(m),
                     kv_root: m.kv_root,
                     recurrent: m.lm.recurrent(),

@@ -182,7 +182,7 @@ fn result_content(content: Option<Content>, msg: &mut ChatMessage) -> Result<(),
             for b in blocks {
                 match b {
                     Block::Text { text } => push_text(&mut msg.content, &text),
-                    Block::Image { source } => msg.images.push(image(source)?),
+                    Block::Image { source } => msg.media.push(image(source)?),
                     _ => return Err(bad("a tool_result's content holds text and image blocks only")),
                 }
             }
@@ -227,7 +227,7 @@ impl MessagesRequest {
             for b in blocks {
                 match b {
                     Block::Text { text } => push_text(&mut msg.content, &text),
-                    Block::Image { source } => msg.images.push(image(source)?),
+                    Block::Image { source } => msg.media.push(image(source)?),
                     Block::ToolUse { id, name, input } if role == Role::Assistant => {
                         msg.tool_calls.push(ToolCall { id, name, arguments: input.to_string() })
                     }
@@ -251,7 +251,7 @@ impl MessagesRequest {
                 }
             }
             // A user turn of only tool results adds no user message.
-            let only_results = role == Role::User && msg.content.is_empty() && msg.images.is_empty();
+            let only_results = role == Role::User && msg.content.is_empty() && msg.media.is_empty();
             if !only_results || messages.last().is_none_or(|l| l.role != Role::Tool) {
                 messages.push(msg);
             }

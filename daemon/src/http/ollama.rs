@@ -274,7 +274,7 @@ fn chat_request(b: ChatBody) -> Result<GenerateRequest, String> {
             other => return Err(format!("unsupported message role {other:?}")),
         };
         let mut msg = ChatMessage { role, content: m.content, ..ChatMessage::user("") };
-        msg.images = m.images.iter().map(|i| image(i)).collect::<Result<_, _>>()?;
+        msg.media = m.images.iter().map(|i| image(i)).collect::<Result<_, _>>()?;
         msg.tool_calls = m
             .tool_calls
             .into_iter()
@@ -444,7 +444,7 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: axum::body::Byte
         messages.push(ChatMessage::system(s));
     }
     let mut user = ChatMessage::user(b.prompt);
-    user.images = match b.images.iter().map(|i| image(i)).collect() {
+    user.media = match b.images.iter().map(|i| image(i)).collect() {
         Ok(i) => i,
         Err(e) => return error(ErrorKind::BadRequest, e),
     };

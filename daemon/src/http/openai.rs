@@ -362,17 +362,17 @@ impl ChatCompletionRequest {
                                 }
                                 msg.content.push_str(&text);
                             }
-                            Part::ImageUrl { image_url } => msg.images.push(image_ref(&image_url.url)?),
+                            Part::ImageUrl { image_url } => msg.media.push(image_ref(&image_url.url)?),
                             Part::VideoUrl { video_url } => {
                                 let media = image_ref(&video_url.url)?;
-                                msg.images.push(MediaRef { kind: mlxbc_shared::MediaKind::Video, ..media })
+                                msg.media.push(MediaRef { kind: mlxbc_shared::MediaKind::Video, ..media })
                             }
                             Part::InputAudio { input_audio } => {
                                 let bytes =
                                     base64::engine::general_purpose::STANDARD.decode(input_audio.data.trim()).map_err(
                                         |e| BadRequest(format!("input_audio data is not valid base64: {e}")),
                                     )?;
-                                msg.images.push(MediaRef::audio(bytes))
+                                msg.media.push(MediaRef::audio(bytes))
                             }
                         }
                     }
@@ -515,7 +515,7 @@ mod tests {
         let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
         let g = req.into_generate().unwrap();
         assert_eq!(g.messages.len(), 2);
-        assert_eq!(g.messages[1].images[0].bytes.as_deref(), Some(&b"\x89PNG...."[..]));
+        assert_eq!(g.messages[1].media[0].bytes.as_deref(), Some(&b"\x89PNG...."[..]));
         assert_eq!((g.stop, g.max_tokens, g.sampling.temperature), (vec!["END".to_string()], 7, 0.0));
         let by_hash = image_ref(&format!("mlxbc:sha256:{}", "ab".repeat(32))).unwrap();
         assert_eq!((by_hash.sha256, by_hash.bytes), ([0xab; 32], None));
@@ -530,8 +530,8 @@ mod tests {
             {"type": "text", "text": "what happens?"}]}]});
         let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
         let g = req.into_generate().unwrap();
-        assert_eq!(g.messages[0].images[0].kind, mlxbc_shared::MediaKind::Video);
-        assert_eq!(g.messages[0].images[0].bytes.as_deref(), Some(&b"....ftypisom"[..]));
+        assert_eq!(g.messages[0].media[0].kind, mlxbc_shared::MediaKind::Video);
+        assert_eq!(g.messages[0].media[0].bytes.as_deref(), Some(&b"....ftypisom"[..]));
     }
 
     #[test]

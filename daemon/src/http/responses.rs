@@ -98,7 +98,7 @@ fn message_content(content: &Value, msg: &mut ChatMessage) -> Result<(), BadRequ
                 let url = p["image_url"]
                     .as_str()
                     .ok_or_else(|| bad("input_image needs an image_url (a data: URL); file ids are not served"))?;
-                msg.images.push(MediaRef::from_bytes(openai::data_url_bytes(url)?));
+                msg.media.push(MediaRef::from_bytes(openai::data_url_bytes(url)?));
             }
             "refusal" => {}
             other => return Err(bad(format!("content parts of type {other:?} are not served"))),

@@ -41,7 +41,7 @@ impl ChatTemplate {
         let messages: Vec<_> = messages
             .iter()
             .map(|m| {
-                let content = if m.images.is_empty() {
+                let content = if m.media.is_empty() {
                     minijinja::Value::from(m.content.clone())
                 } else {
                     let kind = |m: &mlxbc_shared::MediaRef| match m.kind {
@@ -50,7 +50,7 @@ impl ChatTemplate {
                         mlxbc_shared::MediaKind::Audio => "audio",
                     };
                     let mut parts: Vec<minijinja::Value> =
-                        m.images.iter().map(|m| context! { type => kind(m) }).collect();
+                        m.media.iter().map(|m| context! { type => kind(m) }).collect();
                     parts.push(context! { type => "text", text => m.content.clone() });
                     minijinja::Value::from(parts)
                 };

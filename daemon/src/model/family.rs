@@ -202,7 +202,7 @@ pub trait VisionTower {
 /// feature store keeps per window, and a decoder that turns it into text.
 /// The engine drives a transcription window by window ([`SpeechTask`]),
 /// between its other work, looking each window up in the store first.
-pub trait SpeechRecognizer: std::any::Any {
+pub trait SpeechRecognizer {
     /// Architecture name for listings (`whisper`).
     fn architecture(&self) -> &'static str;
 
@@ -219,15 +219,13 @@ pub trait SpeechRecognizer: std::any::Any {
     /// Starts transcribing a recording of `frames` 10 ms frames: its
     /// `samples` (16 kHz mono), or `None` when every window it needs is
     /// expected in the feature store (sent by hash).
+    /// The task holds its model (`self`), so its steps need no other.
     fn begin(
-        &self,
+        self: std::rc::Rc<Self>,
         samples: Option<&[f32]>,
         frames: usize,
         request: &mlxbc_shared::TranscribeRequest,
     ) -> Result<Box<dyn SpeechTask>>;
-
-    /// For the family's own task to reach its model.
-    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// One window the tower must encode next.
@@ -252,7 +250,7 @@ pub trait SpeechTask {
     fn next_window(&self) -> Result<Option<SpeechWindow>>;
 
     /// Decodes that window from its encoder output and moves on.
-    fn step(&mut self, model: &dyn SpeechRecognizer, features: &Array) -> Result<()>;
+    fn step(&mut self, features: &Array) -> Result<()>;
 
     /// Windows decoded so far (a fallback decodes one again).
     fn windows(&self) -> u32;
@@ -261,5 +259,5 @@ pub trait SpeechTask {
     fn seconds(&self) -> f64;
 
     /// The transcript.
-    fn finish(self: Box<Self>, model: &dyn SpeechRecognizer) -> Result<SpeechResult>;
+    fn finish(self: Box<Self>) -> Result<SpeechResult>;
 }

@@ -104,7 +104,7 @@ impl Linear {
 /// when their weights share a form, so that one matmul computes them all:
 /// each output feature is the same dot product as in its own matrix, so the
 /// results are the separate projections' exactly, for fewer operations
-/// (what bounds small-model decode on a GPU: README "NVIDIA").
+/// (what bounds small-model decode on a GPU: docs/benchmarks.md "NVIDIA").
 #[derive(Debug, Clone)]
 pub enum FusedLinear {
     /// One matrix; `splits` are the output offsets where the parts begin (after the first).

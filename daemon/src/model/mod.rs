@@ -31,8 +31,9 @@ use std::path::Path;
 use std::sync::Arc;
 use tokenizers::Tokenizer;
 
-/// A vision-language model's tower, preprocessing and prompt placeholders.
-pub struct Vision {
+/// A multimodal model's encoder (a vision tower, which may also take
+/// video frames and audio clips), its preprocessing and prompt placeholders.
+pub struct MediaTower {
     pub tower: Box<dyn VisionTower>,
     /// Shared with the connections, which prepare media off the engine thread.
     pub preprocessor: Arc<dyn MediaPreprocessor>,
@@ -140,7 +141,7 @@ impl MediaLayout {
     }
 }
 
-impl Vision {
+impl MediaTower {
     /// Assembles the parts; the preprocessing key is computed here, once.
     pub fn new(
         tower: Box<dyn VisionTower>,
@@ -291,8 +292,8 @@ pub struct Model {
     pub prompter: Arc<prompt::Prompter>,
     /// Token ids that end a generation.
     pub eos_ids: BTreeSet<u32>,
-    /// Present for vision-language models.
-    pub vision: Option<Vision>,
+    /// Present for models that take images, video or audio.
+    pub media_tower: Option<MediaTower>,
     /// The compiled decode step when the language model has one (traced on
     /// first use; engine thread only).
     compiled_decode: Option<RefCell<CompiledDecode>>,
@@ -336,7 +337,7 @@ impl Model {
         tokenizer: Tokenizer,
         template: ChatTemplate,
         eos_ids: BTreeSet<u32>,
-        vision: Option<Vision>,
+        media_tower: Option<MediaTower>,
     ) -> Self {
         let prompter = Arc::new(prompt::Prompter { tokenizer, template });
         let compiled_decode = lm.decode_graph().map(|g| RefCell::new(CompiledDecode::new(g)));
@@ -344,7 +345,7 @@ impl Model {
             lm,
             prompter,
             eos_ids,
-            vision,
+            media_tower,
             compiled_decode,
             kv_bytes_per_position: 0,
             state_layout: Vec::new(),

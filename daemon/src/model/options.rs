@@ -5,7 +5,7 @@
 //! the weight loader):
 //!
 //! - `MLXBC_WEIGHTS=dense|packed`: force the weight form (default: the
-//!   device's fastest; README "Compute dtype"),
+//!   device's fastest; docs/benchmarks.md "Compute dtype"),
 //! - `MLXBC_DECODE=eager|compiled`: force how decode steps are built,
 //! - `MLXBC_FUSE=0|dense`: keep q/k/v and gate/up projections separate
 //!   (all of them, or the quantized ones).

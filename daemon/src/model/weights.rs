@@ -15,7 +15,7 @@ use std::path::Path;
 pub enum WeightForm {
     /// Dequantize everything to dense f32. On x86 CPUs MLX's quantized matmul
     /// is scalar and single-threaded while f32 matmuls go to BLAS: with
-    /// OpenBLAS this is the fastest path by far (see README, "Compute dtype").
+    /// OpenBLAS this is the fastest path by far (docs/benchmarks.md, "Compute dtype").
     DenseF32,
     /// Keep quantized weights packed; other floats in this dtype (GPU path).
     Packed(Dtype),

@@ -69,7 +69,7 @@ pub async fn prepare(
     mut request: GenerateRequest,
 ) -> Result<Preparation, EngineError> {
     let turn = begin_session(sessions, &mut request).await?;
-    let has_media = request.messages.iter().any(|m| !m.images.is_empty());
+    let has_media = request.messages.iter().any(|m| !m.media.is_empty());
     let mut load_ms = 0.0;
     let mut route = engine.route(&request.model);
     if has_media && route.is_none() {
@@ -89,7 +89,7 @@ pub async fn prepare(
         };
         let store = engine.store.clone();
         let (request, outcome) = prepare_media_bounded(move || {
-            let refs: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.images).collect();
+            let refs: Vec<&MediaRef> = request.messages.iter().flat_map(|m| &m.media).collect();
             let outcome = media::prepare(&media_route, store.as_ref(), &refs);
             (request, outcome)
         })

@@ -100,7 +100,7 @@ pub fn generate(request: &GenerateRequest, limits: Limits) -> Result<(), Invalid
             limits.max_prompt_bytes
         ));
     }
-    let media = request.messages.iter().map(|m| m.images.len()).sum::<usize>();
+    let media = request.messages.iter().map(|m| m.media.len()).sum::<usize>();
     if media > MAX_MEDIA {
         return bad(format!("{media} images in one request; at most {MAX_MEDIA}"));
     }

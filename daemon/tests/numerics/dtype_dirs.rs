@@ -72,7 +72,7 @@ fn bf16_and_4bit_directories_load_and_match_mlx_vlm() {
 
         // The tower (and the audio tower or projector) against the f32 fixture's.
         let base = plain(name.trim_end_matches("-bf16").trim_end_matches("-4bit"));
-        let (ours, f32s) = (model.vision.as_ref().unwrap(), base.vision.as_ref().unwrap());
+        let (ours, f32s) = (model.media_tower.as_ref().unwrap(), base.media_tower.as_ref().unwrap());
         let prepared = ours.preprocessor.prepare(&image);
         let err = relative_error(&ours.tower.encode(&prepared).unwrap(), &f32s.tower.encode(&prepared).unwrap());
         eprintln!("{name}: image features vs the f32 fixture's: relative error {err:e}");

@@ -50,7 +50,7 @@ fn gemma4_tower_and_first_logits_match_mlx_vlm() {
         let model = load_checked(family, &golden);
         assert_eq!(model.lm.architecture(), "gemma4");
         assert_eq!(model.lm.num_layers(), 4, "six layers, the last two reading the KV of layers 3 and 2");
-        let vision = model.vision.as_ref().unwrap();
+        let vision = model.media_tower.as_ref().unwrap();
         let pixels = want.get("pixels").unwrap();
         let prepared =
             Prepared { values: pixels.as_slice::<f32>().to_vec(), shape: pixels.shape().to_vec(), grid: None };
@@ -123,7 +123,7 @@ fn gemma4_video_matches_mlx_vlm() {
     let image = std::fs::read(reference_path(golden["image"].as_str().unwrap())).unwrap();
     for family in FAMILIES {
         let model = load_checked(family, &golden);
-        let vision = model.vision.as_ref().unwrap();
+        let vision = model.media_tower.as_ref().unwrap();
         let pre = vision.preprocessor.video().expect("Gemma 4 takes video");
         let sampled = video::decode(&clip, &pre.sampling())
             .unwrap_or_else(|e| panic!("{e} (scripts/install-deps --test installs ffmpeg)"));
@@ -147,7 +147,7 @@ fn gemma4_video_matches_mlx_vlm() {
         ] {
             let mut message = ChatMessage::user(golden[family][case]["text"].as_str().unwrap());
             let images = media.len() > 1;
-            message.images = media;
+            message.media = media;
             let rendered = model.prompter.template.render(&[message]).unwrap();
             let mut layout = vec![MediaLayout::Video { tenths: tenths.clone() }];
             let mut all_rows = rows.clone();
@@ -189,7 +189,7 @@ fn gemma4_audio_matches_mlx_vlm() {
     let their_valid = want.remove("audio.valid").unwrap();
     for family in FAMILIES {
         let model = load_checked(family, &golden);
-        let vision = model.vision.as_ref().unwrap();
+        let vision = model.media_tower.as_ref().unwrap();
         let frontend = vision.preprocessor.audio().expect("the fixture has an audio tower");
         let prepared = frontend.prepare(&samples).unwrap();
         assert_eq!(prepared.frames as i32, their_mel.shape()[0], "mel frames");
@@ -219,7 +219,7 @@ fn gemma4_audio_matches_mlx_vlm() {
             } else {
                 (vec![MediaLayout::Audio], vec![rows])
             };
-            message.images = media;
+            message.media = media;
             let rendered = model.prompter.template.render(&[message]).unwrap();
             let prompt = vision.expand_media(&rendered, &layout, &all_rows).unwrap();
             assert_eq!(model.encode(&prompt).unwrap(), ids_of(&golden, family, case), "{family} {case}: prompt ids");
@@ -251,14 +251,14 @@ fn gemma4_moe_matches_mlx_vlm() {
     let image = std::fs::read(reference_path(golden["image"].as_str().unwrap())).unwrap();
     for family in ["tiny-gemma4-moe", "tiny-gemma4-moe-4bit"] {
         let model = load_checked(family, &golden);
-        let vision = model.vision.as_ref().unwrap();
+        let vision = model.media_tower.as_ref().unwrap();
         let prepared = vision.preprocessor.prepare(&mlxbc_daemon::model::image::decode(&image).unwrap());
         let features = vision.tower.encode(&prepared).unwrap();
         for case in ["text", "image"] {
             let g = &golden[family][case];
             let mut message = ChatMessage::user(g["text"].as_str().unwrap());
             let (layout, rows, media) = if case == "image" {
-                message.images = vec![MediaRef::from_bytes(image.clone())];
+                message.media = vec![MediaRef::from_bytes(image.clone())];
                 (vec![MediaLayout::Image], vec![features.shape()[0] as usize], vec![features.clone()])
             } else {
                 (vec![], vec![], vec![])

@@ -25,7 +25,7 @@ fn gemma4_unified_matches_mlx_vlm() {
     let mut want = Array::load_safetensors(reference_path("gemma4-unified.safetensors")).unwrap();
     let model = load_checked(FAMILY, &golden);
     assert_eq!(model.lm.architecture(), "gemma4");
-    let vision = model.vision.as_ref().unwrap();
+    let vision = model.media_tower.as_ref().unwrap();
     let ids_of =
         |case: &str| -> Vec<u32> { serde_json::from_value(golden[FAMILY][case]["prompt_ids"].clone()).unwrap() };
     let first_logits = |ids: &[u32], features: &[Array], case: &str| {
@@ -73,7 +73,7 @@ fn gemma4_unified_matches_mlx_vlm() {
         ),
     ] {
         let mut message = ChatMessage::user(golden[FAMILY][case]["text"].as_str().unwrap());
-        message.images = media;
+        message.media = media;
         let rendered = model.prompter.template.render(&[message]).unwrap();
         let prompt = vision.expand_media(&rendered, &layout, &rows).unwrap();
         assert_eq!(model.encode(&prompt).unwrap(), ids_of(case), "{case}: prompt ids");

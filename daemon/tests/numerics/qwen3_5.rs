@@ -33,7 +33,7 @@ fn qwen3_5_tower_and_first_logits_match_mlx_vlm() {
             shape: pixels.shape().to_vec(),
             grid: Some((g[0] as u32, g[1] as u32, g[2] as u32)),
         };
-        let features = model.vision.as_ref().unwrap().tower.encode(&prepared).unwrap();
+        let features = model.media_tower.as_ref().unwrap().tower.encode(&prepared).unwrap();
         let theirs = want.remove(&format!("{family}.features")).unwrap();
         let err = relative_error(&features.reshape(theirs.shape()).unwrap(), &theirs);
         eprintln!("{family} tower on mlx-vlm's pixels: relative error {err:e}");

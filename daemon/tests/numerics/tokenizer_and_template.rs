@@ -71,7 +71,7 @@ fn messages(case: &serde_json::Value) -> Vec<ChatMessage> {
                 _ => Role::User,
             },
             content: m["content"].as_str().unwrap().to_string(),
-            images: vec![],
+            media: vec![],
             tool_calls: vec![],
             tool_call_id: None,
         })

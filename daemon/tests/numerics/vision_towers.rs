@@ -1,4 +1,4 @@
-//! Vision towers against mlx-vlm's own classes on the very same random
+//! MediaTower towers against mlx-vlm's own classes on the very same random
 //! weights and pixels (tests/fixtures/reference/*-tower.safetensors, made by
 //! scripts/goldens/mlx_vlm_towers.py with mlx-vlm 0.7.10 on mlx 0.32.4).
 //!
@@ -285,7 +285,7 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
             "{family}: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
         );
         let model = mlxbc_daemon::families::load(&dir, WeightForm::DenseF32, None).unwrap();
-        let vision = model.vision.as_ref().unwrap();
+        let vision = model.media_tower.as_ref().unwrap();
 
         let prepared = vision.preprocessor.prepare(&img);
         if prepared.grid.is_none() {
@@ -317,7 +317,7 @@ fn fixture_vlms_prompt_ids_and_features_match_mlx_vlm_pipeline() {
         let messages = [ChatMessage {
             role: Role::User,
             content: question.into(),
-            images: vec![mlxbc_shared::MediaRef::from_bytes(bytes.clone())],
+            media: vec![mlxbc_shared::MediaRef::from_bytes(bytes.clone())],
             tool_calls: vec![],
             tool_call_id: None,
         }];
@@ -404,7 +404,7 @@ fn qwen3_vl_video_frames_patches_features_and_prompt_match_mlx_vlm() {
         "tiny-qwen3-vl: not the fixture the reference was made from; rebuild with scripts/test-fixtures"
     );
     let model = mlxbc_daemon::families::load(&dir, WeightForm::DenseF32, None).unwrap();
-    let vision = model.vision.as_ref().unwrap();
+    let vision = model.media_tower.as_ref().unwrap();
     let pre = vision.preprocessor.video().expect("Qwen3-VL takes video");
     let sampled = video::decode(&clip, &pre.sampling())
         .unwrap_or_else(|e| panic!("{e} (scripts/install-deps --test installs ffmpeg)"));
@@ -467,7 +467,7 @@ fn qwen3_vl_video_frames_patches_features_and_prompt_match_mlx_vlm() {
         ("image+video", vec![MediaRef::from_bytes(image.clone()), MediaRef::video(clip.clone())]),
     ] {
         let mut message = ChatMessage::user(golden["question"].as_str().unwrap());
-        message.images = media;
+        message.media = media;
         let rendered = model.prompter.template.render(&[message.clone()]).unwrap();
         let (layout, rows): (Vec<MediaLayout>, Vec<usize>) = if case == "video" {
             (vec![MediaLayout::Video { tenths: tenths.clone() }], group_rows.clone())

@@ -16,10 +16,11 @@ use mlxbc_daemon::families::{self, LoadedModel};
 use mlxbc_daemon::model::family::SpeechRecognizer;
 use mlxbc_daemon::model::weights::WeightForm;
 use mlxbc_shared::{MediaRef, TranscribeRequest};
+use std::rc::Rc;
 
-fn whisper(dir: &str) -> Box<dyn SpeechRecognizer> {
+fn whisper(dir: &str) -> Rc<dyn SpeechRecognizer> {
     match families::load_any(&fixture(dir), WeightForm::DenseF32, None).unwrap() {
-        LoadedModel::Speech(s) => s,
+        LoadedModel::Speech(s) => Rc::from(s),
         LoadedModel::Chat(_) => panic!("{dir} loaded as a chat model"),
     }
 }
@@ -33,7 +34,7 @@ fn clips() -> Vec<String> {
 /// A greedy transcription as the reference made it (no conditioning; the
 /// language given, or detected when `None`).
 fn transcribe_in(
-    w: &dyn SpeechRecognizer,
+    w: &Rc<dyn SpeechRecognizer>,
     samples: &[f32],
     language: Option<&str>,
 ) -> mlxbc_daemon::model::family::SpeechResult {
@@ -41,15 +42,15 @@ fn transcribe_in(
     r.temperature = Some(0.0);
     r.language = language.map(String::from);
     r.condition_on_previous_text = false;
-    let mut task = w.begin(Some(samples), samples.len() / mel::HOP, &r).unwrap();
+    let mut task = w.clone().begin(Some(samples), samples.len() / mel::HOP, &r).unwrap();
     while let Some(window) = task.next_window().unwrap() {
         let features = w.encode(&window.input.unwrap()).unwrap();
-        task.step(w, &features).unwrap();
+        task.step(&features).unwrap();
     }
-    task.finish(w).unwrap()
+    task.finish().unwrap()
 }
 
-fn transcribe(w: &dyn SpeechRecognizer, samples: &[f32]) -> mlxbc_daemon::model::family::SpeechResult {
+fn transcribe(w: &Rc<dyn SpeechRecognizer>, samples: &[f32]) -> mlxbc_daemon::model::family::SpeechResult {
     transcribe_in(w, samples, Some("en"))
 }
 
@@ -103,7 +104,7 @@ fn greedy_transcripts_match_mlx_whisper_token_for_token() {
     let w = whisper("models/whisper-tiny.en");
     for name in clips() {
         let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/{name}.wav"))).unwrap()).unwrap();
-        let got = transcribe(&*w, &audio.samples);
+        let got = transcribe(&w, &audio.samples);
         assert_same(&name, &got, &reference("reference", &name));
         eprintln!("{name}: {} segments, {:?}", got.segments.len(), got.text.trim());
     }
@@ -114,7 +115,7 @@ fn the_mlx_whisper_layout_of_the_same_weights_transcribes_the_same() {
     let (hf, mlx) = (whisper("models/whisper-tiny.en"), whisper("whisper/mlx/tiny.en"));
     assert!(!(hf.fingerprint() == mlx.fingerprint()), "different files, different fingerprints");
     let audio = decode::decode(&std::fs::read(fixture("whisper/clips/s2.wav")).unwrap()).unwrap();
-    assert_eq!(transcribe(&*hf, &audio.samples).text, transcribe(&*mlx, &audio.samples).text);
+    assert_eq!(transcribe(&hf, &audio.samples).text, transcribe(&mlx, &audio.samples).text);
 }
 
 #[test]
@@ -123,7 +124,7 @@ fn base_detects_the_language_and_matches_mlx_whisper_token_for_token() {
     for name in ["s1", "s2", "de1", "long"] {
         let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/{name}.wav"))).unwrap()).unwrap();
         let want = reference("reference-base", name);
-        let got = transcribe_in(&*w, &audio.samples, None);
+        let got = transcribe_in(&w, &audio.samples, None);
         assert_eq!(got.language, want["language"].as_str().unwrap(), "{name}: detected language");
         assert_same(name, &got, &want);
         eprintln!("base, {name}: {} {:?}", got.language, got.text.trim());
@@ -179,7 +180,7 @@ fn word_error_rate_is_within_0_02_of_faster_whisper_on_the_original_weights() {
     let ours: Vec<String> = (1..=truth.len())
         .map(|i| {
             let audio = decode::decode(&std::fs::read(fixture(&format!("whisper/clips/s{i}.wav"))).unwrap()).unwrap();
-            transcribe(&*w, &audio.samples).text.trim().to_string()
+            transcribe(&w, &audio.samples).text.trim().to_string()
         })
         .collect();
     let fw = reference("reference", "faster-whisper");

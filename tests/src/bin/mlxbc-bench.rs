@@ -300,7 +300,7 @@ async fn image_bench(model: &std::path::Path, file: &std::path::Path, medium: Me
         let question = if medium == Medium::Audio { "What is in this clip?" } else { "What is in this picture?" };
         let mut r = GenerateRequest::ask(question);
         let mut user = r.messages.pop().unwrap();
-        user.images = vec![media(bytes.to_vec())];
+        user.media = vec![media(bytes.to_vec())];
         // A different system prompt changes the prefix, so only the encoder cache can hit.
         r.messages = vec![mlxbc_client::ChatMessage::system(system), user];
         r.model = Some(name.clone());
@@ -405,7 +405,7 @@ async fn queued_images_bench(model: &std::path::Path, n: usize) -> Result<()> {
     let warm = mlxbc_client::MediaRef::from_bytes(fresh_png(1024, u32::MAX));
     let ask_image = |media: mlxbc_client::MediaRef| {
         let mut r = GenerateRequest::ask("What is in this picture?");
-        r.messages[0].images = vec![media];
+        r.messages[0].media = vec![media];
         r.model = Some(name.clone());
         r.max_tokens = 1;
         r

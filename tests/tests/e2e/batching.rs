@@ -159,7 +159,7 @@ async fn image_requests_decode_in_the_batch_and_match_alone() {
         let mut r = greedy(Some(VLM), q, 12);
         r.ignore_eos = true;
         let mut m = ChatMessage::user(q);
-        m.images = vec![MediaRef::from_bytes(png(48, 40, seed))];
+        m.media = vec![MediaRef::from_bytes(png(48, 40, seed))];
         r.messages = vec![m];
         r
     };

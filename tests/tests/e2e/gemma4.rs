@@ -38,7 +38,7 @@ fn request(g: &serde_json::Value, family: &str, case: &str) -> GenerateRequest {
         _ => return r,
     };
     let mut m = ChatMessage::user(text);
-    m.images = media;
+    m.media = media;
     r.messages = vec![m];
     r
 }
@@ -108,7 +108,7 @@ async fn gemma4_matches_mlx_vlm_alone_batched_and_from_the_feature_store() {
     let with_audio = |model: &str, bytes: Vec<u8>| {
         let mut r = request(&g, FAMILIES[0], "audio");
         r.model = Some(model.into());
-        r.messages[0].images = vec![MediaRef::audio(bytes)];
+        r.messages[0].media = vec![MediaRef::audio(bytes)];
         r
     };
     let clip = std::fs::read(workspace().join("tests/fixtures/reference/gemma4-audio.wav")).unwrap();

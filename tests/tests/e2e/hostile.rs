@@ -427,7 +427,7 @@ async fn sixty_four_concurrent_socket_clients_all_complete_and_agree() {
 /// the requests queued behind it. Prints a short request's time to first
 /// token when it arrives just after the long prompt, tokenized by its
 /// connection (resident model) and by the engine (a session turn, whose
-/// history the engine owns) — the README's Reliability figures.
+/// history the engine owns) — docs/reliability.md's figures.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_long_prompt_is_tokenized_off_the_engine_thread() {
     let d = Daemon::start();

@@ -74,7 +74,7 @@ async fn images_as_data_urls_and_errors_as_openai_bodies() {
     let v: Value = r.json().await.unwrap();
     // The same image over the socket: a hit in the feature store, the same answer.
     let mut req = greedy(Some("tiny-gemma3-vlm"), "What is this?", 4);
-    req.messages[0].images = vec![mlxbc_client::MediaRef::from_bytes(png)];
+    req.messages[0].media = vec![mlxbc_client::MediaRef::from_bytes(png)];
     let (text, stats) = ask(&d.socket, req).await.unwrap();
     assert_eq!(v["choices"][0]["message"]["content"], text.as_str());
     assert_eq!(stats.encoder_hits, 1, "encoded once, through HTTP");

@@ -34,7 +34,7 @@ fn request(g: &serde_json::Value, family: &str, case: &str) -> GenerateRequest {
         _ => return r,
     };
     let mut m = ChatMessage::user(text);
-    m.images = media;
+    m.media = media;
     r.messages = vec![m];
     r
 }

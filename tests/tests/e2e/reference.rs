@@ -34,7 +34,7 @@ async fn assert_matches_reference_in(model: &'static str, path: PathBuf, golden:
             .map(|m| ChatMessage {
                 role: if m["role"] == "system" { Role::System } else { Role::User },
                 content: m["content"].as_str().unwrap().into(),
-                images: vec![],
+                media: vec![],
                 tool_calls: vec![],
                 tool_call_id: None,
             })
@@ -147,7 +147,7 @@ async fn fixture_vlms_through_the_daemon_match_mlx_vlm_generate() {
         req.messages = vec![ChatMessage {
             role: Role::User,
             content: g["question"].as_str().unwrap().into(),
-            images: vec![mlxbc_client::MediaRef::from_bytes(image.clone())],
+            media: vec![mlxbc_client::MediaRef::from_bytes(image.clone())],
             tool_calls: vec![],
             tool_call_id: None,
         }];

@@ -73,7 +73,7 @@ async fn under_memory_pressure_it_sheds_encoder_ram_then_prompt_blocks_then_unpi
     let d = daemon_with_config("low_memory_mib = 100000000\n");
     let img = crate::vision::png(64, 64, 5);
     let mut req = greedy(Some("tiny-gemma3-vlm"), "What is this?", 2);
-    req.messages[0].images = vec![mlxbc_client::MediaRef::from_bytes(img)];
+    req.messages[0].media = vec![mlxbc_client::MediaRef::from_bytes(img)];
     ask(&d.socket, req).await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let status = loop {

@@ -34,7 +34,7 @@ fn daemon() -> Daemon {
 fn ask_media(model: &str, media: Vec<MediaRef>, question: &str, steps: u32) -> GenerateRequest {
     let mut r = greedy(Some(model), question, steps);
     let mut m = ChatMessage::user(question);
-    m.images = media;
+    m.media = media;
     r.messages = vec![m];
     r
 }

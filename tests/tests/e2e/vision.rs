@@ -70,7 +70,7 @@ fn vlm_daemon() -> Daemon {
 fn ask_image(images: &[&[u8]], question: &str) -> GenerateRequest {
     let mut r = greedy(Some(VLM), question, 8);
     let mut m = ChatMessage::user(question);
-    m.images = images.iter().map(|b| MediaRef::from_bytes(b.to_vec())).collect();
+    m.media = images.iter().map(|b| MediaRef::from_bytes(b.to_vec())).collect();
     r.messages = vec![m];
     r
 }
@@ -351,7 +351,7 @@ async fn need_media_is_answered_while_the_engine_is_busy() {
     let mut raw = crate::hostile::raw(&d).await;
     crate::hostile::hello(&mut raw).await;
     let mut req = ask_image(&[&png(90, 70, 13)], "What is this?");
-    req.messages[0].images[0].bytes = None;
+    req.messages[0].media[0].bytes = None;
     let t = std::time::Instant::now();
     crate::hostile::send(&mut raw, &Request::Generate(req)).await;
     let answer = crate::hostile::recv(&mut raw).await;

@@ -11,7 +11,7 @@ use crate::model::image::{Preprocess, Resample};
 use crate::model::options::ModelOptions;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, Model, Placeholder, Vision};
+use crate::model::{chat_parts, read_json, MediaTower, Model, Placeholder};
 use anyhow::{Context, Result};
 use siglip::SiglipConfig;
 use std::path::Path;
@@ -56,6 +56,6 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         image_token: soft,
         suffix: "<end_of_image>\n\n".into(),
     };
-    let vision = Vision::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    let vision = MediaTower::new(Box::new(tower), Arc::new(preprocess), fingerprint, placeholder, image_token_id);
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))
 }

@@ -17,7 +17,7 @@ pub mod vision;
 use crate::model::options::ModelOptions;
 use crate::model::vlm_dir::{quantization, tower_fingerprint, weights_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, AudioPrompt, Model, Placeholder, VideoPrompt, VideoTimestamps, Vision};
+use crate::model::{chat_parts, read_json, AudioPrompt, MediaTower, Model, Placeholder, VideoPrompt, VideoTimestamps};
 use anyhow::{bail, Context, Result};
 use processor::Gemma4Preprocess;
 use std::path::Path;
@@ -206,7 +206,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         video: video_prompt.as_ref().and(video_preprocess),
         audio: audio_frontend.map(|f| Box::new(f) as Box<dyn crate::model::family::AudioPreprocessor>),
     };
-    let mut vision = Vision::new(Box::new(tower), Arc::new(media), fingerprint, placeholder, image_token_id);
+    let mut vision = MediaTower::new(Box::new(tower), Arc::new(media), fingerprint, placeholder, image_token_id);
     vision.video = video_prompt;
     vision.audio = audio_prompt;
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))

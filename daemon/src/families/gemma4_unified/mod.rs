@@ -6,7 +6,7 @@
 //!
 //! Encoding is a few matrix products, so whether the feature store pays
 //! here is a measurement (`scripts/bench images`, the unified rows); the
-//! store is kept, as for every family: see the README's numbers.
+//! store is kept, as for every family: see docs/benchmarks.md.
 
 pub mod embedder;
 
@@ -20,7 +20,7 @@ use crate::model::image::Resample;
 use crate::model::options::ModelOptions;
 use crate::model::vlm_dir::{quantization, weights_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, Model, Vision};
+use crate::model::{chat_parts, read_json, MediaTower, Model};
 use anyhow::{Context, Result};
 use embedder::{UnifiedAudioConfig, UnifiedAudioFrames, UnifiedEmbedder, UnifiedVisionConfig};
 use std::path::Path;
@@ -80,7 +80,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     };
     let media =
         video::Gemma4Media { image: preprocess, video: video_prompt.as_ref().and(video_preprocess), audio: frames };
-    let mut vision = Vision::new(Box::new(embedder), Arc::new(media), fingerprint, placeholder, image_token_id);
+    let mut vision = MediaTower::new(Box::new(embedder), Arc::new(media), fingerprint, placeholder, image_token_id);
     vision.video = video_prompt;
     vision.audio = audio_prompt;
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, Some(vision)))

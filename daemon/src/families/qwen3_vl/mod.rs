@@ -15,7 +15,7 @@ use crate::model::options::ModelOptions;
 use crate::model::video::Sampling;
 use crate::model::vlm_dir::{quantization, three_floats, tower_fingerprint};
 use crate::model::weights::TensorMap;
-use crate::model::{chat_parts, read_json, Model, Placeholder, VideoPrompt, VideoTimestamps, Vision};
+use crate::model::{chat_parts, read_json, MediaTower, Model, Placeholder, VideoPrompt, VideoTimestamps};
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -96,7 +96,7 @@ pub(crate) fn load_parts(
         timestamps: VideoTimestamps::Seconds,
     };
     let tower = wrap(Qwen3Tower { tower, image_token_id, video_token_id })?;
-    let mut vision = Vision::new(tower, Arc::new(preprocess), fingerprint, placeholder, image_token_id);
+    let mut vision = MediaTower::new(tower, Arc::new(preprocess), fingerprint, placeholder, image_token_id);
     vision.video = Some(video_prompt);
     Ok(Model::new(lm, tokenizer, template, eos_ids, Some(vision)))
 }

@@ -76,16 +76,12 @@ impl SpeechRecognizer for Whisper {
     }
 
     fn begin(
-        &self,
+        self: std::rc::Rc<Self>,
         samples: Option<&[f32]>,
         frames: usize,
         request: &mlxbc_shared::TranscribeRequest,
     ) -> Result<Box<dyn crate::model::family::SpeechTask>> {
         Ok(Box::new(transcribe::Transcription::new(self, samples, frames, request)?))
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 

@@ -9,12 +9,13 @@
 use super::decoding::{decode_window, detect_language, WindowOptions, WindowResult};
 use super::Whisper;
 use crate::audio::mel;
-use crate::model::family::{SpeechRecognizer, SpeechResult, SpeechTask, SpeechWindow};
+use crate::model::family::{SpeechResult, SpeechTask, SpeechWindow};
 use anyhow::{bail, Result};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxbc_shared::{TranscribeRequest, TranscriptSegment};
 use rand::SeedableRng;
+use std::rc::Rc;
 
 /// Whisper's thresholds (its `transcribe()` defaults).
 const COMPRESSION_RATIO_THRESHOLD: f64 = 2.4;
@@ -44,12 +45,14 @@ pub struct Transcription {
     rng: rand::rngs::StdRng,
     /// Windows decoded so far (fallbacks counted).
     pub windows: u32,
+    /// The model it runs on.
+    model: Rc<Whisper>,
 }
 
 impl Transcription {
     /// Starts on a recording of `frames` mel frames: computes the log-mel
     /// of its `samples` (16 kHz mono) when they were sent.
-    pub fn new(w: &Whisper, samples: Option<&[f32]>, frames: usize, r: &TranscribeRequest) -> Result<Self> {
+    pub fn new(w: Rc<Whisper>, samples: Option<&[f32]>, frames: usize, r: &TranscribeRequest) -> Result<Self> {
         let mel = match samples {
             Some(samples) => {
                 let mel = mel::log_mel(samples, mel::WINDOW_SAMPLES, w.config.n_mels)?;
@@ -96,6 +99,7 @@ impl Transcription {
             segments: vec![],
             rng: rand::rngs::StdRng::seed_from_u64(0),
             windows: 0,
+            model: w,
         })
     }
 
@@ -212,13 +216,6 @@ impl Transcription {
 /// reads them (the padding's log-mel included), or a window from a frame.
 const LANGUAGE_WINDOW: &str = "language";
 
-fn whisper(model: &dyn SpeechRecognizer) -> Result<&Whisper> {
-    model
-        .as_any()
-        .downcast_ref::<Whisper>()
-        .ok_or_else(|| anyhow::anyhow!("a Whisper transcription run by another model"))
-}
-
 impl SpeechTask for Transcription {
     fn next_window(&self) -> Result<Option<SpeechWindow>> {
         if self.language.is_none() {
@@ -247,12 +244,12 @@ impl SpeechTask for Transcription {
         Ok(Some(SpeechWindow { id: format!("frames {}+{size}", self.seek), input }))
     }
 
-    fn step(&mut self, model: &dyn SpeechRecognizer, features: &Array) -> Result<()> {
-        let w = whisper(model)?;
+    fn step(&mut self, features: &Array) -> Result<()> {
+        let w = self.model.clone();
         if self.language.is_none() {
-            return self.detect_language(w, features);
+            return self.detect_language(&w, features);
         }
-        self.decode_at_seek(w, features)
+        self.decode_at_seek(&w, features)
     }
 
     fn windows(&self) -> u32 {
@@ -263,8 +260,8 @@ impl SpeechTask for Transcription {
         self.content_frames as f64 * mel::HOP as f64 / mel::SAMPLE_RATE as f64
     }
 
-    fn finish(self: Box<Self>, model: &dyn SpeechRecognizer) -> Result<SpeechResult> {
-        let w = whisper(model)?;
+    fn finish(self: Box<Self>) -> Result<SpeechResult> {
+        let w = self.model.clone();
         let text_ids: Vec<u32> = self.all_tokens[self.initial_prompt_len..]
             .iter()
             .copied()
