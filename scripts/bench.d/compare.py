@@ -53,5 +53,5 @@ for side in ["before", "after"]:
     print(f"| {side} | {pre:.1f} | {enc:.1f} | {fill:.1f} | {engine:.1f} | "
           f"{med([r['running_decode_tps'] for r in rows]):.1f} ({med([r['alone_decode_tps'] for r in rows]):.1f}) | "
           f"{med([r['all_answered_ms'] for r in rows]):.0f} |")
-print("\nbefore: encode includes decoding and resizing (done on the engine); after: the tower alone,")
-print("decoding/resizing/lookup done before the job is queued (preprocess).")
+print("\nencode: the tower on the engine thread; preprocess: decoding, resizing and the store lookup, off it")
+print("(builds before 2026-12-01's issue 12 counted decoding and resizing in encode).")
