@@ -21,8 +21,8 @@ pub const LAYERS: &[&[&str]] = &[
     &["families"],
     &["model"],
     &["audio"],
-    // Foundations.
-    &["error", "limits", "logging"],
+    // Foundations (`distributed`: MLX's process groups and collectives).
+    &["error", "limits", "logging", "distributed"],
 ];
 
 /// Items of the crate root anyone may use (`lib.rs`).

@@ -5,6 +5,7 @@
 pub mod audio;
 pub mod catalog;
 pub mod decoding;
+pub mod distributed;
 pub mod engine;
 pub mod error;
 pub mod families;
