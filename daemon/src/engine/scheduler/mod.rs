@@ -184,7 +184,9 @@ impl Scheduler {
     /// is prefilled), carried out, then one decode step of every batch.
     /// Returns the sequences that ended.
     pub fn tick(&mut self, prompts: &mut PromptCache, free_bytes: u64) -> Vec<Ended> {
-        let plan = self.queues.plan(&self.facts(), &self.limits, free_bytes);
+        let active = &self.active;
+        let calls = |id| active.get(&id).map(|a| a.seq.prefill_calls()).unwrap_or_default();
+        let plan = self.queues.plan(&self.facts(), calls, &self.limits, free_bytes);
         let mut ended = Vec::new();
         self.carry_out(plan, prompts, &mut ended);
         self.decode(&mut ended);
@@ -204,7 +206,6 @@ impl Scheduler {
                     prompt_tokens: seq.prompt_tokens(),
                     groupable: seq.can_prefill_together(),
                     gone: seq.gone(),
-                    prefill_calls: seq.prefill_calls(),
                 };
                 Some((id, facts))
             })

@@ -38,9 +38,6 @@ pub struct Facts {
     pub groupable: bool,
     /// Its client cancelled or went away.
     pub gone: bool,
-    /// The tokens each of its prefill calls still to come takes
-    /// (`Sequence::prefill_calls`).
-    pub prefill_calls: Vec<usize>,
 }
 
 /// Why a sequence is refused.
@@ -178,6 +175,10 @@ impl Queues {
 
     /// The plan for one tick, given every sequence's facts and the memory
     /// the budget leaves beside the resident models (`free_bytes`).
+    /// `prefill_calls` gives the tokens each of a sequence's prefill calls
+    /// still to come takes (`Sequence::prefill_calls`); it is asked only for
+    /// the few sequences this tick's prefill budget reaches, not for every
+    /// waiting one.
     ///
     /// Admission is first come, first served: the oldest waiting sequence is
     /// admitted while its KV fits beside what is reserved and its model's
@@ -187,7 +188,13 @@ impl Queues {
     /// prefilling sequence's model is prefilled as one padded batch (rows ×
     /// longest prompt within the budget); the rest of the budget goes to
     /// prefill calls, oldest first, each costing its tokens (at least one).
-    pub fn plan(&self, facts: &HashMap<SeqId, Facts>, limits: &SchedulerLimits, free_bytes: u64) -> TickPlan {
+    pub fn plan(
+        &self,
+        facts: &HashMap<SeqId, Facts>,
+        mut prefill_calls: impl FnMut(SeqId) -> Vec<usize>,
+        limits: &SchedulerLimits,
+        free_bytes: u64,
+    ) -> TickPlan {
         let mut plan = TickPlan::default();
         let gone = |id: &SeqId| facts.get(id).is_none_or(|f| f.gone);
         plan.abandon = self.waiting.iter().chain(&self.prefilling).copied().filter(gone).collect();
@@ -223,8 +230,9 @@ impl Queues {
             if budget == 0 {
                 break;
             }
+            let all_calls = prefill_calls(id);
             let mut calls = 0;
-            for &tokens in &facts[&id].prefill_calls {
+            for &tokens in &all_calls {
                 if budget == 0 {
                     break;
                 }
@@ -236,7 +244,7 @@ impl Queues {
             }
             // A sequence still prefilling after its calls holds the rest of
             // the budget's order: those behind it wait for the next tick.
-            if calls < facts[&id].prefill_calls.len() {
+            if calls < all_calls.len() {
                 break;
             }
         }
