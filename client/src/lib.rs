@@ -257,8 +257,27 @@ impl Client {
         model: &str,
         keep_alive: Option<KeepAlive>,
     ) -> Result<(String, u64, u64), ClientError> {
-        match self.call(Request::Load { model: model.into(), keep_alive }).await? {
+        self.load_with(model, keep_alive, false).await
+    }
+
+    /// Loads a model, split over the daemon's group when `sharded`
+    /// (`mlxbc load --sharded`); returns the same as [`Self::load`].
+    pub async fn load_with(
+        &mut self,
+        model: &str,
+        keep_alive: Option<KeepAlive>,
+        sharded: bool,
+    ) -> Result<(String, u64, u64), ClientError> {
+        match self.call(Request::Load { model: model.into(), keep_alive, sharded }).await? {
             Response::Loaded { model, load_ms, memory_bytes } => Ok((model, load_ms, memory_bytes)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Forms the daemon's group again now; returns the status after.
+    pub async fn cluster_restart(&mut self) -> Result<DaemonStatus, ClientError> {
+        match self.call(Request::ClusterRestart).await? {
+            Response::Status(s) => Ok(s),
             other => Err(unexpected(other)),
         }
     }

@@ -28,6 +28,9 @@ pub enum EngineError {
     /// Too much is waiting already; retry shortly.
     #[error("{0}")]
     Busy(String),
+    /// A rank of the group a sharded model runs on stopped answering.
+    #[error("{0}")]
+    RankStopped(String),
 }
 
 impl EngineError {
@@ -44,6 +47,7 @@ impl EngineError {
             EngineError::ShuttingDown(_) => ErrorKind::ShuttingDown,
             EngineError::Internal(_) => ErrorKind::Internal,
             EngineError::Busy(_) => ErrorKind::Busy,
+            EngineError::RankStopped(_) => ErrorKind::RankStopped,
         }
     }
 
@@ -52,11 +56,23 @@ impl EngineError {
         Response::Error { kind: self.kind(), message: self.to_string() }
     }
 
-    /// A computation that failed inside MLX or the model code.
-    pub fn inference(e: impl std::fmt::Display) -> Self {
+    /// A computation that failed inside MLX or the model code (or, for a
+    /// model split over a group, because a rank stopped answering).
+    pub fn inference(e: impl Into<anyhow::Error>) -> Self {
+        let e = e.into();
+        if let Some(stopped) = e.chain().find_map(|c| c.downcast_ref::<RankStoppedError>()) {
+            return EngineError::RankStopped(stopped.0.clone());
+        }
         EngineError::Inference(format!("{e:#}"))
     }
 }
+
+/// A sharded model's call failed because a rank of its group stopped
+/// answering: carried inside the model's `anyhow` error so the engine
+/// reports [`EngineError::RankStopped`] wherever it maps model errors.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct RankStoppedError(pub String);
 
 /// What a caught panic said (its `String` or `&str` payload), for the log.
 pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {

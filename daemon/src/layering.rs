@@ -13,6 +13,9 @@ pub const LAYERS: &[&[&str]] = &[
     &["requests"],
     // The engine thread: jobs, the scheduler, batches, sequences, residency, speech.
     &["engine"],
+    // A model split over a group of daemons: rank 0's coordinator and
+    // split model, and the workers' loop.
+    &["cluster"],
     // What the engine and the connections share: model lookup, named
     // sessions, the prompt cache, media preparation and the feature store,
     // per-token decoding policy.

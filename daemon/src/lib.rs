@@ -4,6 +4,7 @@
 
 pub mod audio;
 pub mod catalog;
+pub mod cluster;
 pub mod decoding;
 pub mod distributed;
 pub mod engine;

@@ -145,7 +145,7 @@ pub fn arbitrary_request(rng: &mut Rng, allow_shutdown: bool) -> Request {
         }
         3 => Request::ListModels,
         4 => Request::Status,
-        5 => Request::Load { model: rng.string(), keep_alive: keep_alive(rng) },
+        5 => Request::Load { model: rng.string(), keep_alive: keep_alive(rng), sharded: false },
         6 => Request::Unload { model: rng.string() },
         7 => Request::Prefetch { model: name(rng), media: (0..rng.below(3)).map(|_| media(rng)).collect() },
         8 => match rng.below(5) {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -26,7 +26,8 @@ pub enum Request {
     /// Loaded models, memory and queue.
     Status,
     /// Load a model now (and optionally set how long it stays resident).
-    Load { model: String, keep_alive: Option<KeepAlive> },
+    /// `sharded`: split it over the daemon's group (`mlxbc load --sharded`).
+    Load { model: String, keep_alive: Option<KeepAlive>, sharded: bool },
     /// Unload a model now.
     Unload { model: String },
     /// Stop the daemon after the current job.
@@ -42,6 +43,9 @@ pub enum Request {
     /// Generate, may be answered with [`Response::NeedMedia`] first: the
     /// audio travels by hash until the daemon asks for its bytes.
     Transcribe(TranscribeRequest),
+    /// Form the daemon's group again now (`mlxbc cluster restart`);
+    /// answered with [`Response::Status`].
+    ClusterRestart,
 }
 
 /// A transcription request.
@@ -663,6 +667,10 @@ pub enum ErrorKind {
     OutOfMemory,
     /// Every connection slot is taken by a request in flight; retry shortly.
     Busy,
+    /// A model split over a group lost a rank: "rank 1 (10.0.0.2) stopped
+    /// answering". The daemon keeps serving its own models; the group
+    /// re-forms when the rank is back.
+    RankStopped,
 }
 
 /// A model the daemon can serve.
@@ -764,6 +772,37 @@ pub struct DaemonStatus {
     pub http_connections_cap: u32,
     pub http_connections_evicted: u64,
     pub http_connections_refused: u64,
+    /// The group this daemon leads, when it is rank 0 of one.
+    pub cluster: Option<ClusterStatus>,
+}
+
+/// A group of daemons splitting models between them, as rank 0 sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ClusterStatus {
+    /// MLX's backend: ring, jaccl, nccl, mpi.
+    pub backend: String,
+    /// "formed", "forming: ..." or "refused: ...".
+    pub state: String,
+    pub ranks: Vec<RankStatus>,
+    /// Calls of split models so far and their mean time (ms), and of that
+    /// the mean time rank 0 spent sending each call's plan and inputs.
+    pub calls: u64,
+    pub mean_call_ms: f64,
+    pub mean_message_ms: f64,
+    /// One all-reduce of a 4096-wide row, measured when the group formed (µs).
+    pub all_sum_us: f64,
+    /// How each split model is cut.
+    pub models: Vec<(String, String)>,
+    /// Why the group last broke.
+    pub last_break: Option<String>,
+}
+
+/// One rank of a group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct RankStatus {
+    pub rank: u32,
+    pub host: String,
+    pub rss_bytes: u64,
 }
 
 /// One request in flight, as `mlxbc ps` shows it.

@@ -110,6 +110,38 @@ pub struct SettingsFile {
     pub fuse: Option<String>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
+    /// Joining a group of daemons that split a model between them
+    /// (docs/distributed.md).
+    pub cluster: ClusterFile,
+}
+
+/// config.toml's `[cluster]`: the same as `mlxbcd --hostfile --rank
+/// --backend`, and which models are split over the group.
+#[derive(Debug, Default, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterFile {
+    /// MLX's hostfile (JSON, one entry per rank).
+    pub hostfile: Option<PathBuf>,
+    /// This daemon's rank: 0 serves clients, the others are workers.
+    pub rank: Option<usize>,
+    /// "ring" (TCP), "jaccl" (Thunderbolt 5 RDMA), "nccl", "mpi" or "any".
+    pub backend: Option<String>,
+    /// Models split over the group, by the names requests use.
+    pub sharded: Vec<String>,
+    /// A step waiting this long on a rank fails with "rank N stopped
+    /// answering" (default "10s").
+    pub step_timeout: Option<String>,
+}
+
+/// Where this daemon stands in a group (resolved `[cluster]`, flags and
+/// MLX's launch environment applied by the daemon).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClusterSettings {
+    pub hostfile: Option<PathBuf>,
+    pub rank: Option<usize>,
+    pub backend: String,
+    pub sharded: Vec<String>,
+    pub step_timeout: std::time::Duration,
 }
 
 /// Resolved settings the daemon and clients run with.
@@ -166,6 +198,8 @@ pub struct Settings {
     pub weights: Option<String>,
     pub decode: Option<String>,
     pub fuse: Option<String>,
+    /// The group this daemon belongs to, if any.
+    pub cluster: ClusterSettings,
 }
 
 /// What the caches on disk leave free on their filesystem: `percent` of
@@ -261,6 +295,16 @@ impl Settings {
             weights: file.weights,
             decode: file.decode,
             fuse: file.fuse,
+            cluster: ClusterSettings {
+                hostfile: file.cluster.hostfile,
+                rank: file.cluster.rank,
+                backend: file.cluster.backend.unwrap_or_else(|| "ring".to_string()),
+                sharded: file.cluster.sharded,
+                step_timeout: match KeepAlive::parse(file.cluster.step_timeout.as_deref().unwrap_or("10s"))? {
+                    KeepAlive::Forever => return Err("[cluster] step_timeout cannot be forever".into()),
+                    KeepAlive::Seconds(s) => std::time::Duration::from_secs(s.max(1)),
+                },
+            },
             idle_exit: match &file.idle_exit {
                 Some(text) => KeepAlive::parse(text)?,
                 None => KeepAlive::Seconds(10 * 60),

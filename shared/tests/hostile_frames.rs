@@ -67,7 +67,7 @@ fn a_huge_length_in_any_field_is_refused() {
         ("stop string", Request::Generate(GenerateRequest { stop: vec![M.into()], ..GenerateRequest::ask("x") })),
         ("session name", Request::Generate(GenerateRequest { session: Some(M.into()), ..GenerateRequest::ask("x") })),
         ("image bytes", Request::Generate(with_image)),
-        ("load name", Request::Load { model: M.into(), keep_alive: None }),
+        ("load name", Request::Load { model: M.into(), keep_alive: None, sharded: false }),
         ("unload name", Request::Unload { model: M.into() }),
         ("prefetch model", Request::Prefetch { model: Some(M.into()), media: vec![] }),
         ("prefetch bytes", Request::Prefetch { model: None, media: vec![image] }),

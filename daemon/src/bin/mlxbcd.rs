@@ -27,6 +27,63 @@ struct Args {
     /// Log to this file (and make it stderr), rotated past `log_max_mib`.
     #[arg(long)]
     log_file: Option<PathBuf>,
+    /// Join a group that splits models between daemons: MLX's hostfile
+    /// (JSON, one entry per rank; default: `[cluster] hostfile`, or
+    /// MLX_HOSTFILE as `mlx.launch` sets it). docs/distributed.md.
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
+    /// This daemon's rank in the hostfile: 0 serves clients, the others
+    /// are workers (default: `[cluster] rank`, or MLX_RANK).
+    #[arg(long)]
+    rank: Option<usize>,
+    /// MLX's backend: ring (TCP), jaccl (Thunderbolt 5 RDMA), nccl, mpi, any
+    /// (default: `[cluster] backend`, or ring).
+    #[arg(long)]
+    backend: Option<String>,
+}
+
+/// Where this daemon stands in a group: flags, else config.toml's
+/// `[cluster]`, else MLX's launch environment (`MLX_HOSTFILE`, `MLX_RANK`,
+/// as `mlx.launch` sets them); the result is written back to that
+/// environment, which is where MLX's backends read it. Runs before any
+/// thread exists (it sets environment variables).
+fn join_group_settings(
+    settings: &mut Settings,
+    hostfile: Option<PathBuf>,
+    rank: Option<usize>,
+    backend: Option<String>,
+) -> Result<()> {
+    let c = &mut settings.cluster;
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    c.hostfile = hostfile.or(c.hostfile.take()).or_else(|| env("MLX_HOSTFILE").map(PathBuf::from));
+    c.rank = match (rank, c.rank, env("MLX_RANK")) {
+        (Some(r), _, _) | (None, Some(r), _) => Some(r),
+        (None, None, Some(r)) => Some(r.parse().map_err(|_| anyhow::anyhow!("MLX_RANK={r} is not a rank"))?),
+        _ => None,
+    };
+    if let Some(b) = backend {
+        c.backend = b;
+    }
+    const BACKENDS: [&str; 5] = ["ring", "jaccl", "nccl", "mpi", "any"];
+    if !BACKENDS.contains(&c.backend.as_str()) {
+        anyhow::bail!("unknown backend {:?}: one of {}", c.backend, BACKENDS.join(", "));
+    }
+    match (&c.hostfile, c.rank) {
+        (Some(h), Some(r)) => {
+            let hosts = mlxbc_daemon::distributed::Hostfile::read(h)?;
+            if r >= hosts.size() {
+                anyhow::bail!("rank {r} is not in the hostfile {} ({} ranks)", h.display(), hosts.size());
+            }
+            std::env::set_var("MLX_HOSTFILE", h);
+            std::env::set_var("MLX_RANK", r.to_string());
+        }
+        (Some(h), None) => anyhow::bail!("a hostfile ({}) but no rank: give --rank N", h.display()),
+        (None, Some(_)) if rank.is_some() => {
+            anyhow::bail!("a rank but no hostfile: give --hostfile FILE (MLX's JSON list of ranks)")
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -52,8 +109,15 @@ fn main() -> Result<()> {
     if let Some(i) = args.idle_exit {
         settings.idle_exit = mlxbc_shared::KeepAlive::parse(&i).map_err(anyhow::Error::msg)?;
     }
+    join_group_settings(&mut settings, args.hostfile, args.rank, args.backend)?;
     let options =
         mlxbc_daemon::model::options::EngineOptions::from_settings_and_env(&settings).map_err(anyhow::Error::msg)?;
+    if let (Some(_), Some(rank)) = (&settings.cluster.hostfile, settings.cluster.rank) {
+        if rank > 0 {
+            // A worker: no socket, no gateway; it serves the group until stopped.
+            mlxbc_daemon::cluster::worker::serve_as_worker(&settings, options)?;
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(mlxbc_daemon::run(settings, options, inherited));
     if let Err(e) = &result {

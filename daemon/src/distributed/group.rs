@@ -4,11 +4,19 @@ use anyhow::{bail, Result};
 use mlx_rs::Array;
 use std::ffi::CString;
 
-/// This process's membership of a group. Not `Send` (it holds mlx-c's
-/// handle): it lives on the thread that runs the sharded model.
+/// This process's membership of a group (mlx-c's handle to MLX's
+/// `shared_ptr` of the backend's group).
 pub struct Group {
     raw: mlx_sys::mlx_distributed_group,
 }
+
+// SAFETY: the handle points at an immutable `Group` value (a shared pointer
+// to the backend); MLX's collectives take it by value and the backends
+// serialize their own sockets. Collectives are only issued from the one
+// thread that runs the sharded model; other threads only read rank and size.
+unsafe impl Send for Group {}
+// SAFETY: as above: `&Group` only reads the handle.
+unsafe impl Sync for Group {}
 
 impl Group {
     /// Whether `backend` (`ring`, `jaccl`, `nccl`, `mpi` or `any`) was
@@ -34,6 +42,22 @@ impl Group {
             raw
         };
         Ok(Self { raw })
+    }
+
+    /// Forgets the groups MLX keeps per backend name, so the next
+    /// [`Self::init`] forms a new one (after a peer died, the old group's
+    /// sockets are gone for good). MLX caches the first group per backend
+    /// for the process's life; mlx-c does not wrap `clear_backends`.
+    pub fn forget_backends() {
+        extern "C" {
+            // mlx::core::distributed::clear_backends(): a free function
+            // taking and returning nothing (the same call on every ABI
+            // MLX ships for), declared public in MLX's distributed.h.
+            #[link_name = "_ZN3mlx4core11distributed14clear_backendsEv"]
+            fn mlx_clear_backends();
+        }
+        // SAFETY: clears a static map under MLX's own rules; no arguments.
+        unsafe { mlx_clear_backends() }
     }
 
     /// This process's rank, from 0.
@@ -64,6 +88,68 @@ impl Group {
         }
     }
 }
+
+impl Group {
+    /// Every rank's `x` concatenated along the first axis, in rank order (lazy).
+    pub fn all_gather(&self, x: &Array) -> Result<Array> {
+        let stream = mlx_rs::Stream::default();
+        // SAFETY: as in `all_sum`.
+        unsafe {
+            let mut res = mlx_sys::mlx_array_new();
+            if mlx_sys::mlx_distributed_all_gather(&mut res, x.as_ptr(), self.raw, stream.as_ptr()) != 0 {
+                mlx_sys::mlx_array_free(res);
+                bail!("all_gather over the group failed");
+            }
+            Ok(Array::from_ptr(res))
+        }
+    }
+
+    /// Rank 0's `bytes` on every rank (the others pass `None`), through
+    /// the group itself: a sum in which every other rank adds zeros. One
+    /// collective for up to [`INLINE`] bytes, a second for the rest.
+    /// Evaluated before it returns, so the order of collectives on every
+    /// rank is the order of calls.
+    pub fn broadcast_bytes(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
+        let mut head = [0u8; INLINE + 4];
+        if let Some(b) = bytes {
+            let n = u32::try_from(b.len())?;
+            head[..4].copy_from_slice(&n.to_le_bytes());
+            let inline = b.len().min(INLINE);
+            head[4..4 + inline].copy_from_slice(&b[..inline]);
+        }
+        let summed = self.all_sum(&Array::from_slice(&head, &[head.len() as i32]))?;
+        summed.eval()?;
+        let head = summed.as_slice::<u8>();
+        let n = u32::from_le_bytes(head[..4].try_into().unwrap()) as usize;
+        if n > MAX_MESSAGE {
+            bail!("a group message of {n} bytes is over the {MAX_MESSAGE}-byte bound");
+        }
+        let mut out = head[4..4 + n.min(INLINE)].to_vec();
+        if n > INLINE {
+            let rest = match bytes {
+                Some(b) => b[INLINE..].to_vec(),
+                None => vec![0u8; n - INLINE],
+            };
+            let summed = self.all_sum(&Array::from_slice(&rest, &[rest.len() as i32]))?;
+            summed.eval()?;
+            out.extend_from_slice(summed.as_slice::<u8>());
+        }
+        Ok(out)
+    }
+
+    /// Rank 0's `x` on every rank: the others pass an array of the same
+    /// shape and dtype (zeros), and a sum adds nothing to rank 0's values.
+    pub fn broadcast(&self, x: &Array) -> Result<Array> {
+        let y = self.all_sum(x)?;
+        y.eval()?;
+        Ok(y)
+    }
+}
+
+/// Bytes of a group message that ride in its first collective.
+pub const INLINE: usize = 1020;
+/// The longest group message (a plan with a long prompt's ids fits many times).
+pub const MAX_MESSAGE: usize = 64 << 20;
 
 impl Drop for Group {
     fn drop(&mut self) {

@@ -10,6 +10,12 @@
 //! collective fail at once; a peer that stops answering blocks it forever,
 //! so callers bound every collective themselves.
 
+mod cut;
 mod group;
+mod hostfile;
+mod shard;
 
-pub use group::Group;
+pub use cut::cut_ring_sockets;
+pub use group::{Group, INLINE, MAX_MESSAGE};
+pub use hostfile::Hostfile;
+pub use shard::{Link, Shard};

@@ -66,9 +66,37 @@ pub struct EngineHandle {
     pub prompt_disk: Option<Arc<mlxbc_cache::BlockStore>>,
     pub prompt_shared: Arc<Mutex<prompt_cache::SharedIndex>>,
     pub prompt_path: std::path::PathBuf,
+    /// The group this daemon leads as rank 0, if any.
+    pub cluster: Option<crate::cluster::Coordinator>,
 }
 
 impl EngineHandle {
+    /// The group as rank 0 sees it now.
+    pub fn cluster_status(&self) -> Option<mlxbc_shared::ClusterStatus> {
+        let c = self.cluster.as_ref()?;
+        let stats = c.stats();
+        let per_call = |s: f64| if stats.calls == 0 { 0.0 } else { s * 1000.0 / stats.calls as f64 };
+        Some(mlxbc_shared::ClusterStatus {
+            backend: c.backend().to_string(),
+            state: match c.phase() {
+                crate::cluster::Phase::Ready => "formed".into(),
+                crate::cluster::Phase::Forming { .. } => format!("forming: waiting for {}", c.workers_named()),
+                crate::cluster::Phase::Refused(why) => format!("refused: {why}"),
+            },
+            ranks: c
+                .ranks()
+                .into_iter()
+                .map(|r| mlxbc_shared::RankStatus { rank: r.rank as u32, host: r.host, rss_bytes: r.rss_bytes })
+                .collect(),
+            calls: stats.calls,
+            mean_call_ms: per_call(stats.call_s),
+            mean_message_ms: per_call(stats.message_s),
+            all_sum_us: stats.all_sum_us,
+            models: c.models(),
+            last_break: c.last_break(),
+        })
+    }
+
     /// The prompt cache's state: its RAM tier as last published, its disk
     /// tier now.
     pub fn prompt_report(&self) -> mlxbc_shared::PromptCacheReport {
@@ -140,6 +168,7 @@ impl EngineHandle {
             http_connections_open: 0,
             http_connections_cap: 0,
             http_connections_evicted: 0,
+            cluster: self.cluster_status(),
             http_connections_refused: 0,
             sequences: snap.sequences,
             admission_queue: snap.admission_queue,

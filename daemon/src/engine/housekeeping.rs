@@ -35,6 +35,13 @@ impl Engine {
             self.prompts.clear_ram();
         }
         self.relieve_memory_pressure();
+        // An idle group is asked for its ranks' memory now and then, which
+        // also finds a rank that went away while nothing ran.
+        if let Some(split) = &self.residency.cluster {
+            if self.scheduler.is_empty() {
+                split.coordinator.report_if_due();
+            }
+        }
         self.publish();
     }
 

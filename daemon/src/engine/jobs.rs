@@ -41,6 +41,8 @@ pub enum Job {
         /// A request is being prepared for this model and follows at once:
         /// nothing is shed or expired before it arrives.
         for_request: bool,
+        /// Split it over the group.
+        sharded: bool,
         reply: oneshot::Sender<Response>,
     },
     /// Drop a resident model.

@@ -88,7 +88,9 @@ pub fn spawn(
         Ok(mlx_rs::DeviceType::Gpu) => "gpu",
         _ => "cpu",
     };
+    let cluster = lead_group(settings)?;
     let handle = EngineHandle {
+        cluster: cluster.clone(),
         jobs: tx,
         stopping: Arc::default(),
         snapshot: Arc::default(),
@@ -105,6 +107,7 @@ pub fn spawn(
     let form = crate::model::options::ModelOptions {
         form: WeightForm::for_device(&device, options.weights),
         fusion: options.fusion,
+        shard: None,
     };
     let decode = crate::model::decode_step::DecodeMode::for_device(device_name == "gpu", options.decode);
     let on_gpu = device_name == "gpu";
@@ -141,6 +144,10 @@ pub fn spawn(
             residency: {
                 let mut r = Residency::new(settings.keep_alive, settings.max_loaded_models, memory_budget);
                 r.device = device_for_keys;
+                r.cluster = cluster.map(|coordinator| residency::SplitModels {
+                    coordinator,
+                    names: settings.cluster.sharded.iter().cloned().collect(),
+                });
                 r
             },
             low_memory_bytes: settings.low_memory_bytes.unwrap_or(memory::total_bytes() / 20),
@@ -167,6 +174,20 @@ pub fn spawn(
         engine.run(rx)
     })?;
     Ok((handle, thread))
+}
+
+/// Starts forming the group when this daemon is rank 0 of one (its
+/// hostfile read and checked now: a bad one stops the daemon with the
+/// reason).
+fn lead_group(settings: &Settings) -> std::io::Result<Option<crate::cluster::Coordinator>> {
+    let c = &settings.cluster;
+    let (Some(path), Some(0)) = (&c.hostfile, c.rank) else { return Ok(None) };
+    let hostfile = crate::distributed::Hostfile::read(path).map_err(|e| std::io::Error::other(format!("{e:#}")))?;
+    if hostfile.size() < 2 {
+        return Ok(None);
+    }
+    tracing::info!(ranks = hostfile.size(), backend = %c.backend, "leading a group as rank 0");
+    Ok(Some(crate::cluster::Coordinator::start(hostfile, c.backend.clone(), c.step_timeout)))
 }
 
 /// Prompt tokens per forward pass when the settings name none, by device,

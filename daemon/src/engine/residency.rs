@@ -57,6 +57,71 @@ pub struct Residency {
     evicted: Vec<String>,
     /// The compute device ("cpu", "gpu"): part of a model's KV identity.
     pub device: String,
+    /// The group this daemon leads, and which models it splits over it.
+    pub cluster: Option<SplitModels>,
+}
+
+/// Which models are split over the group rank 0 leads: those named in
+/// `[cluster] sharded` or loaded with `mlxbc load --sharded` (by the name
+/// asked or the name it resolved to), and any whose weights would not fit
+/// rank 0's memory budget whole.
+pub struct SplitModels {
+    pub coordinator: crate::cluster::Coordinator,
+    pub names: std::collections::BTreeSet<String>,
+}
+
+/// Loads a model split over the group: every other rank is told to load
+/// its shard (they load while rank 0 loads its own), then every rank's
+/// answer is collected, whatever rank 0's own load gave, so the group's
+/// collectives stay in step; a rank that refused (other weights, another
+/// version, no such model) is named in the error.
+fn load_split(
+    coordinator: &crate::cluster::Coordinator,
+    resolved: &crate::catalog::registry::ResolvedModel,
+    form: crate::model::options::ModelOptions,
+    fingerprints: Option<&sled::Tree>,
+) -> Result<crate::families::LoadedModel, EngineError> {
+    let fingerprint = crate::cluster::weights_fingerprint(&resolved.path)
+        .map_err(|e| EngineError::ModelLoad(format!("reading {}: {e}", resolved.path.display())))?;
+    let slot = coordinator.new_slot();
+    coordinator.begin_load(slot, &resolved.name, &fingerprint).map_err(EngineError::inference)?;
+    let shard = crate::distributed::Shard { rank: 0, size: coordinator.size(), link: coordinator.link() };
+    let mine = crate::families::load_any(
+        &resolved.path,
+        crate::model::options::ModelOptions { shard: Some(shard), ..form },
+        fingerprints,
+    );
+    let reply = match &mine {
+        Ok(_) => crate::cluster::own_reply(),
+        Err(e) => crate::cluster::plan::Reply::Refused(format!("{e:#}")),
+    };
+    let others = coordinator.finish_load(reply);
+    let mine = mine.map_err(|e| {
+        EngineError::ModelLoad(format!(
+            "loading rank 0's shard of {} from {}: {e:#}",
+            resolved.name,
+            resolved.path.display()
+        ))
+    })?;
+    others.map_err(|e| match EngineError::inference(e) {
+        EngineError::Inference(why) => {
+            EngineError::ModelLoad(format!("loading {} over the group: {why}", resolved.name))
+        }
+        other => other,
+    })?;
+    Ok(match mine {
+        crate::families::LoadedModel::Chat(mut model) => {
+            model.lm = Box::new(crate::cluster::ShardedLm::new(
+                model.lm,
+                slot,
+                &resolved.name,
+                &fingerprint,
+                coordinator.clone(),
+            ));
+            crate::families::LoadedModel::Chat(model)
+        }
+        speech => speech,
+    })
 }
 
 /// Memory a model will take once loaded in `form`, from its files alone
@@ -97,6 +162,7 @@ impl Residency {
             budget_bytes,
             evicted: vec![],
             device: String::new(),
+            cluster: None,
         }
     }
 
@@ -217,25 +283,46 @@ impl Residency {
         if let Some(r) = self.models.get(&resolved.name) {
             return Ok((resolved.name, r.model.clone(), 0.0));
         }
-        self.make_room(&resolved.name, estimated_bytes(&resolved.path, form.form))?;
+        let estimate = estimated_bytes(&resolved.path, form.form);
+        let split = self.cluster.as_ref().filter(|c| {
+            c.names.contains(&resolved.name)
+                || name.is_some_and(|n| c.names.contains(n))
+                || c.names.iter().any(|n| registry.resolve(Some(n)).is_ok_and(|r| r.name == resolved.name))
+                || (estimate > self.budget_bytes && c.coordinator.phase() == crate::cluster::Phase::Ready)
+        });
+        let split = split.map(|c| c.coordinator.clone());
+        let size = split.as_ref().map_or(1, |c| c.size() as u64);
+        self.make_room(&resolved.name, estimate / size)?;
         let t = Instant::now();
-        tracing::info!(model = %resolved.name, path = %resolved.path.display(), "loading model");
+        tracing::info!(model = %resolved.name, path = %resolved.path.display(), split = split.is_some(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
-        let loaded = crate::families::load_any(&resolved.path, form, fingerprints).map_err(|e| {
-            EngineError::ModelLoad(format!("loading model {} from {}: {e:#}", resolved.name, resolved.path.display()))
-        })?;
+        let loaded = match &split {
+            Some(c) => load_split(c, &resolved, form.clone(), fingerprints),
+            None => crate::families::load_any(&resolved.path, form.clone(), fingerprints).map_err(|e| {
+                EngineError::ModelLoad(format!(
+                    "loading model {} from {}: {e:#}",
+                    resolved.name,
+                    resolved.path.display()
+                ))
+            }),
+        }?;
         let model = match loaded {
             crate::families::LoadedModel::Chat(mut model) => {
-                model.warm_up().map_err(|e| {
-                    EngineError::ModelLoad(format!("running model {} for the first time: {e:#}", resolved.name))
+                model.warm_up().map_err(|e| match EngineError::inference(e) {
+                    EngineError::RankStopped(why) => EngineError::RankStopped(why),
+                    other => {
+                        EngineError::ModelLoad(format!("running model {} for the first time: {other}", resolved.name))
+                    }
                 })?;
-                model.kv_root = match crate::prompt_cache::model_root(
-                    &resolved.path,
-                    &format!("{form:?}"),
-                    &self.device,
-                ) {
-                    Ok(root) => Some(root),
-                    Err(e) => {
+                model.kv_root = match split
+                    .is_none()
+                    .then(|| crate::prompt_cache::model_root(&resolved.path, &format!("{form:?}"), &self.device))
+                {
+                    // A split model's prompts are not cached yet (its KV
+                    // lives on every rank).
+                    None => None,
+                    Some(Ok(root)) => Some(root),
+                    Some(Err(e)) => {
                         tracing::warn!(model = %resolved.name, error = %e, "no KV identity: prompts of this model are not cached");
                         None
                     }

@@ -445,7 +445,7 @@ impl Sequence {
             &mut st.prefix_index,
         ) {
             Ok(piece) => piece,
-            Err(e) => return Some(Err(EngineError::inference(e))),
+            Err(e) => return Some(Err(EngineError::Inference(e.to_string()))),
         };
         // A tool-call marker is a special token the decoder does not print:
         // its text goes to the tool filter as if it had.

@@ -213,7 +213,13 @@ impl Engine {
                 }
                 .and_then(|m| {
                     let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
-                    self.residency.ensure_speech(&self.registry, &m, self.form, request.keep_alive, memo.as_ref())
+                    self.residency.ensure_speech(
+                        &self.registry,
+                        &m,
+                        self.form.clone(),
+                        request.keep_alive,
+                        memo.as_ref(),
+                    )
                 });
                 match loaded {
                     Err(e) => {
@@ -261,8 +267,14 @@ impl Engine {
                 };
                 let _ = reply.send(response);
             }
-            Job::Load { model, keep_alive, for_request, reply } => {
+            Job::Load { model, keep_alive, for_request, sharded, reply } => {
                 let t = Instant::now();
+                if sharded {
+                    if let Err(e) = self.split_next(model.as_deref()) {
+                        let _ = reply.send(e.into_response());
+                        return for_request;
+                    }
+                }
                 let response = match self.load(model.as_deref(), keep_alive) {
                     Ok(residency::Ready { name, .. }) => {
                         if let Some(ka) = keep_alive {
@@ -293,6 +305,30 @@ impl Engine {
         false
     }
 
+    /// Marks `model` to be split over the group when it loads (`mlxbc load
+    /// --sharded`); refused where there is no group.
+    fn split_next(&mut self, model: Option<&str>) -> Result<(), EngineError> {
+        if self.residency.cluster.is_none() {
+            return Err(EngineError::BadRequest(
+                "this daemon is not rank 0 of a group: start it with --hostfile FILE --rank 0 (docs/distributed.md)"
+                    .into(),
+            ));
+        }
+        let name = self.registry.resolve(model)?.name;
+        let whole = self.residency.get(&name).is_some();
+        let split = self.residency.cluster.as_mut().expect("checked above");
+        if whole && !split.names.contains(&name) {
+            return Err(EngineError::BadRequest(format!(
+                "{name} is loaded whole on rank 0: `mlxbc unload {name}` first, then load it --sharded"
+            )));
+        }
+        split.names.insert(name);
+        if let Some(m) = model {
+            split.names.insert(m.to_string());
+        }
+        Ok(())
+    }
+
     /// Makes a model resident (fingerprinting its tower through the store's
     /// memo) and remembers which model the requested name led to.
     fn load(&mut self, model: Option<&str>, keep_alive: Option<KeepAlive>) -> Result<residency::Ready, EngineError> {
@@ -303,7 +339,8 @@ impl Engine {
             return Ok(residency::Ready { name: name.clone(), model, load_ms: 0.0 });
         }
         let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
-        let loaded = self.residency.ensure_loaded(&self.registry, model, self.form, keep_alive, memo.as_ref())?;
+        let loaded =
+            self.residency.ensure_loaded(&self.registry, model, self.form.clone(), keep_alive, memo.as_ref())?;
         if self.routes.len() >= MAX_ROUTES {
             // Many spellings of paths can name one model: keep the table small.
             self.routes.clear();

@@ -56,6 +56,8 @@ pub struct Family {
     pub gguf_architectures: &'static [&'static str],
     pub load_dir: DirLoader,
     pub load_gguf: Option<GgufLoader>,
+    /// Its text decoder can be split over a group (tensor parallel).
+    pub tensor_parallel: bool,
 }
 
 /// Every family served.
@@ -65,42 +67,49 @@ pub const FAMILIES: &[Family] = &[
         gguf_architectures: &["llama", "mistral", "qwen2", "qwen3"],
         load_dir: DirLoader::Chat(llama::load_dir),
         load_gguf: Some(llama::load_gguf),
+        tensor_parallel: true,
     },
     Family {
         model_types: &["gemma3"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(gemma3::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
     },
     Family {
         model_types: &["gemma4"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(gemma4::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
     },
     Family {
         model_types: &["gemma4_unified"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(gemma4_unified::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
     },
     Family {
         model_types: &["qwen2_5_vl"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(qwen2_5_vl::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
     },
     Family {
         model_types: &["qwen3_5"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(qwen3_5::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
     },
     Family {
         model_types: &["qwen3_vl"],
         gguf_architectures: &[],
         load_dir: DirLoader::Chat(qwen3_vl::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
     },
     // mlx-whisper's config.json has no model_type: see `model_type_of`.
     Family {
@@ -108,6 +117,7 @@ pub const FAMILIES: &[Family] = &[
         gguf_architectures: &[],
         load_dir: DirLoader::Speech(whisper::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
     },
 ];
 
@@ -157,6 +167,7 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
         let Some(family) = FAMILIES.iter().find(|f| f.model_types.contains(&model_type)) else {
             bail!("unsupported architecture {model_type:?} (supported: {})", supported());
         };
+        refuse_unsplittable(family, model_type, &options)?;
         match family.load_dir {
             DirLoader::Chat(load) => load(path, &raw, options, memo).map(LoadedModel::Chat),
             DirLoader::Speech(load) => load(path, &raw, options, memo).map(LoadedModel::Speech),
@@ -164,14 +175,30 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
     } else if path.is_file() {
         let file = Gguf::open(path).with_context(|| format!("reading GGUF at {}", path.display()))?;
         let arch = gguf_string(&file, "general.architecture")?;
-        let loader = FAMILIES.iter().find(|f| f.gguf_architectures.contains(&arch.as_str())).and_then(|f| f.load_gguf);
-        let Some(load_gguf) = loader else {
+        let family = FAMILIES.iter().find(|f| f.gguf_architectures.contains(&arch.as_str()));
+        if let Some(family) = family {
+            refuse_unsplittable(family, &arch, &options)?;
+        }
+        let Some(load_gguf) = family.and_then(|f| f.load_gguf) else {
             bail!("unsupported architecture {arch:?} in GGUF (supported: {})", supported());
         };
         load_gguf(&file, options).map(LoadedModel::Chat)
     } else {
         bail!("model path {} does not exist", path.display())
     }
+}
+
+/// A shard asked of a family whose decoder cannot be split yet.
+fn refuse_unsplittable(family: &Family, name: &str, options: &ModelOptions) -> Result<()> {
+    if options.shard.is_some() && !family.tensor_parallel {
+        let splittable: Vec<&str> =
+            FAMILIES.iter().filter(|f| f.tensor_parallel).flat_map(|f| f.model_types.iter().copied()).collect();
+        bail!(
+            "a {name} model cannot be split over a group yet (tensor parallel covers {}); serve it on rank 0 alone",
+            splittable.join(", ")
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -148,7 +148,7 @@ fn error(kind: ErrorKind, message: String) -> Response {
             (StatusCode::BAD_REQUEST, "invalid_request_error")
         }
         // 529: what Anthropic answers when overloaded (its SDK retries it).
-        ErrorKind::Busy | ErrorKind::OutOfMemory | ErrorKind::ShuttingDown => {
+        ErrorKind::Busy | ErrorKind::OutOfMemory | ErrorKind::ShuttingDown | ErrorKind::RankStopped => {
             (StatusCode::from_u16(529).expect("a status"), "overloaded_error")
         }
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "api_error"),

@@ -101,7 +101,9 @@ fn error_response(kind: ErrorKind, message: String) -> Response {
         ErrorKind::BadRequest | ErrorKind::BadMedia | ErrorKind::ContextOverflow | ErrorKind::BadFrame => {
             (StatusCode::BAD_REQUEST, "invalid_request_error")
         }
-        ErrorKind::OutOfMemory | ErrorKind::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+        ErrorKind::OutOfMemory | ErrorKind::ShuttingDown | ErrorKind::RankStopped => {
+            (StatusCode::SERVICE_UNAVAILABLE, "server_error")
+        }
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
     };
     (status, Json(json!({"error": {"message": message, "type": kind_name, "code": format!("{kind:?}")}})))

@@ -32,7 +32,9 @@ fn error(kind: ErrorKind, message: String) -> Response {
         ErrorKind::BadRequest | ErrorKind::BadMedia | ErrorKind::ContextOverflow | ErrorKind::BadFrame => {
             StatusCode::BAD_REQUEST
         }
-        ErrorKind::OutOfMemory | ErrorKind::ShuttingDown | ErrorKind::Busy => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorKind::OutOfMemory | ErrorKind::ShuttingDown | ErrorKind::Busy | ErrorKind::RankStopped => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, Json(json!({"error": message}))).into_response()

@@ -80,6 +80,11 @@ pub trait LanguageModel {
     fn recurrent(&self) -> bool {
         false
     }
+
+    /// How the model is split over a group, when it is (for the status).
+    fn split_description(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Media made ready for a tower on the CPU: values in the layout the tower

@@ -45,6 +45,96 @@ pub struct KvCache {
     /// the prompt cache stores them with the prefix ending there, the only
     /// prefix of this prompt a later prompt can reuse.
     pub checkpoint: Option<(i32, Vec<Option<Vec<Array>>>)>,
+    /// Set when the cache belongs to a model split over a group: what is
+    /// done to it here is journaled, so that every other rank does the
+    /// same to its own shard of it ([`Journal`]).
+    tag: Option<Tag>,
+}
+
+/// What rank 0 did to its caches of a sharded model between two calls of
+/// the model, replayed by the other ranks on theirs (whose keys and values
+/// are their own heads'): a cache's rows are joined, filtered, cloned and
+/// dropped by the scheduler on rank 0 alone; forward passes are sent on
+/// their own.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum CacheOp {
+    /// A new, empty cache with this padding per row.
+    New {
+        id: u64,
+        paddings: Vec<i32>,
+    },
+    Clone {
+        from: u64,
+        to: u64,
+    },
+    /// `from`'s rows appended to `into`'s ([`KvCache::join`]); `from` is gone.
+    Join {
+        into: u64,
+        from: u64,
+    },
+    KeepRows {
+        id: u64,
+        keep: Vec<u32>,
+    },
+    Drop {
+        id: u64,
+    },
+}
+
+/// The journal of a sharded model's caches, shared by all of them.
+#[derive(Clone, Default)]
+pub struct Journal(std::sync::Arc<JournalInner>);
+
+#[derive(Default)]
+struct JournalInner {
+    ops: std::sync::Mutex<Vec<CacheOp>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+impl Journal {
+    fn push(&self, op: CacheOp) {
+        mlxbc_shared::sync::lock(&self.0.ops).push(op);
+    }
+
+    /// Everything journaled since the last call.
+    pub fn take(&self) -> Vec<CacheOp> {
+        std::mem::take(&mut *mlxbc_shared::sync::lock(&self.0.ops))
+    }
+
+    fn next_id(&self) -> u64 {
+        self.0.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+    }
+}
+
+/// A journaled cache's name; cloning it journals a clone, dropping it a drop.
+struct Tag {
+    id: u64,
+    journal: Option<Journal>,
+}
+
+impl Tag {
+    /// The name, without journaling a drop (the cache went into another).
+    fn consume(mut self) -> u64 {
+        self.journal = None;
+        self.id
+    }
+}
+
+impl Clone for Tag {
+    fn clone(&self) -> Self {
+        let Some(journal) = &self.journal else { return Tag { id: self.id, journal: None } };
+        let to = journal.next_id();
+        journal.push(CacheOp::Clone { from: self.id, to });
+        Tag { id: to, journal: Some(journal.clone()) }
+    }
+}
+
+impl Drop for Tag {
+    fn drop(&mut self) {
+        if let Some(j) = &self.journal {
+            j.push(CacheOp::Drop { id: self.id });
+        }
+    }
 }
 
 type MaskKey = (i32, i32, i32, Option<i32>);
@@ -59,7 +149,61 @@ impl KvCache {
             masks: Vec::new(),
             states: Vec::new(),
             checkpoint: None,
+            tag: None,
         }
+    }
+
+    /// This cache's name in `journal`, naming (and journaling) it now if
+    /// it has none: a cache enters a sharded model's journal at its first
+    /// forward pass, empty, so the other ranks can make the same.
+    pub fn journaled(&mut self, journal: &Journal) -> Result<u64> {
+        if let Some(t) = &self.tag {
+            return Ok(t.id);
+        }
+        anyhow::ensure!(
+            self.offset == 0 && !self.has_states(),
+            "a cache that holds positions made outside the group (a sharded model's prompts are not cached)"
+        );
+        let id = journal.next_id();
+        journal.push(CacheOp::New { id, paddings: self.paddings() });
+        self.tag = Some(Tag { id, journal: Some(journal.clone()) });
+        Ok(id)
+    }
+
+    /// True when the cache is named in `journal` (not in an older one,
+    /// from before its group re-formed).
+    pub fn is_in(&self, journal: &Journal) -> bool {
+        self.tag.as_ref().is_some_and(|t| t.journal.as_ref().is_some_and(|j| std::sync::Arc::ptr_eq(&j.0, &journal.0)))
+    }
+
+    /// True when the cache was named in some journal.
+    pub fn is_journaled(&self) -> bool {
+        self.tag.is_some()
+    }
+
+    /// Applies `op` to the caches of a rank that replays rank 0's journal.
+    pub fn replay(caches: &mut std::collections::HashMap<u64, KvCache>, layers: usize, op: CacheOp) -> Result<()> {
+        match op {
+            CacheOp::New { id, paddings } => {
+                caches.insert(id, KvCache::batch(layers, paddings));
+            }
+            CacheOp::Clone { from, to } => {
+                let c = caches.get(&from).ok_or_else(|| anyhow::anyhow!("no cache {from} to clone"))?.clone();
+                caches.insert(to, c);
+            }
+            CacheOp::Join { into, from } => {
+                let other = caches.remove(&from).ok_or_else(|| anyhow::anyhow!("no cache {from} to join"))?;
+                caches.get_mut(&into).ok_or_else(|| anyhow::anyhow!("no cache {into} to join into"))?.join(other)?;
+            }
+            CacheOp::KeepRows { id, keep } => {
+                let keep: Vec<usize> = keep.into_iter().map(|r| r as usize).collect();
+                caches.get_mut(&id).ok_or_else(|| anyhow::anyhow!("no cache {id} to filter"))?.keep_rows(&keep)?;
+            }
+            CacheOp::Drop { id } => {
+                caches.remove(&id);
+            }
+        }
+        Ok(())
     }
 
     /// Recurrent layer `slot`'s state arrays, when it has run.
@@ -269,6 +413,15 @@ impl KvCache {
         other.pad_left(end - other.offset)?;
         let mut pads = self.paddings();
         pads.extend(other.paddings());
+        match (&self.tag, other.tag.take()) {
+            (Some(t), Some(o)) => {
+                if let Some(j) = &t.journal {
+                    j.push(CacheOp::Join { into: t.id, from: o.consume() });
+                }
+            }
+            (None, None) => {}
+            _ => anyhow::bail!("joining a sharded model's cache with one made outside its group"),
+        }
         for (mine, theirs) in self.layers.iter_mut().zip(other.layers) {
             let (Some((k, v)), Some((ok, ov))) = (mine.take(), theirs) else {
                 anyhow::bail!("joining a cache that holds nothing");
@@ -297,6 +450,9 @@ impl KvCache {
     /// up unpadded, computing exactly as a cache that was never batched.
     pub fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
         use mlx_rs::ops::indexing::IndexOp;
+        if let Some(Tag { id, journal: Some(j) }) = &self.tag {
+            j.push(CacheOp::KeepRows { id: *id, keep: keep.iter().map(|&r| r as u32).collect() });
+        }
         let pads = self.paddings();
         let kept: Vec<i32> = keep.iter().map(|&r| pads[r]).collect();
         let shared = kept.iter().copied().min().unwrap_or(0);

@@ -13,6 +13,7 @@ pub mod options;
 pub mod positions;
 pub mod prompt;
 pub mod raw_prompt;
+pub mod sharding;
 pub mod splice;
 pub mod tokenizer;
 pub mod tool_format;

@@ -25,16 +25,19 @@ pub enum Fusion {
     Off,
 }
 
-/// How models are loaded: the weights' form and the fusion policy.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// How models are loaded: the weights' form, the fusion policy, and the
+/// part of the model this process holds when it is split over a group.
+#[derive(Debug, Clone, PartialEq)]
 pub struct ModelOptions {
     pub form: WeightForm,
     pub fusion: Fusion,
+    /// `Some`: load only this rank's shard (tensor parallel).
+    pub shard: Option<crate::distributed::Shard>,
 }
 
 impl From<WeightForm> for ModelOptions {
     fn from(form: WeightForm) -> Self {
-        Self { form, fusion: Fusion::All }
+        Self { form, fusion: Fusion::All, shard: None }
     }
 }
 

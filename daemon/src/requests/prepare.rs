@@ -121,7 +121,13 @@ async fn begin_session(
 /// Loads the model `request` names; how long that took (ms).
 pub async fn load(engine: &EngineHandle, request: &GenerateRequest) -> f64 {
     let (reply, answer) = oneshot::channel();
-    let job = Job::Load { model: request.model.clone(), keep_alive: request.keep_alive, for_request: true, reply };
+    let job = Job::Load {
+        model: request.model.clone(),
+        keep_alive: request.keep_alive,
+        for_request: true,
+        sharded: false,
+        reply,
+    };
     if engine.submit(job).is_err() {
         return 0.0;
     }

@@ -168,7 +168,7 @@ mod tests {
         assert!(generate(&r, LIMITS).is_err());
         r.stop = vec!["x".repeat(2000)];
         assert!(generate(&r, LIMITS).is_err());
-        assert!(request(&Request::Load { model: "m".repeat(5000), keep_alive: None }, LIMITS).is_err());
+        assert!(request(&Request::Load { model: "m".repeat(5000), keep_alive: None, sharded: false }, LIMITS).is_err());
         assert!(request(&Request::Unload { model: "a\0b".into() }, LIMITS).is_err());
     }
 

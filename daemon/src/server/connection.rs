@@ -275,22 +275,22 @@ async fn answer(state: &AppState, request: Request) -> Response {
             }
             Response::Models { models }
         }
-        Request::Status => {
-            let (c, h) = (&state.connections, &state.http_connections);
-            Response::Status(mlxbc_shared::DaemonStatus {
-                connections_open: c.len() as u32,
-                connections_cap: c.cap() as u32,
-                connections_evicted: c.evicted_count(),
-                connections_refused: c.refused_count(),
-                http_connections_open: h.len() as u32,
-                http_connections_cap: if state.http_on { h.cap() as u32 } else { 0 },
-                http_connections_evicted: h.evicted_count(),
-                http_connections_refused: h.refused_count(),
-                ..state.engine.status(state.started)
-            })
-        }
-        Request::Load { model, keep_alive } => {
-            round_trip(state, |reply| Job::Load { model: Some(model), keep_alive, for_request: false, reply }).await
+        Request::Status => status(state),
+        Request::ClusterRestart => match &state.engine.cluster {
+            Some(c) => {
+                tracing::info!("the group is formed again on a client's request");
+                c.restart();
+                status(state)
+            }
+            None => crate::error::EngineError::BadRequest(
+                "this daemon is not rank 0 of a group: start it with --hostfile FILE --rank 0 (docs/distributed.md)"
+                    .into(),
+            )
+            .into_response(),
+        },
+        Request::Load { model, keep_alive, sharded } => {
+            round_trip(state, |reply| Job::Load { model: Some(model), keep_alive, for_request: false, sharded, reply })
+                .await
         }
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
         Request::Prefetch { model, media } => match crate::requests::prepare::prefetch(&state.engine, &model, media)
@@ -339,6 +339,21 @@ async fn answer(state: &AppState, request: Request) -> Response {
             Response::ShuttingDown
         }
     }
+}
+
+fn status(state: &AppState) -> Response {
+    let (c, h) = (&state.connections, &state.http_connections);
+    Response::Status(mlxbc_shared::DaemonStatus {
+        connections_open: c.len() as u32,
+        connections_cap: c.cap() as u32,
+        connections_evicted: c.evicted_count(),
+        connections_refused: c.refused_count(),
+        http_connections_open: h.len() as u32,
+        http_connections_cap: if state.http_on { h.cap() as u32 } else { 0 },
+        http_connections_evicted: h.evicted_count(),
+        http_connections_refused: h.refused_count(),
+        ..state.engine.status(state.started)
+    })
 }
 
 async fn round_trip(state: &AppState, job: impl FnOnce(oneshot::Sender<Response>) -> Job) -> Response {

@@ -31,7 +31,7 @@ pub fn load_gguf(file: &Gguf, form: ModelOptions) -> Result<Model> {
         file.string("tokenizer.chat_template").map(str::to_string).unwrap_or_else(|| chat_template::CHATML.to_string());
     let template = ChatTemplate::new(source, token_text(&tokenizer, bos), token_text(&tokenizer, eos))?;
     let eos_ids = [eos, eot].into_iter().flatten().collect();
-    let lm = Transformer::from_tensors(config, tensors)?;
+    let lm = Transformer::from_tensors(config, tensors, form.shard.as_ref())?;
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, None))
 }
 
@@ -41,6 +41,6 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, _memo: 
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
     let tensors = TensorMap::from_safetensors_dir(dir, quantization, form.form)?.with_fusion(form.fusion);
     let (tokenizer, template, eos_ids) = chat_parts(dir, raw)?;
-    let lm = Transformer::from_tensors(config, tensors)?;
+    let lm = Transformer::from_tensors(config, tensors, form.shard.as_ref())?;
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, None))
 }

@@ -36,7 +36,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     }
     let text = TextConfig::from_hf_json(&text_json.to_string())?;
     let lm = |t: TensorMap| -> Result<Box<dyn LanguageModel>> {
-        Ok(Box::new(Transformer::from_tensors(text, t.strip_prefix("language_model."))?))
+        Ok(Box::new(Transformer::from_tensors(text, t.strip_prefix("language_model."), None)?))
     };
     load_parts(dir, raw, form, memo, &text_json, lm, |tower| Ok(Box::new(tower)))
 }

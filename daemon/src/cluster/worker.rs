@@ -1,0 +1,222 @@
+//! A rank above 0: no socket, no gateway, no scheduler. It joins the
+//! group, loads the shards rank 0 asks for from its own store, and carries
+//! out rank 0's plan call by call. When the group breaks (a rank died or
+//! was cut off) it drops what the group held and joins again, for as long
+//! as it runs.
+
+use super::coordinator::{own_reply, probe_all_sum};
+use super::plan::{self, Op, Reply};
+use super::sharded::dtype_of;
+use crate::catalog::registry::ModelRegistry;
+use crate::distributed::{Group, Link, Shard};
+use crate::model::family::LanguageModel;
+use crate::model::kv_cache::KvCache;
+use crate::model::options::ModelOptions;
+use crate::model::positions::MediaPositions;
+use anyhow::{anyhow, Context, Result};
+use mlx_rs::Array;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One shard this rank holds.
+struct Held {
+    lm: Box<dyn LanguageModel>,
+    caches: HashMap<u64, KvCache>,
+    /// The last forward pass's hidden states (what `Logits` reads).
+    last: Option<Array>,
+}
+
+/// The worker daemon's main: serves as the rank `settings.cluster` names
+/// until the process is stopped.
+pub fn serve_as_worker(
+    settings: &mlxbc_shared::settings::Settings,
+    options: crate::model::options::EngineOptions,
+) -> Result<std::convert::Infallible> {
+    let c = &settings.cluster;
+    let hostfile = crate::distributed::Hostfile::read(c.hostfile.as_deref().context("no hostfile")?)?;
+    let rank = c.rank.context("no rank")?;
+    let device = mlx_rs::Device::default();
+    let form = ModelOptions {
+        form: crate::model::weights::WeightForm::for_device(&device, options.weights),
+        fusion: options.fusion,
+        shard: None,
+    };
+    tracing::info!(
+        rank,
+        ranks = hostfile.size(),
+        backend = %c.backend,
+        rank0 = %hostfile.host(0),
+        "serving as a worker of the group (models from {})",
+        settings.models_dir.display()
+    );
+    run(ModelRegistry::new(settings), form, &c.backend, rank, hostfile.size())
+}
+
+/// Serves as rank `rank` of `size` until the process is stopped.
+pub fn run(registry: ModelRegistry, options: ModelOptions, backend: &str, rank: usize, size: usize) -> ! {
+    let link = Link::default();
+    let mut attempts = 0u32;
+    loop {
+        Group::forget_backends();
+        let group = match Group::init(backend, true) {
+            Ok(g) if g.rank() == rank && g.size() == size => g,
+            Ok(g) => {
+                tracing::error!(
+                    "MLX made this daemon rank {} of {}, but it was started as rank {rank} of {size}",
+                    g.rank(),
+                    g.size()
+                );
+                std::thread::sleep(Duration::from_secs(5));
+                continue;
+            }
+            Err(e) => {
+                attempts += 1;
+                if attempts == 1 || attempts % 30 == 0 {
+                    tracing::info!(attempts, "waiting for the group: {e:#}");
+                }
+                std::thread::sleep(Duration::from_secs(2));
+                continue;
+            }
+        };
+        attempts = 0;
+        tracing::info!(rank, size, backend, "joined the group");
+        let group = Arc::new(group);
+        link.set(Some(group.clone()));
+        let shard = Shard { rank, size, link: link.clone() };
+        let mut held: HashMap<u32, Held> = HashMap::new();
+        let why = serve(&group, &registry, &options, &shard, &mut held);
+        tracing::warn!("the group broke ({why:#}); joining it again");
+        // Shards are loaded again on rank 0's word: a new rank 0 may ask
+        // for other models, and the caches are gone with the old group.
+        drop(held);
+        link.set(None);
+        drop(group);
+        let _ = mlx_rs::memory::clear_cache();
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// Carries out rank 0's messages until a collective fails.
+fn serve(
+    group: &Group,
+    registry: &ModelRegistry,
+    options: &ModelOptions,
+    shard: &Shard,
+    held: &mut HashMap<u32, Held>,
+) -> anyhow::Error {
+    loop {
+        let ops = match group.broadcast_bytes(None).and_then(|b| plan::decode(&b)) {
+            Ok(ops) => ops,
+            Err(e) => return e,
+        };
+        for op in ops {
+            if let Err(e) = carry_out(group, registry, options, shard, held, op) {
+                return e;
+            }
+        }
+    }
+}
+
+fn reply(group: &Group, r: &Reply) -> Result<()> {
+    group.all_gather(&Array::from_slice(&plan::reply_bytes(r), &[plan::REPLY_BYTES as i32]))?.eval()?;
+    Ok(())
+}
+
+fn carry_out(
+    group: &Group,
+    registry: &ModelRegistry,
+    options: &ModelOptions,
+    shard: &Shard,
+    held: &mut HashMap<u32, Held>,
+    op: Op,
+) -> Result<()> {
+    match op {
+        Op::Hello { version } => {
+            let mine = env!("CARGO_PKG_VERSION");
+            let r = if version == mine {
+                own_reply()
+            } else {
+                Reply::Refused(format!("it runs mlxbcd {mine}, rank 0 runs {version}"))
+            };
+            reply(group, &r)?;
+            probe_all_sum(group)?;
+        }
+        Op::Load { slot, name, fingerprint } => {
+            let r = match load(registry, options, shard, &name, &fingerprint) {
+                Ok(lm) => {
+                    held.insert(slot, Held { lm, caches: HashMap::new(), last: None });
+                    own_reply()
+                }
+                Err(e) => {
+                    tracing::error!(model = %name, "not loaded: {e:#}");
+                    Reply::Refused(format!("{e:#}"))
+                }
+            };
+            reply(group, &r)?;
+        }
+        Op::Unload { slot } => {
+            held.remove(&slot);
+            let _ = mlx_rs::memory::clear_cache();
+        }
+        Op::Caches { slot, ops } => {
+            let h = model(held, slot)?;
+            let layers = h.lm.num_layers();
+            for op in ops {
+                KvCache::replay(&mut h.caches, layers, op)?;
+            }
+        }
+        Op::Embed { slot, shape, ids } => {
+            let h = model(held, slot)?;
+            h.lm.embed(&Array::from_slice(&ids, &shape))?.eval()?;
+        }
+        Op::Forward { slot, cache, shape, dtype } => {
+            let h = model(held, slot)?;
+            let zeros = mlx_rs::ops::zeros_dtype(&shape, dtype_of(&dtype)?)?;
+            let embeds = group.broadcast(&zeros)?;
+            let c = h.caches.get_mut(&cache).ok_or_else(|| anyhow!("rank 0 named cache {cache}, unknown here"))?;
+            let hidden = h.lm.forward(&embeds, c, &MediaPositions::default())?;
+            hidden.eval()?;
+            h.last = Some(hidden);
+        }
+        Op::Logits { slot } => {
+            let h = model(held, slot)?;
+            let last = h.last.as_ref().ok_or_else(|| anyhow!("logits asked before any forward pass"))?;
+            h.lm.logits(last)?.eval()?;
+        }
+        Op::Report => reply(group, &own_reply())?,
+    }
+    Ok(())
+}
+
+fn model(held: &mut HashMap<u32, Held>, slot: u32) -> Result<&mut Held> {
+    held.get_mut(&slot).ok_or_else(|| anyhow!("rank 0 named model slot {slot}, not loaded here"))
+}
+
+/// Resolves `name` in this host's own store and loads this rank's shard,
+/// after checking its weights are rank 0's.
+fn load(
+    registry: &ModelRegistry,
+    options: &ModelOptions,
+    shard: &Shard,
+    name: &str,
+    fingerprint: &str,
+) -> Result<Box<dyn LanguageModel>> {
+    let resolved = registry.resolve(Some(name)).map_err(|e| anyhow!("{e}"))?;
+    let mine = super::fingerprint::weights_fingerprint(&resolved.path)
+        .with_context(|| format!("reading {}", resolved.path.display()))?;
+    if mine != fingerprint {
+        anyhow::bail!(
+            "its {} holds other weights than rank 0's for {name} (fingerprint {} here, {} on rank 0)",
+            resolved.path.display(),
+            &mine[..12],
+            &fingerprint[..12.min(fingerprint.len())]
+        );
+    }
+    let options = ModelOptions { shard: Some(shard.clone()), ..options.clone() };
+    tracing::info!(model = %name, path = %resolved.path.display(), "loading this rank's shard");
+    match crate::families::load_any(&resolved.path, options, None)? {
+        crate::families::LoadedModel::Chat(m) => Ok(m.lm),
+        crate::families::LoadedModel::Speech(_) => anyhow::bail!("{name} is a speech model and is not split"),
+    }
+}
