@@ -71,6 +71,14 @@ pub(crate) enum Command {
         /// How long it stays loaded when idle: 30m, 0, forever.
         #[arg(long)]
         keep_alive: Option<String>,
+        /// Split it over the daemon's group (docs/distributed.md).
+        #[arg(long)]
+        sharded: bool,
+    },
+    /// The group of daemons this one leads (docs/distributed.md).
+    Cluster {
+        #[command(subcommand)]
+        verb: ClusterCmd,
     },
     /// Unload a model now.
     Unload { model: String },
@@ -101,6 +109,12 @@ pub(crate) enum Command {
         #[arg(long, short, global = true)]
         follow: bool,
     },
+}
+
+#[derive(Subcommand, Debug, Clone, Copy)]
+enum ClusterCmd {
+    /// Form the group again now (after a worker came back, or was fixed).
+    Restart,
 }
 
 #[derive(Subcommand, Debug, Clone, Copy)]

@@ -138,6 +138,24 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 "clients:  {} connections open (cap {}); {} idle ones closed for room, {} refused (all busy)",
                 s.connections_open, s.connections_cap, s.connections_evicted, s.connections_refused
             )?;
+            if let Some(c) = &s.cluster {
+                writeln!(out, "group:    {} over {}", c.state, c.backend)?;
+                for r in &c.ranks {
+                    writeln!(out, "  rank {} {} memory {}", r.rank, r.host, mib(r.rss_bytes))?;
+                }
+                for (model, how) in &c.models {
+                    writeln!(out, "  {model}: {how}")?;
+                }
+                writeln!(
+                    out,
+                    "  {} calls, {:.2} ms each, of which {:.2} ms sending plans and inputs; one all-reduce of a \
+                     4096-wide row {:.0} us",
+                    c.calls, c.mean_call_ms, c.mean_message_ms, c.all_sum_us
+                )?;
+                if let Some(why) = &c.last_break {
+                    writeln!(out, "  last break: {why}")?;
+                }
+            }
             if s.http_connections_cap > 0 {
                 writeln!(
                     out,
@@ -149,9 +167,18 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 )?;
             }
         }
-        Command::Load { model, keep_alive: ka } => {
+        Command::Cluster { verb: crate::ClusterCmd::Restart } => {
+            let s = client.cluster_restart().await?;
+            match &s.cluster {
+                Some(c) => {
+                    writeln!(out, "the group is forming again ({} ranks over {})", c.ranks.len().max(1), c.backend)?
+                }
+                None => writeln!(out, "this daemon leads no group")?,
+            }
+        }
+        Command::Load { model, keep_alive: ka, sharded } => {
             let mut spinner = crate::progress::Spinner::start(format!("loading {model}"));
-            let (name, ms, bytes) = client.load(&model, keep_alive(&ka)?).await?;
+            let (name, ms, bytes) = client.load_with(&model, keep_alive(&ka)?, sharded).await?;
             spinner.stop();
             writeln!(out, "loaded {name} in {ms} ms ({})", mib(bytes))?;
         }

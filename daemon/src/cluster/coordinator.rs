@@ -78,7 +78,13 @@ pub struct Stats {
     pub message_s: f64,
     /// One all-reduce of a decode row, measured at formation (µs).
     pub all_sum_us: f64,
+    /// Seconds a forward pass took per position, lately (moving average).
+    pub s_per_position: Option<f64>,
 }
+
+/// Before any forward pass was timed: a guess on the slow side (a CPU
+/// prefilling an 8B model).
+const FIRST_GUESS_S_PER_POSITION: f64 = 0.05;
 
 impl Coordinator {
     /// Starts forming the group in the background (rank 0 serves its own
@@ -188,6 +194,27 @@ impl Coordinator {
         }
     }
 
+    /// [`Self::call`] for a forward pass over `positions` positions (rows
+    /// times length): its deadline is the step timeout beyond four times
+    /// what that many positions took lately (a long prompt's chunk may take
+    /// longer than the timeout on a slow machine; only waiting on a rank
+    /// beyond that is a fault).
+    pub fn call_sized<T>(&self, positions: usize, f: impl FnOnce(&Group) -> Result<T>) -> Result<T> {
+        let per_position = lock(&self.0.stats).s_per_position.unwrap_or(FIRST_GUESS_S_PER_POSITION);
+        let expected = Duration::from_secs_f64(per_position * positions as f64 * 4.0);
+        let t = Instant::now();
+        let result = self.call(Some(self.0.timeout + expected), f);
+        if result.is_ok() && positions > 0 {
+            let measured = t.elapsed().as_secs_f64() / positions as f64;
+            let mut stats = lock(&self.0.stats);
+            stats.s_per_position = Some(match stats.s_per_position {
+                Some(s) => s * 0.8 + measured * 0.2,
+                None => measured,
+            });
+        }
+        result
+    }
+
     /// Runs `f` (which issues collectives) on the formed group, bounded by
     /// the step timeout, or `timeout` when given. A failure breaks the
     /// group (it re-forms in the background) and comes back as a
@@ -209,12 +236,12 @@ impl Coordinator {
         result.map_err(|e| {
             let why = if self.0.cut.load(Ordering::SeqCst) {
                 format!(
-                    "{} stopped answering (nothing within {} s); the group is forming again",
+                    "{} stopped answering (nothing within {:.0} s); the group is forming again",
                     self.workers_named(),
-                    timeout.unwrap_or(self.0.timeout).as_secs()
+                    timeout.unwrap_or(self.0.timeout).as_secs_f64()
                 )
             } else {
-                format!("{} stopped answering ({e:#}); the group is forming again", self.workers_named())
+                format!("{} stopped answering ({}); the group is forming again", self.workers_named(), reason(&e))
             };
             tracing::warn!("{why}");
             self.break_group(why.clone());
@@ -407,6 +434,14 @@ impl Coordinator {
             }
         }
     }
+}
+
+/// MLX's sentence from an error, without the source locations mlx-c and
+/// mlx-rs append ("... at /path/array.cpp:352").
+fn reason(e: &anyhow::Error) -> String {
+    let text = e.root_cause().to_string();
+    let text = text.split(" at /").next().unwrap_or(&text);
+    text.trim_matches(|c| c == '"' || c == ' ').to_string()
 }
 
 /// Why forming failed: worth retrying, or not until someone acts.

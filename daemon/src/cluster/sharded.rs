@@ -135,7 +135,8 @@ impl LanguageModel for ShardedLm {
             shape: embeds.shape().to_vec(),
             dtype: dtype_name(embeds.dtype())?.to_string(),
         };
-        self.coordinator.call(None, |g| {
+        let positions = (embeds.shape()[0] * embeds.shape()[1]).max(1) as usize;
+        self.coordinator.call_sized(positions, |g| {
             self.coordinator.send(g, vec![self.pending(&journal), op])?;
             let shared = g.broadcast(embeds)?;
             let h = self.inner.forward(&shared, cache, media)?;

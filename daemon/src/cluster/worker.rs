@@ -50,11 +50,20 @@ pub fn serve_as_worker(
         "serving as a worker of the group (models from {})",
         settings.models_dir.display()
     );
-    run(ModelRegistry::new(settings), form, &c.backend, rank, hostfile.size())
+    run(ModelRegistry::new(settings), form, &c.backend, rank, &hostfile)
 }
 
-/// Serves as rank `rank` of `size` until the process is stopped.
-pub fn run(registry: ModelRegistry, options: ModelOptions, backend: &str, rank: usize, size: usize) -> ! {
+/// Serves as rank `rank` of the hostfile's group until the process is stopped.
+pub fn run(
+    registry: ModelRegistry,
+    options: ModelOptions,
+    backend: &str,
+    rank: usize,
+    hostfile: &crate::distributed::Hostfile,
+) -> ! {
+    let size = hostfile.size();
+    let own = hostfile.addresses(rank);
+    let peers: Vec<_> = (0..size).filter(|&r| r != rank).flat_map(|r| hostfile.addresses(r)).collect();
     let link = Link::default();
     let mut attempts = 0u32;
     loop {
@@ -85,7 +94,10 @@ pub fn run(registry: ModelRegistry, options: ModelOptions, backend: &str, rank: 
         link.set(Some(group.clone()));
         let shard = Shard { rank, size, link: link.clone() };
         let mut held: HashMap<u32, Held> = HashMap::new();
-        let why = serve(&group, &registry, &options, &shard, &mut held);
+        // The ring's sockets, to sleep on between messages (other
+        // backends' waits are their own).
+        let sockets = if backend == "ring" { crate::distributed::ring_sockets(&own, &peers) } else { Vec::new() };
+        let why = serve(&group, &registry, &options, &shard, &mut held, &sockets);
         tracing::warn!("the group broke ({why:#}); joining it again");
         // Shards are loaded again on rank 0's word: a new rank 0 may ask
         // for other models, and the caches are gone with the old group.
@@ -104,8 +116,12 @@ fn serve(
     options: &ModelOptions,
     shard: &Shard,
     held: &mut HashMap<u32, Held>,
+    sockets: &[i32],
 ) -> anyhow::Error {
     loop {
+        if !sockets.is_empty() {
+            crate::distributed::wait_readable(sockets);
+        }
         let ops = match group.broadcast_bytes(None).and_then(|b| plan::decode(&b)) {
             Ok(ops) => ops,
             Err(e) => return e,
@@ -215,7 +231,10 @@ fn load(
     }
     let options = ModelOptions { shard: Some(shard.clone()), ..options.clone() };
     tracing::info!(model = %name, path = %resolved.path.display(), "loading this rank's shard");
-    match crate::families::load_any(&resolved.path, options, None)? {
+    let loaded = crate::families::load_any(&resolved.path, options, None)?;
+    // The whole tensors the shard was cut from are free: give them back.
+    crate::distributed::release_freed_memory();
+    match loaded {
         crate::families::LoadedModel::Chat(m) => Ok(m.lm),
         crate::families::LoadedModel::Speech(_) => anyhow::bail!("{name} is a speech model and is not split"),
     }

@@ -12,6 +12,38 @@
 
 use std::net::SocketAddr;
 
+/// This process's TCP sockets that belong to the ring described by `own`
+/// and `peers` (see [`cut_ring_sockets`]).
+pub fn ring_sockets(own: &[SocketAddr], peers: &[SocketAddr]) -> Vec<i32> {
+    // SAFETY: as in `cut_ring_sockets`.
+    let max_fd = unsafe { libc::sysconf(libc::_SC_OPEN_MAX) }.clamp(256, 65536) as i32;
+    (0..max_fd)
+        .filter(|&fd| {
+            let (Some(local), peer) = (address_of(fd, false), address_of(fd, true)) else { return false };
+            let listening = peer.is_none();
+            !listening
+                && (own.iter().any(|a| same(a, &local)) || peer.is_some_and(|p| peers.iter().any(|a| same(a, &p))))
+        })
+        .collect()
+}
+
+/// Blocks until one of `fds` has data to read or was closed. MLX's ring
+/// backend waits for a collective's data by polling its non-blocking
+/// sockets in a loop (a core at 100% for as long as it waits): a worker
+/// waits here instead, asleep, until rank 0's next message starts
+/// arriving, and only then enters the collective that receives it.
+pub fn wait_readable(fds: &[i32]) {
+    let mut polls: Vec<libc::pollfd> =
+        fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    loop {
+        // SAFETY: `polls` is a valid array of `len` pollfd structs.
+        let n = unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, -1) };
+        if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return;
+        }
+    }
+}
+
 /// Shuts down every TCP socket of this process that belongs to the ring
 /// described by `own` (this rank's listening address) and `peers` (the
 /// others'); returns how many. Other sockets (the gateway, clients) are

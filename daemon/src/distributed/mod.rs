@@ -15,7 +15,7 @@ mod group;
 mod hostfile;
 mod shard;
 
-pub use cut::cut_ring_sockets;
+pub use cut::{cut_ring_sockets, ring_sockets, wait_readable};
 pub use group::{Group, INLINE, MAX_MESSAGE};
 pub use hostfile::Hostfile;
-pub use shard::{Link, Shard};
+pub use shard::{release_freed_memory, Link, Shard};

@@ -67,6 +67,18 @@ impl Shard {
     }
 }
 
+/// Gives the memory a load freed back to the system: MLX's buffer cache,
+/// and (glibc) the heap's free pages, where the whole tensors the shards
+/// were cut from went. A rank's resident memory is then about its part.
+pub fn release_freed_memory() {
+    let _ = mlx_rs::memory::clear_cache();
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

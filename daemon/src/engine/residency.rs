@@ -96,6 +96,9 @@ fn load_split(
         Err(e) => crate::cluster::plan::Reply::Refused(format!("{e:#}")),
     };
     let others = coordinator.finish_load(reply);
+    // The whole tensors the shards were cut from are free now: give their
+    // buffers back, so the rank holds about its part.
+    crate::distributed::release_freed_memory();
     let mine = mine.map_err(|e| {
         EngineError::ModelLoad(format!(
             "loading rank 0's shard of {} from {}: {e:#}",

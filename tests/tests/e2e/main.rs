@@ -6,6 +6,7 @@ mod bad_input;
 mod batching;
 mod cli;
 mod clients;
+mod cluster;
 mod crash_soak;
 mod faults;
 mod gemma4;

@@ -361,7 +361,7 @@ impl Scheduler {
                     tracing::warn!(rows = ids.len(), "a batched decode step failed: {e}");
                     for &id in &ids {
                         if let Some(a) = self.take(id) {
-                            ended.push((a, Err(EngineError::Inference(e.to_string()))));
+                            ended.push((a, Err(e.clone())));
                         }
                     }
                     self.batches.remove(&key);
@@ -374,7 +374,7 @@ impl Scheduler {
                 let ids: Vec<SeqId> = batch.sequences().collect();
                 for id in ids {
                     if let Some(a) = self.take(id) {
-                        ended.push((a, Err(EngineError::Inference(e.to_string()))));
+                        ended.push((a, Err(e.clone())));
                     }
                 }
                 self.batches.remove(&key);
