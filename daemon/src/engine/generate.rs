@@ -232,7 +232,10 @@ pub fn begin(
         Some(v) if !features.is_empty() => v.tower.splice(&*model.lm, &ids, &features),
         _ => model.lm.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
     }
-    .map_err(|e| EngineError::BadMedia(format!("{e:#}")))?;
+    .map_err(|e| match EngineError::inference(e) {
+        stopped @ EngineError::RankStopped(_) => stopped,
+        other => EngineError::BadMedia(other.to_string()),
+    })?;
     // The longest cached prefix (RAM, or disk blocks read while the prompt
     // was tokenized), computed only for a model whose KV identity is known.
     let spans = match &model.media_tower {
