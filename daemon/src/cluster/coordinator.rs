@@ -371,7 +371,7 @@ impl Coordinator {
                     self.0.link.set(None);
                     if let Phase::Forming { attempts, last_error } = &mut *lock(&self.0.phase) {
                         *attempts += 1;
-                        if *attempts == 1 || *attempts % 30 == 0 {
+                        if *attempts == 1 || attempts.is_multiple_of(30) {
                             tracing::info!(attempts, "the group is not formed yet: {e:#}");
                         }
                         if last_error.is_none() {

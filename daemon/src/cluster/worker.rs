@@ -81,7 +81,7 @@ pub fn run(
             }
             Err(e) => {
                 attempts += 1;
-                if attempts == 1 || attempts % 30 == 0 {
+                if attempts == 1 || attempts.is_multiple_of(30) {
                     tracing::info!(attempts, "waiting for the group: {e:#}");
                 }
                 std::thread::sleep(Duration::from_secs(2));

@@ -221,7 +221,8 @@ mod tests {
             model_types: &["newfamily"],
             gguf_architectures: &[],
             load_dir: DirLoader::Chat(newfamily::load_dir),
-            load_gguf: None
+            load_gguf: None,
+            tensor_parallel: false
         });
         assert!(matches!(line.load_dir, DirLoader::Chat(_)));
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/adding-a-family.md")).unwrap();

@@ -105,7 +105,7 @@ mod tests {
         let parts: Vec<Array> =
             (0..2).map(|r| linear_rows(&whole, r * 4, r * 4 + 4).unwrap().forward(&x).unwrap()).collect();
         let got = mlx_rs::ops::concatenate(&[&parts[0], &parts[1]], -1).unwrap();
-        assert!(got.all_close(&want, 1e-5, 1e-5, None).unwrap().item::<bool>());
+        assert!(got.all_close(&want, 1e-5, 1e-5, None).unwrap());
         let sum = (0..2)
             .map(|r| {
                 let part = linear_cols(&whole, r * 3, r * 3 + 3, r == 0).unwrap();
@@ -113,7 +113,7 @@ mod tests {
             })
             .reduce(|a, b| a.add(&b).unwrap())
             .unwrap();
-        assert!(sum.all_close(&want, 1e-5, 1e-5, None).unwrap().item::<bool>());
+        assert!(sum.all_close(&want, 1e-5, 1e-5, None).unwrap());
         // A copy, not a view of the whole buffer.
         let part = linear_rows(&whole, 0, 4).unwrap();
         assert_eq!(part.nbytes(), 4 * 6 * 4 + 4 * 4);

@@ -210,7 +210,8 @@ fn qwen25_vl_language_model_with_multimodal_rope_matches_mlx_vlm() {
     let rec = take_recorded(&mut tensors);
     let tensors = tensors.into_iter().map(|(k, v)| (k.trim_start_matches("language_model.").to_string(), v)).collect();
     let model =
-        Transformer::from_tensors(tiny_qwen_text(), TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32)).unwrap();
+        Transformer::from_tensors(tiny_qwen_text(), TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32), None)
+            .unwrap();
     let mut cache = KvCache::new(2);
     let positions = mrope::positions(&rec.prompt, &[250], &[(1, 4, 6)], 2);
     let media = MediaPositions { mrope: Some(&positions), ..Default::default() };
@@ -236,7 +237,7 @@ fn tiny_qwen25_vl_whole_model_greedy_ids_match_mlx_vlm() {
     }))
     .unwrap();
     let tower = Qwen25VisionTower::load(vision, &mut t, "vision_tower").unwrap();
-    let text = Transformer::from_tensors(tiny_qwen_text(), t.strip_prefix("language_model.")).unwrap();
+    let text = Transformer::from_tensors(tiny_qwen_text(), t.strip_prefix("language_model."), None).unwrap();
     let tower = Qwen25Tower { tower, image_token_id: 250 };
     let features = tower.tower.forward(&patches, (1, 8, 12)).unwrap().reshape(&[4, 6, 64]).unwrap();
     assert_eq!(tower.grid_of(&features), (1, 8, 12));

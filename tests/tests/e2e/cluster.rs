@@ -95,8 +95,8 @@ impl Group {
                 spawn_worker(&hostfile, r, home)
             })
             .collect();
-        let mut opts = DaemonOptions::default();
-        opts.models = models.iter().map(|(n, p)| (leak(n), p.clone())).collect();
+        let opts =
+            DaemonOptions { models: models.iter().map(|(n, p)| (leak(n), p.clone())).collect(), ..Default::default() };
         let mut rank0 = Daemon::prepare(&opts);
         rank0.extra_env.push(("OPENBLAS_NUM_THREADS".into(), ONE_BLAS_THREAD.into()));
         let names: Vec<String> = sharded.iter().map(|n| format!("{n:?}")).collect();
@@ -142,7 +142,7 @@ impl Group {
 
 fn kind_of(e: &mlxbc_client::ClientError) -> Option<ErrorKind> {
     match e {
-        mlxbc_client::ClientError::Daemon { kind, .. } => Some(kind.clone()),
+        mlxbc_client::ClientError::Daemon { kind, .. } => Some(*kind),
         _ => None,
     }
 }
