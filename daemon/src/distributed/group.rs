@@ -75,33 +75,37 @@ impl Group {
     /// The element-wise sum of `x` over every rank (lazy, like any MLX op:
     /// the communication happens when the result is evaluated).
     pub fn all_sum(&self, x: &Array) -> Result<Array> {
+        self.collective(x, "all_sum", mlx_sys::mlx_distributed_all_sum)
+    }
+
+    /// One of mlx-c's collectives of this shape on `x`, on the default stream.
+    fn collective(&self, x: &Array, name: &str, op: Collective) -> Result<Array> {
         let stream = mlx_rs::Stream::default();
         // SAFETY: `res` is a fresh handle mlx-c fills on success and we then
         // own (`from_ptr`); on failure it is freed here.
         unsafe {
             let mut res = mlx_sys::mlx_array_new();
-            if mlx_sys::mlx_distributed_all_sum(&mut res, x.as_ptr(), self.raw, stream.as_ptr()) != 0 {
+            if op(&mut res, x.as_ptr(), self.raw, stream.as_ptr()) != 0 {
                 mlx_sys::mlx_array_free(res);
-                bail!("all_sum over the group failed");
+                bail!("{name} over the group failed");
             }
             Ok(Array::from_ptr(res))
         }
     }
 }
 
+/// mlx-c's signature of a collective on one array.
+type Collective = unsafe extern "C" fn(
+    *mut mlx_sys::mlx_array,
+    mlx_sys::mlx_array,
+    mlx_sys::mlx_distributed_group,
+    mlx_sys::mlx_stream,
+) -> std::os::raw::c_int;
+
 impl Group {
     /// Every rank's `x` concatenated along the first axis, in rank order (lazy).
     pub fn all_gather(&self, x: &Array) -> Result<Array> {
-        let stream = mlx_rs::Stream::default();
-        // SAFETY: as in `all_sum`.
-        unsafe {
-            let mut res = mlx_sys::mlx_array_new();
-            if mlx_sys::mlx_distributed_all_gather(&mut res, x.as_ptr(), self.raw, stream.as_ptr()) != 0 {
-                mlx_sys::mlx_array_free(res);
-                bail!("all_gather over the group failed");
-            }
-            Ok(Array::from_ptr(res))
-        }
+        self.collective(x, "all_gather", mlx_sys::mlx_distributed_all_gather)
     }
 
     /// Rank 0's `bytes` on every rank (the others pass `None`), through
