@@ -2,36 +2,20 @@
 //! against rank 0's before it loads its shard.
 
 use sha2::{Digest, Sha256};
-use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 /// A hash of the model's files as they are on any host: names, sizes and
-/// 16 samples of 64 KiB from each (no inode or mtime, which differ per
+/// 16 samples of 64 KiB from each (as the prompt cache's model root reads them) (no inode or mtime, which differ per
 /// copy). Two copies of the same download agree; another quantization,
 /// another checkpoint or a truncated file do not.
 pub fn weights_fingerprint(path: &Path) -> std::io::Result<String> {
-    let mut files: Vec<std::path::PathBuf> = if path.is_dir() {
-        std::fs::read_dir(path)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors" || x == "json" || x == "gguf"))
-            .collect()
-    } else {
-        vec![path.to_path_buf()]
-    };
-    files.sort();
     let mut h = Sha256::new();
     h.update(b"mlxbc-shard-weights-v1\0");
-    let mut buf = vec![0u8; 64 << 10];
-    for f in &files {
-        let size = std::fs::metadata(f)?.len();
+    for f in crate::prompt_cache::weight_files(path)? {
+        let size = std::fs::metadata(&f)?.len();
         h.update(f.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
         h.update(size.to_le_bytes());
-        let mut file = std::fs::File::open(f)?;
-        for i in 0..16u64 {
-            file.seek(SeekFrom::Start(size / 16 * i))?;
-            let n = file.read(&mut buf)?;
-            h.update(&buf[..n]);
-        }
+        crate::prompt_cache::hash_samples(&mut h, &f, size)?;
     }
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -184,10 +184,13 @@ fn carry_out(
         }
         Op::Embed { slot, shape, ids } => {
             let h = model(held, slot)?;
+            anyhow::ensure!(elements(&shape)? == ids.len(), "rank 0 sent {} ids for shape {shape:?}", ids.len());
             h.lm.embed(&Array::from_slice(&ids, &shape))?.eval()?;
         }
         Op::Forward { slot, cache, shape, dtype } => {
             let h = model(held, slot)?;
+            // What follows is a broadcast of this shape: bounded like a message.
+            anyhow::ensure!(elements(&shape)? <= MAX_EMBEDDINGS, "rank 0 announced embeddings of shape {shape:?}");
             let zeros = mlx_rs::ops::zeros_dtype(&shape, dtype_of(&dtype)?)?;
             let embeds = group.broadcast(&zeros)?;
             let c = h.caches.get_mut(&cache).ok_or_else(|| anyhow!("rank 0 named cache {cache}, unknown here"))?;
@@ -203,6 +206,19 @@ fn carry_out(
         Op::Report => reply(group, &own_reply())?,
     }
     Ok(())
+}
+
+/// The most embedding values one forward pass may announce (a 2048-position
+/// chunk of 64 rows of a 16384-wide model).
+const MAX_EMBEDDINGS: usize = 1 << 31;
+
+/// The values an announced shape holds; an error for a shape no array has.
+fn elements(shape: &[i32]) -> Result<usize> {
+    anyhow::ensure!(!shape.is_empty() && shape.len() <= 4, "an array shape of {} axes", shape.len());
+    shape.iter().try_fold(1usize, |n, &d| {
+        let d = usize::try_from(d).map_err(|_| anyhow!("a negative axis in {shape:?}"))?;
+        n.checked_mul(d).ok_or_else(|| anyhow!("shape {shape:?} overflows"))
+    })
 }
 
 fn model(held: &mut HashMap<u32, Held>, slot: u32) -> Result<&mut Held> {

@@ -450,6 +450,8 @@ impl KvCache {
     /// up unpadded, computing exactly as a cache that was never batched.
     pub fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
         use mlx_rs::ops::indexing::IndexOp;
+        let rows = self.rows();
+        anyhow::ensure!(keep.iter().all(|&r| r < rows), "keeping rows {keep:?} of a batch of {rows}");
         if let Some(Tag { id, journal: Some(j) }) = &self.tag {
             j.push(CacheOp::KeepRows { id: *id, keep: keep.iter().map(|&r| r as u32).collect() });
         }

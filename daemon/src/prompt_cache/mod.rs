@@ -55,6 +55,24 @@ pub const BLOCK_TOKENS: usize = 64;
 /// would cost seconds; a changed file has a new size, mtime or inode, and
 /// 16 slices of 64 KiB across each file catch a rewrite that keeps those.
 pub fn model_root(path: &Path, form: &str, device: &str) -> std::io::Result<[u8; 32]> {
+    let files = weight_files(path)?;
+    let mut h = Sha256::new();
+    h.update(b"mlxbc-kv-v1\0");
+    h.update(form.as_bytes());
+    h.update(device.as_bytes());
+    h.update(mlx_version().as_bytes());
+    for f in &files {
+        let id = WeightFileIdentity::of(f)?;
+        h.update(f.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+        h.update(format!("{}:{}:{}", id.ino, id.size, id.mtime_ns).as_bytes());
+        hash_samples(&mut h, f, id.size)?;
+    }
+    Ok(h.finalize().into())
+}
+
+/// The files a model's identity is made of: the one file, or a
+/// directory's weights, configs and tokenizer models, sorted.
+pub fn weight_files(path: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
     let mut files: Vec<std::path::PathBuf> = if path.is_dir() {
         std::fs::read_dir(path)?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -64,24 +82,19 @@ pub fn model_root(path: &Path, form: &str, device: &str) -> std::io::Result<[u8;
         vec![path.to_path_buf()]
     };
     files.sort();
-    let mut h = Sha256::new();
-    h.update(b"mlxbc-kv-v1\0");
-    h.update(form.as_bytes());
-    h.update(device.as_bytes());
-    h.update(mlx_version().as_bytes());
+    Ok(files)
+}
+
+/// Feeds 16 slices of 64 KiB spread across `file` (of `size` bytes) to `h`.
+pub fn hash_samples(h: &mut Sha256, file: &Path, size: u64) -> std::io::Result<()> {
     let mut buf = vec![0u8; 64 << 10];
-    for f in &files {
-        let id = WeightFileIdentity::of(f)?;
-        h.update(f.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
-        h.update(format!("{}:{}:{}", id.ino, id.size, id.mtime_ns).as_bytes());
-        let mut file = std::fs::File::open(f)?;
-        for i in 0..16u64 {
-            file.seek(SeekFrom::Start(id.size / 16 * i))?;
-            let n = file.read(&mut buf)?;
-            h.update(&buf[..n]);
-        }
+    let mut file = std::fs::File::open(file)?;
+    for i in 0..16u64 {
+        file.seek(SeekFrom::Start(size / 16 * i))?;
+        let n = file.read(&mut buf)?;
+        h.update(&buf[..n]);
     }
-    Ok(h.finalize().into())
+    Ok(())
 }
 
 /// MLX's version (a new MLX may compute other bits).

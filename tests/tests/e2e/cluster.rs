@@ -297,6 +297,23 @@ async fn sixteen_clients_together_equal_each_alone_and_constraints_hold() {
     assert!(stats.logprobs.iter().all(|l| l.logprob <= 0.0 && l.top.len() == 2));
 }
 
+/// Starts a long answer, sends the worker `signal` once tokens stream,
+/// and checks the answer ends in `RankStopped` within 10 s (the group's
+/// step timeout is 5 s); returns the error's text.
+async fn stopped_within_ten_seconds(g: &Group, prompt: &str, signal: i32) -> String {
+    let mut c = g.rank0.client().await;
+    let mut stream = c.generate(greedy(Some(SMOLLM2), prompt, 2000)).await.unwrap();
+    until_first_token(&mut stream).await;
+    let t = Instant::now();
+    unsafe { libc::kill(g.workers[0].pid(), signal) };
+    let outcome =
+        tokio::time::timeout(Duration::from_secs(30), stream.collect_text()).await.expect("no answer in 30 s");
+    let err = outcome.expect_err("the generation went on without its worker");
+    assert!(t.elapsed() < Duration::from_secs(10), "the error took {:?}", t.elapsed());
+    assert!(matches!(kind_of(&err), Some(ErrorKind::RankStopped)), "{err:?}");
+    err.to_string()
+}
+
 /// kill -9 of a worker mid-generation: the client's error names the rank
 /// within the step timeout; a model rank 0 serves alone answers at once;
 /// the worker started again, the group re-forms and the split model
@@ -308,18 +325,7 @@ async fn a_killed_worker_fails_its_requests_fast_and_the_group_reforms() {
     let prompt = "Tell a long story about a lighthouse keeper.";
     let (_, before) = ask(&g.rank0.socket, greedy(Some(SMOLLM2), prompt, 20)).await.unwrap();
 
-    let mut c = g.rank0.client().await;
-    let mut stream = c.generate(greedy(Some(SMOLLM2), prompt, 2000)).await.unwrap();
-    until_first_token(&mut stream).await;
-    let t = Instant::now();
-    unsafe { libc::kill(g.workers[0].pid(), libc::SIGKILL) };
-    let outcome =
-        tokio::time::timeout(Duration::from_secs(30), stream.collect_text()).await.expect("no answer in 30 s");
-    let err = outcome.expect_err("the generation went on without its worker");
-    let waited = t.elapsed();
-    assert!(waited < Duration::from_secs(10), "the error took {waited:?}");
-    let text = err.to_string();
-    assert!(matches!(kind_of(&err), Some(ErrorKind::RankStopped)), "{err:?}");
+    let text = stopped_within_ten_seconds(&g, prompt, libc::SIGKILL).await;
     assert!(text.contains("rank 1 (127.0.0.1) stopped answering"), "{text}");
 
     // Rank 0's own model answers right away.
@@ -346,16 +352,7 @@ async fn a_killed_worker_fails_its_requests_fast_and_the_group_reforms() {
 async fn a_hung_worker_is_cut_off_within_the_step_timeout() {
     let g = Group::start(2, &[smollm2()], &[SMOLLM2], "");
     ask(&g.rank0.socket, greedy(Some(SMOLLM2), "hi", 2)).await.unwrap();
-    let mut c = g.rank0.client().await;
-    let mut stream = c.generate(greedy(Some(SMOLLM2), "Tell a long story.", 2000)).await.unwrap();
-    until_first_token(&mut stream).await;
-    let t = Instant::now();
-    unsafe { libc::kill(g.workers[0].pid(), libc::SIGSTOP) };
-    let outcome =
-        tokio::time::timeout(Duration::from_secs(30), stream.collect_text()).await.expect("no answer in 30 s");
-    let err = outcome.expect_err("the generation went on without its worker");
-    assert!(t.elapsed() < Duration::from_secs(10), "the error took {:?} (step timeout 5 s)", t.elapsed());
-    assert!(matches!(kind_of(&err), Some(ErrorKind::RankStopped)), "{err:?}");
+    stopped_within_ten_seconds(&g, "Tell a long story.", libc::SIGSTOP).await;
     unsafe { libc::kill(g.workers[0].pid(), libc::SIGCONT) };
     let out = g.rank0.cli().args(["cluster", "restart"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
