@@ -21,13 +21,37 @@ pub enum Op {
     Caches { slot: u32, ops: Vec<CacheOp> },
     /// Look up token ids `[shape]` (the embedding may be split by vocabulary).
     Embed { slot: u32, shape: Vec<i32>, ids: Vec<i32> },
-    /// Rank 0's embeddings of `shape`/`dtype` follow as a broadcast; run them
-    /// through the layers at cache `cache`'s next positions.
-    Forward { slot: u32, cache: u64, shape: Vec<i32>, dtype: String },
+    /// Rank 0's embeddings of `shape`/`dtype` follow as a broadcast (then
+    /// the deepstack tables `media` names); run them through the layers at
+    /// cache `cache`'s next positions with the per-position `media` inputs.
+    Forward {
+        slot: u32,
+        cache: u64,
+        shape: Vec<i32>,
+        dtype: String,
+        #[serde(default)]
+        media: MediaPlan,
+    },
     /// The logits of the last forward pass's last positions.
     Logits { slot: u32 },
     /// Every rank answers with its memory and host (for `mlxbc status`).
     Report,
+}
+
+/// A forward pass's per-position media inputs (the engine's
+/// `MediaPositions`), cut to what the call's positions read: image blocks
+/// only for a prefill chunk (a one-position step never reads them), the
+/// prompt's rope positions up to the chunk's end, deepstack rows likewise.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MediaPlan {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_blocks: Option<Vec<i32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mrope: Option<(Vec<[i64; 3]>, i64)>,
+    /// Deepstack's row per position; its per-layer tables (each `shape`,
+    /// `dtype`) follow the embeddings as broadcasts, in order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deepstack: Option<(Vec<i32>, Vec<(Vec<i32>, String)>)>,
 }
 
 /// A rank's answer to [`Op::Hello`], [`Op::Load`] or [`Op::Report`].

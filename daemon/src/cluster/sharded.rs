@@ -4,7 +4,7 @@
 //! then does its own part; the collectives inside the layers meet theirs.
 
 use super::coordinator::{own_reply, Coordinator};
-use super::plan::Op;
+use super::plan::{MediaPlan, Op};
 use crate::error::RankStoppedError;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::{Journal, KvCache};
@@ -82,6 +82,28 @@ fn dtype_name(d: Dtype) -> Result<&'static str> {
     })
 }
 
+/// What the other ranks need of `media` for positions `offset..offset + len`.
+fn media_plan(media: &MediaPositions, offset: i32, len: i32) -> Result<MediaPlan> {
+    let end = (offset + len).max(0) as usize;
+    let upto = |n: usize| n.min(end);
+    let image_blocks = media.image_blocks.filter(|_| len > 1).map(|b| b[..upto(b.len())].to_vec());
+    let mrope = media.mrope.map(|(prompt, delta)| (prompt[..upto(prompt.len())].to_vec(), *delta));
+    let deepstack = match media.deepstack {
+        Some(d) => {
+            let rows = d.row_of[..upto(d.row_of.len())].to_vec();
+            let reads = rows.iter().skip(offset.max(0) as usize).any(|&r| r >= 0);
+            let tables = d
+                .layers
+                .iter()
+                .map(|t| Ok((t.shape().to_vec(), dtype_name(t.dtype())?.to_string())))
+                .collect::<Result<Vec<_>>>()?;
+            reads.then_some((rows, tables))
+        }
+        None => None,
+    };
+    Ok(MediaPlan { image_blocks, mrope, deepstack })
+}
+
 /// The dtype a [`Op::Forward`] names.
 pub fn dtype_of(name: &str) -> Result<Dtype> {
     Ok(match name {
@@ -119,9 +141,7 @@ impl LanguageModel for ShardedLm {
     }
 
     fn forward(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array> {
-        if media.image_blocks.is_some() || media.mrope.is_some() || media.deepstack.is_some() {
-            bail!("a sharded model takes media as embeddings only (no per-position media inputs yet)");
-        }
+        let plan = media_plan(media, cache.offset, embeds.shape()[1])?;
         let journal = self.journal()?;
         if cache.is_journaled() && !cache.is_in(&journal) {
             return Err(anyhow!(RankStoppedError(
@@ -134,11 +154,18 @@ impl LanguageModel for ShardedLm {
             cache: id,
             shape: embeds.shape().to_vec(),
             dtype: dtype_name(embeds.dtype())?.to_string(),
+            media: plan,
         };
+        let sends_deepstack = matches!(&op, Op::Forward { media, .. } if media.deepstack.is_some());
         let positions = (embeds.shape()[0] * embeds.shape()[1]).max(1) as usize;
         self.coordinator.call_sized(positions, |g| {
             self.coordinator.send(g, vec![self.pending(&journal), op])?;
             let shared = g.broadcast(embeds)?;
+            if let Some(d) = media.deepstack.filter(|_| sends_deepstack) {
+                for table in &d.layers {
+                    g.broadcast(table)?;
+                }
+            }
             let h = self.inner.forward(&shared, cache, media)?;
             h.eval()?;
             Ok(h)

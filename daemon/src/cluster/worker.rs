@@ -12,7 +12,7 @@ use crate::distributed::{Group, Link, Shard};
 use crate::model::family::LanguageModel;
 use crate::model::kv_cache::KvCache;
 use crate::model::options::ModelOptions;
-use crate::model::positions::MediaPositions;
+use crate::model::positions::{Deepstack, MediaPositions};
 use anyhow::{anyhow, Context, Result};
 use mlx_rs::Array;
 use std::collections::HashMap;
@@ -187,14 +187,30 @@ fn carry_out(
             anyhow::ensure!(elements(&shape)? == ids.len(), "rank 0 sent {} ids for shape {shape:?}", ids.len());
             h.lm.embed(&Array::from_slice(&ids, &shape))?.eval()?;
         }
-        Op::Forward { slot, cache, shape, dtype } => {
+        Op::Forward { slot, cache, shape, dtype, media } => {
             let h = model(held, slot)?;
             // What follows is a broadcast of this shape: bounded like a message.
             anyhow::ensure!(elements(&shape)? <= MAX_EMBEDDINGS, "rank 0 announced embeddings of shape {shape:?}");
-            let zeros = mlx_rs::ops::zeros_dtype(&shape, dtype_of(&dtype)?)?;
-            let embeds = group.broadcast(&zeros)?;
+            let embeds = group.broadcast(&mlx_rs::ops::zeros_dtype(&shape, dtype_of(&dtype)?)?)?;
+            let deepstack = match &media.deepstack {
+                Some((row_of, tables)) => {
+                    anyhow::ensure!(tables.len() <= MAX_DEEPSTACK, "rank 0 announced {} deepstack tables", tables.len());
+                    let mut layers = Vec::with_capacity(tables.len());
+                    for (shape, dtype) in tables {
+                        anyhow::ensure!(elements(shape)? <= MAX_EMBEDDINGS, "a deepstack table of shape {shape:?}");
+                        layers.push(group.broadcast(&mlx_rs::ops::zeros_dtype(shape, dtype_of(dtype)?)?)?);
+                    }
+                    Some(Deepstack { row_of: row_of.clone(), layers })
+                }
+                None => None,
+            };
+            let positions = MediaPositions {
+                image_blocks: media.image_blocks.as_deref(),
+                mrope: media.mrope.as_ref(),
+                deepstack: deepstack.as_ref(),
+            };
             let c = h.caches.get_mut(&cache).ok_or_else(|| anyhow!("rank 0 named cache {cache}, unknown here"))?;
-            let hidden = h.lm.forward(&embeds, c, &MediaPositions::default())?;
+            let hidden = h.lm.forward(&embeds, c, &positions)?;
             hidden.eval()?;
             h.last = Some(hidden);
         }
@@ -207,6 +223,10 @@ fn carry_out(
     }
     Ok(())
 }
+
+/// The most deepstack tables a forward pass may announce (one per layer of
+/// the deepest model).
+const MAX_DEEPSTACK: usize = 256;
 
 /// The most embedding values one forward pass may announce (a 2048-position
 /// chunk of 64 rows of a 16384-wide model).

@@ -81,12 +81,13 @@ impl Linear {
         }
     }
 
-    /// Output features.
-    fn out_features(&self) -> i32 {
-        match self {
-            Linear::Dense { weight, .. } => weight.shape()[0],
-            Linear::Quantized { q, .. } => q.weight.shape()[0],
-        }
+    /// Output features (of each matrix, for a stack of experts' `[E, out, in]`).
+    pub fn out_features(&self) -> i32 {
+        let w = match self {
+            Linear::Dense { weight, .. } => weight,
+            Linear::Quantized { q, .. } => &q.weight,
+        };
+        w.shape()[w.ndim() - 2]
     }
 
     /// Bytes the weights occupy.

@@ -46,7 +46,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let (tokenizer, template, mut eos_ids) = chat_parts(dir, raw)?;
     eos_ids.extend(tokenizer.token_to_id("<end_of_turn>"));
     let tower = Gemma3Tower::load(vision, text.mm_tokens_per_image, text.hidden_size, image_token_id, &mut tensors)?;
-    let lm = Gemma3Text::load(text, &mut tensors, "language_model")?;
+    let lm = Gemma3Text::load(text, &mut tensors, "language_model", form.shard.as_ref())?;
     let soft = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<image_soft_token>".into());
     // HF's Gemma 3 processor: each <start_of_image> becomes
     // "\n\n<start_of_image>" + one soft token per feature row + "<end_of_image>\n\n".

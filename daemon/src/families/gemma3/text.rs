@@ -7,7 +7,9 @@
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
+use crate::distributed::Shard;
 use crate::model::positions::MediaPositions;
+use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
 use mlx_rs::{
@@ -116,6 +118,11 @@ pub struct Gemma3Text {
     /// training and HF's behaviour). mlx-vlm 0.7.10 attends causally: its
     /// 4-D mask is dropped on the way to the language model.
     pub bidirectional_images: bool,
+    /// This rank's heads (all of them unless attention is split).
+    heads: i32,
+    kv_heads: i32,
+    /// How the decoder is cut over a group (see [`Split`]).
+    split: Split,
 }
 
 /// Gemma's RMS norm weight is stored as an offset from 1.
@@ -124,21 +131,28 @@ fn norm(t: &mut TensorMap, name: &str) -> Result<Array> {
 }
 
 impl Gemma3Text {
-    /// Loads `prefix.model.*` (and `prefix.lm_head` when untied).
-    pub fn load(config: Gemma3TextConfig, t: &mut TensorMap, prefix: &str) -> Result<Self> {
+    /// Loads `prefix.model.*` (and `prefix.lm_head` when untied); with
+    /// `shard`, only this rank's part (mlx-lm's cut, see [`Split`]): the
+    /// norms after o and down see the ranks' summed products.
+    pub fn load(config: Gemma3TextConfig, t: &mut TensorMap, prefix: &str, shard: Option<&Shard>) -> Result<Self> {
+        let c = &config;
+        let split =
+            Split::plan(shard, c.num_attention_heads, &[c.num_key_value_heads], c.intermediate_size, c.vocab_size);
+        let (q_width, kv_width) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+        let (att, mlp, ff) = (split.attention, split.mlp, c.intermediate_size);
         let mut blocks = Vec::new();
         for i in 0..config.num_hidden_layers {
             let p = format!("{prefix}.model.layers.{i}");
             blocks.push(Block {
-                q: t.linear(&format!("{p}.self_attn.q_proj"))?,
-                k: t.linear(&format!("{p}.self_attn.k_proj"))?,
-                v: t.linear(&format!("{p}.self_attn.v_proj"))?,
-                o: t.linear(&format!("{p}.self_attn.o_proj"))?,
+                q: split.rows(t.linear(&format!("{p}.self_attn.q_proj"))?, q_width, att)?,
+                k: split.rows(t.linear(&format!("{p}.self_attn.k_proj"))?, kv_width, att)?,
+                v: split.rows(t.linear(&format!("{p}.self_attn.v_proj"))?, kv_width, att)?,
+                o: split.cols(t.linear(&format!("{p}.self_attn.o_proj"))?, q_width, att)?,
                 q_norm: norm(t, &format!("{p}.self_attn.q_norm.weight"))?,
                 k_norm: norm(t, &format!("{p}.self_attn.k_norm.weight"))?,
-                gate: t.linear(&format!("{p}.mlp.gate_proj"))?,
-                up: t.linear(&format!("{p}.mlp.up_proj"))?,
-                down: t.linear(&format!("{p}.mlp.down_proj"))?,
+                gate: split.rows(t.linear(&format!("{p}.mlp.gate_proj"))?, ff, mlp)?,
+                up: split.rows(t.linear(&format!("{p}.mlp.up_proj"))?, ff, mlp)?,
+                down: split.cols(t.linear(&format!("{p}.mlp.down_proj"))?, ff, mlp)?,
                 input_norm: norm(t, &format!("{p}.input_layernorm.weight"))?,
                 post_attn_norm: norm(t, &format!("{p}.post_attention_layernorm.weight"))?,
                 pre_ff_norm: norm(t, &format!("{p}.pre_feedforward_layernorm.weight"))?,
@@ -147,10 +161,11 @@ impl Gemma3Text {
             });
         }
         let lm_head = if t.has(&format!("{prefix}.lm_head.weight")) {
-            Some(t.linear(&format!("{prefix}.lm_head"))?)
+            Some(split.vocab_head(t.linear(&format!("{prefix}.lm_head"))?)?)
         } else {
             None
         };
+        split.log();
         // mlx-vlm: h *= mx.array(hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
         let embed_scale = Array::from_f32((config.hidden_size as f64).sqrt() as f32)
             .as_dtype(Dtype::Bfloat16)?
@@ -161,20 +176,23 @@ impl Gemma3Text {
                 None => 1.0,
             };
         Ok(Self {
-            embed: t.embedding(&format!("{prefix}.model.embed_tokens"))?,
+            embed: split.vocab_rows(t.embedding(&format!("{prefix}.model.embed_tokens"))?)?,
             norm: norm(t, &format!("{prefix}.model.norm.weight"))?,
             blocks,
             lm_head,
             embed_scale,
             global_rope_scale,
             bidirectional_images: true,
+            heads: split.heads(config.num_attention_heads),
+            kv_heads: split.heads(config.num_key_value_heads),
+            split,
             config,
         })
     }
 
     /// Unscaled token embeddings `[B, L, hidden]` (scaling happens in [`Self::hidden`]).
     pub fn embed(&self, ids: &Array) -> Result<Array> {
-        self.embed.lookup(ids)
+        self.split.lookup(&self.embed, ids)
     }
 
     /// Runs embeddings `[B, L, hidden]` through the blocks, appending to
@@ -198,9 +216,9 @@ impl Gemma3Text {
             let split = |y: Array, n: i32, w: &Array| -> Result<Array> {
                 Ok(fast::rms_norm(to_heads(&y, rows, l, n)?, Some(w), c.rms_norm_eps)?)
             };
-            let q = split(b.q.forward(&x)?, c.num_attention_heads, &b.q_norm)?;
-            let k = split(b.k.forward(&x)?, c.num_key_value_heads, &b.k_norm)?;
-            let v = to_heads(&b.v.forward(&x)?, rows, l, c.num_key_value_heads)?;
+            let q = split(b.q.forward(&x)?, self.heads, &b.q_norm)?;
+            let k = split(b.k.forward(&x)?, self.kv_heads, &b.k_norm)?;
+            let v = to_heads(&b.v.forward(&x)?, rows, l, self.kv_heads)?;
             let (base, scale) = if b.sliding {
                 (c.rope_local_base_freq, 1.0)
             } else {
@@ -230,10 +248,12 @@ impl Gemma3Text {
                 }
             };
             let o = from_heads(&o)?;
-            let r = fast::rms_norm(b.o.forward(&o)?, Some(&b.post_attn_norm), c.rms_norm_eps)?;
+            let o = self.split.sum(b.o.forward(&o)?, self.split.attention)?;
+            let r = fast::rms_norm(&o, Some(&b.post_attn_norm), c.rms_norm_eps)?;
             let h2 = h.add(&r)?;
             let x = fast::rms_norm(&h2, Some(&b.pre_ff_norm), c.rms_norm_eps)?;
             let m = b.down.forward(&nn::gelu_approximate(b.gate.forward(&x)?)?.multiply(b.up.forward(&x)?)?)?;
+            let m = self.split.sum(m, self.split.mlp)?;
             h = h2.add(fast::rms_norm(&m, Some(&b.post_ff_norm), c.rms_norm_eps)?)?;
         }
         cache.offset += l;
@@ -248,7 +268,7 @@ impl Gemma3Text {
             Some(h) => h.forward(&last)?,
             None => self.embed.as_linear(&last)?,
         };
-        Ok(logits.reshape(&[rows, -1])?)
+        self.split.gather_vocab(logits.reshape(&[rows, -1])?)
     }
 }
 
@@ -275,6 +295,10 @@ impl LanguageModel for Gemma3Text {
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
         self.logits_last(hidden)
+    }
+
+    fn split_description(&self) -> Option<String> {
+        self.split.describe()
     }
 
     fn media_attention(&self) -> MediaAttention {

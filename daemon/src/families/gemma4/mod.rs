@@ -177,7 +177,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let (tokenizer, template, mut eos_ids) = chat_parts(dir, raw)?;
     eos_ids.extend(tokenizer.token_to_id("<turn|>"));
     let mut tower = Gemma4Tower::load(vision, text.hidden_size, image_token_id, &mut tensors)?;
-    let lm = Gemma4Text::load(text, &mut tensors, "language_model")?;
+    let lm = Gemma4Text::load(text, &mut tensors, "language_model", form.shard.as_ref())?;
     let placeholder = image_placeholder(raw, &tokenizer);
     let video_prompt = video_preprocess.as_ref().and_then(|_| video_prompt(raw, &tokenizer, &placeholder));
     tower.video_token_id = video_prompt.as_ref().map(|v| v.token_id);

@@ -8,6 +8,7 @@
 //! `[experts, out, in]`), as mlx-community directories hold them.
 
 use crate::model::layers::Linear;
+use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
 use mlx_rs::{fast, nn, ops, ops::indexing::IndexOp, Array};
@@ -26,11 +27,16 @@ pub(super) struct MoeBlock {
     pub post_dense_norm: Array,
     pre_experts_norm: Array,
     post_experts_norm: Array,
+    /// Whether this rank holds a block of every expert's features (its
+    /// branch's output is then a partial sum over the ranks).
+    pub split_experts: bool,
 }
 
 impl MoeBlock {
-    /// Loads layer `p`'s router and experts.
-    pub fn load(t: &mut TensorMap, p: &str, hidden: i32, experts: i32, top_k: i32) -> Result<Self> {
+    /// Loads layer `p`'s router and experts; with a split, each expert's
+    /// intermediate features are cut in place (gate/up rows, down columns,
+    /// mlx-lm's `SwitchGLU` shard), the router replicated.
+    pub fn load(t: &mut TensorMap, p: &str, hidden: i32, experts: i32, top_k: i32, split: &Split) -> Result<Self> {
         if top_k < 1 || top_k > experts {
             bail!("Gemma 4 MoE: top_k_experts {top_k} of num_experts {experts}");
         }
@@ -55,7 +61,12 @@ impl MoeBlock {
                 "{p}: Gemma 4 MoE weights hold {counts:?} experts (router, scales, gate, up, down), config {experts}"
             );
         }
+        let width = gate.out_features();
+        let on = split.shard.is_some() && width % split.ranks() == 0;
+        let (gate, up, down) =
+            (split.rows(gate, width, on)?, split.rows(up, width, on)?, split.cols(down, width, on)?);
         Ok(Self {
+            split_experts: on,
             router,
             router_norm: scale.multiply(Array::from_f32((hidden as f64).powf(-0.5) as f32))?,
             per_expert_scale,
@@ -69,9 +80,10 @@ impl MoeBlock {
         })
     }
 
-    /// The experts' branch for the residual stream `h` `[B, L, D]`: route,
-    /// run the chosen experts, weigh and sum them, norm.
-    pub fn experts(&self, h: &Array, eps: f32) -> Result<Array> {
+    /// The experts' branch for the residual stream `h` `[B, L, D]` before
+    /// its last norm: route, run the chosen experts, weigh and sum them
+    /// (this rank's part of the sum when the experts are split).
+    pub fn experts_unnormed(&self, h: &Array, eps: f32) -> Result<Array> {
         let scores = self.router.forward(&fast::rms_norm(h, Some(&self.router_norm), eps)?)?;
         let k = self.top_k;
         let picked = ops::argpartition_axis(&scores, -k, -1)?;
@@ -85,8 +97,12 @@ impl MoeBlock {
         let up = switch(&self.up, &x, &picked)?;
         let gate = switch(&self.gate, &x, &picked)?;
         let y = switch(&self.down, &nn::gelu_approximate(&gate)?.multiply(&up)?, &picked)?.squeeze_axes(&[-2])?;
-        let summed = y.multiply(ops::expand_dims(&weights, -1)?)?.sum_axis(-2, None)?;
-        Ok(fast::rms_norm(&summed, Some(&self.post_experts_norm), eps)?)
+        Ok(y.multiply(ops::expand_dims(&weights, -1)?)?.sum_axis(-2, None)?)
+    }
+
+    /// The branch's last norm, over the ranks' summed output.
+    pub fn finish(&self, summed: &Array, eps: f32) -> Result<Array> {
+        Ok(fast::rms_norm(summed, Some(&self.post_experts_norm), eps)?)
     }
 }
 

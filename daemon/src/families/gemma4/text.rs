@@ -20,7 +20,9 @@ use crate::families::gemma3::text::attend;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
+use crate::distributed::Shard;
 use crate::model::positions::MediaPositions;
+use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
 use mlx_rs::{
@@ -214,6 +216,8 @@ struct Block {
     gate: Linear,
     up: Linear,
     down: Linear,
+    /// Whether this rank holds a block of the dense MLP's features.
+    mlp_split: bool,
     input_norm: Array,
     post_attn_norm: Array,
     pre_ff_norm: Array,
@@ -228,6 +232,9 @@ struct Block {
 /// The per-layer input embeddings' parts.
 struct PerLayer {
     width: i32,
+    /// Cut by the same vocabulary blocks as the token embeddings (when
+    /// its rows are the same vocabulary), else whole on every rank.
+    embed_split: bool,
     embed: Embedding,
     embed_scale: Array,
     projection: Linear,
@@ -245,6 +252,16 @@ pub struct Gemma4Text {
     sliding_rope: Rope,
     full_rope: Rope,
     kv_slots: usize,
+    /// How the decoder is cut over a group (see [`Split`]).
+    split: Split,
+}
+
+/// Rows of an embedding table (its vocabulary).
+fn embedding_rows(e: &Embedding) -> i32 {
+    match e {
+        Embedding::Dense(w) => w.shape()[0],
+        Embedding::Quantized(q) => q.weight.shape()[0],
+    }
 }
 
 /// A scale as mlx-vlm multiplies it in: a Python float takes the array's
@@ -254,8 +271,12 @@ fn scale_in(value: f64, dtype: Dtype) -> Result<Array> {
 }
 
 impl Gemma4Text {
-    /// Loads `prefix.model.*` (mlx-vlm's names after its sanitize).
-    pub fn load(config: Gemma4TextConfig, t: &mut TensorMap, prefix: &str) -> Result<Self> {
+    /// Loads `prefix.model.*` (mlx-vlm's names after its sanitize); with
+    /// `shard`, only this rank's part ([`Split`]: attention by heads when
+    /// every layer's head counts divide, the dense MLP and each expert by
+    /// features, the vocabulary and the per-layer token embeddings by
+    /// blocks; routers and the small per-layer projections replicated).
+    pub fn load(config: Gemma4TextConfig, t: &mut TensorMap, prefix: &str, shard: Option<&Shard>) -> Result<Self> {
         let c = &config;
         let moe_shape = match (c.enable_moe_block, c.num_experts, c.top_k_experts) {
             (false, _, _) => None,
@@ -266,6 +287,12 @@ impl Gemma4Text {
         if sliding.len() != c.num_hidden_layers as usize {
             bail!("text_config.layer_types names {} layers, num_hidden_layers {}", sliding.len(), c.num_hidden_layers);
         }
+        let kv_counts: Vec<i32> = [Some(c.num_key_value_heads), c.num_global_key_value_heads.filter(|_| c.attention_k_eq_v)]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut split = Split::plan(shard, c.num_attention_heads, &kv_counts, c.intermediate_size, c.vocab_size);
+        let att = split.attention;
         let n = c.num_hidden_layers as usize;
         let first_shared = n - (c.num_kv_shared_layers.max(0) as usize).min(n);
         let m = format!("{prefix}.model");
@@ -282,10 +309,14 @@ impl Gemma4Text {
                 (true, Some(h)) => h,
                 _ => c.num_key_value_heads,
             };
+            let rows = |l: Linear| {
+                let w = l.out_features();
+                split.rows(l, w, att)
+            };
             let (kv, reads) = if i < first_shared {
                 let kv = KvProj {
-                    k: t.linear(&format!("{p}.self_attn.k_proj"))?,
-                    v: if k_eq_v { None } else { Some(t.linear(&format!("{p}.self_attn.v_proj"))?) },
+                    k: rows(t.linear(&format!("{p}.self_attn.k_proj"))?)?,
+                    v: if k_eq_v { None } else { Some(rows(t.linear(&format!("{p}.self_attn.v_proj"))?)?) },
                     k_norm: t.float(&format!("{p}.self_attn.k_norm.weight"))?,
                     slot: slots,
                 };
@@ -311,20 +342,28 @@ impl Gemma4Text {
             let layer_scalar =
                 if t.has(&format!("{p}.layer_scalar")) { Some(t.float(&format!("{p}.layer_scalar"))?) } else { None };
             let moe = match moe_shape {
-                Some((experts, top_k)) => Some(MoeBlock::load(t, &p, c.hidden_size, experts, top_k)?),
+                Some((experts, top_k)) => Some(MoeBlock::load(t, &p, c.hidden_size, experts, top_k, &split)?),
                 None => None,
             };
+            let q = t.linear(&format!("{p}.self_attn.q_proj"))?;
+            let q_width = q.out_features();
+            let q = split.rows(q, q_width, att)?;
+            let gate = t.linear(&format!("{p}.mlp.gate_proj"))?;
+            // Twice as wide on the KV-shared layers (`use_double_wide_mlp`).
+            let ff = gate.out_features();
+            let mlp = split.mlp && ff % split.ranks() == 0;
             blocks.push(Block {
-                q: t.linear(&format!("{p}.self_attn.q_proj"))?,
-                o: t.linear(&format!("{p}.self_attn.o_proj"))?,
+                q,
+                o: split.cols(t.linear(&format!("{p}.self_attn.o_proj"))?, q_width, att)?,
                 q_norm: t.float(&format!("{p}.self_attn.q_norm.weight"))?,
                 kv,
                 reads,
-                heads: c.num_attention_heads,
-                kv_heads,
-                gate: t.linear(&format!("{p}.mlp.gate_proj"))?,
-                up: t.linear(&format!("{p}.mlp.up_proj"))?,
-                down: t.linear(&format!("{p}.mlp.down_proj"))?,
+                heads: split.heads(c.num_attention_heads),
+                kv_heads: split.heads(kv_heads),
+                gate: split.rows(gate, ff, mlp)?,
+                up: split.rows(t.linear(&format!("{p}.mlp.up_proj"))?, ff, mlp)?,
+                down: split.cols(t.linear(&format!("{p}.mlp.down_proj"))?, ff, mlp)?,
+                mlp_split: mlp,
                 input_norm: t.float(&format!("{p}.input_layernorm.weight"))?,
                 post_attn_norm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,
                 pre_ff_norm: t.float(&format!("{p}.pre_feedforward_layernorm.weight"))?,
@@ -336,9 +375,12 @@ impl Gemma4Text {
             });
         }
         let per_layer = if c.hidden_size_per_layer_input > 0 {
+            let embed = t.embedding(&format!("{m}.embed_tokens_per_layer"))?;
+            let embed_split = split.vocab.is_some() && embedding_rows(&embed) == c.vocab_size;
             Some(PerLayer {
                 width: c.hidden_size_per_layer_input,
-                embed: t.embedding(&format!("{m}.embed_tokens_per_layer"))?,
+                embed_split,
+                embed: if embed_split { split.vocab_rows(embed)? } else { embed },
                 embed_scale: scale_in((c.hidden_size_per_layer_input as f64).sqrt(), stored)?,
                 projection: t.linear(&format!("{m}.per_layer_model_projection"))?,
                 projection_norm: t.float(&format!("{m}.per_layer_projection_norm.weight"))?,
@@ -350,8 +392,13 @@ impl Gemma4Text {
         let full_dim = if c.global_head_dim > 0 { c.global_head_dim } else { c.head_dim };
         let full_default = serde_json::json!({"rope_type": "proportional", "rope_theta": 1e6});
         let full_params = params("full_attention").unwrap_or(full_default);
+        if split.shard.is_some() && moe_shape.is_some() {
+            let on = blocks.iter().all(|b| b.moe.as_ref().is_some_and(|m| m.split_experts));
+            split.notes.push(if on { "experts split by features" } else { "experts replicated" }.to_string());
+        }
+        split.log();
         Ok(Self {
-            embed: t.embedding(&format!("{m}.embed_tokens"))?,
+            embed: split.vocab_rows(t.embedding(&format!("{m}.embed_tokens"))?)?,
             embed_scale: scale_in((c.hidden_size as f64).sqrt(), stored)?,
             per_layer,
             norm: t.float(&format!("{m}.norm.weight"))?,
@@ -359,6 +406,7 @@ impl Gemma4Text {
             full_rope: Rope::of(Some(&full_params), full_dim, 1e6)?,
             blocks,
             kv_slots: slots,
+            split,
             config,
         })
     }
@@ -372,14 +420,22 @@ impl Gemma4Text {
     /// Rows `[B, L, hidden (+ layers × per_layer)]`: the token embeddings
     /// scaled by sqrt(hidden), then (E models) the per-layer token
     /// embeddings scaled by sqrt(per_layer).
+    /// With the vocabulary split, each rank looks up its block (zeros for
+    /// the other ids) and one sum over the ranks joins both tables' rows.
     pub fn embed_rows(&self, ids: &Array) -> Result<Array> {
-        let e = self.embed.lookup(ids)?.multiply(&self.embed_scale)?;
+        let split = &self.split;
+        let e = split.lookup_part(&self.embed, ids)?.multiply(&self.embed_scale)?;
+        let whole = split.vocab.is_some();
         match &self.per_layer {
+            Some(p) if p.embed_split => {
+                let per = split.lookup_part(&p.embed, ids)?.multiply(&p.embed_scale)?;
+                split.sum(mlx_rs::ops::concatenate(&[e, per], -1)?, whole)
+            }
             Some(p) => {
                 let per = p.embed.lookup(ids)?.multiply(&p.embed_scale)?;
-                Ok(mlx_rs::ops::concatenate(&[e, per], -1)?)
+                Ok(mlx_rs::ops::concatenate(&[split.sum(e, whole)?, per], -1)?)
             }
-            None => Ok(e),
+            None => split.sum(e, whole),
         }
     }
 
@@ -444,13 +500,17 @@ impl Gemma4Text {
                 )?,
                 None => attend(&q, k, v, 1.0, window, offset, blocks)?,
             };
-            let r = fast::rms_norm(b.o.forward(&from_heads(&o)?)?, Some(&b.post_attn_norm), eps)?;
+            let o = self.split.sum(b.o.forward(&from_heads(&o)?)?, self.split.attention)?;
+            let r = fast::rms_norm(&o, Some(&b.post_attn_norm), eps)?;
             let h2 = h.add(&r)?;
             let x = fast::rms_norm(&h2, Some(&b.pre_ff_norm), eps)?;
             let m = b.down.forward(&nn::gelu_approximate(b.gate.forward(&x)?)?.multiply(b.up.forward(&x)?)?)?;
             let m = match &b.moe {
-                Some(moe) => fast::rms_norm(&m, Some(&moe.post_dense_norm), eps)?.add(moe.experts(&h2, eps)?)?,
-                None => m,
+                Some(moe) => {
+                    let (m, e) = self.sum_pair(m, b.mlp_split, moe.experts_unnormed(&h2, eps)?, moe.split_experts)?;
+                    fast::rms_norm(&m, Some(&moe.post_dense_norm), eps)?.add(moe.finish(&e, eps)?)?
+                }
+                None => self.split.sum(m, b.mlp_split)?,
             };
             h = h2.add(fast::rms_norm(&m, Some(&b.post_ff_norm), eps)?)?;
             if let (Some((gate, projection, norm)), Some(inputs)) = (&b.per_layer, &per_layer_inputs) {
@@ -466,11 +526,22 @@ impl Gemma4Text {
         Ok(fast::rms_norm(&h, Some(&self.norm), eps)?)
     }
 
+    /// The dense MLP's and the experts' outputs each summed over the ranks
+    /// where split: one collective for both (side by side) when both are.
+    fn sum_pair(&self, m: Array, m_split: bool, e: Array, e_split: bool) -> Result<(Array, Array)> {
+        if m_split && e_split {
+            let d = m.shape()[m.ndim() - 1];
+            let both = self.split.sum(mlx_rs::ops::concatenate(&[&m, &e], -1)?, true)?;
+            return Ok((both.index((.., .., ..d)), both.index((.., .., d..))));
+        }
+        Ok((self.split.sum(m, m_split)?, self.split.sum(e, e_split)?))
+    }
+
     /// Soft-capped logits `[B, vocab]` of each row's last position.
     pub fn logits_last(&self, hidden: &Array) -> Result<Array> {
         let (rows, l) = (hidden.shape()[0], hidden.shape()[1]);
         let last = if l == 1 { hidden.clone() } else { hidden.index((.., l - 1.., ..)) };
-        let mut logits = self.embed.as_linear(&last)?;
+        let mut logits = self.split.gather_vocab(self.embed.as_linear(&last)?.reshape(&[rows, -1])?)?;
         if let Some(cap) = self.config.final_logit_softcapping {
             let cap = Array::from_f32(cap);
             logits = mlx_rs::ops::tanh(&logits.divide(&cap)?)?.multiply(&cap)?;
@@ -501,6 +572,10 @@ impl LanguageModel for Gemma4Text {
 
     fn forward(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array> {
         self.hidden(embeds, cache, media.image_blocks.filter(|_| self.bidirectional_images()))
+    }
+
+    fn split_description(&self) -> Option<String> {
+        self.split.describe()
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {

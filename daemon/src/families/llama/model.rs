@@ -8,6 +8,7 @@ use crate::model::family::{DecodeGraph, LanguageModel};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, FusedLinear, Linear};
 use crate::model::positions::{MediaPositions, MropePositions};
+use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
 use mlx_rs::{
@@ -56,38 +57,8 @@ pub struct Transformer {
     /// This rank's query and key/value heads (all of them unless sharded).
     heads: i32,
     kv_heads: i32,
-    /// How the model is cut when it is split over a group.
-    split: Option<Split>,
-}
-
-/// A tensor-parallel rank's cut, as mlx-lm's `shard()` makes it: attention
-/// by heads (q/k/v rows, o columns, one sum over the ranks) when both head
-/// counts divide by the ranks, else replicated (every rank computes every
-/// head: Qwen2.5-0.5B's 2 KV heads on 4 ranks); the MLP by its
-/// intermediate features (gate/up rows, down columns, one sum) when they
-/// divide; the vocabulary (embedding rows, and the tied or separate output
-/// head) when it divides, each rank looking up or scoring its block.
-#[derive(Clone)]
-pub struct Split {
-    pub shard: Shard,
-    pub attention: bool,
-    pub mlp: bool,
-    /// This rank's vocabulary block `[start, end)`.
-    pub vocab: Option<(i32, i32)>,
-}
-
-impl Split {
-    /// What is split and what is replicated, for the status and the log.
-    pub fn describe(&self) -> String {
-        let say = |split: bool, what: &str| if split { format!("{what} split") } else { format!("{what} replicated") };
-        format!(
-            "tensor parallel over {} ranks: {}, {}, {}",
-            self.shard.size,
-            say(self.attention, "attention heads"),
-            say(self.mlp, "MLP"),
-            say(self.vocab.is_some(), "vocabulary")
-        )
-    }
+    /// How the model is cut over a group ([`Split::whole`] when it is not).
+    split: Split,
 }
 
 impl Transformer {
@@ -95,33 +66,12 @@ impl Transformer {
     /// this rank's part (see [`Split`]).
     pub fn from_tensors(config: TextConfig, mut t: TensorMap, shard: Option<&Shard>) -> Result<Self> {
         let qk_norm = config.architecture == Architecture::Qwen3;
-        let split = shard.map(|s| Split {
-            shard: s.clone(),
-            attention: config.num_heads % s.size as i32 == 0 && config.num_kv_heads % s.size as i32 == 0,
-            mlp: config.intermediate_size % s.size as i32 == 0,
-            vocab: s.part(config.vocab_size),
-        });
-        let n = split.as_ref().map_or(1, |s| s.shard.size as i32);
-        let (heads, kv_heads) = match &split {
-            Some(s) if s.attention => (config.num_heads / n, config.num_kv_heads / n),
-            _ => (config.num_heads, config.num_kv_heads),
-        };
-        // Output rows of the `r`-th of `n` blocks, input columns likewise.
-        let rank = split.as_ref().map_or(0, |s| s.shard.rank as i32);
-        let out_block = |l: Linear, width: i32, on: bool| -> Result<Linear> {
-            if !on {
-                return Ok(l);
-            }
-            crate::model::sharding::linear_rows(&l, width / n * rank, width / n * (rank + 1))
-        };
-        let in_block = |l: Linear, width: i32, on: bool| -> Result<Linear> {
-            if !on {
-                return Ok(l);
-            }
-            crate::model::sharding::linear_cols(&l, width / n * rank, width / n * (rank + 1), rank == 0)
-        };
-        let attn_on = split.as_ref().is_some_and(|s| s.attention);
-        let mlp_on = split.as_ref().is_some_and(|s| s.mlp);
+        let split =
+            Split::plan(shard, config.num_heads, &[config.num_kv_heads], config.intermediate_size, config.vocab_size);
+        let (heads, kv_heads) = (split.heads(config.num_heads), split.heads(config.num_kv_heads));
+        let out_block = |l: Linear, width: i32, on: bool| split.rows(l, width, on);
+        let in_block = |l: Linear, width: i32, on: bool| split.cols(l, width, on);
+        let (attn_on, mlp_on) = (split.attention, split.mlp);
         let (hd, ff) = (config.head_dim, config.intermediate_size);
         let mut layers = Vec::with_capacity(config.num_layers as usize);
         for i in 0..config.num_layers {
@@ -159,21 +109,11 @@ impl Transformer {
             let l = layers.last().unwrap();
             mlx_rs::transforms::eval(l.attn.qkv.arrays().into_iter().chain(l.mlp.gate_up.arrays()))?;
         }
-        let vocab = split.as_ref().and_then(|s| s.vocab);
         let lm_head =
             if !config.tie_word_embeddings && t.has("lm_head.weight") { Some(t.linear("lm_head")?) } else { None };
-        let lm_head = match (lm_head, vocab) {
-            (Some(h), Some((a, b))) => Some(crate::model::sharding::linear_rows(&h, a, b)?),
-            (h, _) => h,
-        };
-        let embed_tokens = t.embedding("model.embed_tokens")?;
-        let embed_tokens = match vocab {
-            Some((a, b)) => crate::model::sharding::embedding_rows(&embed_tokens, a, b)?,
-            None => embed_tokens,
-        };
-        if let Some(s) = &split {
-            tracing::info!(rank = s.shard.rank, "{}", s.describe());
-        }
+        let lm_head = lm_head.map(|h| split.vocab_head(h)).transpose()?;
+        let embed_tokens = split.vocab_rows(t.embedding("model.embed_tokens")?)?;
+        split.log();
         let rope_freqs = config.rope_scaling.as_ref().map(|s| llama3_rope_freqs(&config, s));
         let scale = (config.head_dim as f64).powf(-0.5) as f32;
         Ok(Self {
@@ -190,18 +130,6 @@ impl Transformer {
         })
     }
 
-    /// How the model is cut over its group, when it is.
-    pub fn split(&self) -> Option<&Split> {
-        self.split.as_ref()
-    }
-
-    /// The sum over the ranks of a split part's partial products.
-    fn reduce(&self, x: Array, split_here: bool) -> Result<Array> {
-        match &self.split {
-            Some(s) if split_here => s.shard.all_sum(&x),
-            _ => Ok(x),
-        }
-    }
 
     /// Bytes of all weights.
     pub fn nbytes(&self) -> usize {
@@ -220,20 +148,10 @@ impl Transformer {
         per_layer + self.embed_tokens.nbytes() + self.lm_head.as_ref().map_or(0, |h| h.nbytes()) + self.norm.nbytes()
     }
 
-    /// Token embeddings `[B, L, hidden]` of ids `[B, L]`. With the
-    /// vocabulary split, each rank looks up the ids in its block (zeros for
-    /// the others') and the ranks' rows are summed: exact, every id has one
-    /// nonzero row.
+    /// Token embeddings `[B, L, hidden]` of ids `[B, L]` (with the
+    /// vocabulary split, each rank's block summed: [`Split::lookup`]).
     pub fn embed(&self, ids: &Array) -> Result<Array> {
-        let Some((start, end)) = self.split.as_ref().and_then(|s| s.vocab) else {
-            return self.embed_tokens.lookup(ids);
-        };
-        let ids = ids.as_dtype(mlx_rs::Dtype::Int32)?;
-        let local = ids.subtract(Array::from_int(start))?;
-        let mine = ids.ge(Array::from_int(start))?.logical_and(&ids.lt(Array::from_int(end))?)?;
-        let rows = self.embed_tokens.lookup(&mlx_rs::ops::select(&mine, &local, Array::from_int(0))?)?;
-        let rows = rows.multiply(mine.expand_dims(-1)?.as_dtype(rows.dtype())?)?;
-        self.reduce(rows, true)
+        self.split.lookup(&self.embed_tokens, ids)
     }
 
     /// Runs embeddings `[B, L, hidden]` through the layers, appending to
@@ -285,17 +203,7 @@ impl Transformer {
             Some(head) => head.forward(&x)?,
             None => self.embed_tokens.as_linear(&x)?,
         };
-        let logits = logits.reshape(&[b, -1])?;
-        match &self.split {
-            // Each rank scored its vocabulary block: gathered `[ranks * B,
-            // block]` in rank order, laid side by side per row.
-            Some(s) if s.vocab.is_some() => {
-                let n = s.shard.size as i32;
-                let all = s.shard.all_gather(&logits)?;
-                Ok(all.reshape(&[n, b, -1])?.transpose_axes(&[1, 0, 2])?.reshape(&[b, -1])?)
-            }
-            _ => Ok(logits),
-        }
+        self.split.gather_vocab(logits.reshape(&[b, -1])?)
     }
 
     fn attention(
@@ -360,7 +268,7 @@ impl Transformer {
     /// Attention output `[batch, heads, L, head_dim]` → `[batch, L, hidden]` through o_proj.
     fn output(&self, a: &Attention, o: Array) -> Result<Array> {
         let o = from_heads(&o)?;
-        self.reduce(a.o_proj.forward(&o)?, self.split.as_ref().is_some_and(|s| s.attention))
+        self.split.sum(a.o_proj.forward(&o)?, self.split.attention)
     }
 
     fn rope(&self, x: &Array, at: Position) -> Result<Array> {
@@ -411,7 +319,7 @@ impl Transformer {
     fn mlp(&self, m: &Mlp, x: &Array) -> Result<Array> {
         let [gate, up]: [Array; 2] = m.gate_up.forward(x)?.try_into().expect("two projections");
         let h = swiglu(&gate, &up)?;
-        self.reduce(m.down_proj.forward(&h)?, self.split.as_ref().is_some_and(|s| s.mlp))
+        self.split.sum(m.down_proj.forward(&h)?, self.split.mlp)
     }
 }
 
@@ -572,7 +480,7 @@ impl LanguageModel for Transformer {
     }
 
     fn split_description(&self) -> Option<String> {
-        self.split.as_ref().map(Split::describe)
+        self.split.describe()
     }
 
     /// The multimodal rope needs host-computed positions, so only plain
@@ -580,7 +488,7 @@ impl LanguageModel for Transformer {
     fn decode_graph(&self) -> Option<DecodeGraph> {
         // A sharded step's collectives are issued call by call (and a
         // compiled graph cannot hold them).
-        if self.config.mrope_section.is_some() || self.split.is_some() {
+        if self.config.mrope_section.is_some() || self.split.shard.is_some() {
             return None;
         }
         let model = self.clone();

@@ -45,7 +45,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let fingerprint = tower_fingerprint(dir, TOWER_TENSORS, raw, memo)?;
     let (tokenizer, template, eos_ids) = chat_parts(dir, raw)?;
     let tower = Qwen25VisionTower::load(vision, &mut tensors, "vision_tower")?;
-    let lm = Transformer::from_tensors(text, tensors.strip_prefix("language_model."), None)?;
+    let lm = Transformer::from_tensors(text, tensors.strip_prefix("language_model."), form.shard.as_ref())?;
     let image_token = tokenizer.id_to_token(image_token_id).unwrap_or_else(|| "<|image_pad|>".into());
     let placeholder =
         Placeholder { text: image_token.clone(), prefix: String::new(), image_token, suffix: String::new() };

@@ -12,7 +12,9 @@ use crate::families::llama::model::swiglu;
 use crate::model::family::LanguageModel;
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{Embedding, Linear};
+use crate::distributed::Shard;
 use crate::model::positions::{MediaPositions, MropePositions};
+use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
 use anyhow::{ensure, Result};
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
@@ -72,12 +74,30 @@ pub struct Qwen35 {
     /// The rope's inverse frequencies `[rotary_dim / 2]`.
     inv_freq: Array,
     attention_layers: usize,
+    /// This rank's attention heads (all of them unless split).
+    heads: i32,
+    kv_heads: i32,
+    /// How the decoder is cut over a group (see [`Split`]).
+    split: Split,
 }
 
 impl Qwen35 {
     /// Builds the decoder from tensors under mlx-vlm's names
-    /// (`model.layers.N.{linear_attn,self_attn,mlp}`, `model.embed_tokens`).
-    pub fn from_tensors(config: Qwen35TextConfig, mut t: TensorMap) -> Result<Self> {
+    /// (`model.layers.N.{linear_attn,self_attn,mlp}`, `model.embed_tokens`);
+    /// with `shard`, this rank's part: the gated attention by heads, the
+    /// MLP by features and the vocabulary by blocks as [`Split`] cuts them;
+    /// the Gated DeltaNet layers replicated (every rank runs every
+    /// recurrent head: a quarter of the layers' weights, no collective, and
+    /// each rank's recurrent state is the whole one).
+    pub fn from_tensors(config: Qwen35TextConfig, mut t: TensorMap, shard: Option<&Shard>) -> Result<Self> {
+        let c = &config;
+        let mut split =
+            Split::plan(shard, c.num_attention_heads, &[c.num_key_value_heads], c.intermediate_size, c.vocab_size);
+        if split.shard.is_some() {
+            split.notes.push("recurrent (Gated DeltaNet) layers replicated".to_string());
+        }
+        let (att, mlp, ff, hd) = (split.attention, split.mlp, c.intermediate_size, c.head_dim());
+        let (q_width, kv_width) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         let (mut kv_slots, mut state_slots) = (0, 0);
         for i in 0..config.num_hidden_layers {
@@ -87,10 +107,12 @@ impl Qwen35 {
                 kv_slots += 1;
                 Mixer::Attention(
                     GatedAttention {
-                        q_proj: t.linear(&format!("{a}.q_proj"))?,
-                        k_proj: t.linear(&format!("{a}.k_proj"))?,
-                        v_proj: t.linear(&format!("{a}.v_proj"))?,
-                        o_proj: t.linear(&format!("{a}.o_proj"))?,
+                        // Queries and gates interleave per head: a block of
+                        // heads is a block of rows.
+                        q_proj: split.rows(t.linear(&format!("{a}.q_proj"))?, 2 * q_width, att)?,
+                        k_proj: split.rows(t.linear(&format!("{a}.k_proj"))?, kv_width, att)?,
+                        v_proj: split.rows(t.linear(&format!("{a}.v_proj"))?, kv_width, att)?,
+                        o_proj: split.cols(t.linear(&format!("{a}.o_proj"))?, q_width, att)?,
                         q_norm: t.float(&format!("{a}.q_norm.weight"))?,
                         k_norm: t.float(&format!("{a}.k_norm.weight"))?,
                     },
@@ -124,25 +146,32 @@ impl Qwen35 {
                 mixer,
                 input_layernorm: t.float(&format!("{p}.input_layernorm.weight"))?,
                 post_attention_layernorm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,
-                gate_proj: t.linear(&format!("{p}.mlp.gate_proj"))?,
-                up_proj: t.linear(&format!("{p}.mlp.up_proj"))?,
-                down_proj: t.linear(&format!("{p}.mlp.down_proj"))?,
+                gate_proj: split.rows(t.linear(&format!("{p}.mlp.gate_proj"))?, ff, mlp)?,
+                up_proj: split.rows(t.linear(&format!("{p}.mlp.up_proj"))?, ff, mlp)?,
+                down_proj: split.cols(t.linear(&format!("{p}.mlp.down_proj"))?, ff, mlp)?,
             });
         }
         ensure!(kv_slots > 0, "a Qwen3.5 decoder without attention layers");
-        let lm_head =
-            if !config.tie_word_embeddings && t.has("lm_head.weight") { Some(t.linear("lm_head")?) } else { None };
+        let lm_head = if !config.tie_word_embeddings && t.has("lm_head.weight") {
+            Some(split.vocab_head(t.linear("lm_head")?)?)
+        } else {
+            None
+        };
+        split.log();
         let rot = config.rotary_dim();
         let steps = ops::arange::<_, f32>(0.0, rot as f32, 2.0)?.divide(Array::from_f32(rot as f32))?;
         let inv_freq = Array::from_f32(1.0).divide(ops::power(Array::from_f32(config.rope().rope_theta), &steps)?)?;
         inv_freq.eval()?;
         Ok(Self {
-            embed_tokens: t.embedding("model.embed_tokens")?,
+            embed_tokens: split.vocab_rows(t.embedding("model.embed_tokens")?)?,
             norm: t.float("model.norm.weight")?,
             layers,
             lm_head,
             inv_freq,
             attention_layers: kv_slots,
+            heads: split.heads(config.num_attention_heads),
+            kv_heads: split.heads(config.num_key_value_heads),
+            split,
             config,
         })
     }
@@ -197,7 +226,7 @@ impl Qwen35 {
         let c = &self.config;
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let hd = c.head_dim();
-        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+        let (heads, kv_heads) = (self.heads, self.kv_heads);
         let qg = a.q_proj.forward(x)?.reshape(&[b, l, heads, 2 * hd])?;
         let parts = qg.split_equal(2, -1)?;
         let gate = parts[1].reshape(&[b, l, -1])?;
@@ -224,7 +253,7 @@ impl Qwen35 {
             }
         };
         let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
-        a.o_proj.forward(&o.multiply(ops::sigmoid(&gate)?)?)
+        self.split.sum(a.o_proj.forward(&o.multiply(ops::sigmoid(&gate)?)?)?, self.split.attention)
     }
 
     fn delta_net(&self, g: &GatedDeltaNet, slot: usize, x: &Array, cache: &mut KvCache) -> Result<Array> {
@@ -308,7 +337,7 @@ impl LanguageModel for Qwen35 {
     }
 
     fn embed(&self, ids: &Array) -> Result<Array> {
-        self.embed_tokens.lookup(ids)
+        self.split.lookup(&self.embed_tokens, ids)
     }
 
     fn forward(&self, embeds: &Array, cache: &mut KvCache, media: &MediaPositions) -> Result<Array> {
@@ -325,7 +354,7 @@ impl LanguageModel for Qwen35 {
             let h2 = h.add(&r)?;
             let x = fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), c.rms_norm_eps)?;
             let m = layer.down_proj.forward(&swiglu(&layer.gate_proj.forward(&x)?, &layer.up_proj.forward(&x)?)?)?;
-            h = h2.add(&m)?;
+            h = h2.add(&self.split.sum(m, self.split.mlp)?)?;
         }
         cache.offset += l;
         Ok(h)
@@ -339,10 +368,14 @@ impl LanguageModel for Qwen35 {
             Some(head) => head.forward(&x)?,
             None => self.embed_tokens.as_linear(&x)?,
         };
-        Ok(logits.reshape(&[b, -1])?)
+        self.split.gather_vocab(logits.reshape(&[b, -1])?)
     }
 
     fn recurrent(&self) -> bool {
         true
+    }
+
+    fn split_description(&self) -> Option<String> {
+        self.split.describe()
     }
 }

@@ -35,8 +35,9 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         text_json["tie_word_embeddings"] = raw.get("tie_word_embeddings").cloned().unwrap_or(false.into());
     }
     let text = TextConfig::from_hf_json(&text_json.to_string())?;
+    let shard = form.shard.clone();
     let lm = |t: TensorMap| -> Result<Box<dyn LanguageModel>> {
-        Ok(Box::new(Transformer::from_tensors(text, t.strip_prefix("language_model."), None)?))
+        Ok(Box::new(Transformer::from_tensors(text, t.strip_prefix("language_model."), shard.as_ref())?))
     };
     load_parts(dir, raw, form, memo, &text_json, lm, |tower| Ok(Box::new(tower)))
 }
