@@ -194,7 +194,11 @@ fn carry_out(
             let embeds = group.broadcast(&mlx_rs::ops::zeros_dtype(&shape, dtype_of(&dtype)?)?)?;
             let deepstack = match &media.deepstack {
                 Some((row_of, tables)) => {
-                    anyhow::ensure!(tables.len() <= MAX_DEEPSTACK, "rank 0 announced {} deepstack tables", tables.len());
+                    anyhow::ensure!(
+                        tables.len() <= MAX_DEEPSTACK,
+                        "rank 0 announced {} deepstack tables",
+                        tables.len()
+                    );
                     let mut layers = Vec::with_capacity(tables.len());
                     for (shape, dtype) in tables {
                         anyhow::ensure!(elements(shape)? <= MAX_EMBEDDINGS, "a deepstack table of shape {shape:?}");
@@ -210,6 +214,12 @@ fn carry_out(
                 deepstack: deepstack.as_ref(),
             };
             let c = h.caches.get_mut(&cache).ok_or_else(|| anyhow!("rank 0 named cache {cache}, unknown here"))?;
+            // Image blocks are read by absolute position up to the chunk's end.
+            let end = c.offset as usize + shape.get(1).copied().unwrap_or(0).max(0) as usize;
+            anyhow::ensure!(
+                media.image_blocks.as_ref().is_none_or(|b| b.len() >= end),
+                "rank 0 sent image blocks shorter than the positions they cover"
+            );
             let hidden = h.lm.forward(&embeds, c, &positions)?;
             hidden.eval()?;
             h.last = Some(hidden);

@@ -91,6 +91,19 @@ impl Split {
         linear_cols(&l, width / n * r, width / n * (r + 1), r == 0)
     }
 
+    /// Whether `l`'s `width` input columns cut into the ranks' blocks (a
+    /// quantized matrix only on its groups' boundaries).
+    pub fn can_cut_cols(&self, l: &Linear, width: i32) -> bool {
+        let n = self.ranks();
+        if width % n != 0 {
+            return false;
+        }
+        match l {
+            Linear::Dense { .. } => true,
+            Linear::Quantized { q, .. } => (width / n) % q.group_size == 0 && (width / n) % (32 / q.bits) == 0,
+        }
+    }
+
     /// This rank's block of the vocabulary of an embedding table.
     pub fn vocab_rows(&self, e: Embedding) -> Result<Embedding> {
         match self.vocab {
@@ -153,11 +166,8 @@ impl Split {
     pub fn describe(&self) -> Option<String> {
         let s = self.shard.as_ref()?;
         let say = |split: bool, what: &str| if split { format!("{what} split") } else { format!("{what} replicated") };
-        let mut parts = vec![
-            say(self.attention, "attention heads"),
-            say(self.mlp, "MLP"),
-            say(self.vocab.is_some(), "vocabulary"),
-        ];
+        let mut parts =
+            vec![say(self.attention, "attention heads"), say(self.mlp, "MLP"), say(self.vocab.is_some(), "vocabulary")];
         parts.extend(self.notes.iter().cloned());
         Some(format!("tensor parallel over {} ranks: {}", s.size, parts.join(", ")))
     }

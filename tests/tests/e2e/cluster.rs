@@ -5,7 +5,7 @@
 //! clear error in bounded time and nothing else.
 
 use crate::helper::*;
-use mlxbc_client::{Constraint, ErrorKind, GenerateRequest};
+use mlxbc_client::{ChatMessage, Constraint, ErrorKind, GenerateRequest, GenerationStats, MediaRef};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -50,6 +50,11 @@ struct Group {
     workers: Vec<Worker>,
     hostfile: PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// Rank 0's arguments in a group.
+fn rank0_args(hostfile: &Path) -> [String; 4] {
+    ["--hostfile".into(), hostfile.display().to_string(), "--rank".into(), "0".into()]
 }
 
 /// A free loopback port (bound, then released for MLX to bind).
@@ -105,10 +110,28 @@ impl Group {
             format!("{config}\n[cluster]\nsharded = [{}]\nstep_timeout = \"5s\"\n", names.join(", ")),
         )
         .unwrap();
-        rank0.spawn(&["--hostfile".into(), hostfile.display().to_string(), "--rank".into(), "0".into()]);
+        rank0.spawn(&rank0_args(&hostfile));
         let g = Group { rank0, workers, hostfile, _dir: dir };
         g.wait_formed(Duration::from_secs(60));
         g
+    }
+
+    /// Stops every rank and starts them again on the same homes (stores,
+    /// feature store, prompt cache), as a reboot of every host would.
+    fn restart_all(&mut self) {
+        self.rank0.terminate();
+        for w in &mut self.workers {
+            if let Some(mut c) = w.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        for i in 0..self.workers.len() {
+            let home = std::mem::replace(&mut self.workers[i].home, tempfile::tempdir().unwrap());
+            self.workers[i] = spawn_worker(&self.hostfile, i + 1, home);
+        }
+        self.rank0.spawn(&rank0_args(&self.hostfile));
+        self.wait_formed(Duration::from_secs(60));
     }
 
     fn wait_formed(&self, within: Duration) {
@@ -183,6 +206,89 @@ fn prompts() -> Vec<String> {
         "Write a haiku about the sea.".into(),
         "What is 17 times 3? Explain step by step.".into(),
     ]
+}
+
+/// Every family that splits, on its tiny random-weight fixture, with the
+/// per-position media inputs the plan carries: Gemma 4 (dense; an image,
+/// whose positions attend both ways), Gemma 4's mixture of experts
+/// (experts split), Qwen3.5 (Gated DeltaNet replicated), Gemma 3 (an
+/// image), Qwen2.5-VL (multimodal rope) and Qwen3-VL (deepstack).
+const TINY: [&str; 7] = [
+    "tiny-qwen3",
+    "tiny-gemma4",
+    "tiny-gemma4-moe",
+    "tiny-qwen3_5",
+    "tiny-gemma3-vlm",
+    "tiny-qwen25-vl",
+    "tiny-qwen3-vl",
+];
+
+/// Which tiny models also take an image.
+const SEEING: [&str; 4] = ["tiny-gemma4", "tiny-gemma3-vlm", "tiny-qwen25-vl", "tiny-qwen3-vl"];
+
+fn picture() -> Vec<u8> {
+    std::fs::read(workspace().join("tests/fixtures/reference/vlm-pipeline-432x336.png")).unwrap()
+}
+
+/// The requests each tiny model answers: a text prompt, an image prompt
+/// where it sees.
+fn tiny_requests(model: &str) -> Vec<GenerateRequest> {
+    let mut out = vec![greedy(Some(model), "Write a short poem about autumn leaves.", 10)];
+    if SEEING.contains(&model) {
+        let mut r = greedy(Some(model), "What is in this picture?", 8);
+        let mut m = ChatMessage::user("What is in this picture?");
+        m.media = vec![MediaRef::from_bytes(picture())];
+        r.messages = vec![m];
+        out.push(r);
+    }
+    out
+}
+
+async fn answers(socket: &Path, requests: &[GenerateRequest]) -> Vec<GenerationStats> {
+    let mut out = Vec::new();
+    for r in requests {
+        out.push(ask(socket, r.clone()).await.unwrap_or_else(|e| panic!("{:?}: {e}", r.model)).1);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_family_split_over_two_ranks_answers_as_one_daemon_and_keeps_its_stores_over_a_restart() {
+    let models: Vec<(&str, PathBuf)> = TINY.iter().map(|m| (*m, fixture(&format!("mlx/{m}")))).collect();
+    let requests: Vec<GenerateRequest> = TINY.iter().flat_map(|m| tiny_requests(m)).collect();
+    let one = Daemon::start_with(DaemonOptions { models: models.clone(), args: vec![] });
+    let want = answers(&one.socket, &requests).await;
+    drop(one);
+
+    let mut g = Group::start(2, &models, &TINY, "");
+    let mut cuts = std::collections::HashMap::new();
+    let mut got = Vec::new();
+    for m in TINY {
+        let mine: Vec<_> = requests.iter().filter(|r| r.model.as_deref() == Some(m)).cloned().collect();
+        got.extend(answers(&g.rank0.socket, &mine).await);
+        // While it is resident (rank 0 holds a few models at a time).
+        let c = g.rank0.client().await.status().await.unwrap().cluster.unwrap();
+        let how = c.models.iter().find(|(n, _)| n == m).map(|(_, h)| h.clone());
+        cuts.insert(m, how.unwrap_or_else(|| panic!("{m} is not listed as split: {:?}", c.models)));
+    }
+    for (r, (w, s)) in requests.iter().zip(want.iter().zip(&got)) {
+        let what = format!("{:?} ({} media)", r.model, r.messages.first().map_or(0, |m| m.media.len()));
+        assert_eq!(w.token_ids, s.token_ids, "{what}: 2 ranks answer otherwise than one daemon");
+    }
+    eprintln!("{cuts:#?}");
+    assert!(cuts["tiny-gemma4-moe"].contains("experts split"), "{cuts:?}");
+    assert!(cuts["tiny-qwen3_5"].contains("Gated DeltaNet) layers replicated"), "{cuts:?}");
+    assert!(cuts["tiny-qwen3"].contains("attention heads split"), "{cuts:?}");
+    assert!(cuts["tiny-gemma4"].contains("attention heads replicated"), "1 KV head: {cuts:?}");
+    assert!(cuts["tiny-gemma3-vlm"].contains("vocabulary replicated"), "262145 tokens: {cuts:?}");
+
+    // Every host restarts: rank 0's feature store still holds the image.
+    g.restart_all();
+    let image = tiny_requests("tiny-gemma4").pop().unwrap();
+    let (_, s) = ask(&g.rank0.socket, image.clone()).await.unwrap();
+    let i = requests.iter().position(|r| r == &image).unwrap();
+    assert_eq!(s.token_ids, want[i].token_ids, "after the restart");
+    assert_eq!((s.encoder_hits, s.encoder_misses), (1, 0), "the image's features after the restart: {s:?}");
 }
 
 /// SmolLM2 split over 2 and over 4 ranks answers with the same greedy ids

@@ -4,10 +4,10 @@
 //! tanh-GELU gated MLP, and sliding-window layers (local rope base) between
 //! every `sliding_window_pattern`-th global layer.
 
+use crate::distributed::Shard;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
-use crate::distributed::Shard;
 use crate::model::positions::MediaPositions;
 use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;

@@ -62,9 +62,8 @@ impl MoeBlock {
             );
         }
         let width = gate.out_features();
-        let on = split.shard.is_some() && width % split.ranks() == 0;
-        let (gate, up, down) =
-            (split.rows(gate, width, on)?, split.rows(up, width, on)?, split.cols(down, width, on)?);
+        let on = split.shard.is_some() && split.can_cut_cols(&down, width);
+        let (gate, up, down) = (split.rows(gate, width, on)?, split.rows(up, width, on)?, split.cols(down, width, on)?);
         Ok(Self {
             split_experts: on,
             router,

@@ -16,11 +16,11 @@
 //! mlx-vlm does, and `forward` splits them again.
 
 use super::moe::MoeBlock;
+use crate::distributed::Shard;
 use crate::families::gemma3::text::attend;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
-use crate::distributed::Shard;
 use crate::model::positions::MediaPositions;
 use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
@@ -287,10 +287,11 @@ impl Gemma4Text {
         if sliding.len() != c.num_hidden_layers as usize {
             bail!("text_config.layer_types names {} layers, num_hidden_layers {}", sliding.len(), c.num_hidden_layers);
         }
-        let kv_counts: Vec<i32> = [Some(c.num_key_value_heads), c.num_global_key_value_heads.filter(|_| c.attention_k_eq_v)]
-            .into_iter()
-            .flatten()
-            .collect();
+        let kv_counts: Vec<i32> =
+            [Some(c.num_key_value_heads), c.num_global_key_value_heads.filter(|_| c.attention_k_eq_v)]
+                .into_iter()
+                .flatten()
+                .collect();
         let mut split = Split::plan(shard, c.num_attention_heads, &kv_counts, c.intermediate_size, c.vocab_size);
         let att = split.attention;
         let n = c.num_hidden_layers as usize;
@@ -351,7 +352,8 @@ impl Gemma4Text {
             let gate = t.linear(&format!("{p}.mlp.gate_proj"))?;
             // Twice as wide on the KV-shared layers (`use_double_wide_mlp`).
             let ff = gate.out_features();
-            let mlp = split.mlp && ff % split.ranks() == 0;
+            let down = t.linear(&format!("{p}.mlp.down_proj"))?;
+            let mlp = split.mlp && split.can_cut_cols(&down, ff);
             blocks.push(Block {
                 q,
                 o: split.cols(t.linear(&format!("{p}.self_attn.o_proj"))?, q_width, att)?,
@@ -362,7 +364,7 @@ impl Gemma4Text {
                 kv_heads: split.heads(kv_heads),
                 gate: split.rows(gate, ff, mlp)?,
                 up: split.rows(t.linear(&format!("{p}.mlp.up_proj"))?, ff, mlp)?,
-                down: split.cols(t.linear(&format!("{p}.mlp.down_proj"))?, ff, mlp)?,
+                down: split.cols(down, ff, mlp)?,
                 mlp_split: mlp,
                 input_norm: t.float(&format!("{p}.input_layernorm.weight"))?,
                 post_attn_norm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,

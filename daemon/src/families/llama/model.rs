@@ -130,7 +130,6 @@ impl Transformer {
         })
     }
 
-
     /// Bytes of all weights.
     pub fn nbytes(&self) -> usize {
         let per_layer: usize = self

@@ -27,7 +27,11 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let text = config::Qwen35TextConfig::from_json(&text_json)?;
     let shard = form.shard.clone();
     let build = |tensors: TensorMap| -> Result<Box<dyn LanguageModel>> {
-        Ok(Box::new(model::Qwen35::from_tensors(text.clone(), tensors.strip_prefix("language_model."), shard.as_ref())?))
+        Ok(Box::new(model::Qwen35::from_tensors(
+            text.clone(),
+            tensors.strip_prefix("language_model."),
+            shard.as_ref(),
+        )?))
     };
     let wrap = |tower: qwen3_vl::vision::Qwen3Tower| -> Result<Box<dyn VisionTower>> {
         ensure!(
