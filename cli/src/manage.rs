@@ -141,7 +141,8 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             if let Some(c) = &s.cluster {
                 writeln!(out, "group:    {} over {}", c.state, c.backend)?;
                 for r in &c.ranks {
-                    writeln!(out, "  rank {} {} memory {}", r.rank, r.host, mib(r.rss_bytes))?;
+                    let step = if r.step_ms > 0.0 { format!(", step {:.1} ms", r.step_ms) } else { String::new() };
+                    writeln!(out, "  rank {} {} memory {}{step}", r.rank, r.host, mib(r.rss_bytes))?;
                 }
                 for (model, how) in &c.models {
                     writeln!(out, "  {model}: {how}")?;

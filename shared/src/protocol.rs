@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -803,6 +803,9 @@ pub struct RankStatus {
     pub rank: u32,
     pub host: String,
     pub rss_bytes: u64,
+    /// Mean milliseconds of a split model's forward pass on the rank, its
+    /// collectives included (0 before it ran one).
+    pub step_ms: f64,
 }
 
 /// One request in flight, as `mlxbc ps` shows it.

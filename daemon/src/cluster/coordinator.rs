@@ -39,6 +39,8 @@ pub struct RankLine {
     pub rank: usize,
     pub host: String,
     pub rss_bytes: u64,
+    /// Mean milliseconds of a forward pass on the rank, once it ran one.
+    pub step_ms: Option<f64>,
 }
 
 /// Rank 0's handle on the group (cheap to clone; shared by the engine
@@ -80,6 +82,9 @@ pub struct Stats {
     pub all_sum_us: f64,
     /// Seconds a forward pass took per position, lately (moving average).
     pub s_per_position: Option<f64>,
+    /// Seconds a forward pass took on rank 0, its collectives included
+    /// (moving average).
+    pub step_s: Option<f64>,
 }
 
 /// Before any forward pass was timed: a guess on the slow side (a CPU
@@ -205,8 +210,10 @@ impl Coordinator {
         let t = Instant::now();
         let result = self.call(Some(self.0.timeout + expected), f);
         if result.is_ok() && positions > 0 {
-            let measured = t.elapsed().as_secs_f64() / positions as f64;
+            let took = t.elapsed().as_secs_f64();
+            let measured = took / positions as f64;
             let mut stats = lock(&self.0.stats);
+            stats.step_s = Some(stats.step_s.map_or(took, |s| 0.9 * s + 0.1 * took));
             stats.s_per_position = Some(match stats.s_per_position {
                 Some(s) => s * 0.8 + measured * 0.2,
                 None => measured,
@@ -310,7 +317,7 @@ impl Coordinator {
     pub fn report(&self) -> Result<()> {
         let replies = self.call(None, |g| {
             self.send(g, vec![Op::Report])?;
-            self.gather(g, &own_reply())
+            self.gather(g, &own_reply(lock(&self.0.stats).step_s))
         })?;
         self.note_ranks(&replies);
         Ok(())
@@ -321,8 +328,10 @@ impl Coordinator {
             .iter()
             .enumerate()
             .map(|(rank, r)| match r {
-                Reply::Ok { rss_bytes, host } => RankLine { rank, host: host.clone(), rss_bytes: *rss_bytes },
-                Reply::Refused(_) => RankLine { rank, host: self.0.hostfile.host(rank), rss_bytes: 0 },
+                Reply::Ok { rss_bytes, host, step_ms } => {
+                    RankLine { rank, host: host.clone(), rss_bytes: *rss_bytes, step_ms: *step_ms }
+                }
+                Reply::Refused(_) => RankLine { rank, host: self.0.hostfile.host(rank), rss_bytes: 0, step_ms: None },
             })
             .collect();
         *lock(&self.0.ranks) = lines;
@@ -402,7 +411,7 @@ impl Coordinator {
         *lock(&self.0.deadline) = Some(Instant::now() + self.0.timeout);
         let hello = (|| -> Result<Vec<Reply>> {
             self.send(&group, vec![Op::Hello { version }])?;
-            self.gather(&group, &own_reply())
+            self.gather(&group, &own_reply(None))
         })();
         let probe = probe_all_sum(&group);
         *lock(&self.0.deadline) = None;
@@ -451,8 +460,8 @@ enum Formed {
 }
 
 /// This process's answer to a handshake or report.
-pub fn own_reply() -> Reply {
-    Reply::Ok { rss_bytes: crate::rss_bytes(), host: hostname() }
+pub fn own_reply(step_s: Option<f64>) -> Reply {
+    Reply::Ok { rss_bytes: crate::rss_bytes(), host: hostname(), step_ms: step_s.map(|s| s * 1000.0) }
 }
 
 /// The machine's name.

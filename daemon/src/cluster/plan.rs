@@ -34,6 +34,10 @@ pub enum Op {
     },
     /// The logits of the last forward pass's last positions.
     Logits { slot: u32 },
+    /// Make cache `cache` of the prefix `keys` (the prompt cache's encoding)
+    /// names, `positions` long, from this rank's own prompt cache; every
+    /// rank answers whether it holds all of it.
+    Restore { slot: u32, cache: u64, keys: Vec<u8>, positions: u32 },
     /// Every rank answers with its memory and host (for `mlxbc status`).
     Report,
 }
@@ -57,7 +61,13 @@ pub struct MediaPlan {
 /// A rank's answer to [`Op::Hello`], [`Op::Load`] or [`Op::Report`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    Ok { rss_bytes: u64, host: String },
+    Ok {
+        rss_bytes: u64,
+        host: String,
+        /// Mean milliseconds a forward pass takes on the rank (once it ran one).
+        #[serde(default)]
+        step_ms: Option<f64>,
+    },
     Refused(String),
 }
 

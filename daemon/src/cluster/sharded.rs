@@ -4,7 +4,7 @@
 //! then does its own part; the collectives inside the layers meet theirs.
 
 use super::coordinator::{own_reply, Coordinator};
-use super::plan::{MediaPlan, Op};
+use super::plan::{MediaPlan, Op, Reply};
 use crate::error::RankStoppedError;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::{Journal, KvCache};
@@ -54,7 +54,7 @@ impl ShardedLm {
         if self.attached.borrow().0 != generation {
             tracing::info!(model = %self.name, "the group re-formed: its ranks load their shards again");
             self.coordinator.begin_load(self.slot, &self.name, &self.fingerprint)?;
-            self.coordinator.finish_load(own_reply())?;
+            self.coordinator.finish_load(own_reply(None))?;
             *self.attached.borrow_mut() = (self.coordinator.generation(), Journal::default());
         }
         Ok(self.attached.borrow().1.clone())
@@ -186,7 +186,36 @@ impl LanguageModel for ShardedLm {
         self.inner.media_attention()
     }
 
+    /// Every other rank restores the prefix from its own prompt cache; a
+    /// rank that lacks part of it makes the prefix be computed again (the
+    /// caches that were made are dropped with `cache`).
+    fn adopt_prefix(&self, cache: &mut KvCache, keys: &[u8]) -> Result<bool> {
+        let journal = self.journal()?;
+        let id = cache.adopt(&journal);
+        let op = Op::Restore { slot: self.slot, cache: id, keys: keys.to_vec(), positions: cache.offset as u32 };
+        let replies = self.coordinator.call(None, |g| {
+            self.coordinator.send(g, vec![self.pending(&journal), op])?;
+            self.coordinator.gather(g, &own_reply(None))
+        })?;
+        let missing: Vec<String> = replies
+            .iter()
+            .enumerate()
+            .filter_map(|(rank, r)| match r {
+                Reply::Refused(why) => Some(format!("rank {rank}: {why}")),
+                Reply::Ok { .. } => None,
+            })
+            .collect();
+        if !missing.is_empty() {
+            tracing::info!(model = %self.name, "a cached prefix is computed again: {}", missing.join("; "));
+        }
+        Ok(missing.is_empty())
+    }
+
     fn split_description(&self) -> Option<String> {
         self.inner.split_description()
+    }
+
+    fn recurrent(&self) -> bool {
+        self.inner.recurrent()
     }
 }

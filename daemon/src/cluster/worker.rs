@@ -10,9 +10,10 @@ use super::sharded::dtype_of;
 use crate::catalog::registry::ModelRegistry;
 use crate::distributed::{Group, Link, Shard};
 use crate::model::family::LanguageModel;
-use crate::model::kv_cache::KvCache;
+use crate::model::kv_cache::{CacheOp, KvCache};
 use crate::model::options::ModelOptions;
 use crate::model::positions::{Deepstack, MediaPositions};
+use crate::prompt_cache::{KvLayout, PromptCache, PromptKeys};
 use anyhow::{anyhow, Context, Result};
 use mlx_rs::Array;
 use std::collections::HashMap;
@@ -25,6 +26,16 @@ struct Held {
     caches: HashMap<u64, KvCache>,
     /// The last forward pass's hidden states (what `Logits` reads).
     last: Option<Array>,
+    /// Its KV layout, learnt from its first forward pass (rank 0's warm-up).
+    layout: Option<KvLayout>,
+}
+
+/// What a worker keeps beside its shards, across the group's lives.
+struct Local {
+    /// This rank's own prompt cache (its shards' blocks, in its own home).
+    prompts: PromptCache,
+    /// Mean seconds a forward pass takes here (for the status).
+    step_s: Option<f64>,
 }
 
 /// The worker daemon's main: serves as the rank `settings.cluster` names
@@ -50,13 +61,16 @@ pub fn serve_as_worker(
         "serving as a worker of the group (models from {})",
         settings.models_dir.display()
     );
-    run(ModelRegistry::new(settings), form, &c.backend, rank, &hostfile)
+    let ram = settings.prompt_cache_ram_bytes.unwrap_or(1 << 30);
+    let prompts = PromptCache::new(ram, crate::prompt_cache::open_disk(settings), Default::default());
+    run(ModelRegistry::new(settings), form, prompts, &c.backend, rank, &hostfile)
 }
 
 /// Serves as rank `rank` of the hostfile's group until the process is stopped.
 pub fn run(
     registry: ModelRegistry,
     options: ModelOptions,
+    prompts: PromptCache,
     backend: &str,
     rank: usize,
     hostfile: &crate::distributed::Hostfile,
@@ -65,6 +79,7 @@ pub fn run(
     let own = hostfile.addresses(rank);
     let peers: Vec<_> = (0..size).filter(|&r| r != rank).flat_map(|r| hostfile.addresses(r)).collect();
     let link = Link::default();
+    let mut local = Local { prompts, step_s: None };
     let mut attempts = 0u32;
     loop {
         Group::forget_backends();
@@ -97,7 +112,7 @@ pub fn run(
         // The ring's sockets, to sleep on between messages (other
         // backends' waits are their own).
         let sockets = if backend == "ring" { crate::distributed::ring_sockets(&own, &peers) } else { Vec::new() };
-        let why = serve(&group, &registry, &options, &shard, &mut held, &sockets);
+        let why = serve(&group, &registry, &options, &shard, &mut held, &mut local, &sockets);
         tracing::warn!("the group broke ({why:#}); joining it again");
         // Shards are loaded again on rank 0's word: a new rank 0 may ask
         // for other models, and the caches are gone with the old group.
@@ -116,6 +131,7 @@ fn serve(
     options: &ModelOptions,
     shard: &Shard,
     held: &mut HashMap<u32, Held>,
+    local: &mut Local,
     sockets: &[i32],
 ) -> anyhow::Error {
     loop {
@@ -127,7 +143,7 @@ fn serve(
             Err(e) => return e,
         };
         for op in ops {
-            if let Err(e) = carry_out(group, registry, options, shard, held, op) {
+            if let Err(e) = carry_out(group, registry, options, shard, held, local, op) {
                 return e;
             }
         }
@@ -145,13 +161,14 @@ fn carry_out(
     options: &ModelOptions,
     shard: &Shard,
     held: &mut HashMap<u32, Held>,
+    local: &mut Local,
     op: Op,
 ) -> Result<()> {
     match op {
         Op::Hello { version } => {
             let mine = env!("CARGO_PKG_VERSION");
             let r = if version == mine {
-                own_reply()
+                own_reply(None)
             } else {
                 Reply::Refused(format!("it runs mlxbcd {mine}, rank 0 runs {version}"))
             };
@@ -161,8 +178,8 @@ fn carry_out(
         Op::Load { slot, name, fingerprint } => {
             let r = match load(registry, options, shard, &name, &fingerprint) {
                 Ok(lm) => {
-                    held.insert(slot, Held { lm, caches: HashMap::new(), last: None });
-                    own_reply()
+                    held.insert(slot, Held { lm, caches: HashMap::new(), last: None, layout: None });
+                    own_reply(None)
                 }
                 Err(e) => {
                     tracing::error!(model = %name, "not loaded: {e:#}");
@@ -179,7 +196,10 @@ fn carry_out(
             let h = model(held, slot)?;
             let layers = h.lm.num_layers();
             for op in ops {
-                KvCache::replay(&mut h.caches, layers, op)?;
+                match op {
+                    CacheOp::Store { id, row, keys } => store(h, &mut local.prompts, shard, id, row, &keys),
+                    op => KvCache::replay(&mut h.caches, layers, op)?,
+                }
             }
         }
         Op::Embed { slot, shape, ids } => {
@@ -220,8 +240,14 @@ fn carry_out(
                 media.image_blocks.as_ref().is_none_or(|b| b.len() >= end),
                 "rank 0 sent image blocks shorter than the positions they cover"
             );
+            let started = std::time::Instant::now();
             let hidden = h.lm.forward(&embeds, c, &positions)?;
             hidden.eval()?;
+            let took = started.elapsed().as_secs_f64();
+            local.step_s = Some(local.step_s.map_or(took, |m| 0.9 * m + 0.1 * took));
+            if h.layout.is_none() && c.offset > 0 {
+                h.layout = KvLayout::of(c).ok();
+            }
             h.last = Some(hidden);
         }
         Op::Logits { slot } => {
@@ -229,9 +255,49 @@ fn carry_out(
             let last = h.last.as_ref().ok_or_else(|| anyhow!("logits asked before any forward pass"))?;
             h.lm.logits(last)?.eval()?;
         }
-        Op::Report => reply(group, &own_reply())?,
+        Op::Restore { slot, cache, keys, positions } => {
+            let h = model(held, slot)?;
+            let r = match restore(h, &mut local.prompts, shard, &keys, positions) {
+                Ok(c) => {
+                    h.caches.insert(cache, c);
+                    own_reply(local.step_s)
+                }
+                Err(why) => Reply::Refused(why),
+            };
+            reply(group, &r)?;
+        }
+        Op::Report => reply(group, &own_reply(local.step_s))?,
     }
     Ok(())
+}
+
+/// Stores row `row` of cache `id`'s blocks under this rank's names for
+/// rank 0's `keys`. A store that cannot be made is logged and skipped: a
+/// later restore of those blocks then misses here, and rank 0 computes the
+/// prefix again.
+fn store(h: &Held, prompts: &mut PromptCache, shard: &Shard, id: u64, row: u32, keys: &[u8]) {
+    let Some(cache) = h.caches.get(&id) else {
+        tracing::warn!("rank 0 stored the prompt of cache {id}, unknown here");
+        return;
+    };
+    match PromptKeys::from_bytes(keys) {
+        Ok(k) => prompts.store(&k.for_rank(shard.rank, shard.size), cache, row as usize),
+        Err(e) => tracing::warn!("rank 0 sent prompt keys that are not: {e:#}"),
+    }
+}
+
+/// This rank's cache of the `positions`-long prefix rank 0 found for
+/// `keys`, from this rank's own prompt cache; why not, when it has not
+/// all of it.
+fn restore(h: &Held, prompts: &mut PromptCache, shard: &Shard, keys: &[u8], positions: u32) -> Result<KvCache, String> {
+    let layout = h.layout.as_ref().ok_or("its shard has not run yet")?;
+    let keys = PromptKeys::from_bytes(keys).map_err(|e| format!("{e:#}"))?.for_rank(shard.rank, shard.size);
+    let reuse = prompts.restore(&keys, layout).ok_or("none of the prefix is stored here")?;
+    let here = reuse.ram_tokens + reuse.disk_tokens;
+    if here != positions as usize {
+        return Err(format!("{here} of the prefix's {positions} positions are stored here"));
+    }
+    Ok(reuse.cache)
 }
 
 /// The most deepstack tables a forward pass may announce (one per layer of

@@ -247,6 +247,16 @@ pub fn begin(
         let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
         ctx.prompts.lookup(k, stored, &model.kv_shapes, model.kv_block_bytes_per_position, &model.state_layout)
     });
+    // A split model's other ranks restore the same prefix from their own
+    // stores, or it is computed.
+    let reuse = match (reuse, &keys) {
+        (Some(mut r), Some(k)) => match model.lm.adopt_prefix(&mut r.cache, &k.to_bytes()) {
+            Ok(true) => Some(r),
+            Ok(false) => None,
+            Err(e) => return Err(EngineError::inference(e)),
+        },
+        _ => None,
+    };
     let (cache, reused, from_disk, disk_cost) = match reuse {
         Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens, r.disk_cost),
         None => (KvCache::new(model.lm.num_layers()), 0, 0, None),

@@ -86,7 +86,12 @@ impl EngineHandle {
             ranks: c
                 .ranks()
                 .into_iter()
-                .map(|r| mlxbc_shared::RankStatus { rank: r.rank as u32, host: r.host, rss_bytes: r.rss_bytes })
+                .map(|r| mlxbc_shared::RankStatus {
+                    rank: r.rank as u32,
+                    host: r.host,
+                    rss_bytes: r.rss_bytes,
+                    step_ms: r.step_ms.unwrap_or(0.0),
+                })
                 .collect(),
             calls: stats.calls,
             mean_call_ms: per_call(stats.call_s),

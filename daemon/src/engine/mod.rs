@@ -31,24 +31,6 @@ use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-/// Opens the prompt cache's disk tier, or says in the log why not.
-fn open_prompt_disk(settings: &Settings) -> Option<Arc<mlxbc_cache::BlockStore>> {
-    if settings.prompt_cache_disk_bytes == 0 {
-        return None;
-    }
-    match mlxbc_cache::BlockStore::open(
-        &settings.prompt_cache_dir,
-        settings.prompt_cache_disk_bytes,
-        settings.disk_reserve,
-    ) {
-        Ok(s) => Some(Arc::new(s)),
-        Err(e) => {
-            tracing::warn!(path = %settings.prompt_cache_dir.display(), error = %e, "the prompt cache's disk tier could not be opened: RAM only");
-            None
-        }
-    }
-}
-
 /// Starts the engine thread. It exits when every handle is dropped, after
 /// finishing the job in hand.
 pub fn spawn(
@@ -100,7 +82,7 @@ pub fn spawn(
         device: device_name.to_string(),
         store: store.clone(),
         store_path: settings.feature_cache_dir.clone(),
-        prompt_disk: open_prompt_disk(settings),
+        prompt_disk: prompt_cache::open_disk(settings),
         prompt_shared: Arc::default(),
         prompt_path: settings.prompt_cache_dir.clone(),
     };

@@ -92,7 +92,7 @@ fn load_split(
         fingerprints,
     );
     let reply = match &mine {
-        Ok(_) => crate::cluster::own_reply(),
+        Ok(_) => crate::cluster::own_reply(None),
         Err(e) => crate::cluster::plan::Reply::Refused(format!("{e:#}")),
     };
     let others = coordinator.finish_load(reply);
@@ -317,15 +317,16 @@ impl Residency {
                         EngineError::ModelLoad(format!("running model {} for the first time: {other}", resolved.name))
                     }
                 })?;
-                model.kv_root = match split
-                    .is_none()
-                    .then(|| crate::prompt_cache::model_root(&resolved.path, &format!("{form:?}"), &self.device))
-                {
-                    // A split model's prompts are not cached yet (its KV
-                    // lives on every rank).
-                    None => None,
-                    Some(Ok(root)) => Some(root),
-                    Some(Err(e)) => {
+                // A split model's blocks are rank 0's shard of the KV: named
+                // for the group's size and rank 0 (the other ranks rename
+                // them for theirs, `PromptKeys::for_rank`).
+                let form_name = match &split {
+                    Some(c) => format!("{form:?} split over {} ranks, rank 0", c.size()),
+                    None => format!("{form:?}"),
+                };
+                model.kv_root = match crate::prompt_cache::model_root(&resolved.path, &form_name, &self.device) {
+                    Ok(root) => Some(root),
+                    Err(e) => {
                         tracing::warn!(model = %resolved.name, error = %e, "no KV identity: prompts of this model are not cached");
                         None
                     }

@@ -85,6 +85,14 @@ pub trait LanguageModel {
     fn split_description(&self) -> Option<String> {
         None
     }
+
+    /// A split model's other ranks make `cache`, a prefix rank 0 restored
+    /// from its prompt cache (`keys`: the prompt cache's encoding of its
+    /// names), from their own; false when one of them lacks part of it
+    /// (the prefix is then computed). A whole model has nothing to do.
+    fn adopt_prefix(&self, _cache: &mut KvCache, _keys: &[u8]) -> Result<bool> {
+        Ok(true)
+    }
 }
 
 /// Media made ready for a tower on the CPU: values in the layout the tower

@@ -79,6 +79,18 @@ pub enum CacheOp {
     Drop {
         id: u64,
     },
+    /// [`KvCache::checkpoint_states`].
+    Checkpoint {
+        id: u64,
+    },
+    /// Row `row`'s blocks stored in the prompt cache under `keys` (the
+    /// prompt cache's encoding of a prompt's block names; each rank stores
+    /// its own shard's blocks under names of its own).
+    Store {
+        id: u64,
+        row: u32,
+        keys: Vec<u8>,
+    },
 }
 
 /// The journal of a sharded model's caches, shared by all of them.
@@ -170,6 +182,26 @@ impl KvCache {
         Ok(id)
     }
 
+    /// Names a cache the other ranks made on their own (a prefix each
+    /// restored from its prompt cache) in `journal`, journaling nothing.
+    pub fn adopt(&mut self, journal: &Journal) -> u64 {
+        let id = journal.next_id();
+        self.tag = Some(Tag { id, journal: Some(journal.clone()) });
+        id
+    }
+
+    /// Journals `op` (given this cache's name) when the cache is named in
+    /// a journal; false otherwise.
+    pub fn journal(&self, op: impl FnOnce(u64) -> CacheOp) -> bool {
+        match &self.tag {
+            Some(Tag { id, journal: Some(j) }) => {
+                j.push(op(*id));
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// True when the cache is named in `journal` (not in an older one,
     /// from before its group re-formed).
     pub fn is_in(&self, journal: &Journal) -> bool {
@@ -202,6 +234,10 @@ impl KvCache {
             CacheOp::Drop { id } => {
                 caches.remove(&id);
             }
+            CacheOp::Checkpoint { id } => {
+                caches.get_mut(&id).ok_or_else(|| anyhow::anyhow!("no cache {id} to checkpoint"))?.checkpoint_states();
+            }
+            CacheOp::Store { .. } => anyhow::bail!("a prompt cache store is the worker's to replay"),
         }
         Ok(())
     }
@@ -240,6 +276,7 @@ impl KvCache {
     pub fn checkpoint_states(&mut self) {
         if self.has_states() {
             self.checkpoint = Some((self.offset, self.states.clone()));
+            self.journal(|id| CacheOp::Checkpoint { id });
         }
     }
 

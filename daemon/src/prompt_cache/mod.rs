@@ -142,7 +142,7 @@ pub fn media_spans(ids: &[u32], media_tokens: &[u32], hashes: &[[u8; 32]]) -> Ve
 }
 
 /// The cache keys of one prompt.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct PromptKeys {
     /// The model's KV root the names start from.
     pub root: BlockHash,
@@ -171,6 +171,38 @@ pub fn state_name(link: &BlockHash) -> BlockHash {
 }
 
 impl PromptKeys {
+    /// The names rank `rank` of a group of `size` stores its shard of
+    /// these blocks under (rank 0's are these: its root already names its
+    /// shard): each name hashed with the rank, so a host that serves as
+    /// another rank, or in another group, never reads a shard not its own.
+    pub fn for_rank(&self, rank: usize, size: usize) -> Self {
+        if rank == 0 {
+            return self.clone();
+        }
+        let rename = |h: &BlockHash| -> BlockHash {
+            let mut d = Sha256::new();
+            d.update(h);
+            d.update(format!("rank {rank} of {size}").as_bytes());
+            d.finalize().into()
+        };
+        Self {
+            root: rename(&self.root),
+            blocks: self.blocks.iter().map(rename).collect(),
+            tail: self.tail.map(|(end, h)| (end, rename(&h))),
+            inside_images: self.inside_images.clone(),
+            recurrent: self.recurrent,
+        }
+    }
+
+    /// The keys as the other ranks of a group receive them.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("prompt keys serialize")
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> anyhow::Result<Self> {
+        Ok(serde_json::from_slice(bytes)?)
+    }
+
     /// For a model that keeps recurrent states.
     pub fn for_recurrent(mut self, recurrent: bool) -> Self {
         self.recurrent = recurrent;
@@ -315,6 +347,38 @@ pub fn read_stored(keys: &PromptKeys, shared: &Mutex<SharedIndex>, disk: &BlockS
     out
 }
 
+/// A model's KV layout as the prompt cache stores it (a worker rank
+/// learns it from its shard's first forward pass).
+#[derive(Clone)]
+pub struct KvLayout {
+    pub kv_shapes: crate::model::kv_cache::KvShapes,
+    pub bytes_per_position: u64,
+    pub states: crate::model::kv_cache::StateLayout,
+}
+
+impl KvLayout {
+    /// The layout of a cache that holds at least one position.
+    pub fn of(cache: &KvCache) -> anyhow::Result<Self> {
+        let kv_shapes = cache.kv_shapes();
+        let bytes_per_position = if kv_shapes.is_empty() { 0 } else { cache.positions(0, 0, 1)?.nbytes() as u64 };
+        Ok(Self { kv_shapes, bytes_per_position, states: crate::model::kv_cache::state_layout(cache.states()) })
+    }
+}
+
+/// Opens the prompt cache's disk tier, or says in the log why not.
+pub fn open_disk(settings: &mlxbc_shared::settings::Settings) -> Option<Arc<BlockStore>> {
+    if settings.prompt_cache_disk_bytes == 0 {
+        return None;
+    }
+    match BlockStore::open(&settings.prompt_cache_dir, settings.prompt_cache_disk_bytes, settings.disk_reserve) {
+        Ok(s) => Some(Arc::new(s)),
+        Err(e) => {
+            tracing::warn!(path = %settings.prompt_cache_dir.display(), error = %e, "the prompt cache's disk tier could not be opened: RAM only");
+            None
+        }
+    }
+}
+
 /// What a lookup found.
 pub struct Reuse {
     /// A cache holding the reused positions (one row).
@@ -404,6 +468,14 @@ impl PromptCache {
             Some(disk) => read_stored(keys, &self.shared, disk),
             None => StoredBlocks::default(),
         }
+    }
+
+    /// The longest stored prefix of `keys` (RAM, then this host's disk)
+    /// as a cache of the layout `layout` describes: what a worker rank
+    /// restores when rank 0 found the prefix in its own store.
+    pub fn restore(&mut self, keys: &PromptKeys, layout: &KvLayout) -> Option<Reuse> {
+        let stored = self.read_stored_here(keys);
+        self.lookup(keys, stored, &layout.kv_shapes, layout.bytes_per_position, &layout.states)
     }
 
     /// False when both tiers are off (no RAM budget, no disk): then nothing
@@ -570,11 +642,14 @@ impl PromptCache {
     }
 
     /// Stores the blocks of `keys` that row `row` of `cache` covers and
-    /// RAM does not have yet: in RAM, and queued for the disk.
+    /// RAM does not have yet: in RAM, and queued for the disk. A split
+    /// model's cache journals the store, so every rank stores its shard's
+    /// blocks too ([`PromptKeys::for_rank`]).
     pub fn store(&mut self, keys: &PromptKeys, cache: &KvCache, row: usize) {
         if !self.is_on() {
             return;
         }
+        cache.journal(|id| crate::model::kv_cache::CacheOp::Store { id, row: row as u32, keys: keys.to_bytes() });
         let mut have = (cache.offset - cache.paddings().get(row).copied().unwrap_or(0)).max(0) as usize;
         // A recurrent model stores up to where its states were saved (and
         // those states), nothing without them.

@@ -195,9 +195,19 @@ async fn ids(socket: &Path, model: &str, prompts: &[String], max_tokens: u32) ->
 /// A prompt of more than 2000 tokens (mlx #4342's threshold for a
 /// corrupting tensor-parallel prefill over JACCL).
 fn long_prompt() -> String {
+    facts_prompt(140)
+}
+
+/// A prompt of `n` facts and a question (about 18 tokens a fact).
+fn facts_prompt(n: usize) -> String {
     let facts: String =
-        (0..140).map(|i| format!("Fact {i}: the box number {i} holds {} red marbles. ", i * 7 % 31)).collect();
+        (0..n).map(|i| format!("Fact {i}: the box number {i} holds {} red marbles. ", i * 7 % 31)).collect();
     format!("{facts}\nHow many red marbles does box 12 hold? Answer with the number.")
+}
+
+/// A prompt of about 1,600 tokens, inside the tiny fixtures' context of 2,048.
+fn tiny_long_prompt() -> String {
+    facts_prompt(90)
 }
 
 fn prompts() -> Vec<String> {
@@ -223,6 +233,11 @@ const TINY: [&str; 7] = [
     "tiny-qwen3-vl",
 ];
 
+/// Which tiny models also answer a prompt over 2k tokens, asked again
+/// after the group restarts (a plain decoder, and one with recurrent
+/// states whose checkpoints every rank keeps).
+const CACHED: [&str; 2] = ["tiny-qwen3", "tiny-qwen3_5"];
+
 /// Which tiny models also take an image.
 const SEEING: [&str; 4] = ["tiny-gemma4", "tiny-gemma3-vlm", "tiny-qwen25-vl", "tiny-qwen3-vl"];
 
@@ -234,6 +249,9 @@ fn picture() -> Vec<u8> {
 /// where it sees.
 fn tiny_requests(model: &str) -> Vec<GenerateRequest> {
     let mut out = vec![greedy(Some(model), "Write a short poem about autumn leaves.", 10)];
+    if CACHED.contains(&model) {
+        out.push(greedy(Some(model), &tiny_long_prompt(), 4));
+    }
     if SEEING.contains(&model) {
         let mut r = greedy(Some(model), "What is in this picture?", 8);
         let mut m = ChatMessage::user("What is in this picture?");
@@ -282,8 +300,36 @@ async fn every_family_split_over_two_ranks_answers_as_one_daemon_and_keeps_its_s
     assert!(cuts["tiny-gemma4"].contains("attention heads replicated"), "1 KV head: {cuts:?}");
     assert!(cuts["tiny-gemma3-vlm"].contains("vocabulary replicated"), "262145 tokens: {cuts:?}");
 
-    // Every host restarts: rank 0's feature store still holds the image.
+    // The long prompts again: every rank restores its shard of the prefix.
+    let long = |m: &str| greedy(Some(m), &tiny_long_prompt(), 4);
+    let want_of = |r: &GenerateRequest| &want[requests.iter().position(|x| x == r).unwrap()];
+    for m in CACHED {
+        let (_, s) = ask(&g.rank0.socket, long(m)).await.unwrap();
+        assert_eq!(s.token_ids, want_of(&long(m)).token_ids, "{m}: from the prompt cache");
+        assert!(s.prefix_tokens_reused >= 1024, "{m}: the long prompt again reused {s:?}");
+    }
+    // Let the blocks reach every rank's disk.
+    std::thread::sleep(Duration::from_secs(2));
+
+    // Every host restarts: rank 0's feature store still holds the image,
+    // and every rank's disk its shard of the long prompts' blocks.
     g.restart_all();
+    for m in CACHED {
+        let (_, s) = ask(&g.rank0.socket, long(m)).await.unwrap();
+        assert_eq!(s.token_ids, want_of(&long(m)).token_ids, "{m}: from the disks after the restart");
+        assert!(s.prefix_tokens_reused >= 1024, "{m}: after the restart, reused {s:?}");
+    }
+    // Each rank's step time reaches the status (reported every 10 s).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let c = g.rank0.client().await.status().await.unwrap().cluster.unwrap();
+        if c.ranks.len() == 2 && c.ranks.iter().all(|r| r.step_ms > 0.0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no step time per rank: {:?}", c.ranks);
+        ask(&g.rank0.socket, greedy(Some("tiny-qwen3"), "hi", 2)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
     let image = tiny_requests("tiny-gemma4").pop().unwrap();
     let (_, s) = ask(&g.rank0.socket, image.clone()).await.unwrap();
     let i = requests.iter().position(|r| r == &image).unwrap();
