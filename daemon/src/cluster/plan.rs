@@ -52,10 +52,16 @@ pub struct MediaPlan {
     pub image_blocks: Option<Vec<i32>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mrope: Option<(Vec<[i64; 3]>, i64)>,
-    /// Deepstack's row per position; its per-layer tables (each `shape`,
-    /// `dtype`) follow the embeddings as broadcasts, in order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub deepstack: Option<(Vec<i32>, Vec<(Vec<i32>, String)>)>,
+    pub deepstack: Option<DeepstackPlan>,
+}
+
+/// Deepstack's row per position, and its per-layer tables' shapes and
+/// dtypes (the tables follow the embeddings as broadcasts, in order).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeepstackPlan {
+    pub row_of: Vec<i32>,
+    pub tables: Vec<(Vec<i32>, String)>,
 }
 
 /// A rank's answer to [`Op::Hello`], [`Op::Load`] or [`Op::Report`].

@@ -4,7 +4,7 @@
 //! then does its own part; the collectives inside the layers meet theirs.
 
 use super::coordinator::{own_reply, Coordinator};
-use super::plan::{MediaPlan, Op, Reply};
+use super::plan::{DeepstackPlan, MediaPlan, Op, Reply};
 use crate::error::RankStoppedError;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::{Journal, KvCache};
@@ -97,7 +97,7 @@ fn media_plan(media: &MediaPositions, offset: i32, len: i32) -> Result<MediaPlan
                 .iter()
                 .map(|t| Ok((t.shape().to_vec(), dtype_name(t.dtype())?.to_string())))
                 .collect::<Result<Vec<_>>>()?;
-            reads.then_some((rows, tables))
+            reads.then_some(DeepstackPlan { row_of: rows, tables })
         }
         None => None,
     };

@@ -213,7 +213,7 @@ fn carry_out(
             anyhow::ensure!(elements(&shape)? <= MAX_EMBEDDINGS, "rank 0 announced embeddings of shape {shape:?}");
             let embeds = group.broadcast(&mlx_rs::ops::zeros_dtype(&shape, dtype_of(&dtype)?)?)?;
             let deepstack = match &media.deepstack {
-                Some((row_of, tables)) => {
+                Some(plan::DeepstackPlan { row_of, tables }) => {
                     anyhow::ensure!(
                         tables.len() <= MAX_DEEPSTACK,
                         "rank 0 announced {} deepstack tables",

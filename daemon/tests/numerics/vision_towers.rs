@@ -128,7 +128,7 @@ fn tiny_gemma3_vlm_greedy_ids_match_mlx_vlm() {
     .unwrap();
     let vision = tiny_siglip();
     let tower = Gemma3Tower::load(vision, text.mm_tokens_per_image, text.hidden_size, 250, &mut t).unwrap();
-    let mut lm = Gemma3Text::load(text, &mut t, "language_model").unwrap();
+    let mut lm = Gemma3Text::load(text, &mut t, "language_model", None).unwrap();
     // mlx-vlm 0.7.10 attends causally over image tokens (see Gemma3Text).
     lm.bidirectional_images = false;
     let features = tower.encode_pixels(&pixels).unwrap();
