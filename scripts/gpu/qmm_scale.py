@@ -13,7 +13,8 @@ import mlx.core as mx
 
 label = sys.argv[1] if len(sys.argv) > 1 else mx.__version__
 mx.random.seed(0)
-H, KV, FF, LAYERS = 4096, 1024, 12288, 36
+import os
+H, KV, FF, LAYERS = 4096, 1024, 12288, int(os.environ.get("QMM_LAYERS", "36"))
 shapes = {"qkv": (H + 2 * KV, H), "o": (H, H), "gate_up": (2 * FF, H), "down": (H, FF)}
 dense = [{k: (mx.random.normal(s) * 0.02).astype(mx.float16) for k, s in shapes.items()} for _ in range(LAYERS)]
 packed = [{k: mx.quantize(w, group_size=64, bits=4) for k, w in layer.items()} for layer in dense]
@@ -22,7 +23,7 @@ mx.eval(dense, packed, bf16)
 
 
 def proj(w, x):
-    if isinstance(w, tuple):
+    if isinstance(w, (tuple, list)):
         return mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)
     return x @ w.T
 
@@ -39,7 +40,7 @@ def step(layers, x):
 
 for form, layers, dt in (("packed 4-bit g64", packed, mx.float16), ("dense f16", dense, mx.float16),
                          ("dense bf16", bf16, mx.bfloat16)):
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+    for rows in [int(r) for r in os.environ.get("QMM_ROWS", "1,2,4,8,16,32,64,128").split(",")]:
         x = (mx.random.normal((rows, 1, H)) * 0.1).astype(dt)
         times = []
         for i in range(13):
