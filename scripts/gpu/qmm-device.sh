@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Device side of the MLX-build comparison (issue "The GPU step at real
 # sizes", item 1: does a newer MLX batch the quantized matmul?). Staged
-# here into .dev/gq/c1..c3 (the two builds' libmlx.so, xz'd, tarred and
-# split; their headers and bundled libs; the mlx 0.32.2 and 0.32.4
+# here into .dev/gq/c1..c4 (the two builds' libmlx.so, xz'd, tarred and
+# split in four under the 64 MiB a call carries beside the tree; their headers and bundled libs; the mlx 0.32.2 and 0.32.4
 # bindings). `qmm-device.sh N` in call N, back to back (the machine keeps
-# /tmp while warm); call 3 installs both builds side by side and runs
+# /tmp while warm); call 4 installs both builds side by side and runs
 # scripts/gpu/qmm_scale.py under each, rounds interleaved.
 set -u
 step=$1
@@ -12,10 +12,9 @@ PY=/opt/torch/.venv/bin/python3
 SP=$($PY -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
 mkdir -p /tmp/gq && cp -r ".dev/gq/c$step/." /tmp/gq/
 case $step in
-1) nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv; echo STEP1_DONE ;;
-2) ls -la /tmp/gq; echo STEP2_DONE ;;
-3)
-  cd /tmp/gq && cat part0 part1 part2 | tar -xf - || exit 1
+1|2|3) nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; ls /tmp/gq; echo "STEP${step}_DONE" ;;
+4)
+  cd /tmp/gq && cat part0 part1 part2 part3 | tar -xf - || exit 1
   for v in 0.32.2 0.32.4; do
     s=/tmp/site-$v; rm -rf $s; mkdir -p $s
     $PY -m pip install -q --no-index --no-deps --no-compile --target $s /tmp/gq/mlx-$v-cp312-*.whl
@@ -32,5 +31,5 @@ case $step in
       PYTHONPATH=/tmp/site-$v timeout 280 $PY "$OLDPWD/scripts/gpu/qmm_scale.py" "$v r$round" 2>&1 | tee -a "$OUT/qmm.md"
     done
   done
-  echo STEP3_DONE ;;
+  echo STEP4_DONE ;;
 esac
