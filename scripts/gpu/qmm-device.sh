@@ -27,7 +27,7 @@ case $step in
   export LD_LIBRARY_PATH=$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
   echo "| MLX | weights | rows | ms/step | rows/s |"; echo "|---|---|---:|---:|---:|"
   for round in 1 2; do
-    for v in 0.32.2 0.32.4; do
+    for v in ${QMM_VERSIONS:-0.32.2 0.32.4}; do
       PYTHONPATH=/tmp/site-$v timeout 280 $PY "$OLDPWD/scripts/gpu/qmm_scale.py" "$v r$round" 2>&1 | tee -a "$OUT/qmm.md"
     done
   done

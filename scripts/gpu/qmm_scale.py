@@ -25,6 +25,8 @@ mx.eval(dense, packed, bf16)
 def proj(w, x):
     if isinstance(w, (tuple, list)):
         return mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)
+    if isinstance(w, dict):  # packed, expanded to f16 for this step only
+        return x @ mx.dequantize(*w["q"], group_size=64, bits=4).T
     return x @ w.T
 
 
@@ -38,8 +40,13 @@ def step(layers, x):
     return x
 
 
-for form, layers, dt in (("packed 4-bit g64", packed, mx.float16), ("dense f16", dense, mx.float16),
-                         ("dense bf16", bf16, mx.bfloat16)):
+expanded = [{k: {"q": w} for k, w in layer.items()} for layer in packed]
+forms = (("packed 4-bit g64", packed, mx.float16), ("dense f16", dense, mx.float16),
+         ("dense bf16", bf16, mx.bfloat16), ("packed, dequantized per step", expanded, mx.float16))
+wanted = os.environ.get("QMM_FORMS")
+for form, layers, dt in forms:
+    if wanted and form.split()[0] + ("-step" if "per step" in form else "") not in wanted.split(","):
+        continue
     for rows in [int(r) for r in os.environ.get("QMM_ROWS", "1,2,4,8,16,32,64,128").split(",")]:
         x = (mx.random.normal((rows, 1, H)) * 0.1).astype(dt)
         times = []
