@@ -41,11 +41,12 @@ def step(layers, x):
 
 
 expanded = [{k: {"q": w} for k, w in layer.items()} for layer in packed]
-forms = (("packed 4-bit g64", packed, mx.float16), ("dense f16", dense, mx.float16),
-         ("dense bf16", bf16, mx.bfloat16), ("packed, dequantized per step", expanded, mx.float16))
-wanted = os.environ.get("QMM_FORMS")
-for form, layers, dt in forms:
-    if wanted and form.split()[0] + ("-step" if "per step" in form else "") not in wanted.split(","):
+forms = (("packed", "packed 4-bit g64", packed, mx.float16), ("f16", "dense f16", dense, mx.float16),
+         ("bf16", "dense bf16", bf16, mx.bfloat16),
+         ("dequant", "packed, dequantized per step", expanded, mx.float16))
+wanted = os.environ.get("QMM_FORMS")  # e.g. "packed,dequant"
+for key, form, layers, dt in forms:
+    if wanted and key not in wanted.split(","):
         continue
     for rows in [int(r) for r in os.environ.get("QMM_ROWS", "1,2,4,8,16,32,64,128").split(",")]:
         x = (mx.random.normal((rows, 1, H)) * 0.1).astype(dt)
