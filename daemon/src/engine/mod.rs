@@ -126,6 +126,7 @@ pub fn spawn(
             residency: {
                 let mut r = Residency::new(settings.keep_alive, settings.max_loaded_models, memory_budget);
                 r.device = device_for_keys;
+                r.decode = decode;
                 r.cluster = cluster.map(|coordinator| residency::SplitModels {
                     coordinator,
                     names: settings.cluster.sharded.iter().cloned().collect(),

@@ -59,6 +59,8 @@ pub struct Residency {
     pub device: String,
     /// The group this daemon leads, and which models it splits over it.
     pub cluster: Option<SplitModels>,
+    /// How decode steps are built: a compiled step is traced at load.
+    pub decode: crate::model::decode_step::DecodeMode,
 }
 
 /// Which models are split over the group rank 0 leads: those named in
@@ -166,6 +168,7 @@ impl Residency {
             evicted: vec![],
             device: String::new(),
             cluster: None,
+            decode: crate::model::decode_step::DecodeMode::Eager,
         }
     }
 
@@ -311,12 +314,15 @@ impl Residency {
         }?;
         let model = match loaded {
             crate::families::LoadedModel::Chat(mut model) => {
-                model.warm_up().map_err(|e| match EngineError::inference(e) {
-                    EngineError::RankStopped(why) => EngineError::RankStopped(why),
-                    other => {
-                        EngineError::ModelLoad(format!("running model {} for the first time: {other}", resolved.name))
-                    }
-                })?;
+                model.warm_up().and_then(|()| model.warm_decode(self.decode)).map_err(
+                    |e| match EngineError::inference(e) {
+                        EngineError::RankStopped(why) => EngineError::RankStopped(why),
+                        other => EngineError::ModelLoad(format!(
+                            "running model {} for the first time: {other}",
+                            resolved.name
+                        )),
+                    },
+                )?;
                 // A split model's blocks are rank 0's shard of the KV: named
                 // for the group's size and rank 0 (the other ranks rename
                 // them for theirs, `PromptKeys::for_rank`).

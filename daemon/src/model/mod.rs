@@ -403,6 +403,25 @@ impl Model {
         Ok(())
     }
 
+    /// Traces the compiled decode step now, at load, when decode steps are
+    /// built `mode`: MLX compiles a new graph's fused kernels on its first
+    /// run (seconds on a CPU, where it runs the C++ compiler, cached under
+    /// MLX's temp directory after), which would otherwise land in the first
+    /// request's decode time and its tokens per second.
+    pub fn warm_decode(&self, mode: DecodeMode) -> Result<()> {
+        let Some(compiled) = self.compiled_decode.as_ref().filter(|_| mode == DecodeMode::Compiled) else {
+            return Ok(());
+        };
+        let t = std::time::Instant::now();
+        let mut cache = KvCache::new(self.lm.num_layers());
+        let ids = mlx_rs::Array::from_slice(&[0u32], &[1, 1]);
+        // A prompt's position first, as a request has, then one step.
+        self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &positions::MediaPositions::default())?.eval()?;
+        compiled.borrow_mut().step(&ids, &mut cache)?.eval()?;
+        tracing::debug!(ms = t.elapsed().as_secs_f64() * 1000.0, "compiled decode step traced");
+        Ok(())
+    }
+
     /// Token ids of a prompt text (special tokens in the text are honoured,
     /// no BOS added: chat templates write it themselves).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
