@@ -86,11 +86,27 @@ fn join_group_settings(
     Ok(())
 }
 
+/// MLX's CUDA build keeps the PTX of the kernels it compiles (for each new
+/// batch shape: tens of seconds at real sizes) where `MLX_PTX_CACHE_DIR`
+/// says; under the daemon's home they outlive a reboot's temp cleanup, so a
+/// restarted daemon does not compile them again. A directory the user set
+/// is kept; the CPU build ignores the variable.
+fn keep_compiled_kernels(settings: &Settings) {
+    if std::env::var_os("MLX_PTX_CACHE_DIR").is_some() {
+        return;
+    }
+    let dir = settings.paths.home.join("cache/kernels");
+    if std::fs::create_dir_all(&dir).is_ok() {
+        std::env::set_var("MLX_PTX_CACHE_DIR", dir);
+    }
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     // Before any thread exists: it clears LISTEN_* from the environment.
     let inherited = mlxbc_daemon::server::activation::take_inherited()?;
     let mut settings = Settings::from_env()?;
+    keep_compiled_kernels(&settings);
     if let Err(e) = mlxbc_daemon::logging::init(args.log_file.as_deref(), settings.log_max_bytes) {
         anyhow::bail!("opening the log file {}: {e}", args.log_file.unwrap_or_default().display());
     }
