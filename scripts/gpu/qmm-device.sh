@@ -25,6 +25,13 @@ case $step in
   done
   export CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1
   export LD_LIBRARY_PATH=$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
+  if [ "${QMM_RUN:-}" = ptx ]; then  # MLX's PTX cache: a new process with the same directory, then without one
+    export PYTHONPATH=/tmp/site-0.32.2; rm -rf /tmp/ptxc
+    for i in 1 2; do MLX_PTX_CACHE_DIR=/tmp/ptxc $PY "$OLDPWD/scripts/gpu/ptx_cache_check.py"; done
+    for i in 1 2; do $PY "$OLDPWD/scripts/gpu/ptx_cache_check.py"; done
+    find / -xdev -name "*.ptx" -newer /tmp/gq/part0 2>/dev/null | grep -v ptxc | head -5
+    echo STEP4_DONE; exit 0
+  fi
   echo "| MLX | weights | rows | ms/step | rows/s |"; echo "|---|---|---:|---:|---:|"
   for round in 1 2; do
     for v in ${QMM_VERSIONS:-0.32.2 0.32.4}; do
