@@ -189,10 +189,10 @@ impl LanguageModel for ShardedLm {
     /// Every other rank restores the prefix from its own prompt cache; a
     /// rank that lacks part of it makes the prefix be computed again (the
     /// caches that were made are dropped with `cache`).
-    fn adopt_prefix(&self, cache: &mut KvCache, keys: &[u8]) -> Result<bool> {
+    fn adopt_prefix(&self, cache: &mut KvCache, keys: &dyn Fn() -> Vec<u8>) -> Result<bool> {
         let journal = self.journal()?;
         let id = cache.adopt(&journal);
-        let op = Op::Restore { slot: self.slot, cache: id, keys: keys.to_vec(), positions: cache.offset as u32 };
+        let op = Op::Restore { slot: self.slot, cache: id, keys: keys(), positions: cache.offset as u32 };
         let replies = self.coordinator.call(None, |g| {
             self.coordinator.send(g, vec![self.pending(&journal), op])?;
             self.coordinator.gather(g, &own_reply(None))

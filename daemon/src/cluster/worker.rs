@@ -222,6 +222,11 @@ fn carry_out(
                     let mut layers = Vec::with_capacity(tables.len());
                     for (shape, dtype) in tables {
                         anyhow::ensure!(elements(shape)? <= MAX_EMBEDDINGS, "a deepstack table of shape {shape:?}");
+                        // Rows index the table unchecked by MLX's gather.
+                        anyhow::ensure!(
+                            row_of.iter().all(|&r| r < shape[0] - 1),
+                            "deepstack rows beyond their table of shape {shape:?}"
+                        );
                         layers.push(group.broadcast(&mlx_rs::ops::zeros_dtype(shape, dtype_of(dtype)?)?)?);
                     }
                     Some(Deepstack { row_of: row_of.clone(), layers })

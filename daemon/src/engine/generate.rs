@@ -250,7 +250,7 @@ pub fn begin(
     // A split model's other ranks restore the same prefix from their own
     // stores, or it is computed.
     let reuse = match (reuse, &keys) {
-        (Some(mut r), Some(k)) => match model.lm.adopt_prefix(&mut r.cache, &k.to_bytes()) {
+        (Some(mut r), Some(k)) => match model.lm.adopt_prefix(&mut r.cache, &|| k.to_bytes()) {
             Ok(true) => Some(r),
             Ok(false) => None,
             Err(e) => return Err(EngineError::inference(e)),

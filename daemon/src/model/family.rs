@@ -87,10 +87,11 @@ pub trait LanguageModel {
     }
 
     /// A split model's other ranks make `cache`, a prefix rank 0 restored
-    /// from its prompt cache (`keys`: the prompt cache's encoding of its
-    /// names), from their own; false when one of them lacks part of it
-    /// (the prefix is then computed). A whole model has nothing to do.
-    fn adopt_prefix(&self, _cache: &mut KvCache, _keys: &[u8]) -> Result<bool> {
+    /// from its prompt cache (`keys` gives the prompt cache's encoding of
+    /// its names), from their own; false when one of them lacks part of it
+    /// (the prefix is then computed). A whole model has nothing to do (and
+    /// encodes nothing).
+    fn adopt_prefix(&self, _cache: &mut KvCache, _keys: &dyn Fn() -> Vec<u8>) -> Result<bool> {
         Ok(true)
     }
 }

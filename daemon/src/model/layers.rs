@@ -267,6 +267,14 @@ impl Embedding {
         })
     }
 
+    /// Rows of the table (its vocabulary).
+    pub fn rows(&self) -> i32 {
+        match self {
+            Embedding::Dense(w) => w.shape()[0],
+            Embedding::Quantized(q) => q.weight.shape()[0],
+        }
+    }
+
     /// Bytes the table occupies.
     pub fn nbytes(&self) -> usize {
         match self {

@@ -461,6 +461,7 @@ async fn stopped_within_ten_seconds(g: &Group, prompt: &str, signal: i32) -> Str
     let outcome =
         tokio::time::timeout(Duration::from_secs(30), stream.collect_text()).await.expect("no answer in 30 s");
     let err = outcome.expect_err("the generation went on without its worker");
+    eprintln!("signal {signal}: the client's error after {:?}", t.elapsed());
     assert!(t.elapsed() < Duration::from_secs(10), "the error took {:?}", t.elapsed());
     assert!(matches!(kind_of(&err), Some(ErrorKind::RankStopped)), "{err:?}");
     err.to_string()

@@ -256,14 +256,6 @@ pub struct Gemma4Text {
     split: Split,
 }
 
-/// Rows of an embedding table (its vocabulary).
-fn embedding_rows(e: &Embedding) -> i32 {
-    match e {
-        Embedding::Dense(w) => w.shape()[0],
-        Embedding::Quantized(q) => q.weight.shape()[0],
-    }
-}
-
 /// A scale as mlx-vlm multiplies it in: a Python float takes the array's
 /// dtype, so bf16 weights see it rounded to bf16.
 fn scale_in(value: f64, dtype: Dtype) -> Result<Array> {
@@ -378,7 +370,7 @@ impl Gemma4Text {
         }
         let per_layer = if c.hidden_size_per_layer_input > 0 {
             let embed = t.embedding(&format!("{m}.embed_tokens_per_layer"))?;
-            let embed_split = split.vocab.is_some() && embedding_rows(&embed) == c.vocab_size;
+            let embed_split = split.vocab.is_some() && embed.rows() == c.vocab_size;
             Some(PerLayer {
                 width: c.hidden_size_per_layer_input,
                 embed_split,

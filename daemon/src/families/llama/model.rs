@@ -69,8 +69,6 @@ impl Transformer {
         let split =
             Split::plan(shard, config.num_heads, &[config.num_kv_heads], config.intermediate_size, config.vocab_size);
         let (heads, kv_heads) = (split.heads(config.num_heads), split.heads(config.num_kv_heads));
-        let out_block = |l: Linear, width: i32, on: bool| split.rows(l, width, on);
-        let in_block = |l: Linear, width: i32, on: bool| split.cols(l, width, on);
         let (attn_on, mlp_on) = (split.attention, split.mlp);
         let (hd, ff) = (config.head_dim, config.intermediate_size);
         let mut layers = Vec::with_capacity(config.num_layers as usize);
@@ -80,25 +78,33 @@ impl Transformer {
                 attn: Attention {
                     qkv: FusedLinear::new(
                         vec![
-                            out_block(t.linear(&format!("{p}.self_attn.q_proj"))?, config.num_heads * hd, attn_on)?,
-                            out_block(t.linear(&format!("{p}.self_attn.k_proj"))?, config.num_kv_heads * hd, attn_on)?,
-                            out_block(t.linear(&format!("{p}.self_attn.v_proj"))?, config.num_kv_heads * hd, attn_on)?,
+                            split.rows(t.linear(&format!("{p}.self_attn.q_proj"))?, config.num_heads * hd, attn_on)?,
+                            split.rows(
+                                t.linear(&format!("{p}.self_attn.k_proj"))?,
+                                config.num_kv_heads * hd,
+                                attn_on,
+                            )?,
+                            split.rows(
+                                t.linear(&format!("{p}.self_attn.v_proj"))?,
+                                config.num_kv_heads * hd,
+                                attn_on,
+                            )?,
                         ],
                         t.fusion,
                     )?,
-                    o_proj: in_block(t.linear(&format!("{p}.self_attn.o_proj"))?, config.num_heads * hd, attn_on)?,
+                    o_proj: split.cols(t.linear(&format!("{p}.self_attn.o_proj"))?, config.num_heads * hd, attn_on)?,
                     q_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.q_norm.weight"))?) } else { None },
                     k_norm: if qk_norm { Some(t.float(&format!("{p}.self_attn.k_norm.weight"))?) } else { None },
                 },
                 mlp: Mlp {
                     gate_up: FusedLinear::new(
                         vec![
-                            out_block(t.linear(&format!("{p}.mlp.gate_proj"))?, ff, mlp_on)?,
-                            out_block(t.linear(&format!("{p}.mlp.up_proj"))?, ff, mlp_on)?,
+                            split.rows(t.linear(&format!("{p}.mlp.gate_proj"))?, ff, mlp_on)?,
+                            split.rows(t.linear(&format!("{p}.mlp.up_proj"))?, ff, mlp_on)?,
                         ],
                         t.fusion,
                     )?,
-                    down_proj: in_block(t.linear(&format!("{p}.mlp.down_proj"))?, ff, mlp_on)?,
+                    down_proj: split.cols(t.linear(&format!("{p}.mlp.down_proj"))?, ff, mlp_on)?,
                 },
                 input_layernorm: t.float(&format!("{p}.input_layernorm.weight"))?,
                 post_attention_layernorm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,
