@@ -41,8 +41,8 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             let s = client.status().await?;
             writeln!(
                 out,
-                "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}",
-                "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE"
+                "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  {}",
+                "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE", "WEIGHTS"
             )?;
             for m in &s.loaded {
                 let until = match m.expires_in_s {
@@ -51,14 +51,15 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 };
                 writeln!(
                     out,
-                    "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}",
+                    "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  {}",
                     m.name,
                     m.architecture,
                     mib(m.memory_bytes),
                     if m.pinned { "yes" } else { "" },
                     crate::human_duration(m.keep_alive),
                     until,
-                    format!("{}s ago", m.idle_s)
+                    format!("{}s ago", m.idle_s),
+                    m.batch_weights
                 )?;
             }
             if !s.sequences.is_empty() {

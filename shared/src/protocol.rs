@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 14;
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -705,6 +705,10 @@ pub struct LoadedModel {
     pub context_length: u32,
     /// Kept regardless of idleness and memory pressure (keep-alive "forever").
     pub pinned: bool,
+    /// How its weights serve batched steps: "packed", "packed + dense
+    /// copies for batches", "packed, expanded per batched step" (the
+    /// memory budget decides on CUDA), "-" for a model without that choice.
+    pub batch_weights: String,
 }
 
 /// One thing the daemon let go of under memory pressure.

@@ -89,6 +89,7 @@ pub fn spawn(
     let form = crate::model::options::ModelOptions {
         form: WeightForm::for_device(&device, options.weights),
         fusion: options.fusion,
+        batch: crate::model::layers::BatchWeights::for_device(options.batch),
         shard: None,
     };
     let decode = crate::model::decode_step::DecodeMode::for_device(device_name == "gpu", options.decode);
@@ -112,6 +113,7 @@ pub fn spawn(
     );
     let settings = settings.clone();
     let prefill_chunk = settings.prefill_chunk.unwrap_or_else(|| prefill_chunk_for(on_gpu));
+    let warm_rows = warm_rows_for(on_gpu, max_batch);
     let prompt_ram_bytes =
         settings.prompt_cache_ram_bytes.unwrap_or_else(|| (1u64 << 30).min(memory::total_bytes() / 8));
     let (prompt_disk, prompt_shared) = (handle.prompt_disk.clone(), handle.prompt_shared.clone());
@@ -127,6 +129,7 @@ pub fn spawn(
                 let mut r = Residency::new(settings.keep_alive, settings.max_loaded_models, memory_budget);
                 r.device = device_for_keys;
                 r.decode = decode;
+                r.warm_rows = warm_rows;
                 r.cluster = cluster.map(|coordinator| residency::SplitModels {
                     coordinator,
                     names: settings.cluster.sharded.iter().cloned().collect(),
@@ -188,6 +191,20 @@ pub fn prefill_chunk_for(on_gpu: bool) -> usize {
 }
 const PREFILL_CHUNK_CPU: usize = 512;
 const PREFILL_CHUNK_GPU: usize = 2048;
+
+/// Batch sizes a newly loaded model warms while the engine is idle: on a
+/// GPU the powers of two from 2 up to `max_batch` (MLX compiles a GPU's
+/// kernels at first use); none on a CPU. `MLXBC_WARM_BATCHES=2,4` (a
+/// diagnostic, and how the tests run the warming on a CPU) names them.
+pub fn warm_rows_for(on_gpu: bool, max_batch: usize) -> Vec<usize> {
+    if let Ok(list) = std::env::var("MLXBC_WARM_BATCHES") {
+        return list.split(',').filter_map(|n| n.trim().parse().ok()).filter(|&n| n >= 2).collect();
+    }
+    if !on_gpu {
+        return Vec::new();
+    }
+    std::iter::successors(Some(2usize), |n| Some(n * 2)).take_while(|&n| n <= max_batch.max(2)).collect()
+}
 
 /// Sequences of one model admitted at once when the settings name no
 /// `max_batch`. A GPU's decode step costs about the same for 1 or 128 rows

@@ -61,6 +61,10 @@ pub struct Residency {
     pub cluster: Option<SplitModels>,
     /// How decode steps are built: a compiled step is traced at load.
     pub decode: crate::model::decode_step::DecodeMode,
+    /// Batch sizes whose paths a newly loaded model warms while the engine
+    /// is idle (`Model::warm_batches`): a GPU's powers of two up to its
+    /// `max_batch`; none on a CPU, which compiles nothing for them.
+    pub warm_rows: Vec<usize>,
 }
 
 /// Which models are split over the group rank 0 leads: those named in
@@ -157,6 +161,15 @@ pub fn estimated_bytes(path: &Path, form: WeightForm) -> u64 {
     }
 }
 
+/// Bytes of f16 copies of a quantized model's matrices, from the packed
+/// `estimate`: 16 bits a weight against ~4.5 packed (4-bit with group-64
+/// scales and biases; GGUF K-quants average more, so this errs high).
+pub fn dense_copy_bytes(path: &Path, estimate: u64) -> u64 {
+    let config = crate::model::read_json(&path.join("config.json")).ok().flatten().unwrap_or_default();
+    let bits = config.get("quantization").and_then(|q| q.get("bits")).and_then(|b| b.as_u64()).unwrap_or(4);
+    estimate * 16 * 2 / (2 * bits + 1).max(1)
+}
+
 impl Residency {
     /// No models yet; `default_keep_alive` applies when a request names none.
     pub fn new(default_keep_alive: KeepAlive, max_loaded: usize, budget_bytes: u64) -> Self {
@@ -169,6 +182,7 @@ impl Residency {
             device: String::new(),
             cluster: None,
             decode: crate::model::decode_step::DecodeMode::Eager,
+            warm_rows: Vec::new(),
         }
     }
 
@@ -299,6 +313,7 @@ impl Residency {
         let split = split.map(|c| c.coordinator.clone());
         let size = split.as_ref().map_or(1, |c| c.size() as u64);
         self.make_room(&resolved.name, estimate / size)?;
+        let form = self.choose_batch_weights(&resolved.name, &resolved.path, form, estimate, split.is_some());
         let t = Instant::now();
         tracing::info!(model = %resolved.name, path = %resolved.path.display(), split = split.is_some(), "loading model");
         let before = mlx_rs::memory::active_memory().unwrap_or(0);
@@ -314,6 +329,8 @@ impl Residency {
         }?;
         let model = match loaded {
             crate::families::LoadedModel::Chat(mut model) => {
+                model.batch_weights = form.batch;
+                *model.warm_pending.borrow_mut() = self.warm_rows.clone();
                 model.warm_up().and_then(|()| model.warm_decode(self.decode)).map_err(
                     |e| match EngineError::inference(e) {
                         EngineError::RankStopped(why) => EngineError::RankStopped(why),
@@ -363,6 +380,63 @@ impl Residency {
             },
         );
         Ok((resolved.name, model, load_ms))
+    }
+
+    /// `form` with dense copies for batches only where the budget holds
+    /// them beside the model and what is resident (without unloading
+    /// anything for them); otherwise expanded per step, as a split model
+    /// always is (its ranks have no budget of their own).
+    fn choose_batch_weights(
+        &self,
+        name: &str,
+        path: &Path,
+        mut form: crate::model::options::ModelOptions,
+        estimate: u64,
+        split: bool,
+    ) -> crate::model::options::ModelOptions {
+        use crate::model::layers::BatchWeights;
+        if form.batch != BatchWeights::Dense {
+            return form;
+        }
+        let copies = dense_copy_bytes(path, estimate);
+        let free = self.budget_bytes.saturating_sub(self.used_bytes() + estimate);
+        if split || copies > free {
+            tracing::info!(
+                model = %name,
+                copies_mib = copies / MIB,
+                free_mib = free / MIB,
+                split,
+                "batched steps expand the packed weights per step (no room for dense copies)"
+            );
+            form.batch = BatchWeights::Expand;
+        }
+        form
+    }
+
+    /// Warms one pending batch size of one resident model (the first found);
+    /// false when none is pending. A failure is logged and ends that
+    /// model's warming: it costs the first burst a stall, nothing more.
+    pub fn warm_next(&self) -> bool {
+        for (name, r) in &self.models {
+            let Servable::Chat(m) = &r.model else { continue };
+            let Some(rows) = m.warm_pending.borrow().first().copied() else { continue };
+            match m.warm_batches(&[rows]) {
+                Ok(()) => {
+                    m.warm_pending.borrow_mut().remove(0);
+                }
+                Err(e) => {
+                    tracing::warn!(model = %name, rows, error = %format!("{e:#}"), "warming batched paths failed");
+                    m.warm_pending.borrow_mut().clear();
+                }
+            }
+            return true;
+        }
+        false
+    }
+
+    /// True while a resident model has batch sizes left to warm.
+    pub fn warming(&self) -> bool {
+        self.models.values().any(|r| matches!(&r.model, Servable::Chat(m) if !m.warm_pending.borrow().is_empty()))
     }
 
     /// The resident chat model of that canonical name, as a handle.
@@ -441,6 +515,13 @@ impl Residency {
                     Servable::Speech(_) => 0,
                 },
                 pinned: r.clock.pinned(),
+                batch_weights: match &r.model {
+                    Servable::Chat(m) if !m.warm_pending.borrow().is_empty() => {
+                        format!("{} (warming batches)", m.batch_weights.describe())
+                    }
+                    Servable::Chat(m) => m.batch_weights.describe().to_string(),
+                    Servable::Speech(_) => "-".to_string(),
+                },
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -63,7 +63,10 @@ impl Engine {
             // when nothing is generating (waking at least every
             // PRESSURE_POLL to look at the machine's memory).
             let mut pending = false;
-            let mut first = if self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped {
+            // While a model warms its batch paths the engine does not block:
+            // a piece of warming runs between looks at the jobs.
+            let warming = self.residency.warming();
+            let mut first = if self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped && !warming {
                 let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
                 match rx.recv_timeout(wait) {
                     Ok(c) => Some(c),
@@ -143,6 +146,14 @@ impl Engine {
                 // Its request is coming (image bytes being resent, or being prepared): keep its model.
                 self.publish();
                 continue;
+            }
+            // Idle: warm one batch size of a newly loaded model (never ahead of a request).
+            if warming && self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped {
+                self.residency.warm_next();
+                self.publish();
+                if self.residency.warming() {
+                    continue;
+                }
             }
             self.housekeeping();
         }

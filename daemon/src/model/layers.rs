@@ -31,6 +31,47 @@ impl LayerNorm {
     }
 }
 
+/// How quantized matrices serve steps of more than one row (a decode
+/// batch, a prompt chunk): chosen per model at load, applied per step by
+/// row count ([`Quantized::matmul`]).
+///
+/// MLX's CUDA quantized matmul does not batch: on an H200 an 8B-shaped
+/// step's projections cost 5.7 ms for one row and 190 ms for 64, while the
+/// same weights dense cost 5-6.5 ms at any row count, and the packed
+/// weights expanded inside the step a flat ~20 ms
+/// (docs/measurements/gpu-2026-12-04-quantized-matmul-by-rows.md). Metal's
+/// and the CPU's quantized kernels do batch: there it stays [`Self::Packed`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BatchWeights {
+    /// The packed matmul at every row count.
+    #[default]
+    Packed,
+    /// A dense copy (the scales' dtype) beside the packed weights, used
+    /// from [`DENSE_FROM_ROWS`] rows: 3.5x the packed bytes on top of them.
+    Dense,
+    /// The packed weights expanded inside steps from [`EXPAND_FROM_ROWS`]
+    /// rows, no copy kept: when the budget has no room for dense copies.
+    Expand,
+}
+
+impl BatchWeights {
+    /// How `mlxbc ps` names it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            BatchWeights::Packed => "packed",
+            BatchWeights::Dense => "packed + dense copies for batches",
+            BatchWeights::Expand => "packed, expanded per batched step",
+        }
+    }
+}
+
+/// Rows from which a dense copy replaces the packed matmul (H200: 5.8 ms
+/// against 9.7 at two rows; at one row packed is as fast and reads 3.5x fewer bytes).
+pub const DENSE_FROM_ROWS: i32 = 2;
+/// Rows from which expanding the packed weights inside the step beats the
+/// packed matmul (H200: 20.4 ms against 17.7 at four rows, 28.5 at eight).
+pub const EXPAND_FROM_ROWS: i32 = 6;
+
 /// MLX affine quantization of a weight matrix (`weight` packed in uint32).
 #[derive(Debug, Clone)]
 pub struct Quantized {
@@ -39,12 +80,62 @@ pub struct Quantized {
     pub biases: Array,
     pub group_size: i32,
     pub bits: i32,
+    /// How steps of several rows use it ([`BatchWeights`]); set by [`Self::widen`].
+    pub batch: BatchWeights,
+    /// The dense copy when `batch` is [`BatchWeights::Dense`].
+    pub dense: Option<Array>,
 }
 
 impl Quantized {
+    /// Packed weights as read from a file (no dense copy).
+    pub fn new(weight: Array, scales: Array, biases: Array, group_size: i32, bits: i32) -> Self {
+        Self { weight, scales, biases, group_size, bits, batch: BatchWeights::Packed, dense: None }
+    }
+
     /// Expands to a dense matrix of the scales' dtype.
     pub fn dequantize(&self) -> Result<Array> {
         Ok(ops::dequantize(&self.weight, &self.scales, &self.biases, self.group_size, self.bits)?)
+    }
+
+    /// The same weights serving batches as `batch` says (a dense copy,
+    /// lazily built, for [`BatchWeights::Dense`]).
+    pub fn widen(mut self, batch: BatchWeights) -> Result<Self> {
+        self.dense = match batch {
+            BatchWeights::Dense => Some(self.dequantize()?),
+            _ => None,
+        };
+        self.batch = batch;
+        Ok(self)
+    }
+
+    /// Another cut of the same matrix (a shard's rows or columns), serving
+    /// batches as this one does.
+    pub fn with_parts(&self, weight: Array, scales: Array, biases: Array) -> Result<Self> {
+        Quantized::new(weight, scales, biases, self.group_size, self.bits).widen(self.batch)
+    }
+
+    /// `x W^T` over `x`'s last axis, with the weights' form chosen by the
+    /// step's row count (all axes but the last).
+    pub fn matmul(&self, x: &Array) -> Result<Array> {
+        let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
+        Ok(match (&self.dense, self.batch) {
+            (Some(dense), _) if rows >= DENSE_FROM_ROWS => x.matmul(dense.t())?,
+            (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => x.matmul(self.dequantize()?.t())?,
+            _ => ops::quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, self.group_size, self.bits)?,
+        })
+    }
+
+    /// The arrays that hold it (the dense copy too).
+    pub fn arrays(&self) -> Vec<&Array> {
+        [Some(&self.weight), Some(&self.scales), Some(&self.biases), self.dense.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// Bytes it occupies (the dense copy too).
+    pub fn nbytes(&self) -> usize {
+        self.arrays().iter().map(|a| a.nbytes()).sum()
     }
 }
 
@@ -62,7 +153,7 @@ impl Linear {
             Linear::Dense { weight, bias: None } => x.matmul(weight.t())?,
             Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, weight.t(), None, None)?,
             Linear::Quantized { q, bias } => {
-                let y = ops::quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, q.group_size, q.bits)?;
+                let y = q.matmul(x)?;
                 match bias {
                     Some(b) => y.add(b)?,
                     None => y,
@@ -75,9 +166,7 @@ impl Linear {
     pub fn arrays(&self) -> Vec<&Array> {
         match self {
             Linear::Dense { weight, bias } => [Some(weight), bias.as_ref()].into_iter().flatten().collect(),
-            Linear::Quantized { q, bias } => {
-                [Some(&q.weight), Some(&q.scales), Some(&q.biases), bias.as_ref()].into_iter().flatten().collect()
-            }
+            Linear::Quantized { q, bias } => q.arrays().into_iter().chain(bias.as_ref()).collect(),
         }
     }
 
@@ -94,9 +183,7 @@ impl Linear {
     pub fn nbytes(&self) -> usize {
         match self {
             Linear::Dense { weight, bias } => weight.nbytes() + bias.as_ref().map_or(0, |b| b.nbytes()),
-            Linear::Quantized { q, bias } => {
-                q.weight.nbytes() + q.scales.nbytes() + q.biases.nbytes() + bias.as_ref().map_or(0, |b| b.nbytes())
-            }
+            Linear::Quantized { q, bias } => q.nbytes() + bias.as_ref().map_or(0, |b| b.nbytes()),
         }
     }
 }
@@ -210,13 +297,15 @@ fn fuse(parts: &[Linear]) -> Result<Option<FusedLinear>> {
                 .collect();
             let Some(qs) = qs else { return Ok(None) };
             let cat = |f: fn(&Quantized) -> &Array| ops::concatenate(&qs.iter().map(|q| f(q)).collect::<Vec<_>>(), 0);
-            let q = Quantized {
-                weight: cat(|q| &q.weight)?,
-                scales: cat(|q| &q.scales)?,
-                biases: cat(|q| &q.biases)?,
-                group_size: first.group_size,
-                bits: first.bits,
-            };
+            // The parts' dense copies (lazy, never evaluated) give way to the whole's.
+            let q = Quantized::new(
+                cat(|q| &q.weight)?,
+                cat(|q| &q.scales)?,
+                cat(|q| &q.biases)?,
+                first.group_size,
+                first.bits,
+            )
+            .widen(first.batch)?;
             Linear::Quantized { q, bias }
         }
         [] => return Ok(None),
@@ -261,9 +350,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         Ok(match self {
             Embedding::Dense(w) => x.matmul(w.t())?,
-            Embedding::Quantized(q) => {
-                ops::quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, q.group_size, q.bits)?
-            }
+            Embedding::Quantized(q) => q.matmul(x)?,
         })
     }
 
@@ -279,7 +366,7 @@ impl Embedding {
     pub fn nbytes(&self) -> usize {
         match self {
             Embedding::Dense(w) => w.nbytes(),
-            Embedding::Quantized(q) => q.weight.nbytes() + q.scales.nbytes() + q.biases.nbytes(),
+            Embedding::Quantized(q) => q.nbytes(),
         }
     }
 }
@@ -305,7 +392,7 @@ mod tests {
         let w = mlx_rs::random::normal::<f32>(&[rows, cols], None, None, None).unwrap();
         let (weight, scales, biases) = ops::quantize(&w, 32, bits).unwrap();
         let bias = bias.then(|| mlx_rs::random::normal::<f32>(&[rows], None, None, None).unwrap());
-        Linear::Quantized { q: Quantized { weight, scales, biases, group_size: 32, bits }, bias }
+        Linear::Quantized { q: Quantized::new(weight, scales, biases, 32, bits), bias }
     }
 
     fn dense(rows: i32, cols: i32) -> Linear {
@@ -341,6 +428,37 @@ mod tests {
     #[test]
     fn dense_projections_fuse_exactly() {
         assert_fused_equals_separate(vec![dense(96, 64), dense(32, 64), dense(32, 64)], true);
+    }
+
+    /// The weights' form follows the step's rows: packed for one row (and
+    /// below the expansion threshold), the dense copy or the expansion
+    /// above, which compute the same numbers; both stay within rounding of
+    /// the packed matmul.
+    #[test]
+    fn batched_steps_use_the_form_their_rows_call_for() {
+        let Linear::Quantized { q, .. } = quantized(96, 64, 4, false) else { unreachable!() };
+        let packed = |x: &Array| ops::quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, 32, 4).unwrap();
+        let expanded = |x: &Array| x.matmul(q.dequantize().unwrap().t()).unwrap();
+        let dense = q.clone().widen(BatchWeights::Dense).unwrap();
+        let expand = q.clone().widen(BatchWeights::Expand).unwrap();
+        assert!(dense.dense.is_some() && expand.dense.is_none());
+        assert_eq!(dense.nbytes(), q.nbytes() + 96 * 64 * 4, "the f32 copy is counted");
+        for (batch, rows) in [(1, 1), (2, 1), (1, 3), (4, 1), (8, 1), (2, 5)] {
+            let x = mlx_rs::random::normal::<f32>(&[batch, rows, 64], None, None, None).unwrap();
+            let n = batch * rows;
+            let want_dense = if n >= DENSE_FROM_ROWS { expanded(&x) } else { packed(&x) };
+            assert!(dense.matmul(&x).unwrap().eq_values(&want_dense).unwrap(), "dense copy at {n} rows");
+            let want_expand = if n >= EXPAND_FROM_ROWS { expanded(&x) } else { packed(&x) };
+            assert!(expand.matmul(&x).unwrap().eq_values(&want_expand).unwrap(), "expanded at {n} rows");
+            assert!(q.matmul(&x).unwrap().eq_values(&packed(&x)).unwrap(), "packed at {n} rows");
+            let gap: f32 =
+                ops::abs(&expanded(&x).subtract(&packed(&x)).unwrap()).unwrap().max(None).unwrap().item_cast();
+            assert!(gap < 1e-3, "dense and packed differ by {gap}");
+        }
+        // A shard's cut keeps the choice, with a copy of its own shape.
+        let cut = dense.with_parts(q.weight.clone(), q.scales.clone(), q.biases.clone()).unwrap();
+        assert_eq!(cut.batch, BatchWeights::Dense);
+        assert_eq!(cut.dense.as_ref().unwrap().shape(), &[96, 64]);
     }
 
     #[test]

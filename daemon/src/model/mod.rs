@@ -314,6 +314,11 @@ pub struct Model {
     /// The identity of this model's KV (weights, load form, device), which
     /// the prompt cache's block names start from; `None`: not cached.
     pub kv_root: Option<[u8; 32]>,
+    /// How its quantized matrices serve batched steps (`mlxbc ps` says).
+    pub batch_weights: layers::BatchWeights,
+    /// Batch sizes whose paths are still to be warmed ([`Self::warm_batches`]),
+    /// one at a time while the engine is idle; `mlxbc ps` says "warming".
+    pub warm_pending: RefCell<Vec<usize>>,
     /// llguidance's view of the tokenizer, for constrained requests (built
     /// on the first one: a trie of every token's bytes).
     constraints: std::cell::OnceCell<Result<Arc<llguidance::ParserFactory>, String>>,
@@ -353,6 +358,8 @@ impl Model {
             kv_shapes: Vec::new(),
             kv_block_bytes_per_position: 0,
             kv_root: None,
+            batch_weights: layers::BatchWeights::Packed,
+            warm_pending: RefCell::default(),
             constraints: Default::default(),
         }
     }
@@ -393,6 +400,14 @@ impl Model {
         let mut cache = KvCache::new(self.lm.num_layers());
         let h = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &positions::MediaPositions::default())?;
         self.lm.logits(&h)?.eval()?;
+        if self.batch_weights == layers::BatchWeights::Dense {
+            // Two rows take the dense copies (the output head's too): they
+            // are made now, and counted in the memory the load took.
+            let two = mlx_rs::Array::from_slice(&[0u32, 0], &[2, 1]);
+            let mut scratch = KvCache::batch(self.lm.num_layers(), vec![0, 0]);
+            let h = self.lm.forward(&self.lm.embed(&two)?, &mut scratch, &positions::MediaPositions::default())?;
+            self.lm.logits(&h)?.eval()?;
+        }
         self.kv_bytes_per_position = cache.nbytes() / cache.capacity().max(1) as u64;
         self.state_layout = kv_cache::state_layout(cache.states());
         self.kv_shapes = cache.kv_shapes();
@@ -419,6 +434,50 @@ impl Model {
         self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &positions::MediaPositions::default())?.eval()?;
         compiled.borrow_mut().step(&ids, &mut cache)?.eval()?;
         tracing::debug!(ms = t.elapsed().as_secs_f64() * 1000.0, "compiled decode step traced");
+        Ok(())
+    }
+
+    /// Runs the batched paths once at each of `rows` (padded batched
+    /// prefill, batched decode steps, a row leaving and one joining, a
+    /// sampled pick): on a GPU, MLX compiles kernels (NVRTC, ~5 s each on
+    /// an H200) at their first use, which a first burst of clients would
+    /// otherwise wait for (40 s on an 8B shape, 99 s on SmolLM2, issue "The
+    /// GPU step at real sizes"). Kept in MLX's kernel cache under the
+    /// daemon's home, a restarted daemon finds them compiled. With dense
+    /// copies for batches, the first batched step also materializes them.
+    pub fn warm_batches(&self, rows: &[usize]) -> Result<()> {
+        use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+        let plain = positions::MediaPositions::default();
+        let t = std::time::Instant::now();
+        for &n in rows.iter().filter(|&&n| n >= 2) {
+            let n = n as i32;
+            // Row i is padded by i % 2 positions, as prompts of two lengths are.
+            let pads: Vec<i32> = (0..n).map(|i| i % 2).collect();
+            let mut cache = KvCache::batch(self.lm.num_layers(), pads);
+            let ids = mlx_rs::Array::from_slice(&vec![0u32; (n * 3) as usize], &[n, 3]);
+            let h = self.lm.forward(&self.lm.embed(&ids.index((.., 0..2)))?, &mut cache, &plain)?;
+            h.eval()?;
+            let h = self.lm.forward(&self.lm.embed(&ids.index((.., 2..3)))?, &mut cache, &plain)?;
+            let mut next = argmax_axis(&self.lm.logits(&h)?, -1, None)?.reshape(&[-1, 1])?;
+            for _ in 0..2 {
+                let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
+                next = argmax_axis(&logits, -1, None)?.reshape(&[-1, 1])?;
+                next.eval()?;
+            }
+            // A sampled row's pick (temperature, top-k, top-p).
+            let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
+            let params = mlxbc_shared::SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(0) };
+            let row = logits.index((0..1, ..));
+            crate::decoding::sampling::Sampler::new(params)?.pick(&row)?.eval()?;
+            // The first row leaves; a row prefilled alone joins.
+            cache.keep_rows(&(1..n as usize).collect::<Vec<_>>())?;
+            let mut alone = KvCache::new(self.lm.num_layers());
+            self.lm.forward(&self.lm.embed(&ids.index((0..1, ..)))?, &mut alone, &plain)?.eval()?;
+            cache.join(alone)?;
+            let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
+            argmax_axis(&logits, -1, None)?.eval()?;
+        }
+        tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, ?rows, "batched paths warmed");
         Ok(())
     }
 

@@ -8,9 +8,14 @@
 //!   device's fastest; docs/benchmarks.md "Compute dtype"),
 //! - `MLXBC_DECODE=eager|compiled`: force how decode steps are built,
 //! - `MLXBC_FUSE=0|dense`: keep q/k/v and gate/up projections separate
-//!   (all of them, or the quantized ones).
+//!   (all of them, or the quantized ones),
+//! - `MLXBC_BATCH_WEIGHTS=packed|dense|expand`: how quantized matrices serve
+//!   steps of several rows (default: dense copies on CUDA where the memory
+//!   budget holds them, else expanded per step; packed elsewhere:
+//!   [`BatchWeights`]).
 
 use crate::model::decode_step::DecodeMode;
+use crate::model::layers::BatchWeights;
 use crate::model::weights::WeightForm;
 
 /// Which projections may be fused into one matmul.
@@ -31,13 +36,16 @@ pub enum Fusion {
 pub struct ModelOptions {
     pub form: WeightForm,
     pub fusion: Fusion,
+    /// How quantized matrices serve batched steps (chosen per load by the
+    /// device and the memory budget: `engine::residency`).
+    pub batch: BatchWeights,
     /// `Some`: load only this rank's shard (tensor parallel).
     pub shard: Option<crate::distributed::Shard>,
 }
 
 impl From<WeightForm> for ModelOptions {
     fn from(form: WeightForm) -> Self {
-        Self { form, fusion: Fusion::All, shard: None }
+        Self { form, fusion: Fusion::All, batch: BatchWeights::Packed, shard: None }
     }
 }
 
@@ -49,6 +57,26 @@ pub struct EngineOptions {
     /// Force this decode step (None: the device's measured best).
     pub decode: Option<DecodeMode>,
     pub fusion: Fusion,
+    /// Force how quantized matrices serve batches (None: the device's choice, [`BatchWeights::for_device`]).
+    pub batch: Option<BatchWeights>,
+}
+
+impl BatchWeights {
+    /// `forced`, else what the device wants: dense copies on CUDA, whose
+    /// quantized matmul does not batch (the memory budget may still turn
+    /// them into [`BatchWeights::Expand`] at load); packed on Metal and CPU,
+    /// whose quantized kernels batch.
+    pub fn for_device(forced: Option<BatchWeights>) -> Self {
+        forced.unwrap_or(if cuda_available() { BatchWeights::Dense } else { BatchWeights::Packed })
+    }
+}
+
+/// True when MLX runs on CUDA (the CUDA `libmlx` is the one loaded).
+pub fn cuda_available() -> bool {
+    let mut yes = false;
+    // SAFETY: writes one bool.
+    let rc = unsafe { mlx_sys::mlx_cuda_is_available(&mut yes) };
+    rc == 0 && yes
 }
 
 impl EngineOptions {
@@ -60,10 +88,11 @@ impl EngineOptions {
             ("weights", settings.weights.clone()),
             ("decode", settings.decode.clone()),
             ("fuse", settings.fuse.clone()),
+            ("batch_weights", settings.batch_weights.clone()),
         ])
     }
 
-    fn read(file: &[(&str, Option<String>); 3]) -> Result<Self, String> {
+    fn read(file: &[(&str, Option<String>); 4]) -> Result<Self, String> {
         let var = |name: &str, key: &str| -> Option<(String, String)> {
             match std::env::var(name).ok().filter(|v| !v.is_empty()) {
                 Some(v) => Some((name.to_string(), v)),
@@ -94,7 +123,14 @@ impl EngineOptions {
             Some((_, v)) if v == "0" => Fusion::Off,
             Some(other) => return Err(bad(&other, "0, dense, 1")),
         };
-        Ok(Self { weights, decode, fusion })
+        let batch = match var("MLXBC_BATCH_WEIGHTS", "batch_weights") {
+            None => None,
+            Some((_, v)) if v == "packed" => Some(BatchWeights::Packed),
+            Some((_, v)) if v == "dense" => Some(BatchWeights::Dense),
+            Some((_, v)) if v == "expand" => Some(BatchWeights::Expand),
+            Some(other) => return Err(bad(&other, "packed, dense, expand")),
+        };
+        Ok(Self { weights, decode, fusion, batch })
     }
 }
 
@@ -114,7 +150,7 @@ mod tests {
     /// One test: the environment is the process's, shared by threads.
     #[test]
     fn config_values_are_used_and_the_environment_overrides_them() {
-        for v in ["MLXBC_WEIGHTS", "MLXBC_DECODE", "MLXBC_FUSE"] {
+        for v in ["MLXBC_WEIGHTS", "MLXBC_DECODE", "MLXBC_FUSE", "MLXBC_BATCH_WEIGHTS"] {
             std::env::remove_var(v);
         }
         let o = EngineOptions::from_settings_and_env(&settings(Some("dense"), Some("eager"))).unwrap();
@@ -126,5 +162,13 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(Some("fast"), None)).unwrap_err();
         assert!(e.contains("config.toml weights") && e.contains("dense, packed"), "{e}");
         assert_eq!(EngineOptions::from_settings_and_env(&settings(None, None)).unwrap(), EngineOptions::default());
+        std::env::set_var("MLXBC_BATCH_WEIGHTS", "expand");
+        let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
+        assert_eq!(o.batch, Some(BatchWeights::Expand));
+        std::env::set_var("MLXBC_BATCH_WEIGHTS", "wide");
+        let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
+        assert!(e.contains("MLXBC_BATCH_WEIGHTS") && e.contains("packed, dense, expand"), "{e}");
+        std::env::remove_var("MLXBC_BATCH_WEIGHTS");
+        assert!(!cuda_available(), "this test runs on the CPU build");
     }
 }

@@ -211,12 +211,7 @@ fn cols(a: &Array, start: i32, end: i32) -> Result<Array> {
 }
 
 fn quantized_rows(q: &Quantized, start: i32, end: i32) -> Result<Quantized> {
-    Ok(Quantized {
-        weight: rows(&q.weight, start, end)?,
-        scales: rows(&q.scales, start, end)?,
-        biases: rows(&q.biases, start, end)?,
-        ..q.clone()
-    })
+    q.with_parts(rows(&q.weight, start, end)?, rows(&q.scales, start, end)?, rows(&q.biases, start, end)?)
 }
 
 /// Output rows `[start, end)` of a projection (its bias alike).
@@ -243,12 +238,11 @@ pub fn linear_cols(l: &Linear, start: i32, end: i32, keep_bias: bool) -> Result<
                     q.group_size
                 );
             }
-            let q = Quantized {
-                weight: cols(&q.weight, start / per_word, end / per_word)?,
-                scales: cols(&q.scales, start / q.group_size, end / q.group_size)?,
-                biases: cols(&q.biases, start / q.group_size, end / q.group_size)?,
-                ..q.clone()
-            };
+            let q = q.with_parts(
+                cols(&q.weight, start / per_word, end / per_word)?,
+                cols(&q.scales, start / q.group_size, end / q.group_size)?,
+                cols(&q.biases, start / q.group_size, end / q.group_size)?,
+            )?;
             Linear::Quantized { q, bias: bias(b) }
         }
     })

@@ -3,8 +3,8 @@
 //! compute form chosen for the device ([`WeightForm`]).
 
 use super::gguf::Gguf;
-use super::layers::{Embedding, Linear, Quantized};
-use crate::model::options::Fusion;
+use super::layers::{BatchWeights, Embedding, Linear, Quantized};
+use crate::model::options::{Fusion, ModelOptions};
 use anyhow::{bail, Context, Result};
 use mlx_rs::{Array, Dtype};
 use std::collections::HashMap;
@@ -48,8 +48,10 @@ pub struct TensorMap {
     default_group: i32,
     group_overrides: HashMap<String, i32>,
     form: WeightForm,
-    /// Which projections may share one matmul ([`TensorMap::with_fusion`]).
+    /// Which projections may share one matmul ([`TensorMap::with_options`]).
     pub fusion: Fusion,
+    /// How quantized matrices serve batched steps ([`TensorMap::with_options`]).
+    batch: BatchWeights,
 }
 
 impl TensorMap {
@@ -57,7 +59,14 @@ impl TensorMap {
     pub fn from_gguf(file: &Gguf, qk_rows: GgufQkRows, form: WeightForm) -> Result<Self> {
         let tensors = gguf_tensors(file, qk_rows)?;
         // Every GGUF block type that maps to affine quantization uses groups of 32.
-        Ok(Self { tensors, default_group: 32, group_overrides: HashMap::new(), form, fusion: Fusion::All })
+        Ok(Self {
+            tensors,
+            default_group: 32,
+            group_overrides: HashMap::new(),
+            form,
+            fusion: Fusion::All,
+            batch: BatchWeights::Packed,
+        })
     }
 
     /// Tensors from `*.safetensors` in `dir`; `quantization` is config.json's
@@ -92,21 +101,29 @@ impl TensorMap {
                 }
             }
         }
-        Ok(Self { tensors, default_group, group_overrides, form, fusion: Fusion::All })
+        Ok(Self { tensors, default_group, group_overrides, form, fusion: Fusion::All, batch: BatchWeights::Packed })
     }
 
     /// Tensors already in memory (dense or MLX-quantized with `group_size`).
     pub fn from_arrays(tensors: HashMap<String, Array>, group_size: i32, form: WeightForm) -> Self {
-        Self { tensors, default_group: group_size, group_overrides: HashMap::new(), form, fusion: Fusion::All }
+        Self {
+            tensors,
+            default_group: group_size,
+            group_overrides: HashMap::new(),
+            form,
+            fusion: Fusion::All,
+            batch: BatchWeights::Packed,
+        }
+    }
+
+    /// The same tensors, with projections fused as `options.fusion` allows
+    /// and quantized matrices serving batches as `options.batch` says.
+    pub fn with_options(self, options: &ModelOptions) -> Self {
+        Self { fusion: options.fusion, batch: options.batch, ..self }
     }
 
     /// The remaining tensors under `prefix`, renamed without it (e.g. a VLM's
     /// `language_model.` part for the text decoder).
-    /// The same tensors, with projections fused as `fusion` allows.
-    pub fn with_fusion(self, fusion: Fusion) -> Self {
-        Self { fusion, ..self }
-    }
-
     pub fn strip_prefix(self, prefix: &str) -> Self {
         let tensors =
             self.tensors.into_iter().filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v))).collect();
@@ -173,7 +190,7 @@ impl TensorMap {
                 scales.shape()
             );
         }
-        Ok(Some(Quantized { weight, scales, biases, group_size, bits }))
+        Ok(Some(Quantized::new(weight, scales, biases, group_size, bits).widen(self.batch)?))
     }
 
     /// A projection `prefix.weight` (+ `prefix.bias` when present).

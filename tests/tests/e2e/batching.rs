@@ -220,3 +220,60 @@ async fn admission_waits_for_kv_room_and_refuses_what_can_never_fit() {
     let (text, _) = waiter.await.unwrap().unwrap();
     assert!(text.contains("Paris"), "the waiting request is answered: {text:?}");
 }
+
+/// How a GPU's batches use quantized weights (issue "The GPU step at real
+/// sizes"), forced on the CPU build: packed weights with dense copies for
+/// batches, or expanded inside each batched step. `mlxbc ps` names the
+/// choice and says "warming batches" until the idle engine has run the
+/// batched paths at each size; every client of a burst gets its whole
+/// answer; the dense copies are counted in the model's memory. (That a
+/// batched step's numbers are the dense matmul's exactly, and within
+/// rounding of the packed one's, is model::layers' unit test: greedy ids
+/// of random tiny weights flip on such rounding.)
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_use_dense_copies_or_expanded_weights_as_chosen_and_warm_while_idle() {
+    const Q4: &str = "tiny-gemma4-4bit";
+    let mut memory = Vec::new();
+    for (mode, label) in
+        [("dense", "packed + dense copies for batches"), ("expand", "packed, expanded per batched step")]
+    {
+        let opts = DaemonOptions { models: vec![(Q4, fixture(&format!("mlx/{Q4}")))], args: Vec::new() };
+        let mut d = Daemon::prepare(&opts);
+        for (k, v) in [("MLXBC_WEIGHTS", "packed"), ("MLXBC_BATCH_WEIGHTS", mode), ("MLXBC_WARM_BATCHES", "2,8")] {
+            d.extra_env.push((k.into(), v.into()));
+        }
+        d.spawn(&[]);
+        let request = |i: usize| {
+            let mut r = greedy(Some(Q4), ["Tell me about boats.", "Why is the sky blue?"][i % 2], 10);
+            r.ignore_eos = true;
+            r
+        };
+        ask(&d.socket, request(0)).await.unwrap();
+        let warmed = |s: &mlxbc_client::DaemonStatus| s.loaded.iter().any(|m| m.batch_weights == label);
+        let mut c = d.client().await;
+        let mut status = c.status().await.unwrap();
+        for _ in 0..600 {
+            if warmed(&status) {
+                break;
+            }
+            assert!(
+                status.loaded.iter().all(|m| m.batch_weights == format!("{label} (warming batches)")),
+                "{mode}: {:?}",
+                status.loaded
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            status = c.status().await.unwrap();
+        }
+        assert!(warmed(&status), "{mode}: still warming after 60 s: {:?}", status.loaded);
+        let log = d.log_text();
+        for rows in ["rows=[2]", "rows=[8]"] {
+            assert!(log.contains("batched paths warmed") && log.contains(rows), "{mode}: no warm-up at {rows}");
+        }
+        memory.push(status.loaded[0].memory_bytes);
+        let got = together(&d, &(0..8).map(request).collect::<Vec<_>>(), &[0; 8]).await;
+        for (i, (_, s)) in got.iter().enumerate() {
+            assert_eq!(s.generated_tokens, 10, "{mode}: client {i} got an incomplete answer");
+        }
+    }
+    assert!(memory[0] > memory[1] * 3 / 2, "dense copies are made at load and counted: {memory:?} bytes");
+}

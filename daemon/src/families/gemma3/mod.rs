@@ -29,7 +29,7 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let vision: SiglipConfig =
         serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = raw.get("image_token_index").and_then(|v| v.as_u64()).unwrap_or(262144) as u32;
-    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_fusion(form.fusion);
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_options(&form);
     let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
     let side =
         pre.get("size").and_then(|s| s.get("height")).and_then(|h| h.as_u64()).unwrap_or(vision.image_size as u64)

@@ -164,9 +164,8 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
     let vision: Gemma4VisionConfig =
         serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = token_id(raw, "image_token_id", 258880);
-    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?
-        .with_fusion(form.fusion)
-        .renamed(mlx_vlm_name);
+    let mut tensors =
+        TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_options(&form).renamed(mlx_vlm_name);
     let ip = image_processor_config(dir)?;
     let soft_tokens = soft_token_budget(&ip, vision.default_output_length)?;
     let mut preprocess = vision::preprocess_for(&vision, soft_tokens, rescale_factor(&ip));

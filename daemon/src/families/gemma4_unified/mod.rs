@@ -42,9 +42,8 @@ pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, memo: O
         None => None,
     };
     let image_token_id = token_id(raw, "image_token_id", 258880);
-    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?
-        .with_fusion(form.fusion)
-        .renamed(mlx_vlm_name);
+    let mut tensors =
+        TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_options(&form).renamed(mlx_vlm_name);
     let ip = image_processor_config(dir)?;
     let preprocess = Gemma4Preprocess {
         patch: vision.patch_size,

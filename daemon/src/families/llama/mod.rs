@@ -22,7 +22,7 @@ pub fn load_gguf(file: &Gguf, form: ModelOptions) -> Result<Model> {
     let embd_rows = file.rows("token_embd.weight").unwrap_or(0) as i32;
     let config = TextConfig::from_gguf(file, has_output, embd_rows)?;
     let qk_rows = config.architecture.gguf_qk_rows(config.num_heads, config.num_kv_heads);
-    let tensors = TensorMap::from_gguf(file, qk_rows, form.form)?.with_fusion(form.fusion);
+    let tensors = TensorMap::from_gguf(file, qk_rows, form.form)?.with_options(&form);
     let tokenizer = tokenizer::from_gguf(file)?;
     let id = |key: &str| gguf_number(file, key).ok().map(|v| v as u32);
     let (bos, eos, eot) =
@@ -39,7 +39,7 @@ pub fn load_gguf(file: &Gguf, form: ModelOptions) -> Result<Model> {
 pub fn load_dir(dir: &Path, raw: &serde_json::Value, form: ModelOptions, _memo: Option<&sled::Tree>) -> Result<Model> {
     let config = TextConfig::from_hf_json(&raw.to_string()).context("config.json")?;
     let quantization = raw.get("quantization").or(raw.get("quantization_config"));
-    let tensors = TensorMap::from_safetensors_dir(dir, quantization, form.form)?.with_fusion(form.fusion);
+    let tensors = TensorMap::from_safetensors_dir(dir, quantization, form.form)?.with_options(&form);
     let (tokenizer, template, eos_ids) = chat_parts(dir, raw)?;
     let lm = Transformer::from_tensors(config, tensors, form.shard.as_ref())?;
     Ok(Model::new(Box::new(lm), tokenizer, template, eos_ids, None))

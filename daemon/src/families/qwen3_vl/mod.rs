@@ -57,7 +57,7 @@ pub(crate) fn load_parts(
     let vision: Qwen3VisionConfig =
         serde_json::from_value(raw["vision_config"].clone()).context("config.json vision_config")?;
     let image_token_id = raw.get("image_token_id").and_then(|v| v.as_u64()).unwrap_or(151655) as u32;
-    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_fusion(form.fusion);
+    let mut tensors = TensorMap::from_safetensors_dir(dir, quantization(raw), form.form)?.with_options(&form);
     let pre = read_json(&dir.join("preprocessor_config.json"))?.unwrap_or_default();
     let pixels = |size_key: &str, key: &str, default: u64| config_int(&pre, size_key, key, default);
     let preprocess = Qwen25Preprocess {
