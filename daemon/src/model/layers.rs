@@ -118,6 +118,14 @@ impl Quantized {
     /// step's row count (all axes but the last).
     pub fn matmul(&self, x: &Array) -> Result<Array> {
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
+        let k = x.shape().last().copied().unwrap_or(0);
+        if rows <= super::w4a16::rows_served()
+            && self.weight.ndim() == 2
+            && self.scales.dtype() == x.dtype()
+            && super::w4a16::serves(rows, k, self.bits, self.group_size, x.dtype())
+        {
+            return super::w4a16::matmul(x, &self.weight, &self.scales, &self.biases, self.group_size);
+        }
         Ok(match (&self.dense, self.batch) {
             (Some(dense), _) if rows >= DENSE_FROM_ROWS => x.matmul(dense.t())?,
             (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => x.matmul(self.dequantize()?.t())?,

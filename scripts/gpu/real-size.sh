@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Device side of issue "The GPU step at real sizes": the CUDA bundle against
+# random-weight models of real shapes (scripts/gpu/real/make_big.py: the
+# Qwen3-8B shape 4-bit group 64, as mlx-community ships 8B models, and the
+# Qwen2.5-0.5B shape), beside mlx-lm 0.32.2 on the same directories.
+# Staged here by `scripts/gpu/real-size.sh stage` into .dev/rs/c1..cN
+# (the bundle split under the 64 MiB a call carries; the last part with the
+# mlx/mlx-lm wheels and a Qwen tokenizer). On the device, call by call
+# (the machine keeps /tmp while warm):
+#   part N        copy part N (all but the last)
+#   install       the last part; extract the bundle, install the wheels,
+#                 write the models (~10 s for 8B)
+#   bursts MODEL  a fresh daemon (empty kernel cache): load, time the idle
+#                 warming of batch sizes, then 16, 16, 64, 64 clients (first
+#                 and second bursts), then 1/16/64 clients, 2 rounds
+#                 (BATCH_WEIGHTS=packed: the choice before this issue;
+#                 W4A16_ROWS=N: our kernel for steps of up to N rows)
+#   single MODEL  single stream, mlxbcd vs mlx-lm, interleaved
+#   mlxlm MODEL   mlx-lm's BatchGenerator at 16 and 64 on the same directory
+#   kernel        scripts/gpu/w4a16.py: our W4A16 kernel, checked and timed
+#   parts         scripts/gpu/step_parts.py: an 8B step part by part
+# MODEL: qwen3-8b | qwen2.5-0.5b. Everything under $OUT comes back.
+set -u
+step=$1; shift
+repo=$PWD
+if [[ $step == stage ]]; then # here, at no device time
+  set -e
+  out=.dev/rs; rm -rf "$out"; mkdir -p "$out"
+  scripts/bundle cuda >/dev/null
+  b=$(ls dist/mlx*-cuda13.tar.gz | head -1)
+  split -b 34M -d -a 1 "$b" "$out/part"
+  n=$(ls "$out"/part* | wc -l)
+  for i in $(seq 0 $((n - 1))); do mkdir -p "$out/c$i"; mv "$out/part$i" "$out/c$i/"; done
+  last=$out/c$((n - 1))
+  cp .dev/dl2/mlx-0.32.2-cp312-*.whl "$last/"
+  python3 -m pip download --no-deps --quiet -d "$last" mlx-lm==0.32.2
+  cp "${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}"/mlx/tiny-qwen3/tokenizer{,_config}.json "$last/"
+  echo "$n parts"; du -sh "$out"/c*
+  exit 0
+fi
+PY=/opt/torch/.venv/bin/python3
+SP=$($PY -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export LD_LIBRARY_PATH=$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
+mkdir -p /tmp/stage
+B=$(ls -d /tmp/mlxbc-*-cuda13 2>/dev/null)
+R=$repo/scripts/gpu/real
+model_dir() { echo "/tmp/models/$1-4bit"; }
+daemon() { # a daemon of its own home; $1: home, rest: env
+  local home=$1; shift
+  mkdir -p "$home/models"; ln -sfn /tmp/models/* "$home/models/" 2>/dev/null
+  env MLXBC_HOME=$home MLXBC_LOG=info "$@" "$B/bin/mlxbcd" >"$home/daemon.log" 2>&1 &
+  for _ in $(seq 100); do MLXBC_HOME=$home "$B/bin/mlxbc" status >/dev/null 2>&1 && return 0; sleep 0.2; done
+  echo "daemon did not start"; tail -20 "$home/daemon.log"; return 1
+}
+case $step in
+part)
+  cp -r ".dev/rs/c$1/." /tmp/stage/; ls -la /tmp/stage; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader ;;
+install)
+  cp -r ".dev/rs/c$1/." /tmp/stage/
+  cat /tmp/stage/part* | tar -C /tmp -xzf - || exit 1
+  B=$(ls -d /tmp/mlxbc-*-cuda13); ln -sfn "$SP/nvidia" "$B/bin/nvidia"
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/*.whl
+  mkdir -p /tmp/site/mlx/lib; ln -sf "$B/bin/mlx/lib/libmlx.so" /tmp/site/mlx/lib/libmlx.so
+  ln -sfn "$B/bin/mlx/include" /tmp/site/mlx/include; ln -sfn "$B/bin/mlx_cuda_13.libs" /tmp/site/mlx_cuda_13.libs
+  ln -sfn "$SP/nvidia" /tmp/site/nvidia
+  mkdir -p /tmp/tok /tmp/models; cp /tmp/stage/tokenizer*.json /tmp/tok/
+  for shape in qwen3-8b qwen2.5-0.5b; do $PY "$R/make_big.py" "$(model_dir $shape)" /tmp/tok $shape || exit 1; done
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader ;;
+bursts)
+  m=$1-4bit; home=/tmp/home-$RANDOM; tokens=${TOKENS:-128}
+  daemon "$home" ${BATCH_WEIGHTS:+MLXBC_BATCH_WEIGHTS=$BATCH_WEIGHTS} ${W4A16_ROWS:+MLXBC_W4A16_ROWS=$W4A16_ROWS} || exit 1
+  t0=$(date +%s.%N)
+  MLXBC_HOME=$home "$B/bin/mlxbc" load "$m" --keep-alive 30m
+  for _ in $(seq 600); do MLXBC_HOME=$home "$B/bin/mlxbc" ps | grep -q "warming" || break; sleep 0.5; done
+  echo "load + warming: $(echo "$(date +%s.%N) - $t0" | bc) s"
+  MLXBC_HOME=$home "$B/bin/mlxbc" ps
+  grep -E "batched paths warmed|model loaded|expand" "$home/daemon.log" | cut -c1-200
+  echo "### first and second bursts (a warm daemon, one stream served first)"
+  MLXBC_HOME=$home timeout 280 $PY "$R/conc.py" "$B/bin/mlxbc" "$m" 16,16,64,64 1 "$tokens" "$OUT/bursts-$1.jsonl"
+  echo "### steady"
+  MLXBC_HOME=$home timeout 250 $PY "$R/conc.py" "$B/bin/mlxbc" "$m" 1,16,64 2 "$tokens" "$OUT/steady-$1.jsonl"
+  grep -E "decode \(" "$home/daemon.log" | awk '{print $0}' | cut -c1-200 | tail -12
+  MLXBC_HOME=$home "$B/bin/mlxbc" stop
+  cp "$home/daemon.log" "$OUT/daemon-$1-${BATCH_WEIGHTS:-auto}-w${W4A16_ROWS:-0}.log" ;;
+single)
+  m=$1-4bit; home=/tmp/home-single-$RANDOM
+  daemon "$home" ${W4A16_ROWS:+MLXBC_W4A16_ROWS=$W4A16_ROWS} || exit 1
+  MLXBC_HOME=$home timeout 500 $PY "$R/single.py" "$B/bin/mlxbc" "$m" "$(model_dir $1)" ${ROUNDS:-4} ${TOKENS:-256} "$1" "$OUT/single-$1.jsonl"
+  MLXBC_HOME=$home "$B/bin/mlxbc" stop ;;
+parts) # an 8B step part by part, per rows (scripts/gpu/step_parts.py)
+  timeout 400 $PY "$repo/scripts/gpu/step_parts.py" 2>&1 | tee "$OUT/step-parts.txt" ;;
+kernel) # our W4A16 kernel against MLX's quantized matmul (scripts/gpu/w4a16.py)
+  timeout 300 $PY "$repo/scripts/gpu/w4a16.py" 2>&1 | tee "$OUT/w4a16.txt" ;;
+mlxlm)
+  timeout 500 $PY "$R/batch_mlxlm.py" "$1" "$(model_dir $1)" ${BATCHES:-16,64} 1 ${TOKENS:-128} "$OUT/mlxlm-$1.jsonl" ;;
+esac
