@@ -41,8 +41,8 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             let s = client.status().await?;
             writeln!(
                 out,
-                "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  {}",
-                "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE", "WEIGHTS"
+                "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  WEIGHTS",
+                "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE"
             )?;
             for m in &s.loaded {
                 let until = match m.expires_in_s {
