@@ -19,6 +19,7 @@
 #   mlxlm MODEL   mlx-lm's BatchGenerator at 16 and 64 on the same directory
 #   kernel        scripts/gpu/w4a16.py: our W4A16 kernel, checked and timed
 #   parts         scripts/gpu/step_parts.py: an 8B step part by part
+#   ids MODEL     scripts/gpu/check_ids_dense.py: greedy ids against mlx-lm
 # MODEL: qwen3-8b | qwen2.5-0.5b. Everything under $OUT comes back.
 set -u
 step=$1; shift
@@ -50,7 +51,8 @@ daemon() { # a daemon of its own home; $1: home, rest: env
   local home=$1; shift
   mkdir -p "$home/models"; ln -sfn /tmp/models/* "$home/models/" 2>/dev/null
   env MLXBC_HOME=$home MLXBC_LOG=info "$@" "$B/bin/mlxbcd" >"$home/daemon.log" 2>&1 &
-  for _ in $(seq 100); do MLXBC_HOME=$home "$B/bin/mlxbc" status >/dev/null 2>&1 && return 0; sleep 0.2; done
+  # Not `mlxbc status`: a client starts a daemon of its own when none answers.
+  for _ in $(seq 100); do [[ -S $home/mlxbcd.sock ]] && return 0; sleep 0.2; done
   echo "daemon did not start"; tail -20 "$home/daemon.log"; return 1
 }
 case $step in
@@ -70,10 +72,10 @@ install)
 bursts)
   m=$1-4bit; home=/tmp/home-$RANDOM; tokens=${TOKENS:-128}
   daemon "$home" ${BATCH_WEIGHTS:+MLXBC_BATCH_WEIGHTS=$BATCH_WEIGHTS} ${W4A16_ROWS:+MLXBC_W4A16_ROWS=$W4A16_ROWS} || exit 1
-  t0=$(date +%s.%N)
+  t0=$(date +%s%N)
   MLXBC_HOME=$home "$B/bin/mlxbc" load "$m" --keep-alive 30m
   for _ in $(seq 600); do MLXBC_HOME=$home "$B/bin/mlxbc" ps | grep -q "warming" || break; sleep 0.5; done
-  echo "load + warming: $(echo "$(date +%s.%N) - $t0" | bc) s"
+  echo "load + warming: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
   MLXBC_HOME=$home "$B/bin/mlxbc" ps
   grep -E "batched paths warmed|model loaded|expand" "$home/daemon.log" | cut -c1-200
   echo "### first and second bursts (a warm daemon, one stream served first)"
@@ -87,6 +89,11 @@ single)
   m=$1-4bit; home=/tmp/home-single-$RANDOM
   daemon "$home" ${W4A16_ROWS:+MLXBC_W4A16_ROWS=$W4A16_ROWS} || exit 1
   MLXBC_HOME=$home timeout 500 $PY "$R/single.py" "$B/bin/mlxbc" "$m" "$(model_dir $1)" ${ROUNDS:-4} ${TOKENS:-256} "$1" "$OUT/single-$1.jsonl"
+  MLXBC_HOME=$home "$B/bin/mlxbc" stop ;;
+ids) # greedy ids with the default (dense copies) against mlx-lm dequantized and packed
+  m=$1-4bit; home=/tmp/home-ids-$RANDOM
+  daemon "$home" || exit 1
+  MLXBC_HOME=$home timeout 400 $PY "$repo/scripts/gpu/check_ids_dense.py" "$B/bin/mlxbc" "$m" "$(model_dir $1)" 2>&1 | tee "$OUT/ids-$1.txt"
   MLXBC_HOME=$home "$B/bin/mlxbc" stop ;;
 parts) # an 8B step part by part, per rows (scripts/gpu/step_parts.py)
   timeout 400 $PY "$repo/scripts/gpu/step_parts.py" 2>&1 | tee "$OUT/step-parts.txt" ;;

@@ -705,9 +705,9 @@ pub struct LoadedModel {
     pub context_length: u32,
     /// Kept regardless of idleness and memory pressure (keep-alive "forever").
     pub pinned: bool,
-    /// How its weights serve batched steps: "packed", "packed + dense
-    /// copies for batches", "packed, expanded per batched step" (the
-    /// memory budget decides on CUDA), "-" for a model without that choice.
+    /// How its weights serve steps: "packed", "packed + dense copies",
+    /// "packed, expanded per batched step" (the memory budget decides on
+    /// CUDA), "-" for a model without that choice.
     pub batch_weights: String,
 }
 

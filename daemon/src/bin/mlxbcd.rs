@@ -92,6 +92,16 @@ fn join_group_settings(
 /// restarted daemon does not compile them again. A directory the user set
 /// is kept; the CPU build ignores the variable.
 fn keep_compiled_kernels(settings: &Settings) {
+    // MLX's CUDA caches (graphs, attention plans) count every miss over
+    // the process's life and throw once a count passes twice the cache's
+    // size, and the throw leaves the command encoder unusable: every later
+    // request failed. An 8B model's steps at varying batch sizes and
+    // lengths reached it within minutes on an H200 (issue "The GPU step at
+    // real sizes"). A long-lived server must not carry such a fuse: the
+    // caches still evict, they no longer throw.
+    if std::env::var_os("MLX_ENABLE_CACHE_THRASHING_CHECK").is_none() {
+        std::env::set_var("MLX_ENABLE_CACHE_THRASHING_CHECK", "0");
+    }
     if std::env::var_os("MLX_PTX_CACHE_DIR").is_some() {
         return;
     }

@@ -48,9 +48,6 @@ pub fn serve_as_worker(
     let hostfile = crate::distributed::Hostfile::read(c.hostfile.as_deref().context("no hostfile")?)?;
     let rank = c.rank.context("no rank")?;
     let device = mlx_rs::Device::default();
-    if crate::model::options::cuda_available() {
-        crate::model::w4a16::set_rows_served(options.w4a16_rows);
-    }
     let form = ModelOptions {
         form: crate::model::weights::WeightForm::for_device(&device, options.weights),
         fusion: options.fusion,

@@ -86,9 +86,6 @@ pub fn spawn(
         prompt_shared: Arc::default(),
         prompt_path: settings.prompt_cache_dir.clone(),
     };
-    if crate::model::options::cuda_available() {
-        crate::model::w4a16::set_rows_served(options.w4a16_rows);
-    }
     let form = crate::model::options::ModelOptions {
         form: WeightForm::for_device(&device, options.weights),
         fusion: options.fusion,
@@ -206,13 +203,7 @@ pub fn warm_rows_for(on_gpu: bool, max_batch: usize) -> Vec<usize> {
     if !on_gpu {
         return Vec::new();
     }
-    // Our W4A16 kernel is compiled per row count it serves: each of them too.
-    let kernel_rows = 3..=crate::model::w4a16::rows_served().max(0) as usize;
-    let mut rows: Vec<usize> =
-        std::iter::successors(Some(2usize), |n| Some(n * 2)).take_while(|&n| n <= max_batch.max(2)).collect();
-    rows.extend(kernel_rows.filter(|n| !n.is_power_of_two() && *n <= max_batch));
-    rows.sort_unstable();
-    rows
+    std::iter::successors(Some(2usize), |n| Some(n * 2)).take_while(|&n| n <= max_batch.max(2)).collect()
 }
 
 /// Sequences of one model admitted at once when the settings name no

@@ -382,7 +382,7 @@ impl Residency {
         Ok((resolved.name, model, load_ms))
     }
 
-    /// `form` with dense copies for batches only where the budget holds
+    /// `form` with dense copies only where the budget holds
     /// them beside the model and what is resident (without unloading
     /// anything for them); otherwise expanded per step, as a split model
     /// always is (its ranks have no budget of their own).
@@ -420,7 +420,10 @@ impl Residency {
         for (name, r) in &self.models {
             let Servable::Chat(m) = &r.model else { continue };
             let Some(rows) = m.warm_pending.borrow().first().copied() else { continue };
-            match m.warm_batches(&[rows]) {
+            // Temperature, top-k and top-p: every kernel a sampled row runs.
+            let params = mlxbc_shared::SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(0) };
+            let sampled = |row: &mlx_rs::Array| crate::decoding::sampling::Sampler::new(params.clone())?.pick(row);
+            match m.warm_batches(&[rows], &sampled) {
                 Ok(()) => {
                     m.warm_pending.borrow_mut().remove(0);
                 }

@@ -46,8 +46,12 @@ pub enum BatchWeights {
     /// The packed matmul at every row count.
     #[default]
     Packed,
-    /// A dense copy (the scales' dtype) beside the packed weights, used
-    /// from [`DENSE_FROM_ROWS`] rows: 3.5x the packed bytes on top of them.
+    /// A dense copy (the scales' dtype) beside the packed weights, used at
+    /// every row count: on an H200 it is faster even for one row (an 8B
+    /// step's projections 4.8 ms against 6.3 packed; MLX's quantized
+    /// matrix-vector kernel reads ~0.8 TB/s). 3.5x the packed bytes on top
+    /// of them; the packed weights stay for a shard's cut and the budget's
+    /// fallback.
     Dense,
     /// The packed weights expanded inside steps from [`EXPAND_FROM_ROWS`]
     /// rows, no copy kept: when the budget has no room for dense copies.
@@ -59,15 +63,12 @@ impl BatchWeights {
     pub fn describe(self) -> &'static str {
         match self {
             BatchWeights::Packed => "packed",
-            BatchWeights::Dense => "packed + dense copies for batches",
+            BatchWeights::Dense => "packed + dense copies",
             BatchWeights::Expand => "packed, expanded per batched step",
         }
     }
 }
 
-/// Rows from which a dense copy replaces the packed matmul (H200: 5.8 ms
-/// against 9.7 at two rows; at one row packed is as fast and reads 3.5x fewer bytes).
-pub const DENSE_FROM_ROWS: i32 = 2;
 /// Rows from which expanding the packed weights inside the step beats the
 /// packed matmul (H200: 20.4 ms against 17.7 at four rows, 28.5 at eight).
 pub const EXPAND_FROM_ROWS: i32 = 6;
@@ -118,16 +119,8 @@ impl Quantized {
     /// step's row count (all axes but the last).
     pub fn matmul(&self, x: &Array) -> Result<Array> {
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
-        let k = x.shape().last().copied().unwrap_or(0);
-        if rows <= super::w4a16::rows_served()
-            && self.weight.ndim() == 2
-            && self.scales.dtype() == x.dtype()
-            && super::w4a16::serves(rows, k, self.bits, self.group_size, x.dtype())
-        {
-            return super::w4a16::matmul(x, &self.weight, &self.scales, &self.biases, self.group_size);
-        }
         Ok(match (&self.dense, self.batch) {
-            (Some(dense), _) if rows >= DENSE_FROM_ROWS => x.matmul(dense.t())?,
+            (Some(dense), _) => x.matmul(dense.t())?,
             (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => x.matmul(self.dequantize()?.t())?,
             _ => ops::quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, self.group_size, self.bits)?,
         })
@@ -454,8 +447,7 @@ mod tests {
         for (batch, rows) in [(1, 1), (2, 1), (1, 3), (4, 1), (8, 1), (2, 5)] {
             let x = mlx_rs::random::normal::<f32>(&[batch, rows, 64], None, None, None).unwrap();
             let n = batch * rows;
-            let want_dense = if n >= DENSE_FROM_ROWS { expanded(&x) } else { packed(&x) };
-            assert!(dense.matmul(&x).unwrap().eq_values(&want_dense).unwrap(), "dense copy at {n} rows");
+            assert!(dense.matmul(&x).unwrap().eq_values(expanded(&x)).unwrap(), "dense copy at {n} rows");
             let want_expand = if n >= EXPAND_FROM_ROWS { expanded(&x) } else { packed(&x) };
             assert!(expand.matmul(&x).unwrap().eq_values(&want_expand).unwrap(), "expanded at {n} rows");
             assert!(q.matmul(&x).unwrap().eq_values(packed(&x)).unwrap(), "packed at {n} rows");

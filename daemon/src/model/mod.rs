@@ -19,7 +19,6 @@ pub mod tokenizer;
 pub mod tool_format;
 pub mod video;
 pub mod vlm_dir;
-pub mod w4a16;
 pub mod weights;
 
 use anyhow::{Context, Result};
@@ -445,8 +444,14 @@ impl Model {
     /// otherwise wait for (40 s on an 8B shape, 99 s on SmolLM2, issue "The
     /// GPU step at real sizes"). Kept in MLX's kernel cache under the
     /// daemon's home, a restarted daemon finds them compiled. With dense
-    /// copies for batches, the first batched step also materializes them.
-    pub fn warm_batches(&self, rows: &[usize]) -> Result<()> {
+    /// copies, the first batched step also materializes them.
+    /// `sampled` picks a token from one row's logits as a sampled request
+    /// does (the engine's sampler: the model sits below it).
+    pub fn warm_batches(
+        &self,
+        rows: &[usize],
+        sampled: &dyn Fn(&mlx_rs::Array) -> Result<mlx_rs::Array>,
+    ) -> Result<()> {
         use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
         let plain = positions::MediaPositions::default();
         let t = std::time::Instant::now();
@@ -465,11 +470,9 @@ impl Model {
                 next = argmax_axis(&logits, -1, None)?.reshape(&[-1, 1])?;
                 next.eval()?;
             }
-            // A sampled row's pick (temperature, top-k, top-p).
+            // A sampled row's pick.
             let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
-            let params = mlxbc_shared::SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(0) };
-            let row = logits.index((0..1, ..));
-            crate::decoding::sampling::Sampler::new(params)?.pick(&row)?.eval()?;
+            sampled(&logits.index((0..1, ..)))?.eval()?;
             // The first row leaves; a row prefilled alone joins.
             cache.keep_rows(&(1..n as usize).collect::<Vec<_>>())?;
             let mut alone = KvCache::new(self.lm.num_layers());

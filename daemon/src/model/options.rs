@@ -59,8 +59,6 @@ pub struct EngineOptions {
     pub fusion: Fusion,
     /// Force how quantized matrices serve batches (None: the device's choice, [`BatchWeights::for_device`]).
     pub batch: Option<BatchWeights>,
-    /// Steps of up to this many rows use our W4A16 kernel on CUDA (`MLXBC_W4A16_ROWS`; 0: off).
-    pub w4a16_rows: i32,
 }
 
 impl BatchWeights {
@@ -132,17 +130,7 @@ impl EngineOptions {
             Some((_, v)) if v == "expand" => Some(BatchWeights::Expand),
             Some(other) => return Err(bad(&other, "packed, dense, expand")),
         };
-        // Our W4A16 kernel (crate::model::w4a16) for steps of up to N rows
-        // on CUDA; off unless asked while it is being measured.
-        let w4a16_rows = match std::env::var("MLXBC_W4A16_ROWS").ok().filter(|v| !v.is_empty()) {
-            None => 0,
-            Some(v) => v
-                .parse::<i32>()
-                .ok()
-                .filter(|n| (0..=8).contains(n))
-                .ok_or_else(|| format!("MLXBC_W4A16_ROWS = {v:?} is not a row count from 0 to 8"))?,
-        };
-        Ok(Self { weights, decode, fusion, batch, w4a16_rows })
+        Ok(Self { weights, decode, fusion, batch })
     }
 }
 

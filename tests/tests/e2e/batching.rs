@@ -234,9 +234,7 @@ async fn admission_waits_for_kv_room_and_refuses_what_can_never_fit() {
 async fn batches_use_dense_copies_or_expanded_weights_as_chosen_and_warm_while_idle() {
     const Q4: &str = "tiny-gemma4-4bit";
     let mut memory = Vec::new();
-    for (mode, label) in
-        [("dense", "packed + dense copies for batches"), ("expand", "packed, expanded per batched step")]
-    {
+    for (mode, label) in [("dense", "packed + dense copies"), ("expand", "packed, expanded per batched step")] {
         let opts = DaemonOptions { models: vec![(Q4, fixture(&format!("mlx/{Q4}")))], args: Vec::new() };
         let mut d = Daemon::prepare(&opts);
         for (k, v) in [("MLXBC_WEIGHTS", "packed"), ("MLXBC_BATCH_WEIGHTS", mode), ("MLXBC_WARM_BATCHES", "2,8")] {
