@@ -31,16 +31,17 @@ impl LayerNorm {
     }
 }
 
-/// How quantized matrices serve steps of more than one row (a decode
-/// batch, a prompt chunk): chosen per model at load, applied per step by
-/// row count ([`Quantized::matmul`]).
+/// How quantized matrices serve a step (one row, a decode batch, a prompt
+/// chunk): chosen per model at load, applied per step by row count
+/// ([`Quantized::matmul`]).
 ///
 /// MLX's CUDA quantized matmul does not batch: on an H200 an 8B-shaped
 /// step's projections cost 5.7 ms for one row and 190 ms for 64, while the
 /// same weights dense cost 5-6.5 ms at any row count, and the packed
 /// weights expanded inside the step a flat ~20 ms
-/// (docs/measurements/gpu-2026-12-04-quantized-matmul-by-rows.md). Metal's
-/// and the CPU's quantized kernels do batch: there it stays [`Self::Packed`].
+/// (docs/measurements/gpu-2026-12-04-quantized-matmul-by-rows.md,
+/// gpu-2026-12-04-real-size-batches.md). Metal's and the CPU's quantized
+/// kernels do batch: there it stays [`Self::Packed`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum BatchWeights {
     /// The packed matmul at every row count.
@@ -81,7 +82,7 @@ pub struct Quantized {
     pub biases: Array,
     pub group_size: i32,
     pub bits: i32,
-    /// How steps of several rows use it ([`BatchWeights`]); set by [`Self::widen`].
+    /// How steps use it ([`BatchWeights`]); set by [`Self::widen`].
     pub batch: BatchWeights,
     /// The dense copy when `batch` is [`BatchWeights::Dense`].
     pub dense: Option<Array>,
@@ -98,7 +99,7 @@ impl Quantized {
         Ok(ops::dequantize(&self.weight, &self.scales, &self.biases, self.group_size, self.bits)?)
     }
 
-    /// The same weights serving batches as `batch` says (a dense copy,
+    /// The same weights serving steps as `batch` says (a dense copy,
     /// lazily built, for [`BatchWeights::Dense`]).
     pub fn widen(mut self, batch: BatchWeights) -> Result<Self> {
         self.dense = match batch {
@@ -110,13 +111,14 @@ impl Quantized {
     }
 
     /// Another cut of the same matrix (a shard's rows or columns), serving
-    /// batches as this one does.
+    /// steps as this one does.
     pub fn with_parts(&self, weight: Array, scales: Array, biases: Array) -> Result<Self> {
         Quantized::new(weight, scales, biases, self.group_size, self.bits).widen(self.batch)
     }
 
-    /// `x W^T` over `x`'s last axis, with the weights' form chosen by the
-    /// step's row count (all axes but the last).
+    /// `x W^T` over `x`'s last axis: the dense copy when there is one, the
+    /// packed weights expanded for a step of [`EXPAND_FROM_ROWS`] or more
+    /// rows (all axes but the last) when so chosen, else the packed matmul.
     pub fn matmul(&self, x: &Array) -> Result<Array> {
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
         Ok(match (&self.dense, self.batch) {
@@ -431,10 +433,10 @@ mod tests {
         assert_fused_equals_separate(vec![dense(96, 64), dense(32, 64), dense(32, 64)], true);
     }
 
-    /// The weights' form follows the step's rows: packed for one row (and
-    /// below the expansion threshold), the dense copy or the expansion
-    /// above, which compute the same numbers; both stay within rounding of
-    /// the packed matmul.
+    /// The weights' form follows the choice and the step's rows: the dense
+    /// copy at every row count; the expansion from its threshold, packed
+    /// below it; both compute `x @ dequantize(W).T` exactly and stay within
+    /// rounding of the packed matmul.
     #[test]
     fn batched_steps_use_the_form_their_rows_call_for() {
         let Linear::Quantized { q, .. } = quantized(96, 64, 4, false) else { unreachable!() };

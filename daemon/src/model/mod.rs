@@ -391,7 +391,8 @@ impl Model {
     }
 
     /// Runs one token through the model: materializes the (lazily
-    /// dequantized) weights so load time and memory are accounted at load,
+    /// dequantized) weights, dense copies included, so load time and memory
+    /// are accounted at load,
     /// and MLX's first-use costs are not paid by the first request. Also
     /// measures what one KV position costs (the cache's bytes over its
     /// capacity), so no family has to state its KV layout.
@@ -400,14 +401,6 @@ impl Model {
         let mut cache = KvCache::new(self.lm.num_layers());
         let h = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &positions::MediaPositions::default())?;
         self.lm.logits(&h)?.eval()?;
-        if self.batch_weights == layers::BatchWeights::Dense {
-            // Two rows take the dense copies (the output head's too): they
-            // are made now, and counted in the memory the load took.
-            let two = mlx_rs::Array::from_slice(&[0u32, 0], &[2, 1]);
-            let mut scratch = KvCache::batch(self.lm.num_layers(), vec![0, 0]);
-            let h = self.lm.forward(&self.lm.embed(&two)?, &mut scratch, &positions::MediaPositions::default())?;
-            self.lm.logits(&h)?.eval()?;
-        }
         self.kv_bytes_per_position = cache.nbytes() / cache.capacity().max(1) as u64;
         self.state_layout = kv_cache::state_layout(cache.states());
         self.kv_shapes = cache.kv_shapes();
