@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "goldens"))
 from mlx_lm_reference import MAX_TOKENS, PROMPTS, greedy_ids, long_prompt  # noqa: E402
 
 

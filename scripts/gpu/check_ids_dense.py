@@ -9,27 +9,16 @@ shows how far the forms part.
 
 Usage: check_ids_dense.py MLXBC MODEL_NAME MODEL_DIR   (a daemon serving
 MODEL_NAME must be reachable through MLXBC_HOME)"""
-import json, subprocess, sys
+import sys
 from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.utils import dequantize_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "goldens"))
-from mlx_lm_reference import MAX_TOKENS, PROMPTS, greedy_ids, long_prompt  # noqa: E402
-
-
-def daemon_ids(mlxbc, model, messages):
-    system = [m["content"] for m in messages if m["role"] == "system"]
-    user = [m["content"] for m in messages if m["role"] == "user"]
-    cmd = [mlxbc, "ask", "--json", "-m", model, "-n", str(MAX_TOKENS)] + \
-        (["--system", system[0]] if system else []) + user
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    for line in out.stdout.splitlines():
-        e = json.loads(line)
-        if e.get("event") == "done":
-            return e["stats"]["token_ids"]
-    raise RuntimeError(f"no done event: {out.stderr[-300:]}")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_ids import daemon_ids  # noqa: E402
+from mlx_lm_reference import PROMPTS, greedy_ids, long_prompt  # noqa: E402
 
 
 def first_diff(a, b):
@@ -47,7 +36,7 @@ prompts = PROMPTS + [long_prompt(tok)]
 for messages in prompts:
     _, ref_dense = greedy_ids(dense, tok, messages)
     _, ref_packed = greedy_ids(packed, tok, messages)
-    ours = daemon_ids(mlxbc, name, messages)
+    _, ours = daemon_ids(mlxbc, name, messages)
     d, p = first_diff(ours, ref_dense), first_diff(ours, ref_packed)
     equal += d is None
     print(f"{len(ours)} ids | vs mlx-lm dequantized: {'equal' if d is None else f'differ at {d}'} | "
