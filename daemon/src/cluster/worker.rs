@@ -51,12 +51,8 @@ pub fn serve_as_worker(
     let form = ModelOptions {
         form: crate::model::weights::WeightForm::for_device(&device, options.weights),
         fusion: options.fusion,
-        // A rank holds its shard without a budget of its own: no dense
-        // copies, which give the same numbers as expanding per step.
-        batch: match crate::model::layers::BatchWeights::for_device(options.batch) {
-            crate::model::layers::BatchWeights::Dense => crate::model::layers::BatchWeights::Expand,
-            other => other,
-        },
+        // A rank holds its shard without a budget of its own.
+        batch: crate::model::layers::BatchWeights::for_device(options.batch).without_copies(),
         shard: None,
     };
     tracing::info!(

@@ -198,7 +198,11 @@ const PREFILL_CHUNK_GPU: usize = 2048;
 /// diagnostic, and how the tests run the warming on a CPU) names them.
 pub fn warm_rows_for(on_gpu: bool, max_batch: usize) -> Vec<usize> {
     if let Ok(list) = std::env::var("MLXBC_WARM_BATCHES") {
-        return list.split(',').filter_map(|n| n.trim().parse().ok()).filter(|&n| n >= 2).collect();
+        return list
+            .split(',')
+            .filter_map(|n| n.trim().parse().ok())
+            .filter(|&n| (2..=max_batch).contains(&n))
+            .collect();
     }
     if !on_gpu {
         return Vec::new();

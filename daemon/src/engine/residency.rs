@@ -401,6 +401,7 @@ impl Residency {
         let copies = dense_copy_bytes(path, estimate);
         let free = self.budget_bytes.saturating_sub(self.used_bytes() + estimate);
         if split || copies > free {
+            // A split model's ranks have no budget of their own.
             tracing::info!(
                 model = %name,
                 copies_mib = copies / MIB,
@@ -408,7 +409,7 @@ impl Residency {
                 split,
                 "batched steps expand the packed weights per step (no room for dense copies)"
             );
-            form.batch = BatchWeights::Expand;
+            form.batch = form.batch.without_copies();
         }
         form
     }
@@ -423,7 +424,7 @@ impl Residency {
             // Temperature, top-k and top-p: every kernel a sampled row runs.
             let params = mlxbc_shared::SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(0) };
             let sampled = |row: &mlx_rs::Array| crate::decoding::sampling::Sampler::new(params.clone())?.pick(row);
-            match m.warm_batches(&[rows], &sampled) {
+            match m.warm_batches(rows as i32, &sampled) {
                 Ok(()) => {
                     m.warm_pending.borrow_mut().remove(0);
                 }

@@ -58,14 +58,17 @@ pub(super) struct Engine {
 impl Engine {
     pub(super) fn run(&mut self, rx: mpsc::Receiver<Control>) {
         let mut stopped = false;
+        // The last pass found a request on its way (see `pending` below).
+        let mut awaiting = false;
         loop {
             // Jobs are taken between ticks; the engine blocks for one only
             // when nothing is generating (waking at least every
             // PRESSURE_POLL to look at the machine's memory).
             let mut pending = false;
             // While a model warms its batch paths the engine does not block:
-            // a piece of warming runs between looks at the jobs.
-            let warming = self.residency.warming();
+            // a piece of warming runs between looks at the jobs (unless a
+            // request is on its way: then it waits for it, as when idle).
+            let warming = !awaiting && self.residency.warming();
             let mut first = if self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped && !warming {
                 let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
                 match rx.recv_timeout(wait) {
@@ -142,6 +145,7 @@ impl Engine {
             if stopped && self.scheduler.is_empty() && self.transcriptions.is_empty() {
                 break;
             }
+            awaiting = pending;
             if pending {
                 // Its request is coming (image bytes being resent, or being prepared): keep its model.
                 self.publish();

@@ -60,6 +60,16 @@ pub enum BatchWeights {
 }
 
 impl BatchWeights {
+    /// The same choice where no copies may be made (a rank's shard, a
+    /// budget without room): dense copies become expansion per step, which
+    /// computes the same numbers.
+    pub fn without_copies(self) -> Self {
+        match self {
+            BatchWeights::Dense => BatchWeights::Expand,
+            other => other,
+        }
+    }
+
     /// How `mlxbc ps` names it.
     pub fn describe(self) -> &'static str {
         match self {

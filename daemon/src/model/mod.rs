@@ -430,7 +430,7 @@ impl Model {
         Ok(())
     }
 
-    /// Runs the batched paths once at each of `rows` (padded batched
+    /// Runs the batched paths once at `rows` rows (padded batched
     /// prefill, batched decode steps, a row leaving and one joining, a
     /// sampled pick): on a GPU, MLX compiles kernels (NVRTC, ~5 s each on
     /// an H200) at their first use, which a first burst of clients would
@@ -440,41 +440,35 @@ impl Model {
     /// copies, the first batched step also materializes them.
     /// `sampled` picks a token from one row's logits as a sampled request
     /// does (the engine's sampler: the model sits below it).
-    pub fn warm_batches(
-        &self,
-        rows: &[usize],
-        sampled: &dyn Fn(&mlx_rs::Array) -> Result<mlx_rs::Array>,
-    ) -> Result<()> {
+    pub fn warm_batches(&self, rows: i32, sampled: &dyn Fn(&mlx_rs::Array) -> Result<mlx_rs::Array>) -> Result<()> {
         use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
         let plain = positions::MediaPositions::default();
         let t = std::time::Instant::now();
-        for &n in rows.iter().filter(|&&n| n >= 2) {
-            let n = n as i32;
-            // Row i is padded by i % 2 positions, as prompts of two lengths are.
-            let pads: Vec<i32> = (0..n).map(|i| i % 2).collect();
-            let mut cache = KvCache::batch(self.lm.num_layers(), pads);
-            let ids = mlx_rs::Array::from_slice(&vec![0u32; (n * 3) as usize], &[n, 3]);
-            let h = self.lm.forward(&self.lm.embed(&ids.index((.., 0..2)))?, &mut cache, &plain)?;
-            h.eval()?;
-            let h = self.lm.forward(&self.lm.embed(&ids.index((.., 2..3)))?, &mut cache, &plain)?;
-            let mut next = argmax_axis(&self.lm.logits(&h)?, -1, None)?.reshape(&[-1, 1])?;
-            for _ in 0..2 {
-                let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
-                next = argmax_axis(&logits, -1, None)?.reshape(&[-1, 1])?;
-                next.eval()?;
-            }
-            // A sampled row's pick.
+        let n = rows.max(2);
+        // Row i is padded by i % 2 positions, as prompts of two lengths are.
+        let pads: Vec<i32> = (0..n).map(|i| i % 2).collect();
+        let mut cache = KvCache::batch(self.lm.num_layers(), pads);
+        let ids = mlx_rs::Array::from_slice(&vec![0u32; (n * 3) as usize], &[n, 3]);
+        let h = self.lm.forward(&self.lm.embed(&ids.index((.., 0..2)))?, &mut cache, &plain)?;
+        h.eval()?;
+        let h = self.lm.forward(&self.lm.embed(&ids.index((.., 2..3)))?, &mut cache, &plain)?;
+        let mut next = argmax_axis(&self.lm.logits(&h)?, -1, None)?.reshape(&[-1, 1])?;
+        for _ in 0..2 {
             let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
-            sampled(&logits.index((0..1, ..)))?.eval()?;
-            // The first row leaves; a row prefilled alone joins.
-            cache.keep_rows(&(1..n as usize).collect::<Vec<_>>())?;
-            let mut alone = KvCache::new(self.lm.num_layers());
-            self.lm.forward(&self.lm.embed(&ids.index((0..1, ..)))?, &mut alone, &plain)?.eval()?;
-            cache.join(alone)?;
-            let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
-            argmax_axis(&logits, -1, None)?.eval()?;
+            next = argmax_axis(&logits, -1, None)?.reshape(&[-1, 1])?;
+            next.eval()?;
         }
-        tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, ?rows, "batched paths warmed");
+        // A sampled row's pick.
+        let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
+        sampled(&logits.index((0..1, ..)))?.eval()?;
+        // The first row leaves; a row prefilled alone joins.
+        cache.keep_rows(&(1..n as usize).collect::<Vec<_>>())?;
+        let mut alone = KvCache::new(self.lm.num_layers());
+        self.lm.forward(&self.lm.embed(&ids.index((0..1, ..)))?, &mut alone, &plain)?.eval()?;
+        cache.join(alone)?;
+        let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
+        argmax_axis(&logits, -1, None)?.eval()?;
+        tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, rows = n, "batched paths warmed");
         Ok(())
     }
 
