@@ -103,13 +103,15 @@ pub struct SettingsFile {
     /// are refused as busy (default 1024).
     pub max_queue: Option<usize>,
     /// Diagnostic switches (the environment's `MLXBC_WEIGHTS`, `MLXBC_DECODE`,
-    /// `MLXBC_FUSE`, `MLXBC_BATCH_WEIGHTS` override them): "dense" | "packed";
-    /// "eager" | "compiled"; "1" | "dense" | "0"; "packed" | "dense" |
-    /// "expand". Default: what measured fastest on the device.
+    /// `MLXBC_FUSE`, `MLXBC_BATCH_WEIGHTS`, `MLXBC_BATCH_ATTENTION` override
+    /// them): "dense" | "packed"; "eager" | "compiled"; "1" | "dense" | "0";
+    /// "packed" | "dense" | "expand"; "auto" | "mask". Default: what
+    /// measured fastest on the device.
     pub weights: Option<String>,
     pub decode: Option<String>,
     pub fuse: Option<String>,
     pub batch_weights: Option<String>,
+    pub batch_attention: Option<String>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
     /// Joining a group of daemons that split a model between them
@@ -201,6 +203,7 @@ pub struct Settings {
     pub decode: Option<String>,
     pub fuse: Option<String>,
     pub batch_weights: Option<String>,
+    pub batch_attention: Option<String>,
     /// The group this daemon belongs to, if any.
     pub cluster: ClusterSettings,
 }
@@ -299,6 +302,7 @@ impl Settings {
             decode: file.decode,
             fuse: file.fuse,
             batch_weights: file.batch_weights,
+            batch_attention: file.batch_attention,
             cluster: ClusterSettings {
                 hostfile: file.cluster.hostfile,
                 rank: file.cluster.rank,

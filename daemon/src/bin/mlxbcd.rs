@@ -138,6 +138,7 @@ fn main() -> Result<()> {
     join_group_settings(&mut settings, args.hostfile, args.rank, args.backend)?;
     let options =
         mlxbc_daemon::model::options::EngineOptions::from_settings_and_env(&settings).map_err(anyhow::Error::msg)?;
+    mlxbc_daemon::model::batch_attention::configure(options.attention);
     if let (Some(_), Some(rank)) = (&settings.cluster.hostfile, settings.cluster.rank) {
         if rank > 0 {
             // A worker: no socket, no gateway; it serves the group until stopped.

@@ -34,6 +34,9 @@ pub struct KvCache {
     /// `(start, queries, keys, window)`: every layer of a forward pass asks
     /// for the same one (two kinds with sliding-window layers).
     masks: Vec<(MaskKey, Array)>,
+    /// Each row's first visible key of a one-position step, by `(keys,
+    /// window)` (`crate::model::batch_attention`), for the current padding.
+    starts: Vec<((i32, Option<i32>), Array)>,
     /// Per recurrent layer (a family's own slot numbers), its state arrays
     /// with the rows on axis 0: Qwen3.5's Gated DeltaNet keeps its
     /// convolution window and its delta-rule state here instead of keys
@@ -159,6 +162,7 @@ impl KvCache {
             offset: 0,
             left_padding: Vec::new(),
             masks: Vec::new(),
+            starts: Vec::new(),
             states: Vec::new(),
             checkpoint: None,
             tag: None,
@@ -385,6 +389,24 @@ impl KvCache {
         Ok(Some(allowed))
     }
 
+    /// Each row's first visible key `[rows]` (int32) for a one-position
+    /// step over `total` keys: its padding, and with a sliding `window` no
+    /// earlier than `total - window` (what [`Self::padding_mask`] allows
+    /// for that step, as data instead of a mask).
+    pub fn row_starts(&mut self, total: i32, window: Option<i32>) -> Result<Array> {
+        if let Some((_, s)) = self.starts.iter().find(|(k, _)| *k == (total, window)) {
+            return Ok(s.clone());
+        }
+        let first = window.map_or(0, |w| total - w);
+        let starts: Vec<i32> = self.paddings().iter().map(|&p| p.max(first)).collect();
+        let starts = Array::from_slice(&starts, &[starts.len() as i32]);
+        if self.starts.len() >= 2 {
+            self.starts.remove(0);
+        }
+        self.starts.push(((total, window), starts.clone()));
+        Ok(starts)
+    }
+
     /// Rows in the batch.
     pub fn rows(&self) -> usize {
         if !self.left_padding.is_empty() {
@@ -405,6 +427,7 @@ impl KvCache {
 
     fn set_paddings(&mut self, pads: Vec<i32>) {
         self.masks.clear();
+        self.starts.clear();
         self.left_padding = if pads.iter().any(|&p| p > 0) { pads } else { Vec::new() };
     }
 

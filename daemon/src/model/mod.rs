@@ -2,6 +2,7 @@
 //! holds. This module knows no family: `crate::families` implements the
 //! traits of [`family`] and assembles a [`Model`] from a model's files.
 
+pub mod batch_attention;
 pub mod chat_template;
 pub mod decode_step;
 pub mod family;

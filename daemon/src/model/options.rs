@@ -12,8 +12,12 @@
 //! - `MLXBC_BATCH_WEIGHTS=packed|dense|expand`: how quantized matrices serve
 //!   steps of several rows (default: dense copies on CUDA where the memory
 //!   budget holds them, else expanded per step; packed elsewhere:
-//!   [`BatchWeights`]).
+//!   [`BatchWeights`]),
+//! - `MLXBC_BATCH_ATTENTION=auto|mask`: how a padded batch's decode step
+//!   attends (default: mlxbc's own kernel on CUDA, the padding mask
+//!   elsewhere: [`crate::model::batch_attention`]).
 
+use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;
 use crate::model::layers::BatchWeights;
 use crate::model::weights::WeightForm;
@@ -59,6 +63,8 @@ pub struct EngineOptions {
     pub fusion: Fusion,
     /// Force how quantized matrices serve batches (None: the device's choice, [`BatchWeights::for_device`]).
     pub batch: Option<BatchWeights>,
+    /// How padded batches attend in decode steps.
+    pub attention: BatchAttention,
 }
 
 impl BatchWeights {
@@ -89,10 +95,11 @@ impl EngineOptions {
             ("decode", settings.decode.clone()),
             ("fuse", settings.fuse.clone()),
             ("batch_weights", settings.batch_weights.clone()),
+            ("batch_attention", settings.batch_attention.clone()),
         ])
     }
 
-    fn read(file: &[(&str, Option<String>); 4]) -> Result<Self, String> {
+    fn read(file: &[(&str, Option<String>); 5]) -> Result<Self, String> {
         let var = |name: &str, key: &str| -> Option<(String, String)> {
             match std::env::var(name).ok().filter(|v| !v.is_empty()) {
                 Some(v) => Some((name.to_string(), v)),
@@ -130,7 +137,13 @@ impl EngineOptions {
             Some((_, v)) if v == "expand" => Some(BatchWeights::Expand),
             Some(other) => return Err(bad(&other, "packed, dense, expand")),
         };
-        Ok(Self { weights, decode, fusion, batch })
+        let attention = match var("MLXBC_BATCH_ATTENTION", "batch_attention") {
+            None => BatchAttention::Auto,
+            Some((_, v)) if v == "auto" => BatchAttention::Auto,
+            Some((_, v)) if v == "mask" => BatchAttention::Mask,
+            Some(other) => return Err(bad(&other, "auto, mask")),
+        };
+        Ok(Self { weights, decode, fusion, batch, attention })
     }
 }
 
@@ -150,7 +163,7 @@ mod tests {
     /// One test: the environment is the process's, shared by threads.
     #[test]
     fn config_values_are_used_and_the_environment_overrides_them() {
-        for v in ["MLXBC_WEIGHTS", "MLXBC_DECODE", "MLXBC_FUSE", "MLXBC_BATCH_WEIGHTS"] {
+        for v in ["MLXBC_WEIGHTS", "MLXBC_DECODE", "MLXBC_FUSE", "MLXBC_BATCH_WEIGHTS", "MLXBC_BATCH_ATTENTION"] {
             std::env::remove_var(v);
         }
         let o = EngineOptions::from_settings_and_env(&settings(Some("dense"), Some("eager"))).unwrap();
@@ -169,6 +182,13 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_BATCH_WEIGHTS") && e.contains("packed, dense, expand"), "{e}");
         std::env::remove_var("MLXBC_BATCH_WEIGHTS");
+        std::env::set_var("MLXBC_BATCH_ATTENTION", "mask");
+        let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
+        assert_eq!(o.attention, BatchAttention::Mask);
+        std::env::set_var("MLXBC_BATCH_ATTENTION", "flash");
+        let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
+        assert!(e.contains("MLXBC_BATCH_ATTENTION") && e.contains("auto, mask"), "{e}");
+        std::env::remove_var("MLXBC_BATCH_ATTENTION");
         assert!(!cuda_available(), "this test runs on the CPU build");
     }
 }

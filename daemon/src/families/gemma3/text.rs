@@ -5,6 +5,7 @@
 //! every `sliding_window_pattern`-th global layer.
 
 use crate::distributed::Shard;
+use crate::model::batch_attention;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
@@ -236,16 +237,10 @@ impl Gemma3Text {
             };
             let (k, v) = cache.update(i, k, v)?;
             let window = b.sliding.then_some(c.sliding_window);
-            let o = match cache.padding_mask(offset, l, k.shape()[2], window)? {
-                Some(mask) => {
-                    let scale = (c.query_pre_attn_scalar as f64).powf(-0.5) as f32;
-                    let mask = ScaledDotProductAttentionMask::Array(&mask);
-                    fast::scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?
-                }
-                None => {
-                    let scale = (c.query_pre_attn_scalar as f64).powf(-0.5) as f32;
-                    attend(&q, k, v, scale, b.sliding.then_some(c.sliding_window), offset, blocks)?
-                }
+            let scale = (c.query_pre_attn_scalar as f64).powf(-0.5) as f32;
+            let o = match batch_attention::padded(&q, &k, &v, scale, cache, offset, window)? {
+                Some(o) => o,
+                None => attend(&q, k, v, scale, window, offset, blocks)?,
             };
             let o = from_heads(&o)?;
             let o = self.split.sum(b.o.forward(&o)?, self.split.attention)?;

@@ -18,6 +18,7 @@
 use super::moe::MoeBlock;
 use crate::distributed::Shard;
 use crate::families::gemma3::text::attend;
+use crate::model::batch_attention;
 use crate::model::family::{LanguageModel, MediaAttention};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, Linear};
@@ -25,12 +26,7 @@ use crate::model::positions::MediaPositions;
 use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
-use mlx_rs::{
-    fast::{self, ScaledDotProductAttentionMask},
-    nn,
-    ops::indexing::IndexOp,
-    Array, Dtype,
-};
+use mlx_rs::{fast, nn, ops::indexing::IndexOp, Array, Dtype};
 
 /// `text_config` of a Gemma 4 checkpoint (mlx-vlm's `TextConfig` defaults).
 #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
@@ -483,15 +479,8 @@ impl Gemma4Text {
                 None => shared[b.reads].clone().expect("a shared layer reads an earlier layer"),
             };
             let window = b.sliding.then_some(c.sliding_window);
-            let o = match cache.padding_mask(offset, l, k.shape()[2], window)? {
-                Some(mask) => fast::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    1.0,
-                    ScaledDotProductAttentionMask::Array(&mask),
-                    None,
-                )?,
+            let o = match batch_attention::padded(&q, &k, &v, 1.0, cache, offset, window)? {
+                Some(o) => o,
                 None => attend(&q, k, v, 1.0, window, offset, blocks)?,
             };
             let o = self.split.sum(b.o.forward(&from_heads(&o)?)?, self.split.attention)?;

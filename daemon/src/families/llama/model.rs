@@ -4,6 +4,7 @@
 
 use super::config::{Architecture, TextConfig};
 use crate::distributed::Shard;
+use crate::model::batch_attention;
 use crate::model::family::{DecodeGraph, LanguageModel};
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{from_heads, to_heads, Embedding, FusedLinear, Linear};
@@ -231,15 +232,8 @@ impl Transformer {
             None => self.project(a, x, at, true)?,
         };
         let (k, v) = cache.update(layer, k, v)?;
-        let o = match cache.padding_mask(offset, l, k.shape()[2], None)? {
-            Some(mask) => fast::scaled_dot_product_attention(
-                &q,
-                &k,
-                &v,
-                self.scale,
-                ScaledDotProductAttentionMask::Array(&mask),
-                None,
-            )?,
+        let o = match batch_attention::padded(&q, &k, &v, self.scale, cache, offset, None)? {
+            Some(o) => o,
             None => {
                 let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
                 fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?

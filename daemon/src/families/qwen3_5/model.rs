@@ -10,6 +10,7 @@ use super::config::Qwen35TextConfig;
 use super::gated_delta;
 use crate::distributed::Shard;
 use crate::families::llama::model::swiglu;
+use crate::model::batch_attention;
 use crate::model::family::LanguageModel;
 use crate::model::kv_cache::KvCache;
 use crate::model::layers::{Embedding, Linear};
@@ -238,15 +239,8 @@ impl Qwen35 {
         let offset = cache.offset;
         let (k, v) = cache.update(slot, k, v)?;
         let scale = (hd as f64).powf(-0.5) as f32;
-        let o = match cache.padding_mask(offset, l, k.shape()[2], None)? {
-            Some(mask) => fast::scaled_dot_product_attention(
-                &q,
-                &k,
-                &v,
-                scale,
-                ScaledDotProductAttentionMask::Array(&mask),
-                None,
-            )?,
+        let o = match batch_attention::padded(&q, &k, &v, scale, cache, offset, None)? {
+            Some(o) => o,
             None => {
                 let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
                 fast::scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?

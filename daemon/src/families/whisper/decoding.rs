@@ -116,7 +116,6 @@ pub fn decode_window(
     rng: &mut impl Rng,
 ) -> Result<WindowResult> {
     let n_ctx = net.decoder.context;
-    let sample_len = n_ctx / 2;
     let mut initial: Vec<u32> = Vec::new();
     if !o.prompt.is_empty() {
         initial.push(t.sot_prev);
@@ -137,13 +136,50 @@ pub fn decode_window(
     let max_initial =
         (o.timestamps && o.max_initial_timestamp > 0.0).then(|| (o.max_initial_timestamp / 0.02).round() as u32);
 
+    let (tokens, sum_logprob, no_speech_prob) = match o.temperature == 0.0 {
+        true => greedy_on_device(net, t, cross, &initial, sot_index, o.timestamps.then_some(max_initial))?,
+        false => sampled_on_host(net, t, cross, &initial, sot_index, o, max_initial, rng)?,
+    };
+    let mut sampled: Vec<u32> = tokens[sample_begin..].to_vec();
+    if let Some(end) = sampled.iter().position(|&x| x == t.eot) {
+        sampled.truncate(end);
+    }
+    let text_ids: Vec<u32> = sampled.iter().copied().filter(|&x| x < t.timestamp_begin).collect();
+    let text = tokenizer.decode(&text_ids, false).map_err(|e| anyhow::anyhow!("{e}"))?.trim().to_string();
+    Ok(WindowResult {
+        avg_logprob: sum_logprob / (sampled.len() + 1) as f64,
+        tokens: sampled,
+        no_speech_prob,
+        temperature: o.temperature,
+        compression_ratio: compression_ratio(&text),
+        text,
+    })
+}
+
+/// Tokens after `initial` sampled at `o.temperature` one at a time, the
+/// logit filters applied on the host (a fallback temperature's path; greedy
+/// windows take [`greedy_on_device`]). Returns every token (the initial
+/// ones first), the sum of the sampled tokens' log probabilities, and the
+/// no-speech probability.
+#[allow(clippy::too_many_arguments)]
+fn sampled_on_host(
+    net: &WhisperNet,
+    t: &SpecialTokens,
+    cross: &CrossKv,
+    initial: &[u32],
+    sot_index: usize,
+    o: &WindowOptions,
+    max_initial: Option<u32>,
+    rng: &mut impl Rng,
+) -> Result<(Vec<u32>, f64, f64)> {
+    let (n_ctx, sample_begin) = (net.decoder.context, initial.len());
     let mut cache = SelfKv::default();
-    let mut tokens = initial.clone();
+    let mut tokens = initial.to_vec();
     let mut sum_logprob = 0f64;
     let mut no_speech_prob = f64::NAN;
     let mut input =
         Array::from_slice(&initial.iter().map(|&x| x as i32).collect::<Vec<_>>(), &[1, initial.len() as i32]);
-    for step in 0..sample_len {
+    for step in 0..n_ctx / 2 {
         if tokens.len() > n_ctx {
             break;
         }
@@ -173,7 +209,7 @@ pub fn decode_window(
         if o.timestamps {
             apply_timestamp_rules(&mut logits, sampled, t, max_initial);
         }
-        let next = if o.temperature == 0.0 { argmax(&logits) } else { sample(&logits, o.temperature, rng) };
+        let next = sample(&logits, o.temperature, rng);
         let logprobs = log_softmax(&logits);
         sum_logprob += logprobs[next as usize] as f64;
         tokens.push(next);
@@ -182,19 +218,193 @@ pub fn decode_window(
         }
         input = Array::from_slice(&[next as i32], &[1, 1]);
     }
-    let mut sampled: Vec<u32> = tokens[sample_begin..].to_vec();
-    if let Some(end) = sampled.iter().position(|&x| x == t.eot) {
-        sampled.truncate(end);
+    Ok((tokens, sum_logprob, no_speech_prob))
+}
+
+/// The logit filters of a greedy window as arrays, so a step's token is
+/// chosen on the device and the next step can be queued before the host
+/// reads it (mlx-whisper's `DecodingTask` does the same). They equal the
+/// host's filters ([`apply_timestamp_rules`] and the suppressions), which
+/// a unit test checks.
+struct DeviceFilters {
+    /// Added at the first sampled position: blank and suppressed tokens.
+    first: Array,
+    /// Added at every later position: suppressed tokens.
+    rest: Array,
+    timestamps: Option<TimestampMasks>,
+}
+
+/// The timestamp rules' masks (-inf where a rule forbids, 0 elsewhere).
+struct TimestampMasks {
+    begin: i32,
+    /// `<|notimestamps|>` at every position.
+    always: Array,
+    /// At the first position: also every text token, and timestamps past the
+    /// latest allowed initial one.
+    first: Array,
+    /// After a pair of timestamps: every timestamp.
+    no_timestamp: Array,
+    /// After a lone timestamp: every text token before EOT.
+    no_text_before_eot: Array,
+    /// When the timestamps together are likelier than any text token: every text token.
+    no_text: Array,
+}
+
+/// A `[vocab]` mask, -inf at `forbidden`.
+fn forbid(vocab: usize, forbidden: impl IntoIterator<Item = usize>) -> Array {
+    let mut m = vec![0f32; vocab];
+    for i in forbidden {
+        if let Some(x) = m.get_mut(i) {
+            *x = f32::NEG_INFINITY;
+        }
     }
-    let text_ids: Vec<u32> = sampled.iter().copied().filter(|&x| x < t.timestamp_begin).collect();
-    let text = tokenizer.decode(&text_ids, false).map_err(|e| anyhow::anyhow!("{e}"))?.trim().to_string();
-    Ok(WindowResult {
-        avg_logprob: sum_logprob / (sampled.len() + 1) as f64,
-        tokens: sampled,
-        no_speech_prob,
-        temperature: o.temperature,
-        compression_ratio: compression_ratio(&text),
-        text,
+    Array::from_slice(&m, &[vocab as i32])
+}
+
+impl DeviceFilters {
+    /// `timestamps`: `Some(max_initial)` when the window predicts timestamps.
+    fn new(t: &SpecialTokens, vocab: usize, timestamps: Option<Option<u32>>) -> Self {
+        let suppress = || t.suppress.iter().map(|&s| s as usize);
+        let tb = t.timestamp_begin as usize;
+        Self {
+            first: forbid(vocab, suppress().chain(t.blank.iter().map(|&b| b as usize))),
+            rest: forbid(vocab, suppress()),
+            timestamps: timestamps.map(|max_initial| {
+                let late = max_initial.map_or(vocab, |m| tb + m as usize + 1);
+                TimestampMasks {
+                    begin: tb as i32,
+                    always: forbid(vocab, [t.no_timestamps as usize]),
+                    first: forbid(vocab, std::iter::once(t.no_timestamps as usize).chain(0..tb).chain(late..vocab)),
+                    no_timestamp: forbid(vocab, tb..vocab),
+                    no_text_before_eot: forbid(vocab, 0..t.eot as usize),
+                    no_text: forbid(vocab, 0..tb),
+                }
+            }),
+        }
+    }
+
+    /// `logits` `[vocab]` (f32) filtered for the position after `sampled`
+    /// sampled tokens, the last two of which are `last` and `penultimate`
+    /// (device scalars, possibly not computed yet).
+    fn apply(
+        &self,
+        logits: &Array,
+        sampled: usize,
+        last: Option<&Array>,
+        penultimate: Option<&Array>,
+    ) -> Result<Array> {
+        use mlx_rs::ops::select;
+        let pre = logits.add(if sampled == 0 { &self.first } else { &self.rest })?;
+        let Some(ts) = &self.timestamps else {
+            return Ok(pre);
+        };
+        let zero = Array::from_f32(0.0);
+        let mut mask = if sampled == 0 { ts.first.clone() } else { ts.always.clone() };
+        if let Some(last) = last {
+            let last_ts = last.ge(Array::from_int(ts.begin))?;
+            let penultimate_ts = match penultimate {
+                Some(p) => p.ge(Array::from_int(ts.begin))?,
+                None => Array::from_bool(true),
+            };
+            let pair = last_ts.logical_and(&penultimate_ts)?;
+            let lone = last_ts.logical_and(&penultimate_ts.logical_not()?)?;
+            mask = mask.add(select(&pair, &ts.no_timestamp, &zero)?)?;
+            mask = mask.add(select(&lone, &ts.no_text_before_eot, &zero)?)?;
+        }
+        let logprobs = pre.subtract(pre.logsumexp(None)?)?;
+        let timestamp_logprob = logprobs.index(ts.begin..).logsumexp(None)?;
+        let max_text = logprobs.index(..ts.begin).max(None)?;
+        mask = mask.add(select(&timestamp_logprob.gt(&max_text)?, &ts.no_text, &zero)?)?;
+        Ok(pre.add(&mask)?)
+    }
+}
+
+/// Greedy tokens after `initial`, chosen on the device with
+/// [`DeviceFilters`], each step queued before the previous step's token is
+/// read (`timestamps`: `Some(max_initial)` when the window predicts them).
+/// Returns what [`sampled_on_host`] returns.
+fn greedy_on_device(
+    net: &WhisperNet,
+    t: &SpecialTokens,
+    cross: &CrossKv,
+    initial: &[u32],
+    sot_index: usize,
+    timestamps: Option<Option<u32>>,
+) -> Result<(Vec<u32>, f64, f64)> {
+    use mlx_rs::ops::{indexing::argmax, stack};
+    let n_ctx = net.decoder.context;
+    let mut cache = SelfKv::default();
+    let mut tokens = initial.to_vec();
+    let mut sum_logprob = 0f64;
+    let mut no_speech = None;
+    let mut filters: Option<DeviceFilters> = None;
+    // The last two sampled tokens as device scalars (what the rules read).
+    let mut history: Vec<Array> = Vec::new();
+    // The previous step's [token, log probability], queued, not yet read.
+    let mut pending: Option<Array> = None;
+    let mut input =
+        Array::from_slice(&initial.iter().map(|&x| x as i32).collect::<Vec<_>>(), &[1, initial.len() as i32]);
+    for step in 0..n_ctx / 2 {
+        if initial.len() + step > n_ctx {
+            break;
+        }
+        let all = net.decoder.forward(&input, cross, &mut cache)?;
+        let len = all.shape()[1];
+        let logits = all.index((0, len - 1)).as_dtype(mlx_rs::Dtype::Float32)?;
+        let vocab = logits.shape()[0] as usize;
+        let f = filters.get_or_insert_with(|| DeviceFilters::new(t, vocab, timestamps));
+        let penultimate = (history.len() == 2).then(|| &history[0]);
+        let filtered = f.apply(&logits, step, history.last(), penultimate)?;
+        let next = argmax(&filtered, None)?;
+        // The chosen token is the largest: its log probability is max - logsumexp.
+        let logprob = filtered.max(None)?.subtract(filtered.logsumexp(None)?)?;
+        let packed = stack(&[next.as_dtype(mlx_rs::Dtype::Float32)?, logprob], 0)?;
+        let mut queued = vec![&packed];
+        if step == 0 {
+            if let Some(ns) = t.no_speech {
+                let at_sot = all.index((0, sot_index as i32)).as_dtype(mlx_rs::Dtype::Float32)?;
+                no_speech = Some(mlx_rs::ops::softmax_axis(&at_sot, -1, None)?.index(ns as i32));
+            }
+        }
+        if let Some(ns) = &no_speech {
+            queued.push(ns);
+        }
+        mlx_rs::transforms::async_eval(queued)?;
+        if let Some(prev) = pending.take() {
+            let (token, logprob) = read_token(&prev)?;
+            sum_logprob += logprob;
+            tokens.push(token);
+            if token == t.eot {
+                // This step's token follows the end: dropped unread.
+                return Ok((tokens, sum_logprob, no_speech_prob(&no_speech)?));
+            }
+        }
+        input = next.reshape(&[1, 1])?;
+        history.push(next);
+        if history.len() > 2 {
+            history.remove(0);
+        }
+        pending = Some(packed);
+    }
+    if let Some(prev) = pending {
+        let (token, logprob) = read_token(&prev)?;
+        sum_logprob += logprob;
+        tokens.push(token);
+    }
+    Ok((tokens, sum_logprob, no_speech_prob(&no_speech)?))
+}
+
+/// A queued step's token and log probability.
+fn read_token(packed: &Array) -> Result<(u32, f64)> {
+    packed.eval()?;
+    let v = packed.as_slice::<f32>();
+    Ok((v[0] as u32, v[1] as f64))
+}
+
+fn no_speech_prob(p: &Option<Array>) -> Result<f64> {
+    Ok(match p {
+        Some(p) => p.try_item_cast::<f32>()? as f64,
+        None => f64::NAN,
     })
 }
 
@@ -240,6 +450,81 @@ pub fn detect_language(net: &WhisperNet, t: &SpecialTokens, cross: &CrossKv) -> 
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// A small vocabulary laid out as Whisper's: text, EOT, specials, timestamps.
+    fn tokens() -> SpecialTokens {
+        SpecialTokens {
+            eot: 40,
+            sot: 41,
+            sot_prev: 42,
+            sot_lm: 43,
+            transcribe: 44,
+            translate: 45,
+            no_speech: Some(46),
+            no_timestamps: 47,
+            timestamp_begin: 50,
+            languages: Vec::new(),
+            blank: vec![3, 40],
+            suppress: vec![5, 7, 44, 45],
+        }
+    }
+
+    /// The device's filters choose what the host's choose, with the same
+    /// logits where finite, for every state the timestamp rules tell apart:
+    /// the first position (with and without a latest initial timestamp), a
+    /// lone timestamp, a pair, text after text, and timestamps likelier
+    /// than any text token.
+    #[test]
+    fn device_filters_equal_the_hosts() {
+        let t = tokens();
+        let vocab = 80;
+        let mut checked = 0;
+        for seed in 0..12u64 {
+            let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+            let mut logits: Vec<f32> = (0..vocab).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+            if seed % 3 == 0 {
+                // Timestamps together likelier than any text token.
+                for l in &mut logits[50..] {
+                    *l += 3.0;
+                }
+            }
+            let histories: [&[u32]; 6] = [&[], &[12], &[55], &[12, 55], &[55, 60], &[55, 9]];
+            for sampled in histories {
+                for max_initial in [None, Some(3)] {
+                    for timestamps in [true, false] {
+                        let mut host = logits.clone();
+                        let blank: &[u32] = if sampled.is_empty() { &t.blank } else { &[] };
+                        for &s in blank.iter().chain(&t.suppress) {
+                            host[s as usize] = f32::NEG_INFINITY;
+                        }
+                        if timestamps {
+                            apply_timestamp_rules(&mut host, sampled, &t, max_initial);
+                        }
+                        let f = DeviceFilters::new(&t, vocab, timestamps.then_some(max_initial));
+                        let ids: Vec<Array> = sampled.iter().map(|&x| Array::from_slice(&[x], &[])).collect();
+                        let last = ids.last();
+                        let penultimate = (ids.len() >= 2).then(|| &ids[ids.len() - 2]);
+                        let device = f
+                            .apply(&Array::from_slice(&logits, &[vocab as i32]), sampled.len(), last, penultimate)
+                            .unwrap();
+                        let device = device.as_slice::<f32>();
+                        for (i, (h, d)) in host.iter().zip(device).enumerate() {
+                            let same = (h.is_infinite() && d.is_infinite()) || (h - d).abs() < 1e-5;
+                            assert!(
+                                same,
+                                "seed {seed}, sampled {sampled:?}, ts {timestamps}: logit {i} host {h} device {d}"
+                            );
+                        }
+                        assert_eq!(argmax(&host), argmax(device));
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 12 * 6 * 2 * 2);
+    }
+
     #[test]
     fn compression_ratio_is_zlibs() {
         // Python: len(b) / len(zlib.compress(b)) for b = b"hello hello hello hello"

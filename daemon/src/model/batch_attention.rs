@@ -1,0 +1,346 @@
+//! Attention of a padded batch's decode step without a padding mask.
+//!
+//! Rows of different lengths share one KV buffer aligned at their ends
+//! (`KvCache`'s left padding), so each row must not see the positions
+//! before its own start. MLX expresses that as an array mask, and on CUDA
+//! (MLX 0.32) an array mask leaves the fused decode kernel for the unfused
+//! path: on an 8B shape, 2.4 ms of a 16-row step against 1.3 without a mask,
+//! 7.2 against 3.6 at 64 rows (docs/measurements/gpu-2026-12-04-real-size-batches.md).
+//! Here the rows' starts are data instead: one CUDA kernel of our own
+//! (through MLX's custom-kernel API, compiled by NVRTC on first use and kept
+//! in MLX's kernel cache) reads each row's keys from its start on, with an
+//! online softmax per warp and the warps combined at the end.
+//!
+//! The kernel checks itself at its first use in the process against MLX's
+//! masked attention in f32 ([`Kernel::self_check`]); if it disagrees, it is
+//! not used and the log says why. Off CUDA (Metal, CPU), the masked path
+//! stays: their fused kernels take the mask.
+
+use crate::model::kv_cache::KvCache;
+use anyhow::{bail, Result};
+use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, Array, Dtype};
+use std::cell::OnceCell;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// How a padded batch's decode step attends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BatchAttention {
+    /// The device's best: our kernel on CUDA, MLX's masked attention elsewhere.
+    #[default]
+    Auto,
+    /// MLX's attention with a padding mask, everywhere (`MLXBC_BATCH_ATTENTION=mask`).
+    Mask,
+}
+
+/// The process's choice, set once at start by the engine (0 auto, 1 mask).
+static CHOICE: AtomicU8 = AtomicU8::new(0);
+
+/// Sets how padded batches attend (from `EngineOptions`, at start).
+pub fn configure(choice: BatchAttention) {
+    CHOICE.store(u8::from(choice == BatchAttention::Mask), Ordering::Relaxed);
+}
+
+thread_local! {
+    /// This thread's kernel, built (and checked) on first use; `None` when
+    /// not on CUDA or when it failed its check.
+    static KERNEL: OnceCell<Option<Kernel>> = const { OnceCell::new() };
+}
+
+/// `o = softmax(q·kᵀ·scale)·v` for one query position per row, `q`
+/// `[rows, heads, 1, head_dim]`, `k`/`v` `[rows, kv_heads, keys, head_dim]`,
+/// row `r` attending to keys `starts[r]..keys` (`starts` `[rows]` int32).
+/// `None` when the kernel does not apply here (not CUDA, switched off, a
+/// shape it does not take, or it failed its check): the caller masks.
+pub fn decode_rows(q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array) -> Result<Option<Array>> {
+    if CHOICE.load(Ordering::Relaxed) != 0 || !Kernel::takes(q, k, v) {
+        return Ok(None);
+    }
+    KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
+        Some(kernel) => kernel.apply(q, k, v, scale, starts).map(Some),
+        None => Ok(None),
+    })
+}
+
+/// Attention of a padded batch's rows (`None` when `cache` is not
+/// padded): a decode step through [`decode_rows`] where it applies, else
+/// MLX's attention with the padding mask. `k`, `v` are the cache's views
+/// after this step's update, `offset` its length before.
+pub fn padded(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    cache: &mut KvCache,
+    offset: i32,
+    window: Option<i32>,
+) -> Result<Option<Array>> {
+    if !cache.is_padded() {
+        return Ok(None);
+    }
+    let (l, total) = (q.shape()[2], k.shape()[2]);
+    if l == 1 && total == offset + 1 {
+        if let Some(o) = decode_rows(q, k, v, scale, &cache.row_starts(total, window)?)? {
+            return Ok(Some(o));
+        }
+    }
+    let Some(mask) = cache.padding_mask(offset, l, total, window)? else {
+        bail!("a padded cache without a padding mask");
+    };
+    let mask = ScaledDotProductAttentionMask::Array(&mask);
+    Ok(Some(fast::scaled_dot_product_attention(q, k, v, scale, mask, None)?))
+}
+
+/// Warps per (row, head): keys are dealt round-robin among them.
+const WARPS: i32 = 16;
+
+const SOURCE: &str = r#"
+    // q [rows, heads, 1, D]; k, v [rows, kv_heads, keys, D] (strided views
+    // of the cache); starts [rows]; out [rows, heads, 1, D] row-contiguous.
+    constexpr int PER = D / 32;
+    const int head = blockIdx.x;
+    const int row = blockIdx.y;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int heads = q_shape[1];
+    const int kv_head = head / (heads / k_shape[1]);
+    const int keys = k_shape[2];
+    const float scale = __int_as_float(SCALE_BITS);
+
+    const auto* qp = q + row * q_strides[0] + head * q_strides[1] + lane * PER;
+    const auto* kp = k + row * k_strides[0] + kv_head * k_strides[1] + lane * PER;
+    const auto* vp = v + row * v_strides[0] + kv_head * v_strides[1] + lane * PER;
+    float qv[PER];
+    float acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = static_cast<float>(qp[i]) * scale;
+        acc[i] = 0.f;
+    }
+    // Online softmax over this warp's keys: `best` the running maximum,
+    // `total` the sum of exp(score - best), `acc` the weighted values.
+    float best = -inf;
+    float total = 0.f;
+    for (int t = starts[row] + warp; t < keys; t += NW) {
+        const auto* kr = kp + t * k_strides[2];
+        float score = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) score += qv[i] * static_cast<float>(kr[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) score += __shfl_xor_sync(0xffffffffu, score, o);
+        const float next = fmaxf(best, score);
+        const float keep = __expf(best - next);
+        const float w = __expf(score - next);
+        total = total * keep + w;
+        const auto* vr = vp + t * v_strides[2];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * keep + w * static_cast<float>(vr[i]);
+        best = next;
+    }
+    __shared__ float warp_best[NW];
+    __shared__ float warp_total[NW];
+    __shared__ float warp_acc[NW][D];
+    if (lane == 0) {
+        warp_best[warp] = best;
+        warp_total[warp] = total;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) warp_acc[warp][lane * PER + i] = acc[i];
+    __syncthreads();
+    // Every row sees at least its own position, so some warp has a finite
+    // maximum; a warp that saw no key weighs exp(-inf) = 0.
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float m = -inf;
+        for (int w = 0; w < NW; ++w) m = fmaxf(m, warp_best[w]);
+        float sum = 0.f;
+        float o = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            const float f = __expf(warp_best[w] - m);
+            sum += warp_total[w] * f;
+            o += warp_acc[w][d] * f;
+        }
+        out[(row * heads + head) * D + d] = static_cast<T>(o / sum);
+    }
+"#;
+
+/// The compiled kernel function (mlx-c's handle).
+struct Kernel {
+    raw: mlx_sys::mlx_fast_cuda_kernel,
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        // SAFETY: made by `mlx_fast_cuda_kernel_new`, freed once.
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
+    }
+}
+
+impl Kernel {
+    /// Shapes the kernel takes: one query position, a head dim that is a
+    /// multiple of 32 up to 512, whole key-value groups, each head's vectors
+    /// contiguous, a float type.
+    fn takes(q: &Array, k: &Array, v: &Array) -> bool {
+        let (qs, ks) = (q.shape(), k.shape());
+        qs.len() == 4
+            && ks.len() == 4
+            && qs[2] == 1
+            && qs[3] % 32 == 0
+            && qs[3] <= 512
+            && ks[3] == qs[3]
+            && v.shape() == ks
+            && ks[1] > 0
+            && qs[1] % ks[1] == 0
+            && qs[0] == ks[0]
+            && [q, k, v].iter().all(|a| a.strides().last() == Some(&1))
+            && matches!(q.dtype(), Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32)
+            && k.dtype() == q.dtype()
+            && v.dtype() == q.dtype()
+    }
+
+    /// Builds the kernel and checks it, on CUDA only; `None` (and a log
+    /// line) when it cannot be built or disagrees with MLX.
+    fn build_checked() -> Option<Kernel> {
+        if !crate::model::options::cuda_available() {
+            return None;
+        }
+        let kernel = match Kernel::new() {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!("padded batches keep the masked attention: the kernel was not built: {e:#}");
+                return None;
+            }
+        };
+        match kernel.self_check() {
+            Ok(report) => {
+                tracing::info!("padded batches attend with mlxbc's own CUDA kernel ({report})");
+                Some(kernel)
+            }
+            Err(e) => {
+                tracing::warn!("padded batches keep the masked attention: the kernel failed its check: {e:#}");
+                None
+            }
+        }
+    }
+
+    fn new() -> Result<Kernel> {
+        let cstr = |s: &str| CString::new(s).expect("no NUL in kernel strings");
+        let (name, source, header) = (cstr("mlxbc_padded_decode_attention"), cstr(SOURCE), cstr(""));
+        let names = |list: &[&str]| {
+            let owned: Vec<CString> = list.iter().map(|s| cstr(s)).collect();
+            let ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
+            // SAFETY: the pointers live in `owned` for the call; mlx-c copies the strings.
+            unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) }
+        };
+        let (inputs, outputs) = (names(&["q", "k", "v", "starts"]), names(&["out"]));
+        // SAFETY: every argument is a live C string or vector for the call;
+        // the vectors are freed after, the kernel handle is owned by `Kernel`.
+        let raw = unsafe {
+            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
+                name.as_ptr(),
+                inputs,
+                outputs,
+                source.as_ptr(),
+                header.as_ptr(),
+                false,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(inputs);
+            mlx_sys::mlx_vector_string_free(outputs);
+            raw
+        };
+        if raw.ctx.is_null() {
+            bail!("mlx_fast_cuda_kernel_new failed");
+        }
+        Ok(Kernel { raw })
+    }
+
+    fn apply(&self, q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array) -> Result<Array> {
+        let (rows, heads, dim) = (q.shape()[0], q.shape()[1], q.shape()[3]);
+        let starts = starts.as_dtype(Dtype::Int32)?;
+        let threads = WARPS * 32;
+        // SAFETY: the config and vectors are created, used and freed here;
+        // the inputs are live arrays for the call; the one output handle
+        // mlx-c returns is taken over by `Array::from_ptr`.
+        unsafe {
+            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+            let shape = [rows, heads, 1, dim];
+            let dtype: mlx_sys::mlx_dtype = q.dtype().into();
+            let tname = CString::new("T").unwrap();
+            let dname = CString::new("D").unwrap();
+            let wname = CString::new("NW").unwrap();
+            let sname = CString::new("SCALE_BITS").unwrap();
+            let mut rc = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(config, shape.as_ptr(), 4, dtype);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * threads, rows, 1);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, threads, 1, 1);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, tname.as_ptr(), dtype);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, dname.as_ptr(), dim);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, wname.as_ptr(), WARPS);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                config,
+                sname.as_ptr(),
+                scale.to_bits() as i32,
+            );
+            let handles = [q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr()];
+            let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
+            let mut outputs = mlx_sys::mlx_vector_array_new();
+            let stream = mlx_rs::Stream::default();
+            if rc == 0 {
+                rc = mlx_sys::mlx_fast_cuda_kernel_apply(&mut outputs, self.raw, inputs, config, stream.as_ptr());
+            }
+            let mut out = mlx_sys::mlx_array_new();
+            if rc == 0 && mlx_sys::mlx_vector_array_size(outputs) == 1 {
+                rc = mlx_sys::mlx_vector_array_get(&mut out, outputs, 0);
+            } else {
+                rc |= 1;
+            }
+            mlx_sys::mlx_vector_array_free(inputs);
+            mlx_sys::mlx_vector_array_free(outputs);
+            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+            if rc != 0 {
+                mlx_sys::mlx_array_free(out);
+                bail!("the padded-batch attention kernel could not be applied");
+            }
+            Ok(Array::from_ptr(out))
+        }
+    }
+
+    /// Runs the kernel on random inputs of the shapes batches have (rows of
+    /// different starts, grouped heads, strided key/value views, each float
+    /// type and head dim a model may bring) and compares with MLX's masked
+    /// attention computed in f32. Passes when the kernel's largest error is
+    /// within twice MLX's own in the same dtype (plus 1e-3 of the largest
+    /// value): rounding, not a wrong key.
+    fn self_check(&self) -> Result<String> {
+        use mlx_rs::ops::{arange, indexing::IndexOp};
+        let mut worst = (0.0f32, 0.0f32);
+        for (dtype, dim) in [(Dtype::Float16, 128), (Dtype::Bfloat16, 64), (Dtype::Float16, 256), (Dtype::Float32, 96)]
+        {
+            let (rows, heads, kv_heads, keys, capacity) = (3, 8, 2, 37, 48);
+            let q = mlx_rs::random::normal::<f32>(&[rows, heads, 1, dim][..], None, None, None)?;
+            let k_buf = mlx_rs::random::normal::<f32>(&[rows, kv_heads, capacity, dim][..], None, None, None)?;
+            let v_buf = mlx_rs::random::normal::<f32>(&[rows, kv_heads, capacity, dim][..], None, None, None)?;
+            let (k, v) = (k_buf.index((.., .., ..keys, ..)), v_buf.index((.., .., ..keys, ..)));
+            let starts = Array::from_slice(&[0i32, 7, keys - 1], &[rows]);
+            let allowed =
+                arange::<_, i32>(0, keys, 1)?.reshape(&[1, 1, 1, keys])?.ge(&starts.reshape(&[rows, 1, 1, 1])?)?;
+            let scale = (dim as f32).powf(-0.5);
+            let masked = |q: &Array, k: &Array, v: &Array| -> Result<Array> {
+                let mask = ScaledDotProductAttentionMask::Array(&allowed);
+                Ok(fast::scaled_dot_product_attention(q, k, v, scale, mask, None)?.as_dtype(Dtype::Float32)?)
+            };
+            let reference = masked(&q, &k, &v)?;
+            let (qd, kd, vd) = (q.as_dtype(dtype)?, k_buf.as_dtype(dtype)?, v_buf.as_dtype(dtype)?);
+            let (kd, vd) = (kd.index((.., .., ..keys, ..)), vd.index((.., .., ..keys, ..)));
+            let theirs = masked(&qd, &kd, &vd)?;
+            let ours = self.apply(&qd, &kd, &vd, scale, &starts)?.as_dtype(Dtype::Float32)?;
+            let err = |x: &Array| -> Result<f32> { Ok(x.subtract(&reference)?.abs()?.max(None)?.item_exact::<f32>()) };
+            let (e_ours, e_mlx) = (err(&ours)?, err(&theirs)?);
+            let largest = reference.abs()?.max(None)?.item_exact::<f32>();
+            if !(e_ours <= 2.0 * e_mlx + 1e-3 * largest) {
+                bail!("{dtype:?}, head dim {dim}: max error {e_ours:.2e} against MLX's {e_mlx:.2e}");
+            }
+            worst = (worst.0.max(e_ours), worst.1.max(e_mlx));
+        }
+        Ok(format!("checked against MLX: max error {:.1e}, MLX's own {:.1e}", worst.0, worst.1))
+    }
+}
