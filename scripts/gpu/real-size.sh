@@ -20,7 +20,14 @@
 #   kernel        scripts/gpu/w4a16.py: our W4A16 kernel, checked and timed
 #   parts         scripts/gpu/step_parts.py: an 8B step part by part
 #   ids MODEL     scripts/gpu/check_ids_dense.py: greedy ids against mlx-lm
-# MODEL: qwen3-8b | qwen2.5-0.5b. Everything under $OUT comes back.
+#   ab MODEL      two warm daemons, A as configured and B with
+#                 MLXBC_BATCH_ATTENTION=mask: interleaved rounds of 16 and 64
+#                 clients (scripts/gpu/real/attention_ab.py), greedy ids
+#                 compared; first scripts/gpu/prefill_shapes.py
+#   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
+#   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
+#                 (scripts/bench.d/audio_bench.py)
+# MODEL: qwen3-8b | qwen3-4b | qwen2.5-0.5b. Everything under $OUT comes back.
 set -u
 step=$1; shift
 repo=$PWD
@@ -36,7 +43,17 @@ if [[ $step == stage ]]; then # here, at no device time
   cp .dev/dl2/mlx-0.32.2-cp312-*.whl "$last/"
   python3 -m pip download --no-deps --quiet -d "$last" mlx-lm==0.32.2
   cp "${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}"/mlx/tiny-qwen3/tokenizer{,_config}.json "$last/"
-  echo "$n parts"; du -sh "$out"/c*
+  # Whisper tiny.en for `whisper` (its weights in three, under what a call carries).
+  fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}; wt=$fx/models/whisper-tiny.en
+  mkdir -p "$out/w0" "$out/w1" "$out/w2"
+  split -n 3 -d -a 1 "$wt/model.safetensors" "$out/whisper."
+  for i in 0 1 2; do mv "$out/whisper.$i" "$out/w$i/"; done
+  cp "$wt/config.json" "$wt/tokenizer.json" "$out/w0/"
+  tar -C "$fx/whisper" -cf "$out/w0/clips.tar" clips/s1.wav clips/s2.wav clips/s3.wav clips/s4.wav clips/s5.wav \
+      clips/s6.wav clips/s7.wav clips/s8.wav clips/long.wav
+  python3 -m pip download --no-deps --quiet -d "$out/w1" --python-version 3.12 --only-binary=:all: \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 mlx-whisper==0.4.3 tiktoken regex
+  echo "$n parts"; du -sh "$out"/c* "$out"/w*
   exit 0
 fi
 PY=/opt/torch/.venv/bin/python3
@@ -67,7 +84,7 @@ install)
   ln -sfn "$B/bin/mlx/include" /tmp/site/mlx/include; ln -sfn "$B/bin/mlx_cuda_13.libs" /tmp/site/mlx_cuda_13.libs
   ln -sfn "$SP/nvidia" /tmp/site/nvidia
   mkdir -p /tmp/tok /tmp/models; cp /tmp/stage/tokenizer*.json /tmp/tok/
-  for shape in qwen3-8b qwen2.5-0.5b; do $PY "$R/make_big.py" "$(model_dir $shape)" /tmp/tok $shape || exit 1; done
+  for shape in qwen3-8b qwen3-4b qwen2.5-0.5b; do $PY "$R/make_big.py" "$(model_dir $shape)" /tmp/tok $shape || exit 1; done
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader ;;
 bursts)
   m=$1-4bit; home=/tmp/home-$RANDOM; tokens=${TOKENS:-128}
@@ -99,6 +116,39 @@ parts) # an 8B step part by part, per rows (scripts/gpu/step_parts.py)
   timeout 400 $PY "$repo/scripts/gpu/step_parts.py" 2>&1 | tee "$OUT/step-parts.txt" ;;
 kernel) # our W4A16 kernel against MLX's quantized matmul (scripts/gpu/w4a16.py)
   timeout 300 $PY "$repo/scripts/gpu/w4a16.py" 2>&1 | tee "$OUT/w4a16.txt" ;;
+ab)
+  m=$1-4bit; ha=/tmp/home-a-$RANDOM; hb=/tmp/home-b-$RANDOM
+  if [[ -z ${SKIP_PREFILL:-} ]]; then
+    timeout 120 $PY "$repo/scripts/gpu/prefill_shapes.py" 2>&1 | tee "$OUT/prefill-shapes.txt"
+    MLX_CUDA_USE_CUDNN_SPDA=0 MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 $PY "$repo/scripts/gpu/prefill_shapes.py" 2>&1 \
+      | tee -a "$OUT/prefill-shapes.txt"
+  fi
+  daemon "$ha" ${A_ENV:-} || exit 1
+  daemon "$hb" ${B_ENV-MLXBC_BATCH_ATTENTION=mask} || exit 1
+  for h in "$ha" "$hb"; do
+    MLXBC_HOME=$h "$B/bin/mlxbc" load "$m" --keep-alive 30m
+    for _ in $(seq 600); do MLXBC_HOME=$h "$B/bin/mlxbc" ps | grep -q "warming" || break; sleep 0.5; done
+  done
+  MLXBC_HOME=$ha timeout 450 $PY "$R/attention_ab.py" "$B/bin/mlxbc" "$m" "$ha" "$hb" ${LEVELS:-16,64} ${ROUNDS:-4} \
+    ${TOKENS:-128} "$OUT/ab-$1.jsonl" 2>&1 | tee "$OUT/ab-$1.txt"
+  grep -E "padded batches|kernel" "$ha/daemon.log" | cut -c1-240 | head -5
+  grep -E "decode \(" "$ha/daemon.log" | cut -c1-200 | tail -4; grep -E "decode \(" "$hb/daemon.log" | cut -c1-200 | tail -4
+  for h in "$ha" "$hb"; do MLXBC_HOME=$h "$B/bin/mlxbc" stop; done
+  cp "$ha/daemon.log" "$OUT/daemon-ab-a-$1.log"; cp "$hb/daemon.log" "$OUT/daemon-ab-b-$1.log" ;;
+wpart)
+  mkdir -p /tmp/whisper; cp -r ".dev/rs/w$1/." /tmp/whisper/; ls -la /tmp/whisper ;;
+whisper)
+  w=/tmp/whisper; cp -r .dev/rs/w2/. $w/
+  mkdir -p $w/whisper-tiny.en; cat $w/whisper.0 $w/whisper.1 $w/whisper.2 > $w/whisper-tiny.en/model.safetensors
+  cp $w/config.json $w/tokenizer.json $w/whisper-tiny.en/; tar -C $w -xf $w/clips.tar
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $w/*.whl
+  $PY scripts/fixtures/hf_whisper_to_mlx.py $w/whisper-tiny.en $w/mlx-tiny.en || exit 1
+  home=/tmp/mlxbc-audio; mkdir -p $home/models; ln -sfn $w/whisper-tiny.en $home/models/
+  MLXBC_HOME=$home MLXBC_LOG=info "$B/bin/mlxbcd" --http 127.0.0.1:18081 2> $OUT/audio-daemon.log & pid=$!
+  for _ in $(seq 300); do [[ -S $home/mlxbcd.sock ]] && break; sleep 0.1; done
+  BENCH_DEVICE=gpu timeout ${AUDIO_TIMEOUT:-400} $PY scripts/bench.d/audio_bench.py http://127.0.0.1:18081 ${ROUNDS:-5} \
+    $w/clips tests/fixtures/audio/sentences.txt "whisper-tiny.en:$w/mlx-tiny.en:none" 2>&1 | tee $OUT/audio.md
+  kill $pid; wait $pid 2>/dev/null ;;
 mlxlm)
   timeout 500 $PY "$R/batch_mlxlm.py" "$1" "$(model_dir $1)" ${BATCHES:-16,64} 1 ${TOKENS:-128} "$OUT/mlxlm-$1.jsonl" ;;
 esac

@@ -86,12 +86,14 @@ fn join_group_settings(
     Ok(())
 }
 
-/// MLX's CUDA build keeps the PTX of the kernels it compiles (for each new
-/// batch shape: tens of seconds at real sizes) where `MLX_PTX_CACHE_DIR`
-/// says; under the daemon's home they outlive a reboot's temp cleanup, so a
-/// restarted daemon does not compile them again. A directory the user set
-/// is kept; the CPU build ignores the variable.
-fn keep_compiled_kernels(settings: &Settings) {
+/// MLX's CUDA settings a long-lived server wants, each through its
+/// environment variable, set before MLX reads it; a value the user set is
+/// kept, and the CPU build ignores them all. MLX keeps the PTX of the
+/// kernels it compiles (for each new batch shape: tens of seconds at real
+/// sizes) where `MLX_PTX_CACHE_DIR` says; under the daemon's home they
+/// outlive a reboot's temp cleanup, so a restarted daemon does not compile
+/// them again.
+fn cuda_server_defaults(settings: &Settings) {
     // MLX's CUDA caches (graphs, attention plans) count every miss over
     // the process's life and throw once a count passes twice the cache's
     // size, and the throw leaves the command encoder unusable: every later
@@ -101,6 +103,18 @@ fn keep_compiled_kernels(settings: &Settings) {
     // caches still evict, they no longer throw.
     if std::env::var_os("MLX_ENABLE_CACHE_THRASHING_CHECK").is_none() {
         std::env::set_var("MLX_ENABLE_CACHE_THRASHING_CHECK", "0");
+    }
+    // MLX's cuDNN attention builds a plan for every new (rows, length)
+    // shape a prefill brings: 45-85 ms each on an H200, now and then over a
+    // second, and a chat's every turn is a new length. MLX's own kernels
+    // compile once and cost up to ~1 ms more per 2,048-token chunk and
+    // layer (docs/measurements/gpu-2026-12-04-batch-attention.md). MLX
+    // 0.32 reads `SPDA`, later releases `SDPA`: the user's value of either,
+    // else off, is given to both.
+    const CUDNN_ATTENTION: [&str; 2] = ["MLX_CUDA_USE_CUDNN_SPDA", "MLX_CUDA_USE_CUDNN_SDPA"];
+    let cudnn = CUDNN_ATTENTION.iter().find_map(|n| std::env::var(n).ok()).unwrap_or_else(|| "0".into());
+    for name in CUDNN_ATTENTION {
+        std::env::set_var(name, &cudnn);
     }
     if std::env::var_os("MLX_PTX_CACHE_DIR").is_some() {
         return;
@@ -116,7 +130,7 @@ fn main() -> Result<()> {
     // Before any thread exists: it clears LISTEN_* from the environment.
     let inherited = mlxbc_daemon::server::activation::take_inherited()?;
     let mut settings = Settings::from_env()?;
-    keep_compiled_kernels(&settings);
+    cuda_server_defaults(&settings);
     if let Err(e) = mlxbc_daemon::logging::init(args.log_file.as_deref(), settings.log_max_bytes) {
         anyhow::bail!("opening the log file {}: {e}", args.log_file.unwrap_or_default().display());
     }

@@ -106,6 +106,8 @@ const SOURCE: &str = r#"
     const int kv_head = head / (heads / k_shape[1]);
     const int keys = k_shape[2];
     const float scale = __int_as_float(SCALE_BITS);
+    // -inf (MLX 0.32's kernel header has no `inf`).
+    const float neg_inf = -__int_as_float(0x7f800000);
 
     const auto* qp = q + row * q_strides[0] + head * q_strides[1] + lane * PER;
     const auto* kp = k + row * k_strides[0] + kv_head * k_strides[1] + lane * PER;
@@ -119,7 +121,7 @@ const SOURCE: &str = r#"
     }
     // Online softmax over this warp's keys: `best` the running maximum,
     // `total` the sum of exp(score - best), `acc` the weighted values.
-    float best = -inf;
+    float best = neg_inf;
     float total = 0.f;
     for (int t = starts[row] + warp; t < keys; t += NW) {
         const auto* kr = kp + t * k_strides[2];
@@ -150,7 +152,7 @@ const SOURCE: &str = r#"
     // Every row sees at least its own position, so some warp has a finite
     // maximum; a warp that saw no key weighs exp(-inf) = 0.
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float m = -inf;
+        float m = neg_inf;
         for (int w = 0; w < NW; ++w) m = fmaxf(m, warp_best[w]);
         float sum = 0.f;
         float o = 0.f;
@@ -333,9 +335,15 @@ impl Kernel {
             let (kd, vd) = (kd.index((.., .., ..keys, ..)), vd.index((.., .., ..keys, ..)));
             let theirs = masked(&qd, &kd, &vd)?;
             let ours = self.apply(&qd, &kd, &vd, scale, &starts)?.as_dtype(Dtype::Float32)?;
-            let err = |x: &Array| -> Result<f32> { Ok(x.subtract(&reference)?.abs()?.max(None)?.item_exact::<f32>()) };
+            // Evaluated here, so a kernel that fails to compile is an error
+            // returned (the kernel is then not used), not a panic in `item`.
+            let scalar = |x: Array| -> Result<f32> {
+                x.eval()?;
+                Ok(x.item_exact::<f32>())
+            };
+            let err = |x: &Array| -> Result<f32> { scalar(x.subtract(&reference)?.abs()?.max(None)?) };
             let (e_ours, e_mlx) = (err(&ours)?, err(&theirs)?);
-            let largest = reference.abs()?.max(None)?.item_exact::<f32>();
+            let largest = scalar(reference.abs()?.max(None)?)?;
             if !(e_ours <= 2.0 * e_mlx + 1e-3 * largest) {
                 bail!("{dtype:?}, head dim {dim}: max error {e_ours:.2e} against MLX's {e_mlx:.2e}");
             }
