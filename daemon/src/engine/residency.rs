@@ -424,7 +424,12 @@ impl Residency {
             // Temperature, top-k and top-p: every kernel a sampled row runs.
             let params = mlxbc_shared::SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(0) };
             let sampled = |row: &mlx_rs::Array| crate::decoding::sampling::Sampler::new(params.clone())?.pick(row);
-            match m.warm_batches(rows as i32, &sampled) {
+            // Guarded like a request's step: a panic stops this model's
+            // warming, not the engine.
+            let warmed =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.warm_batches(rows as i32, &sampled)))
+                    .unwrap_or_else(|panic| Err(anyhow::anyhow!("panicked: {}", crate::error::panic_message(&*panic))));
+            match warmed {
                 Ok(()) => {
                     m.warm_pending.borrow_mut().remove(0);
                 }
