@@ -11,6 +11,10 @@
 //! in MLX's kernel cache) reads each row's keys from its start on, with an
 //! online softmax per warp and the warps combined at the end.
 //!
+//! The same kernel serves a compiled one-row decode step ([`decode_to`]):
+//! there the keys end at the position, given as data, so one compiled graph
+//! serves every position of a fixed-capacity buffer without a mask.
+//!
 //! The kernel checks itself at its first use in the process against MLX's
 //! masked attention in f32 ([`Kernel::self_check`]); if it disagrees, it is
 //! not used and the log says why. Off CUDA (Metal, CPU), the masked path
@@ -49,17 +53,50 @@ thread_local! {
 
 /// `o = softmax(q·kᵀ·scale)·v` for one query position per row, `q`
 /// `[rows, heads, 1, head_dim]`, `k`/`v` `[rows, kv_heads, keys, head_dim]`,
-/// row `r` attending to keys `starts[r]..keys` (`starts` `[rows]` int32).
-/// `None` when the kernel does not apply here (not CUDA, switched off, a
-/// shape it does not take, or it failed its check): the caller masks.
-pub fn decode_rows(q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array) -> Result<Option<Array>> {
+/// row `r` attending to keys `starts[r]..ends[r]` (`starts` `[rows]`,
+/// `ends` `[rows]` or `[1]` for every row, int32; `None`: every key from
+/// the start on). `None` when the kernel does not apply here (not CUDA,
+/// switched off, a shape it does not take, or it failed its check): the
+/// caller masks.
+pub fn decode_rows(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    starts: &Array,
+    ends: Option<&Array>,
+) -> Result<Option<Array>> {
     if CHOICE.load(Ordering::Relaxed) != 0 || !Kernel::takes(q, k, v) {
         return Ok(None);
     }
     KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
-        Some(kernel) => kernel.apply(q, k, v, scale, starts).map(Some),
+        Some(kernel) => {
+            let unbounded;
+            let ends = match ends {
+                Some(e) => e,
+                None => {
+                    unbounded = Array::from_slice(&[i32::MAX], &[1]);
+                    &unbounded
+                }
+            };
+            kernel.apply(q, k, v, scale, starts, ends).map(Some)
+        }
         None => Ok(None),
     })
+}
+
+/// A one-row decode step's attention over a fixed-capacity cache buffer
+/// (the compiled decode step's `k`, `v` `[1, kv_heads, capacity, head_dim]`),
+/// the positions up to `position` (`[1]` int32, data: the same graph
+/// serves every position); `None` as for [`decode_rows`].
+pub fn decode_to(q: &Array, k: &Array, v: &Array, scale: f32, position: &Array) -> Result<Option<Array>> {
+    // Off CUDA, nothing is added to the caller's (traced) graph.
+    if CHOICE.load(Ordering::Relaxed) != 0 || !KERNEL.with(|cell| cell.get_or_init(Kernel::build_checked).is_some()) {
+        return Ok(None);
+    }
+    let starts = Array::from_slice(&[0i32], &[1]);
+    let ends = position.as_dtype(Dtype::Int32)?.add(Array::from_int(1))?;
+    decode_rows(q, k, v, scale, &starts, Some(&ends))
 }
 
 /// Attention of a padded batch's rows (`None` when `cache` is not
@@ -80,7 +117,7 @@ pub fn padded(
     }
     let (l, total) = (q.shape()[2], k.shape()[2]);
     if l == 1 && total == offset + 1 {
-        if let Some(o) = decode_rows(q, k, v, scale, &cache.row_starts(total, window)?)? {
+        if let Some(o) = decode_rows(q, k, v, scale, &cache.row_starts(total, window)?, None)? {
             return Ok(Some(o));
         }
     }
@@ -96,7 +133,8 @@ const WARPS: i32 = 16;
 
 const SOURCE: &str = r#"
     // q [rows, heads, 1, D]; k, v [rows, kv_heads, keys, D] (strided views
-    // of the cache); starts [rows]; out [rows, heads, 1, D] row-contiguous.
+    // of the cache); starts [rows]; ends [rows] or [1]; out [rows, heads,
+    // 1, D] row-contiguous. Row r reads keys starts[r] .. min(keys, ends[r]).
     constexpr int PER = D / 32;
     const int head = blockIdx.x;
     const int row = blockIdx.y;
@@ -104,7 +142,7 @@ const SOURCE: &str = r#"
     const int lane = threadIdx.x % 32;
     const int heads = q_shape[1];
     const int kv_head = head / (heads / k_shape[1]);
-    const int keys = k_shape[2];
+    const int keys = min(k_shape[2], ends[ends_shape[0] == 1 ? 0 : row]);
     const float scale = __int_as_float(SCALE_BITS);
     // -inf (MLX 0.32's kernel header has no `inf`).
     const float neg_inf = -__int_as_float(0x7f800000);
@@ -233,7 +271,7 @@ impl Kernel {
             // SAFETY: the pointers live in `owned` for the call; mlx-c copies the strings.
             unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) }
         };
-        let (inputs, outputs) = (names(&["q", "k", "v", "starts"]), names(&["out"]));
+        let (inputs, outputs) = (names(&["q", "k", "v", "starts", "ends"]), names(&["out"]));
         // SAFETY: every argument is a live C string or vector for the call;
         // the vectors are freed after, the kernel handle is owned by `Kernel`.
         let raw = unsafe {
@@ -256,9 +294,9 @@ impl Kernel {
         Ok(Kernel { raw })
     }
 
-    fn apply(&self, q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array) -> Result<Array> {
+    fn apply(&self, q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array, ends: &Array) -> Result<Array> {
         let (rows, heads, dim) = (q.shape()[0], q.shape()[1], q.shape()[3]);
-        let starts = starts.as_dtype(Dtype::Int32)?;
+        let (starts, ends) = (starts.as_dtype(Dtype::Int32)?, ends.as_dtype(Dtype::Int32)?);
         let threads = WARPS * 32;
         // SAFETY: the config and vectors are created, used and freed here;
         // the inputs are live arrays for the call; the one output handle
@@ -282,7 +320,7 @@ impl Kernel {
                 sname.as_ptr(),
                 scale.to_bits() as i32,
             );
-            let handles = [q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr()];
+            let handles = [q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr(), ends.as_ptr()];
             let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
             let mut outputs = mlx_sys::mlx_vector_array_new();
             let stream = mlx_rs::Stream::default();
@@ -307,7 +345,7 @@ impl Kernel {
     }
 
     /// Runs the kernel on random inputs of the shapes batches have (rows of
-    /// different starts, grouped heads, strided key/value views, each float
+    /// different starts and ends, grouped heads, strided key/value views, each float
     /// type and head dim a model may bring) and compares with MLX's masked
     /// attention computed in f32. Passes when the kernel's largest error is
     /// within twice MLX's own in the same dtype (plus 1e-3 of the largest
@@ -329,8 +367,11 @@ impl Kernel {
             let v_buf = normal(seed + 2, &[rows, kv_heads, capacity, dim])?;
             let (k, v) = (k_buf.index((.., .., ..keys, ..)), v_buf.index((.., .., ..keys, ..)));
             let starts = Array::from_slice(&[0i32, 7, keys - 1], &[rows]);
-            let allowed =
-                arange::<_, i32>(0, keys, 1)?.reshape(&[1, 1, 1, keys])?.ge(&starts.reshape(&[rows, 1, 1, 1])?)?;
+            let ends = Array::from_slice(&[keys - 5, keys, keys], &[rows]);
+            let positions = arange::<_, i32>(0, keys, 1)?.reshape(&[1, 1, 1, keys])?;
+            let allowed = positions
+                .ge(&starts.reshape(&[rows, 1, 1, 1])?)?
+                .logical_and(&positions.lt(&ends.reshape(&[rows, 1, 1, 1])?)?)?;
             let scale = (dim as f32).powf(-0.5);
             let masked = |q: &Array, k: &Array, v: &Array| -> Result<Array> {
                 let mask = ScaledDotProductAttentionMask::Array(&allowed);
@@ -340,7 +381,7 @@ impl Kernel {
             let (qd, kd, vd) = (q.as_dtype(dtype)?, k_buf.as_dtype(dtype)?, v_buf.as_dtype(dtype)?);
             let (kd, vd) = (kd.index((.., .., ..keys, ..)), vd.index((.., .., ..keys, ..)));
             let theirs = masked(&qd, &kd, &vd)?;
-            let ours = self.apply(&qd, &kd, &vd, scale, &starts)?.as_dtype(Dtype::Float32)?;
+            let ours = self.apply(&qd, &kd, &vd, scale, &starts, &ends)?.as_dtype(Dtype::Float32)?;
             // Evaluated here, so a kernel that fails to compile is an error
             // returned (the kernel is then not used), not a panic in `item`.
             let scalar = |x: Array| -> Result<f32> {

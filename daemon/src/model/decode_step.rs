@@ -28,9 +28,12 @@ impl DecodeMode {
     /// device: compiled on CPU (1.4x eager on a tiny Qwen3, equal on
     /// SmolLM2), eager on a GPU. There MLX's per-operation host work in
     /// evaluation, not graph building, bounds the step (an H200 spent 99% of
-    /// each token queueing it), the masked attention over the whole buffer
-    /// leaves CUDA's fused decode kernel for the unfused one, and every new
-    /// buffer capacity compiles new kernels (docs/measurements/h200-2026-11-29-decode-step.md).
+    /// each token queueing it), and every new buffer capacity compiles new
+    /// kernels (docs/measurements/h200-2026-11-29-decode-step.md). Since the
+    /// compiled step on CUDA attends up to its position without a mask
+    /// (`batch_attention::decode_to`), its greedy ids equal eager's, and it
+    /// is still slower on an 8B shape: 169 against 195 tok/s
+    /// (docs/measurements/gpu-2026-12-04-batch-attention.md).
     pub fn for_device(gpu: bool, forced: Option<DecodeMode>) -> Self {
         match forced {
             Some(mode) => mode,

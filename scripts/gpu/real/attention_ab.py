@@ -74,7 +74,7 @@ def main():
             ttft = [(r["first"] - r["t0"]) * 1000 for r in res if r and r["first"]]
             print(f"first burst of {n} on daemon {names[home]}: TTFT median {statistics.median(ttft):.0f} ms, "
                   f"max {max(ttft):.0f} ms", flush=True)
-    agg, seen = {}, {}
+    agg, seen, dec = {}, {}, {}
     for rnd in range(rounds):
         for n in levels:
             order = (home_a, home_b) if rnd % 2 == 0 else (home_b, home_a)
@@ -83,6 +83,8 @@ def main():
                 tps, res = level(home, n)
                 got[names[home]] = res
                 agg.setdefault((names[home], n), []).append(tps)
+                dec.setdefault((names[home], n), []).extend(
+                    r["stats"]["decode_tokens_per_s"] for r in res if r and r["rc"] == 0 and r["stats"])
                 log.write(json.dumps({"daemon": names[home], "clients": n, "round": rnd, "aggregate_tps": tps}) + "\n")
                 print(f"round {rnd} clients {n} daemon {names[home]}: {tps:.1f} tok/s", flush=True)
             if rnd <= 1:
@@ -100,13 +102,14 @@ def main():
                         parts.append(next(i for i, (p, q) in enumerate(zip(x, y)) if p != q))
                 print(f"greedy ids, {n} clients: {same} of {n} equal between A and B; "
                       f"first differing positions {sorted(parts)}", flush=True)
-    print("| clients | A tok/s median (rounds) | B tok/s median (rounds) | A/B |")
-    print("|---:|---:|---:|---:|")
+    print("| clients | A tok/s median (rounds) | B tok/s median (rounds) | A/B | A / B per-stream decode tok/s (median) |")
+    print("|---:|---:|---:|---:|---:|")
     for n in levels:
         a, b = agg[("A", n)], agg[("B", n)]
         print(f"| {n} | {statistics.median(a):.0f} ({', '.join(f'{x:.0f}' for x in a)}) | "
               f"{statistics.median(b):.0f} ({', '.join(f'{x:.0f}' for x in b)}) | "
-              f"{statistics.median(a) / statistics.median(b):.2f}x |")
+              f"{statistics.median(a) / statistics.median(b):.2f}x | "
+              f"{statistics.median(dec[('A', n)]):.1f} / {statistics.median(dec[('B', n)]):.1f} |")
 
 
 if __name__ == "__main__":

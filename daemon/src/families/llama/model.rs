@@ -301,8 +301,15 @@ impl Transformer {
             let (q, k, v) = self.project(&layer.attn, &x, Position::Dynamic(offset), true)?;
             let keys = slice_update_dynamic(&buffers[2 * i], &k, offset, 2)?;
             let values = slice_update_dynamic(&buffers[2 * i + 1], &v, offset, 2)?;
-            let mask = ScaledDotProductAttentionMask::Array(&visible);
-            let o = fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask, None)?;
+            // On CUDA the positions up to `offset` as data (our kernel);
+            // elsewhere a mask over the whole buffer.
+            let o = match batch_attention::decode_to(&q, &keys, &values, self.scale, offset)? {
+                Some(o) => o,
+                None => {
+                    let mask = ScaledDotProductAttentionMask::Array(&visible);
+                    fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask, None)?
+                }
+            };
             let h2 = h.add(&self.output(&layer.attn, o)?)?;
             let r = self.mlp(
                 &layer.mlp,
