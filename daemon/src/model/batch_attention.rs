@@ -37,7 +37,7 @@ pub enum BatchAttention {
     Mask,
 }
 
-/// The process's choice, set once at start by the engine (0 auto, 1 mask).
+/// The process's choice, set once at start by `mlxbcd`'s main (0 auto, 1 mask).
 static CHOICE: AtomicU8 = AtomicU8::new(0);
 
 /// Sets how padded batches attend (from `EngineOptions`, at start).
