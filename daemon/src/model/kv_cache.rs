@@ -707,4 +707,27 @@ mod kv_cache_tests {
         let seen = k.index((.., .., ..old.offset, ..));
         assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
     }
+
+    /// Each row's first visible key (what the batch attention kernel takes
+    /// instead of a mask) is exactly the first key the padding mask allows
+    /// for a one-position step, with and without a sliding window, and a
+    /// new padding forgets the memo.
+    #[test]
+    fn row_starts_are_the_masks_first_allowed_keys() {
+        let mut cache = KvCache::batch(1, vec![0, 3, 9]);
+        for (total, window) in [(12, None), (12, Some(4)), (30, Some(25)), (13, None)] {
+            let starts = cache.row_starts(total, window).unwrap();
+            let mask = cache.padding_mask(total - 1, 1, total, window).unwrap().unwrap();
+            mask.eval().unwrap();
+            let allowed = mask.as_slice::<bool>();
+            for (row, &start) in starts.as_slice::<i32>().iter().enumerate() {
+                let keys = &allowed[row * total as usize..(row + 1) * total as usize];
+                let first = keys.iter().position(|&a| a).unwrap() as i32;
+                assert_eq!(start, first, "row {row}, {total} keys, window {window:?}");
+                assert!(keys[first as usize..].iter().all(|&a| a), "visible keys run to the end");
+            }
+        }
+        cache.set_paddings(vec![5, 0, 0]);
+        assert_eq!(cache.row_starts(12, None).unwrap().as_slice::<i32>(), [5, 0, 0]);
+    }
 }
