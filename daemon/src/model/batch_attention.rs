@@ -70,17 +70,7 @@ pub fn decode_rows(
         return Ok(None);
     }
     KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
-        Some(kernel) => {
-            let unbounded;
-            let ends = match ends {
-                Some(e) => e,
-                None => {
-                    unbounded = Array::from_slice(&[i32::MAX], &[1]);
-                    &unbounded
-                }
-            };
-            kernel.apply(q, k, v, scale, starts, ends).map(Some)
-        }
+        Some(kernel) => kernel.apply(q, k, v, scale, starts, ends.unwrap_or(&kernel.unbounded)).map(Some),
         None => Ok(None),
     })
 }
@@ -206,6 +196,8 @@ const SOURCE: &str = r#"
 /// The compiled kernel function (mlx-c's handle).
 struct Kernel {
     raw: mlx_sys::mlx_fast_cuda_kernel,
+    /// `ends` when every row reads to the last key (made once, not per call).
+    unbounded: Array,
 }
 
 impl Drop for Kernel {
@@ -291,7 +283,7 @@ impl Kernel {
         if raw.ctx.is_null() {
             bail!("mlx_fast_cuda_kernel_new failed");
         }
-        Ok(Kernel { raw })
+        Ok(Kernel { raw, unbounded: Array::from_slice(&[i32::MAX], &[1]) })
     }
 
     fn apply(&self, q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array, ends: &Array) -> Result<Array> {
@@ -305,19 +297,15 @@ impl Kernel {
             let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
             let shape = [rows, heads, 1, dim];
             let dtype: mlx_sys::mlx_dtype = q.dtype().into();
-            let tname = CString::new("T").unwrap();
-            let dname = CString::new("D").unwrap();
-            let wname = CString::new("NW").unwrap();
-            let sname = CString::new("SCALE_BITS").unwrap();
             let mut rc = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(config, shape.as_ptr(), 4, dtype);
             rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * threads, rows, 1);
             rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, threads, 1, 1);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, tname.as_ptr(), dtype);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, dname.as_ptr(), dim);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, wname.as_ptr(), WARPS);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, c"T".as_ptr(), dtype);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, c"D".as_ptr(), dim);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, c"NW".as_ptr(), WARPS);
             rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
                 config,
-                sname.as_ptr(),
+                c"SCALE_BITS".as_ptr(),
                 scale.to_bits() as i32,
             );
             let handles = [q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr(), ends.as_ptr()];

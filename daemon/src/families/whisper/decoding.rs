@@ -359,17 +359,14 @@ fn greedy_on_device(
         // The chosen token is the largest: its log probability is max - logsumexp.
         let logprob = filtered.max(None)?.subtract(filtered.logsumexp(None)?)?;
         let packed = stack(&[next.as_dtype(mlx_rs::Dtype::Float32)?, logprob], 0)?;
-        let mut queued = vec![&packed];
-        if step == 0 {
-            if let Some(ns) = t.no_speech {
-                let at_sot = all.index((0, sot_index as i32)).as_dtype(mlx_rs::Dtype::Float32)?;
-                no_speech = Some(mlx_rs::ops::softmax_axis(&at_sot, -1, None)?.index(ns as i32));
-            }
+        if let (0, Some(ns)) = (step, t.no_speech) {
+            let at_sot = all.index((0, sot_index as i32)).as_dtype(mlx_rs::Dtype::Float32)?;
+            let p = mlx_rs::ops::softmax_axis(&at_sot, -1, None)?.index(ns as i32);
+            mlx_rs::transforms::async_eval([&p, &packed])?;
+            no_speech = Some(p);
+        } else {
+            mlx_rs::transforms::async_eval([&packed])?;
         }
-        if let Some(ns) = &no_speech {
-            queued.push(ns);
-        }
-        mlx_rs::transforms::async_eval(queued)?;
         if let Some(prev) = pending.take() {
             let (token, logprob) = read_token(&prev)?;
             sum_logprob += logprob;
