@@ -24,6 +24,9 @@
 #                 MLXBC_BATCH_ATTENTION=mask: interleaved rounds of 16 and 64
 #                 clients (scripts/gpu/real/attention_ab.py), greedy ids
 #                 compared; first scripts/gpu/prefill_shapes.py
+#   sweep MODEL   several warm daemons, each with its own environment
+#                 (SWEEP="label:VAR=1,VAR2=2 label2:..."; "base:" for none):
+#                 interleaved rounds at LEVELS (scripts/gpu/real/env_sweep.py)
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
 #   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
 #                 (scripts/bench.d/audio_bench.py)
@@ -135,6 +138,21 @@ ab)
   grep -E "decode \(" "$ha/daemon.log" | cut -c1-200 | tail -4; grep -E "decode \(" "$hb/daemon.log" | cut -c1-200 | tail -4
   for h in "$ha" "$hb"; do MLXBC_HOME=$h "$B/bin/mlxbc" stop; done
   cp "$ha/daemon.log" "$OUT/daemon-ab-a-$1.log"; cp "$hb/daemon.log" "$OUT/daemon-ab-b-$1.log" ;;
+sweep)
+  m=$1-4bit; args=()
+  for spec in ${SWEEP:?}; do
+    label=${spec%%:*}; envs=${spec#*:}; h=/tmp/home-sweep-$label-$RANDOM
+    daemon "$h" ${envs//,/ } || exit 1
+    MLXBC_HOME=$h "$B/bin/mlxbc" load "$m" --keep-alive 30m
+    for _ in $(seq 600); do MLXBC_HOME=$h "$B/bin/mlxbc" ps | grep -q "warming" || break; sleep 0.5; done
+    args+=("$label=$h")
+  done
+  timeout ${SWEEP_TIMEOUT:-500} $PY "$R/env_sweep.py" "$B/bin/mlxbc" "$m" ${LEVELS:-1,16,64} ${ROUNDS:-3} ${TOKENS:-128} \
+    "$OUT/sweep-$1.jsonl" "${args[@]}" 2>&1 | tee "$OUT/sweep-$1.txt"
+  for a in "${args[@]}"; do
+    h=${a#*=}; echo "## ${a%%=*}"; grep -E "decode \(" "$h/daemon.log" | cut -c60-200 | tail -6
+    MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-sweep-${a%%=*}.log"
+  done ;;
 wpart)
   mkdir -p /tmp/whisper; cp -r ".dev/rs/w$1/." /tmp/whisper/; ls -la /tmp/whisper ;;
 whisper)

@@ -372,7 +372,12 @@ fn greedy_on_device(
             sum_logprob += logprob;
             tokens.push(token);
             if token == t.eot {
-                // This step's token follows the end: dropped unread.
+                // This step's token follows the end and is not used, but it
+                // is waited for: work left running on MLX's stream outlives
+                // the arrays' owners, and a process that exits meanwhile
+                // (a test binary after its last transcription) corrupted
+                // its heap tearing MLX down under the running step.
+                packed.eval()?;
                 return Ok((tokens, sum_logprob, no_speech_prob(&no_speech)?));
             }
         }
