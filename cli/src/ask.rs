@@ -161,6 +161,14 @@ pub async fn ask(client: &mut Client, request: GenerateRequest, args: &AskArgs) 
                         stats.prompt_tokens_from_disk,
                         stats.prefill_tokens_computed
                     );
+                    if stats.draft_tokens > 0 {
+                        eprintln!(
+                            "speculation (prompt lookup): {} of {} drafted tokens accepted ({:.0}%)",
+                            stats.accepted_draft_tokens,
+                            stats.draft_tokens,
+                            100.0 * f64::from(stats.accepted_draft_tokens) / f64::from(stats.draft_tokens)
+                        );
+                    }
                 }
             }
             _ => {}

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 15;
+pub const PROTOCOL_VERSION: u32 = 16;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -635,6 +635,10 @@ pub struct GenerationStats {
     pub stop_string: Option<String>,
     /// Per generated token, when the request asked for them.
     pub logprobs: Vec<TokenLogprob>,
+    /// Tokens proposed by speculation (prompt lookup) and verified by the
+    /// model, and of those the ones it agreed with (each saved a step).
+    pub draft_tokens: u32,
+    pub accepted_draft_tokens: u32,
 }
 
 /// What went wrong, for callers that branch on it.

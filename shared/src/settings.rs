@@ -112,6 +112,9 @@ pub struct SettingsFile {
     pub fuse: Option<String>,
     pub batch_weights: Option<String>,
     pub batch_attention: Option<String>,
+    /// Prompt-lookup drafts for lone greedy sequences: "off" (default) |
+    /// "ngram" (`MLXBC_SPECULATE` overrides it).
+    pub speculate: Option<String>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
     /// Joining a group of daemons that split a model between them
@@ -204,6 +207,7 @@ pub struct Settings {
     pub fuse: Option<String>,
     pub batch_weights: Option<String>,
     pub batch_attention: Option<String>,
+    pub speculate: Option<String>,
     /// The group this daemon belongs to, if any.
     pub cluster: ClusterSettings,
 }
@@ -303,6 +307,7 @@ impl Settings {
             fuse: file.fuse,
             batch_weights: file.batch_weights,
             batch_attention: file.batch_attention,
+            speculate: file.speculate,
             cluster: ClusterSettings {
                 hostfile: file.cluster.hostfile,
                 rank: file.cluster.rank,

@@ -153,6 +153,8 @@ fn honest_payloads_that_expand_when_decoded_still_decode() {
             tool_calls: vec![],
             stop_string: None,
             logprobs: vec![],
+            draft_tokens: 0,
+            accepted_draft_tokens: 0,
         };
         let done = Response::Done { stats };
         let payload = to_payload(&done).unwrap();

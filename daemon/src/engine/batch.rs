@@ -12,6 +12,7 @@
 //! joined) the first token, which its prefill already streamed.
 
 use super::sequence::Sequence;
+use crate::decoding::lookup;
 use crate::error::EngineError;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
@@ -171,6 +172,11 @@ impl DecodeBatch {
         if seqs.len() != self.rows.len() {
             return Err(EngineError::Internal("a batch row lost its sequence".into()));
         }
+        if self.rows.len() == 1 && self.model.lm.verifies_drafts() && seqs[0].wants_draft() {
+            if let Some(ended) = self.verify_drafts(&mut *seqs[0])? {
+                return Ok(ended);
+            }
+        }
         let (Some(cache), Some(ahead)) = (self.cache.as_mut(), self.ahead.take()) else {
             return Ok(Vec::new());
         };
@@ -211,6 +217,59 @@ impl DecodeBatch {
         self.profile.record(t, self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
         self.ahead = Some(next);
         Ok(ended)
+    }
+
+    /// A lone greedy row's step with prompt-lookup drafts (speculation):
+    /// the token ahead and k drafted tokens go through the model in one
+    /// pass, which gives the model's own pick after each of them; the
+    /// drafts it agrees with are accepted (each a step saved), the cache
+    /// forgets the rest, and the model's pick after the last accepted one is
+    /// the new token ahead. Greedy output is the same as without drafts.
+    /// `None` when nothing was drafted or the cache cannot be cut back
+    /// (the caller takes a plain step; the token ahead was handed over).
+    fn verify_drafts(&mut self, seq: &mut Sequence) -> Result<Option<Vec<RowOutcome>>, EngineError> {
+        let cache_fits = self.cache.as_ref().is_some_and(|c| !c.is_padded() && !c.is_journaled() && !c.has_states());
+        let Some(ahead) = self.ahead.as_ref().filter(|_| cache_fits) else { return Ok(None) };
+        let started = std::time::Instant::now();
+        ahead.eval().map_err(EngineError::inference)?;
+        let token = ahead.as_slice::<u32>()[0];
+        let id = self.rows[0].seq;
+        // The drafts continue the history up to the token ahead: it is
+        // handed over first (unless its prefill already did).
+        if !std::mem::replace(&mut self.rows[0].taken, true) {
+            if let Some(end) = seq.accept(token) {
+                return Ok(Some(vec![(id, end)]));
+            }
+        }
+        let drafts = seq.draft();
+        let (Some(cache), false) = (self.cache.as_mut(), drafts.is_empty()) else { return Ok(None) };
+        let mut ids = Vec::with_capacity(drafts.len() + 1);
+        ids.push(token);
+        ids.extend_from_slice(&drafts);
+        let lm = &self.model.lm;
+        let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
+        let picks = lm
+            .embed(&input)
+            .and_then(|x| lm.forward(&x, cache, &MediaPositions::default()))
+            .and_then(|h| lm.logits_all(&h))
+            .and_then(|logits| Ok(argmax_axis(&logits, -1, None)?))
+            .map_err(EngineError::inference)?;
+        picks.eval().map_err(EngineError::inference)?;
+        let picks = picks.as_slice::<u32>().to_vec();
+        let accepted = lookup::accepted_prefix(&drafts, &picks);
+        if !cache.trim((drafts.len() - accepted) as i32) {
+            return Err(EngineError::Internal("a verified cache could not forget its rejected drafts".into()));
+        }
+        seq.verified(drafts.len(), accepted);
+        self.profile.record(started, 1, DecodeMode::Eager, 0.0, started.elapsed().as_secs_f64());
+        for &d in &drafts[..accepted] {
+            if let Some(end) = seq.accept(d) {
+                return Ok(Some(vec![(id, end)]));
+            }
+        }
+        self.ahead = Some(Array::from_slice(&[picks[accepted]], &[1, 1]));
+        self.rows[0].taken = false;
+        Ok(Some(Vec::new()))
     }
 
     /// Hands each row's sequence its token of `ahead` (evaluated), except

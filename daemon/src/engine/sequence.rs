@@ -11,6 +11,7 @@
 
 use super::generate::Finished;
 use crate::decoding::constraint::Constrained;
+use crate::decoding::lookup::{self, Drafter};
 use crate::decoding::sampling::Sampler;
 use crate::decoding::stop::{Filtered, StopFilter};
 use crate::decoding::tools::ToolCallFilter;
@@ -137,6 +138,8 @@ pub struct Sequence {
     t_last: Option<Instant>,
     /// The stop string that ended it, once one did.
     stop_string: Option<String>,
+    /// Its prompt-lookup drafting, when speculation is on.
+    drafter: Option<Drafter>,
 }
 
 impl Sequence {
@@ -153,6 +156,7 @@ impl Sequence {
             t_first: None,
             t_last: None,
             stop_string: None,
+            drafter: lookup::enabled().then(Drafter::default),
         }
     }
 
@@ -211,6 +215,43 @@ impl Sequence {
     /// True when its next token is the argmax of its logits.
     pub fn picks_argmax(&self) -> bool {
         self.setup.constraint.is_none() && self.setup.logprobs.is_none() && self.setup.sampler.is_greedy()
+    }
+
+    /// True when its next steps may verify drafts: speculation is on, its
+    /// tokens are the argmax of the logits (greedy, no constraint, no
+    /// log-probabilities), and its model gives every position's logits.
+    pub fn speculates(&self) -> bool {
+        self.drafter.is_some() && self.picks_argmax() && self.setup.mrope.is_none()
+    }
+
+    /// True when this step should try to draft ([`Self::speculates`], and
+    /// not resting after a miss: see [`Drafter`]).
+    pub fn wants_draft(&mut self) -> bool {
+        self.speculates() && self.drafter.as_mut().is_some_and(Drafter::try_now)
+    }
+
+    /// Tokens drafted from its prompt and answer so far to follow them (at
+    /// most the tokens it may still generate); empty: take a plain step.
+    pub fn draft(&mut self) -> Vec<u32> {
+        let Some(d) = &mut self.drafter else { return Vec::new() };
+        let room = self.setup.limit.saturating_sub(self.generated.len());
+        if room == 0 {
+            return Vec::new();
+        }
+        let mut history = Vec::with_capacity(self.setup.ids.len() + self.generated.len());
+        history.extend_from_slice(&self.setup.ids);
+        history.extend_from_slice(&self.generated);
+        let mut drafts = d.draft(&history);
+        drafts.truncate(room);
+        drafts
+    }
+
+    /// A verify pass checked `drafted` tokens and the model agreed with the
+    /// first `accepted`.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        if let Some(d) = &mut self.drafter {
+            d.verified(drafted, accepted);
+        }
     }
 
     /// Its next token `[1, 1]` from its row's logits: masked by its
@@ -529,6 +570,9 @@ impl Sequence {
         stats.tool_calls = tool_calls;
         stats.stop_string = self.stop_string.take();
         stats.logprobs = self.setup.logprobs.take().map(|t| t.entries).unwrap_or_default();
+        if let Some(d) = &self.drafter {
+            (stats.draft_tokens, stats.accepted_draft_tokens) = (d.drafted, d.accepted);
+        }
         stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))
     }
@@ -560,5 +604,7 @@ pub fn stats_without_decode(model: &str, prompt_tokens: usize, load_ms: f64, m: 
         tool_calls: vec![],
         stop_string: None,
         logprobs: vec![],
+        draft_tokens: 0,
+        accepted_draft_tokens: 0,
     }
 }

@@ -61,6 +61,20 @@ pub trait LanguageModel {
     /// Logits `[B, vocab]` of each row's last position of `hidden`.
     fn logits(&self, hidden: &Array) -> Result<Array>;
 
+    /// True when [`Self::logits_all`] gives every position's logits and
+    /// the model's cache can be cut back: its sequences may speculate.
+    fn verifies_drafts(&self) -> bool {
+        false
+    }
+
+    /// Logits `[L, vocab]` of every position of a one-row `hidden` `[1, L,
+    /// width]`, computed as [`Self::logits`] computes the last one: a
+    /// speculative verify pass reads the model's pick after each drafted
+    /// position (where [`Self::verifies_drafts`]).
+    fn logits_all(&self, _hidden: &Array) -> Result<Array> {
+        anyhow::bail!("{} does not verify drafts", self.architecture())
+    }
+
     /// How positions within one image attend during prefill.
     fn media_attention(&self) -> MediaAttention {
         MediaAttention::Causal

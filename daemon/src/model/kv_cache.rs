@@ -533,6 +533,23 @@ impl KvCache {
         Ok(())
     }
 
+    /// Forgets the last `n` positions of a one-row cache of keys and
+    /// values (a speculative verify pass's rejected drafts): the buffers
+    /// keep their bytes, which the next writes overwrite and no attention
+    /// reads. False, and nothing changed, where that cannot be done: a
+    /// padded batch, recurrent states (they cover every position), a
+    /// journaled (split) cache, or more positions than it holds.
+    pub fn trim(&mut self, n: i32) -> bool {
+        if n == 0 {
+            return true;
+        }
+        if self.is_padded() || self.has_states() || self.is_journaled() || !(0..=self.offset).contains(&n) {
+            return false;
+        }
+        self.offset -= n;
+        true
+    }
+
     /// Makes room for `n` more positions in every layer's buffers (growing
     /// them `KV_STEP` positions at a time, keeping what is cached).
     pub fn reserve(&mut self, n: i32) -> Result<()> {
@@ -706,6 +723,39 @@ mod kv_cache_tests {
         let (k, _) = old.layers[0].clone().unwrap();
         let seen = k.index((.., .., ..old.offset, ..));
         assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
+    }
+
+    /// A trimmed cache (a verify pass's rejected drafts) returns exactly
+    /// what a cache that never held the trimmed positions would, after the
+    /// next writes; a padded batch and a recurrent cache refuse the trim.
+    #[test]
+    fn trimmed_positions_are_forgotten_and_overwritten() {
+        let normal = |n: i32| mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
+        let (prompt, drafts, next) = (normal(7), normal(5), normal(3));
+        let mut spec = KvCache::new(1);
+        let mut plain = KvCache::new(1);
+        for (cache, writes) in [(&mut spec, vec![&prompt, &drafts]), (&mut plain, vec![&prompt])] {
+            for k in writes {
+                cache.update(0, k.clone(), k.clone()).unwrap();
+                cache.offset += k.shape()[2];
+            }
+        }
+        // Two of the five drafted positions were accepted.
+        assert!(spec.trim(3));
+        let accepted = drafts.index((.., .., ..2, ..));
+        plain.update(0, accepted.clone(), accepted).unwrap();
+        plain.offset += 2;
+        assert_eq!(spec.offset, plain.offset);
+        let (got, _) = spec.update(0, next.clone(), next.clone()).unwrap();
+        let (want, _) = plain.update(0, next.clone(), next).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert!(got.all_close(&want, 0.0, 0.0, None).unwrap());
+        assert!(!spec.trim(spec.offset + 1), "more positions than it holds");
+        assert!(!KvCache::batch(1, vec![0, 2]).trim(1), "a padded batch");
+        let mut recurrent = KvCache::new(1);
+        recurrent.set_state(0, vec![normal(1)]);
+        recurrent.offset = 4;
+        assert!(!recurrent.trim(1), "recurrent states cover every position");
     }
 
     /// Each row's first visible key (what the batch attention kernel takes

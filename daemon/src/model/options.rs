@@ -17,6 +17,7 @@
 //!   attends (default: mlxbc's own kernel on CUDA, the padding mask
 //!   elsewhere: [`crate::model::batch_attention`]).
 
+use crate::decoding::lookup::Speculate;
 use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;
 use crate::model::layers::BatchWeights;
@@ -65,6 +66,8 @@ pub struct EngineOptions {
     pub batch: Option<BatchWeights>,
     /// How padded batches attend in decode steps.
     pub attention: BatchAttention,
+    /// Whether lone greedy sequences draft from their history.
+    pub speculate: Speculate,
 }
 
 impl BatchWeights {
@@ -96,10 +99,11 @@ impl EngineOptions {
             ("fuse", settings.fuse.clone()),
             ("batch_weights", settings.batch_weights.clone()),
             ("batch_attention", settings.batch_attention.clone()),
+            ("speculate", settings.speculate.clone()),
         ])
     }
 
-    fn read(file: &[(&str, Option<String>); 5]) -> Result<Self, String> {
+    fn read(file: &[(&str, Option<String>); 6]) -> Result<Self, String> {
         let var = |name: &str, key: &str| -> Option<(String, String)> {
             match std::env::var(name).ok().filter(|v| !v.is_empty()) {
                 Some(v) => Some((name.to_string(), v)),
@@ -143,7 +147,13 @@ impl EngineOptions {
             Some((_, v)) if v == "mask" => BatchAttention::Mask,
             Some(other) => return Err(bad(&other, "auto, mask")),
         };
-        Ok(Self { weights, decode, fusion, batch, attention })
+        let speculate = match var("MLXBC_SPECULATE", "speculate") {
+            None => Speculate::Off,
+            Some((_, v)) if v == "off" => Speculate::Off,
+            Some((_, v)) if v == "ngram" => Speculate::Ngram,
+            Some(other) => return Err(bad(&other, "off, ngram")),
+        };
+        Ok(Self { weights, decode, fusion, batch, attention, speculate })
     }
 }
 
@@ -163,7 +173,14 @@ mod tests {
     /// One test: the environment is the process's, shared by threads.
     #[test]
     fn config_values_are_used_and_the_environment_overrides_them() {
-        for v in ["MLXBC_WEIGHTS", "MLXBC_DECODE", "MLXBC_FUSE", "MLXBC_BATCH_WEIGHTS", "MLXBC_BATCH_ATTENTION"] {
+        for v in [
+            "MLXBC_WEIGHTS",
+            "MLXBC_DECODE",
+            "MLXBC_FUSE",
+            "MLXBC_BATCH_WEIGHTS",
+            "MLXBC_BATCH_ATTENTION",
+            "MLXBC_SPECULATE",
+        ] {
             std::env::remove_var(v);
         }
         let o = EngineOptions::from_settings_and_env(&settings(Some("dense"), Some("eager"))).unwrap();
@@ -189,6 +206,13 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_BATCH_ATTENTION") && e.contains("auto, mask"), "{e}");
         std::env::remove_var("MLXBC_BATCH_ATTENTION");
+        std::env::set_var("MLXBC_SPECULATE", "ngram");
+        let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
+        assert_eq!(o.speculate, Speculate::Ngram);
+        std::env::set_var("MLXBC_SPECULATE", "eagle");
+        let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
+        assert!(e.contains("MLXBC_SPECULATE") && e.contains("off, ngram"), "{e}");
+        std::env::remove_var("MLXBC_SPECULATE");
         assert!(!cuda_available(), "this test runs on the CPU build");
     }
 }

@@ -23,6 +23,7 @@ mod qwen3_5;
 mod reference;
 mod residency;
 mod service;
+mod speculation;
 mod speech;
 mod video;
 mod vision;

@@ -212,6 +212,17 @@ impl Transformer {
         self.split.gather_vocab(logits.reshape(&[b, -1])?)
     }
 
+    /// Logits `[L, vocab]` of every position of a one-row `hidden`.
+    fn logits_every(&self, hidden: &Array) -> Result<Array> {
+        let l = hidden.shape()[1];
+        let x = fast::rms_norm(hidden, Some(&self.norm), self.config.rms_norm_eps)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&x)?,
+            None => self.embed_tokens.as_linear(&x)?,
+        };
+        Ok(logits.reshape(&[l, -1])?)
+    }
+
     fn attention(
         &self,
         a: &Attention,
@@ -483,6 +494,16 @@ impl LanguageModel for Transformer {
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
         self.logits_last(hidden)
+    }
+
+    fn verifies_drafts(&self) -> bool {
+        // A split model's verify pass would be an ordinary sharded pass,
+        // but its cache's trim is not journaled yet: it does not speculate.
+        self.split.ranks() == 1 && self.config.mrope_section.is_none()
+    }
+
+    fn logits_all(&self, hidden: &Array) -> Result<Array> {
+        self.logits_every(hidden)
     }
 
     fn split_description(&self) -> Option<String> {

@@ -1,0 +1,219 @@
+//! Prompt-lookup drafts (n-gram speculation without a second model): the
+//! tokens that followed the latest earlier occurrence of the sequence's
+//! last few tokens, in its prompt or its answer so far. Code edits,
+//! refactors, quotations and JSON that repeats keys copy long runs of the
+//! prompt, which this finds; llama.cpp's and vLLM's n-gram proposers work
+//! the same way.
+//!
+//! [`Drafter`] also keeps how far drafts go (`k`): it grows while drafts are
+//! accepted whole and shrinks to what was accepted when they are not, so a
+//! sequence whose drafts keep failing drafts little (a failed draft costs a
+//! wider verify pass, not a wrong token).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Whether lone greedy sequences draft from their own history.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Speculate {
+    /// One token per step (the default until the per-model cost model
+    /// decides where drafting pays).
+    #[default]
+    Off,
+    /// Prompt-lookup drafts, verified in one pass (`MLXBC_SPECULATE=ngram`).
+    Ngram,
+}
+
+/// The process's choice (0 off, 1 ngram), set once at start by `mlxbcd`'s main.
+static CHOICE: AtomicU8 = AtomicU8::new(0);
+
+/// Sets whether sequences draft (from `EngineOptions`, at start).
+pub fn configure(choice: Speculate) {
+    CHOICE.store(u8::from(choice == Speculate::Ngram), Ordering::Relaxed);
+}
+
+/// True when new sequences draft.
+pub fn enabled() -> bool {
+    CHOICE.load(Ordering::Relaxed) == 1
+}
+
+/// The longest suffix tried first; shorter ones after (down to one token).
+const MAX_NGRAM: usize = 3;
+
+/// The most tokens a draft proposes.
+pub const MAX_DRAFT: usize = 8;
+
+/// Up to `k` tokens that followed the latest earlier occurrence of the last
+/// `n` tokens of `history` (n from [`MAX_NGRAM`] down to 1; the longest
+/// match wins). Empty when nothing matches.
+pub fn propose(history: &[u32], k: usize) -> Vec<u32> {
+    let len = history.len();
+    if k == 0 || len < 2 {
+        return Vec::new();
+    }
+    for n in (1..=MAX_NGRAM.min(len - 1)).rev() {
+        let tail = &history[len - n..];
+        // Latest first: the answer's own recent text predicts its next best.
+        // A match must leave at least one token after it (`start + n < len`).
+        for start in (0..len - n).rev() {
+            if &history[start..start + n] == tail {
+                let from = start + n;
+                let to = (from + k).min(len);
+                return history[from..to].to_vec();
+            }
+        }
+    }
+    Vec::new()
+}
+
+/// The most plain steps a sequence rests between drafting attempts.
+const MAX_REST: u32 = 16;
+
+/// One sequence's drafting state: how many tokens to draft next, when to
+/// try again after a miss, and what its drafts came to.
+///
+/// A drafting step reads the previous token before it can draft, so it is
+/// not pipelined like a plain step: after a step with nothing to draft or
+/// nothing accepted the sequence rests (plain, pipelined steps), 1, 2, 4 …
+/// up to [`MAX_REST`] steps as misses repeat, and an accepted draft ends
+/// the rests. Open-ended text, which rarely repeats, then pays for a
+/// drafting attempt about once every 16 tokens.
+#[derive(Debug, Clone)]
+pub struct Drafter {
+    /// Tokens the next draft may propose (1..=MAX_DRAFT).
+    k: usize,
+    /// Plain steps left before the next attempt, and the last rest's length.
+    idle: u32,
+    rest: u32,
+    /// Tokens drafted and accepted, for the statistics.
+    pub drafted: u32,
+    pub accepted: u32,
+}
+
+impl Default for Drafter {
+    fn default() -> Self {
+        Self { k: 4, idle: 0, rest: 0, drafted: 0, accepted: 0 }
+    }
+}
+
+impl Drafter {
+    /// True when this step should try to draft (false while resting).
+    pub fn try_now(&mut self) -> bool {
+        if self.idle > 0 {
+            self.idle -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// The next draft for `history` (empty: take a plain step, and rest).
+    pub fn draft(&mut self, history: &[u32]) -> Vec<u32> {
+        let drafts = propose(history, self.k);
+        if drafts.is_empty() {
+            self.missed();
+        }
+        drafts
+    }
+
+    /// Records a verified draft of `drafted` tokens of which the first
+    /// `accepted` matched, and adapts `k`: doubled after a draft accepted
+    /// whole, else the accepted length (at least one).
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        self.drafted += drafted as u32;
+        self.accepted += accepted as u32;
+        self.k = if accepted == drafted { (self.k * 2).min(MAX_DRAFT) } else { accepted.max(1) };
+        if accepted == 0 {
+            self.missed();
+        } else {
+            self.rest = 0;
+        }
+    }
+
+    fn missed(&mut self) {
+        self.rest = (self.rest * 2).clamp(1, MAX_REST);
+        self.idle = self.rest;
+    }
+
+    /// Tokens the next draft may propose.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+}
+
+/// How many leading `drafts` equal the target's own picks `picks` (the
+/// target's token after each verified position: `picks[i]` follows the
+/// input's position i, so draft i is accepted when it equals `picks[i]`).
+pub fn accepted_prefix(drafts: &[u32], picks: &[u32]) -> usize {
+    drafts.iter().zip(picks).take_while(|(d, p)| d == p).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_longest_match_proposes_what_followed_it() {
+        // "a b c d" ... "a b c" -> "d ..." (the 3-gram wins over later 1-grams).
+        let h = [1, 2, 3, 4, 5, 9, 3, 7, 1, 2, 3];
+        assert_eq!(propose(&h, 2), vec![4, 5]);
+        // The latest occurrence of the 1-gram when no longer one matches.
+        let h = [5, 1, 6, 1, 7, 8, 1];
+        assert_eq!(propose(&h, 3), vec![7, 8, 1]);
+        // Drafts stop at the end of the history.
+        let h = [1, 2, 1];
+        assert_eq!(propose(&h, 5), vec![2, 1]);
+        // Nothing repeats: no draft.
+        assert!(propose(&[1, 2, 3, 4], 4).is_empty());
+        assert!(propose(&[1], 4).is_empty());
+        assert!(propose(&[1, 1, 1], 0).is_empty());
+    }
+
+    #[test]
+    fn a_suffix_never_matches_itself() {
+        // The only occurrence of [7, 8] is the tail: the 1-gram [8] neither.
+        assert!(propose(&[1, 2, 7, 8], 3).is_empty());
+        // A run of one token proposes more of it.
+        assert_eq!(propose(&[4, 4, 4, 4], 2), vec![4]);
+    }
+
+    #[test]
+    fn k_grows_on_whole_acceptance_and_shrinks_to_what_was_accepted() {
+        let mut d = Drafter::default();
+        assert_eq!(d.k(), 4);
+        d.verified(4, 4);
+        assert_eq!(d.k(), 8);
+        d.verified(8, 8);
+        assert_eq!(d.k(), MAX_DRAFT);
+        d.verified(8, 3);
+        assert_eq!(d.k(), 3);
+        d.verified(3, 0);
+        assert_eq!(d.k(), 1);
+        assert_eq!((d.drafted, d.accepted), (23, 15));
+    }
+
+    #[test]
+    fn misses_rest_longer_each_time_and_an_accepted_draft_ends_the_rests() {
+        let mut d = Drafter::default();
+        let rests = |d: &mut Drafter| (0..40).take_while(|_| !d.try_now()).count();
+        assert_eq!(rests(&mut d), 0);
+        assert!(d.draft(&[1, 2, 3]).is_empty());
+        assert_eq!(rests(&mut d), 1);
+        d.verified(4, 0);
+        assert_eq!(rests(&mut d), 2);
+        for want in [4, 8, 16, 16] {
+            assert!(d.draft(&[7, 8, 9]).is_empty());
+            assert_eq!(rests(&mut d), want);
+        }
+        d.verified(2, 1);
+        assert!(d.try_now(), "an accepted draft: no rest");
+        assert!(d.draft(&[5, 6]).is_empty());
+        assert_eq!(rests(&mut d), 1, "the rests start over");
+    }
+
+    #[test]
+    fn the_accepted_prefix_ends_at_the_first_disagreement() {
+        assert_eq!(accepted_prefix(&[1, 2, 3], &[1, 2, 3, 4]), 3);
+        assert_eq!(accepted_prefix(&[1, 5, 3], &[1, 2, 3, 4]), 1);
+        assert_eq!(accepted_prefix(&[9], &[1, 2]), 0);
+        assert_eq!(accepted_prefix(&[], &[1]), 0);
+    }
+}
