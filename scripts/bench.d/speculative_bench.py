@@ -40,9 +40,9 @@ PASSAGE = ("The lighthouse stood at the end of the harbour wall for two hundred 
            "climbed the hundred and twelve steps, trimmed the wick, wound the clockwork and watched the beam "
            "sweep across the water until dawn. Ships that had never seen the coast knew it by that light.")
 TASKS = [
-    ("code edit: rename a variable (Qwen2.5-Coder 0.5B)", QWEN, 200,
+    ("code edit: rename a variable (Qwen2.5-Coder 0.5B)", QWEN, 160,
      f"Rename the variable `total` to `running_sum` in this function. Answer with the whole function only.\n\n{FUNCTION}"),
-    ("code edit: add type hints (Qwen2.5-Coder 0.5B)", QWEN, 200,
+    ("code edit: add type hints (Qwen2.5-Coder 0.5B)", QWEN, 160,
      f"Add type hints to this function. Answer with the whole function only.\n\n{FUNCTION}"),
     ("JSON repeating the prompt's keys (Qwen2.5-Coder 0.5B)", QWEN, 120,
      'Fill in this JSON object for the city of Lyon, keeping every key: {"name": "", "country": "", '
