@@ -76,6 +76,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         tool_choice: Default::default(),
         raw: None,
         logprobs: None,
+        speculate: args.speculate.into(),
     })
 }
 

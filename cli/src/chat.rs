@@ -117,6 +117,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             tool_choice: Default::default(),
             raw: None,
             logprobs: None,
+            speculate: Default::default(),
         };
         let mut stream = client.generate(request).await?;
         let mut answer = String::new();

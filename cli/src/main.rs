@@ -178,6 +178,24 @@ pub(crate) enum CacheCmd {
     Verify,
 }
 
+/// `mlxbc ask --speculate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpeculateArg {
+    Auto,
+    Off,
+    Ngram,
+}
+
+impl From<SpeculateArg> for mlxbc_client::Speculation {
+    fn from(a: SpeculateArg) -> Self {
+        match a {
+            SpeculateArg::Auto => Self::Auto,
+            SpeculateArg::Off => Self::Off,
+            SpeculateArg::Ngram => Self::Ngram,
+        }
+    }
+}
+
 #[derive(clap::Args, Debug)]
 pub(crate) struct AskArgs {
     /// The question.
@@ -228,6 +246,11 @@ pub(crate) struct AskArgs {
     /// Keep generating past end-of-sequence (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// Speculative decoding: auto (the daemon's setting), off, or ngram
+    /// (drafts from the prompt: faster code edits and quotations, the same
+    /// answer).
+    #[arg(long, value_enum, default_value_t = SpeculateArg::Auto)]
+    speculate: SpeculateArg,
     /// Continue (or start) a conversation the daemon keeps under this name.
     #[arg(long)]
     session: Option<String>,

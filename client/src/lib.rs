@@ -24,8 +24,8 @@ pub use error::ClientError;
 pub use mlxbc_shared::protocol::{
     CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, ErrorKind, GenerateRequest,
     GenerationStats, KeepAlive, LoadedModel, MediaKind, MediaRef, ModelInfo, PromptCacheReport, Request, Response,
-    Role, SamplingParams, SessionCommand, SessionInfo, ShedEvent, StopReason, TranscribeRequest, TranscribeStats,
-    Transcript, TranscriptSegment, PROTOCOL_VERSION,
+    Role, SamplingParams, SessionCommand, SessionInfo, ShedEvent, Speculation, StopReason, TranscribeRequest,
+    TranscribeStats, Transcript, TranscriptSegment, PROTOCOL_VERSION,
 };
 pub use mlxbc_shared::settings::Settings;
 /// Transcripts as SubRip and WebVTT subtitles.

@@ -417,6 +417,22 @@ pub struct GenerateRequest {
     /// Report each generated token's log-probability and this many of the
     /// likeliest alternatives (0–20) in [`GenerationStats::logprobs`].
     pub logprobs: Option<u8>,
+    /// Whether the answer may be decoded several tokens per step.
+    pub speculate: Speculation,
+}
+
+/// Speculative decoding for one request: drafted tokens verified in one
+/// pass of the model. The output is the same as without it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Speculation {
+    /// The daemon's setting (`speculate` in config.toml; off by default).
+    #[default]
+    Auto,
+    /// One token per step.
+    Off,
+    /// Prompt-lookup drafts (greedy answers; refused with a sentence by a
+    /// model that cannot verify drafts).
+    Ngram,
 }
 
 /// The most alternatives [`GenerateRequest::logprobs`] may ask for (OpenAI's cap).
@@ -515,6 +531,7 @@ impl GenerateRequest {
             tool_choice: ToolChoice::Auto,
             raw: None,
             logprobs: None,
+            speculate: Speculation::Auto,
         }
     }
 }

@@ -10,18 +10,8 @@
 //! sequence whose drafts keep failing drafts little (a failed draft costs a
 //! wider verify pass, not a wrong token).
 
+use crate::model::options::Speculate;
 use std::sync::atomic::{AtomicU8, Ordering};
-
-/// Whether lone greedy sequences draft from their own history.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Speculate {
-    /// One token per step (the default until the per-model cost model
-    /// decides where drafting pays).
-    #[default]
-    Off,
-    /// Prompt-lookup drafts, verified in one pass (`MLXBC_SPECULATE=ngram`).
-    Ngram,
-}
 
 /// The process's choice (0 off, 1 ngram), set once at start by `mlxbcd`'s main.
 static CHOICE: AtomicU8 = AtomicU8::new(0);

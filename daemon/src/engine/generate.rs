@@ -300,6 +300,7 @@ pub fn begin(
         logprobs: request.logprobs.map(crate::decoding::logprobs::LogprobTracker::new),
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,
+        speculate: speculates(&model, request.speculate)?,
         limit: asked.min(room),
         asked,
         mode: model.decode_mode(ctx.decode),
@@ -311,6 +312,25 @@ pub fn begin(
         media_stats,
     };
     Ok(Begun::Sequence(Box::new(Sequence::new(setup))))
+}
+
+/// Whether a request's answer drafts and verifies tokens: as it asks, else
+/// as the daemon is set (`speculate`); a model that cannot verify drafts
+/// refuses a request that insists.
+fn speculates(model: &Model, asked: mlxbc_shared::Speculation) -> Result<bool, EngineError> {
+    use mlxbc_shared::Speculation;
+    Ok(match asked {
+        Speculation::Off => false,
+        Speculation::Auto => crate::decoding::lookup::enabled() && model.lm.verifies_drafts(),
+        Speculation::Ngram if model.lm.verifies_drafts() => true,
+        Speculation::Ngram => {
+            return Err(EngineError::BadRequest(format!(
+                "speculative decoding (ngram) is not available for {} models yet (llama, Qwen2 and Qwen3 \
+                 decoders have it): ask without --speculate, or with --speculate off",
+                model.lm.architecture()
+            )))
+        }
+    })
 }
 
 /// The constraint a request's answer is generated under: its own

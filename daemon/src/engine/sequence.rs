@@ -11,7 +11,7 @@
 
 use super::generate::Finished;
 use crate::decoding::constraint::Constrained;
-use crate::decoding::lookup::{self, Drafter};
+use crate::decoding::lookup::Drafter;
 use crate::decoding::sampling::Sampler;
 use crate::decoding::stop::{Filtered, StopFilter};
 use crate::decoding::tools::ToolCallFilter;
@@ -84,6 +84,9 @@ pub struct Setup {
     pub logprobs: Option<crate::decoding::logprobs::LogprobTracker>,
     pub stops: StopFilter,
     pub ignore_eos: bool,
+    /// It drafts tokens from its history and verifies them in one pass
+    /// (where it decodes alone and greedily).
+    pub speculate: bool,
     /// Tokens to generate at most (the request's and the context's bound),
     /// and what was asked (to tell `ContextFull` from `MaxTokens`).
     pub limit: usize,
@@ -146,6 +149,7 @@ impl Sequence {
     /// A sequence about to prefill.
     pub fn new(setup: Setup) -> Self {
         let at = setup.start;
+        let drafter = setup.speculate.then(Drafter::default);
         Self {
             setup,
             prefill_at: Some(at),
@@ -156,7 +160,7 @@ impl Sequence {
             t_first: None,
             t_last: None,
             stop_string: None,
-            drafter: lookup::enabled().then(Drafter::default),
+            drafter,
         }
     }
 

@@ -262,6 +262,7 @@ fn request(
         tool_choice: ToolChoice::Auto,
         raw: None,
         logprobs: None,
+        speculate: Default::default(),
     })
 }
 

@@ -441,6 +441,7 @@ impl ChatCompletionRequest {
                     None => Constraint::JsonObject,
                 }),
             },
+            speculate: Default::default(),
         })
     }
 }

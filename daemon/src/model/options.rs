@@ -17,7 +17,6 @@
 //!   attends (default: mlxbc's own kernel on CUDA, the padding mask
 //!   elsewhere: [`crate::model::batch_attention`]).
 
-use crate::decoding::lookup::Speculate;
 use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;
 use crate::model::layers::BatchWeights;
@@ -68,6 +67,18 @@ pub struct EngineOptions {
     pub attention: BatchAttention,
     /// Whether lone greedy sequences draft from their history.
     pub speculate: Speculate,
+}
+
+/// Whether sequences draft from their own history by default
+/// (`crate::decoding::lookup`; a request may say otherwise).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Speculate {
+    /// One token per step (the default until the per-model cost model
+    /// decides where drafting pays).
+    #[default]
+    Off,
+    /// Prompt-lookup drafts, verified in one pass (`MLXBC_SPECULATE=ngram`).
+    Ngram,
 }
 
 impl BatchWeights {

@@ -3,9 +3,11 @@
 //! requests with the same token ids on real weights (SmolLM2, Qwen2.5-Coder
 //! 0.5B), through a stop string and a token limit that fall inside an
 //! accepted run; the drafting daemon reports what it drafted and accepted.
+//! A request may turn drafts on or off for itself (`speculate`).
 
 use crate::helper::{fixture, greedy, Daemon, DaemonOptions, SMOLLM2};
 use crate::reference::ask_ok;
+use mlxbc_client::Speculation;
 
 const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
@@ -69,4 +71,31 @@ async fn drafted_greedy_ids_equal_plain_decoding_on_real_weights() {
         accepted += with.accepted_draft_tokens;
     }
     assert!(accepted >= 20, "a code edit copies its prompt: drafts should be accepted ({accepted} were)");
+
+    // A request chooses for itself: on where the daemon's default is off,
+    // off where it is on.
+    let mut asks = greedy(Some(QWEN25), &edit, 24);
+    asks.speculate = Speculation::Ngram;
+    let (with, without) = tokio::join!(ask_ok(&plain, asks.clone()), ask_ok(&drafting, asks.clone()));
+    assert!(with.accepted_draft_tokens > 0, "the request asked for drafts: {with:?}");
+    assert_eq!(with.token_ids, without.token_ids);
+    asks.speculate = Speculation::Off;
+    let off = ask_ok(&drafting, asks).await;
+    assert_eq!((off.draft_tokens, off.token_ids), (0, with.token_ids), "the request turned drafts off");
+}
+
+/// A model that cannot verify drafts refuses a request that insists, with
+/// a sentence, and answers the same request without it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_family_without_draft_verification_refuses_a_request_that_insists() {
+    const VLM: &str = "tiny-gemma3-vlm";
+    let d = Daemon::start_with(DaemonOptions { models: vec![(VLM, fixture("mlx/tiny-gemma3-vlm"))], args: vec![] });
+    let mut r = greedy(Some(VLM), "Say something twice, twice.", 8);
+    r.speculate = Speculation::Ngram;
+    let e = crate::helper::ask(&d.socket, r.clone()).await.expect_err("gemma3 cannot verify drafts yet");
+    let text = e.to_string();
+    assert!(text.contains("speculative decoding") && text.contains("gemma3"), "{text}");
+    r.speculate = Speculation::Auto;
+    let ok = ask_ok(&d, r).await;
+    assert_eq!(ok.draft_tokens, 0);
 }
