@@ -14,7 +14,7 @@ mod keep_alive;
 pub mod memory;
 mod residency;
 mod scheduler;
-mod sequence;
+pub(crate) mod sequence;
 mod speech;
 mod thread;
 

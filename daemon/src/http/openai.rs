@@ -497,14 +497,37 @@ pub fn completion(id: &str, created: u64, model: &str, text: &str, stats: &mlxbc
         finish = "tool_calls";
     }
     let logprobs = (!stats.logprobs.is_empty()).then(|| chat_logprobs(&stats.logprobs));
-    json!({"id": id, "object": "chat.completion", "created": created, "model": model,
+    let mut v = json!({"id": id, "object": "chat.completion", "created": created, "model": model,
            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-           "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}})
+           "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}});
+    // Speculation's drafts in OpenAI's fields for predicted tokens.
+    if stats.draft_tokens > 0 {
+        v["usage"]["completion_tokens_details"] = json!({
+            "accepted_prediction_tokens": stats.accepted_draft_tokens,
+            "rejected_prediction_tokens": stats.draft_tokens - stats.accepted_draft_tokens,
+        });
+    }
+    v
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drafts_are_reported_as_predicted_tokens_in_the_usage() {
+        let mut stats = crate::engine::sequence::stats_without_decode("m", 5, 0.0, &Default::default());
+        stats.generated_tokens = 30;
+        let plain = completion("id", 0, "m", "text", &stats);
+        assert!(plain["usage"].get("completion_tokens_details").is_none(), "{plain}");
+        (stats.draft_tokens, stats.accepted_draft_tokens) = (24, 19);
+        let v = completion("id", 0, "m", "text", &stats);
+        assert_eq!(
+            v["usage"]["completion_tokens_details"],
+            json!({"accepted_prediction_tokens": 19, "rejected_prediction_tokens": 5})
+        );
+        assert_eq!(v["usage"]["completion_tokens"], 30);
+    }
 
     #[test]
     fn parts_images_and_stop_convert() {
