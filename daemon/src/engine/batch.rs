@@ -172,10 +172,14 @@ impl DecodeBatch {
         if seqs.len() != self.rows.len() {
             return Err(EngineError::Internal("a batch row lost its sequence".into()));
         }
-        if self.rows.len() == 1 && self.model.lm.verifies_drafts() && seqs[0].wants_draft() {
-            if let Some(ended) = self.verify_drafts(&mut *seqs[0])? {
-                return Ok(ended);
+        // Rows whose tokens a verify pass handed over and that ended there.
+        let mut ended = Vec::new();
+        if self.model.lm.verifies_drafts() {
+            let (over, stepped) = self.verify_rows(&mut seqs)?;
+            if stepped {
+                return Ok(over);
             }
+            ended = over;
         }
         let (Some(cache), Some(ahead)) = (self.cache.as_mut(), self.ahead.take()) else {
             return Ok(Vec::new());
@@ -195,13 +199,12 @@ impl DecodeBatch {
             lm.embed(&ahead).and_then(|x| lm.forward(&x, cache, &plain)).and_then(|h| lm.logits(&h))
         }
         .map_err(EngineError::inference)?;
-        let mut ended = Vec::new();
         // A constrained row's mask needs the token ahead, read first: such
         // a batch's steps are not pipelined (the others' are).
         let constrained = seqs.iter().any(|s| s.is_constrained());
         if constrained {
             ahead.eval().map_err(EngineError::inference)?;
-            ended = self.accept_rows(&ahead, &mut seqs);
+            ended.extend(self.accept_rows(&ahead, &mut seqs));
         }
         // Each row picks with its own sampler; an all-greedy batch with one argmax.
         let next = pick_rows(&logits, &mut seqs)?;
@@ -212,64 +215,127 @@ impl DecodeBatch {
         let queued = t.elapsed().as_secs_f64();
         if !constrained {
             ahead.eval().map_err(EngineError::inference)?;
-            ended = self.accept_rows(&ahead, &mut seqs);
+            ended.extend(self.accept_rows(&ahead, &mut seqs));
         }
         self.profile.record(t, self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
         self.ahead = Some(next);
         Ok(ended)
     }
 
-    /// A lone greedy row's step with prompt-lookup drafts (speculation):
-    /// the token ahead and k drafted tokens go through the model in one
-    /// pass, which gives the model's own pick after each of them; the
-    /// drafts it agrees with are accepted (each a step saved), the cache
-    /// forgets the rest, and the model's pick after the last accepted one is
-    /// the new token ahead. Greedy output is the same as without drafts.
-    /// `None` when nothing was drafted or the cache cannot be cut back
-    /// (the caller takes a plain step; the token ahead was handed over).
-    fn verify_drafts(&mut self, seq: &mut Sequence) -> Result<Option<Vec<RowOutcome>>, EngineError> {
-        let cache_fits = self.cache.as_ref().is_some_and(|c| !c.is_padded() && !c.is_journaled() && !c.has_states());
-        let Some(ahead) = self.ahead.as_ref().filter(|_| cache_fits) else { return Ok(None) };
+    /// A step with prompt-lookup drafts (speculation) for the rows that
+    /// draft: every row's token ahead, then that row's drafted tokens, go
+    /// through the model in one pass (`[rows, 1 + most drafts]`; a row with
+    /// fewer drafts is filled with its last token, which it never accepts),
+    /// which gives the model's own pick after each position. The leading
+    /// drafts a row's model agrees with are accepted (each a step saved),
+    /// its cache forgets the rest (rows forget different numbers of
+    /// positions: [`KvCache::trim_rows`]), and the model's pick after its
+    /// last accepted token is its new token ahead. A row that does not
+    /// draft (sampled, constrained, resting after a miss) takes its pick
+    /// after the first position, as a plain step would have, and forgets
+    /// the others. Greedy output is the same as without drafts.
+    ///
+    /// Returns the rows that ended, and whether the step was taken: not
+    /// when no row drafted anything or the cache cannot be cut back (the
+    /// caller then takes a plain step; the tokens ahead were handed over).
+    fn verify_rows(&mut self, seqs: &mut [&mut Sequence]) -> Result<(Vec<RowOutcome>, bool), EngineError> {
+        let cache_fits = self.cache.as_ref().is_some_and(|c| !c.is_journaled() && !c.has_states());
+        let wants: Vec<bool> = seqs.iter_mut().map(|s| s.wants_draft()).collect();
+        let Some(ahead) = self.ahead.as_ref().filter(|_| cache_fits && wants.contains(&true)) else {
+            return Ok((Vec::new(), false));
+        };
         let started = std::time::Instant::now();
         ahead.eval().map_err(EngineError::inference)?;
-        let token = ahead.as_slice::<u32>()[0];
-        let id = self.rows[0].seq;
-        // The drafts continue the history up to the token ahead: it is
+        let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
+        // The drafts continue each history up to its token ahead: it is
         // handed over first (unless its prefill already did).
-        if !std::mem::replace(&mut self.rows[0].taken, true) {
-            if let Some(end) = seq.accept(token) {
-                return Ok(Some(vec![(id, end)]));
+        let mut ended = Vec::new();
+        for ((row, s), &token) in self.rows.iter_mut().zip(seqs.iter_mut()).zip(&tokens) {
+            if !std::mem::replace(&mut row.taken, true) {
+                if let Some(end) = s.accept(token) {
+                    ended.push((row.seq, end));
+                }
             }
         }
-        let drafts = seq.draft();
-        let (Some(cache), false) = (self.cache.as_mut(), drafts.is_empty()) else { return Ok(None) };
-        let mut ids = Vec::with_capacity(drafts.len() + 1);
-        ids.push(token);
-        ids.extend_from_slice(&drafts);
+        let drafts: Vec<Vec<u32>> = seqs
+            .iter_mut()
+            .zip(&wants)
+            .zip(&self.rows)
+            .map(|((s, &wants), row)| {
+                let over = ended.iter().any(|(id, _)| *id == row.seq);
+                if wants && !over {
+                    s.draft()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        let Some(cache) = self.cache.as_mut().filter(|_| width > 1) else {
+            return Ok((ended, false));
+        };
+        let mut ids = Vec::with_capacity(drafts.len() * width);
+        for (&token, d) in tokens.iter().zip(&drafts) {
+            ids.push(token);
+            ids.extend_from_slice(d);
+            let fill = d.last().copied().unwrap_or(token);
+            ids.extend(std::iter::repeat_n(fill, width - 1 - d.len()));
+        }
         let lm = &self.model.lm;
-        let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
-        let picks = lm
+        let input = Array::from_slice(&ids, &[drafts.len() as i32, width as i32]);
+        let logits = lm
             .embed(&input)
             .and_then(|x| lm.forward(&x, cache, &MediaPositions::default()))
             .and_then(|h| lm.logits_all(&h))
-            .and_then(|logits| Ok(argmax_axis(&logits, -1, None)?))
             .map_err(EngineError::inference)?;
-        picks.eval().map_err(EngineError::inference)?;
-        let picks = picks.as_slice::<u32>().to_vec();
-        let accepted = lookup::accepted_prefix(&drafts, &picks);
-        if !cache.trim((drafts.len() - accepted) as i32) {
+        // Rows that draft: the argmax after every position. The others:
+        // their own pick (sampler, constraint, log-probabilities) after the first.
+        let all = argmax_axis(&logits, -1, None).map_err(EngineError::inference)?;
+        let plain_rows = drafts.iter().any(Vec::is_empty);
+        let first = if plain_rows {
+            use mlx_rs::ops::indexing::IndexOp;
+            Some(pick_rows(&logits.index((.., 0, ..)), seqs)?)
+        } else {
+            None
+        };
+        let mut queued = vec![&all];
+        queued.extend(first.as_ref());
+        queued.extend(seqs.iter().flat_map(|s| s.logprob_arrays()));
+        mlx_rs::transforms::eval(queued).map_err(EngineError::inference)?;
+        let all = all.as_slice::<u32>();
+        let first = first.as_ref().map(|f| f.as_slice::<u32>());
+        let mut forget = Vec::with_capacity(drafts.len());
+        let mut next = Vec::with_capacity(drafts.len());
+        let mut runs = Vec::with_capacity(drafts.len());
+        for (r, d) in drafts.iter().enumerate() {
+            let picks = &all[r * width..(r + 1) * width];
+            let accepted = lookup::accepted_prefix(d, picks);
+            forget.push((width - 1 - accepted) as i32);
+            next.push(match (d.is_empty(), first) {
+                (true, Some(first)) => first[r],
+                _ => picks[accepted],
+            });
+            runs.push(&d[..accepted]);
+        }
+        if !cache.trim_rows(&forget).map_err(EngineError::inference)? {
             return Err(EngineError::Internal("a verified cache could not forget its rejected drafts".into()));
         }
-        seq.verified(drafts.len(), accepted);
-        self.profile.record(started, 1, DecodeMode::Eager, 0.0, started.elapsed().as_secs_f64());
-        for &d in &drafts[..accepted] {
-            if let Some(end) = seq.accept(d) {
-                return Ok(Some(vec![(id, end)]));
+        self.profile.record(started, self.rows.len(), DecodeMode::Eager, 0.0, started.elapsed().as_secs_f64());
+        for (((row, s), d), run) in self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs) {
+            row.taken = false;
+            if d.is_empty() || ended.iter().any(|(id, _)| *id == row.seq) {
+                continue;
+            }
+            s.verified(d.len(), run.len());
+            for &t in run {
+                if let Some(end) = s.accept(t) {
+                    ended.push((row.seq, end));
+                    break;
+                }
             }
         }
-        self.ahead = Some(Array::from_slice(&[picks[accepted]], &[1, 1]));
-        self.rows[0].taken = false;
-        Ok(Some(Vec::new()))
+        self.ahead = Some(Array::from_slice(&next, &[next.len() as i32, 1]));
+        Ok((ended, true))
     }
 
     /// Hands each row's sequence its token of `ahead` (evaluated), except

@@ -67,10 +67,10 @@ pub trait LanguageModel {
         false
     }
 
-    /// Logits `[L, vocab]` of every position of a one-row `hidden` `[1, L,
-    /// width]`, computed as [`Self::logits`] computes the last one: a
-    /// speculative verify pass reads the model's pick after each drafted
-    /// position (where [`Self::verifies_drafts`]).
+    /// Logits `[B, L, vocab]` of every position of `hidden` `[B, L, width]`,
+    /// computed as [`Self::logits`] computes the last one: a speculative
+    /// verify pass reads the model's pick after each drafted position
+    /// (where [`Self::verifies_drafts`]).
     fn logits_all(&self, _hidden: &Array) -> Result<Array> {
         anyhow::bail!("{} does not verify drafts", self.architecture())
     }

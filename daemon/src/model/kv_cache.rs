@@ -533,21 +533,42 @@ impl KvCache {
         Ok(())
     }
 
-    /// Forgets the last `n` positions of a one-row cache of keys and
-    /// values (a speculative verify pass's rejected drafts): the buffers
-    /// keep their bytes, which the next writes overwrite and no attention
-    /// reads. False, and nothing changed, where that cannot be done: a
-    /// padded batch, recurrent states (they cover every position), a
-    /// journaled (split) cache, or more positions than it holds.
-    pub fn trim(&mut self, n: i32) -> bool {
-        if n == 0 {
-            return true;
+    /// Forgets the last `n[r]` positions of each row `r` (a batched verify
+    /// pass's rejected drafts, a different number per row), keeping the
+    /// rows aligned at their ends: the positions every row forgets are cut
+    /// from the end, and a row that forgets more moves right by the
+    /// difference, which becomes padding before it. Its keys keep their
+    /// rope positions (a row's positions count from its padding's end).
+    /// The buffers keep their bytes past the end, which the next writes
+    /// overwrite and no attention reads. False, and nothing changed, where
+    /// that cannot be done: recurrent states (they cover every position),
+    /// a journaled (split) cache, or more positions than a row holds.
+    pub fn trim_rows(&mut self, n: &[i32]) -> Result<bool> {
+        use mlx_rs::ops::indexing::IndexOp;
+        anyhow::ensure!(n.len() == self.rows(), "trimming {} rows of a batch of {}", n.len(), self.rows());
+        let shared = n.iter().copied().min().unwrap_or(0);
+        let pads = self.paddings();
+        let fits = |(&k, &p): (&i32, &i32)| k >= 0 && p + k <= self.offset;
+        if self.has_states() || self.is_journaled() || !n.iter().zip(&pads).all(fits) {
+            return Ok(false);
         }
-        if self.is_padded() || self.has_states() || self.is_journaled() || !(0..=self.offset).contains(&n) {
-            return false;
+        let end = self.offset - shared;
+        let moves: Vec<i32> = n.iter().map(|&k| k - shared).collect();
+        if moves.iter().any(|&m| m > 0) {
+            // Row r's position j comes from j - moves[r] (clamped: what lands
+            // in the new padding is never read).
+            let rows = moves.len() as i32;
+            let mut idx = Vec::with_capacity((rows * end) as usize);
+            for &m in &moves {
+                idx.extend((0..end).map(|j| (j - m).max(0)));
+            }
+            let idx = Array::from_slice(&idx, &[rows, 1, end, 1]);
+            let shift = |b: Array| -> Result<Array> { Ok(b.index((.., .., ..end, ..)).take_along_axis(&idx, 2)?) };
+            self.map_buffers(|k, v| Ok((shift(k)?, shift(v)?)))?;
+            self.set_paddings(pads.iter().zip(&moves).map(|(p, m)| p + m).collect());
         }
-        self.offset -= n;
-        true
+        self.offset = end;
+        Ok(true)
     }
 
     /// Makes room for `n` more positions in every layer's buffers (growing
@@ -727,7 +748,7 @@ mod kv_cache_tests {
 
     /// A trimmed cache (a verify pass's rejected drafts) returns exactly
     /// what a cache that never held the trimmed positions would, after the
-    /// next writes; a padded batch and a recurrent cache refuse the trim.
+    /// next writes; a recurrent cache refuses the trim.
     #[test]
     fn trimmed_positions_are_forgotten_and_overwritten() {
         let normal = |n: i32| mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
@@ -741,7 +762,7 @@ mod kv_cache_tests {
             }
         }
         // Two of the five drafted positions were accepted.
-        assert!(spec.trim(3));
+        assert!(spec.trim_rows(&[3]).unwrap());
         let accepted = drafts.index((.., .., ..2, ..));
         plain.update(0, accepted.clone(), accepted).unwrap();
         plain.offset += 2;
@@ -750,12 +771,52 @@ mod kv_cache_tests {
         let (want, _) = plain.update(0, next.clone(), next).unwrap();
         assert_eq!(got.shape(), want.shape());
         assert!(got.all_close(&want, 0.0, 0.0, None).unwrap());
-        assert!(!spec.trim(spec.offset + 1), "more positions than it holds");
-        assert!(!KvCache::batch(1, vec![0, 2]).trim(1), "a padded batch");
+        assert!(!spec.trim_rows(&[spec.offset + 1]).unwrap(), "more positions than it holds");
         let mut recurrent = KvCache::new(1);
         recurrent.set_state(0, vec![normal(1)]);
         recurrent.offset = 4;
-        assert!(!recurrent.trim(1), "recurrent states cover every position");
+        assert!(!recurrent.trim_rows(&[1]).unwrap(), "recurrent states cover every position");
+    }
+
+    /// A padded batch whose rows forget different numbers of positions
+    /// keeps each row's remaining keys, in order, at the batch's end, with
+    /// the rope positions (row offsets) of a row that never held the
+    /// forgotten ones, and the next write lands after each row's last kept key.
+    #[test]
+    fn rows_trimmed_by_different_amounts_stay_aligned_at_their_ends() {
+        let normal = |n: i32| mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
+        let (a, b, drafts, next) = (normal(7), normal(5), normal(10), normal(2));
+        let one = |x: &Array| {
+            let mut c = KvCache::new(1);
+            c.update(0, x.clone(), x.clone()).unwrap();
+            c.offset = x.shape()[2];
+            c
+        };
+        let mut batch = one(&a);
+        batch.join(one(&b)).unwrap();
+        assert_eq!(batch.paddings(), vec![0, 2]);
+        let both =
+            mlx_rs::ops::concatenate(&[drafts.index((.., .., ..5, ..)), drafts.index((.., .., 5.., ..))], 0).unwrap();
+        batch.update(0, both.clone(), both).unwrap();
+        batch.offset += 5;
+        // Row 0 accepted 1 of 5 drafts (forgets 4), row 1 accepted 4 (forgets 1):
+        // row 0, now the shorter, moves right by 3.
+        assert!(batch.trim_rows(&[4, 1]).unwrap());
+        assert_eq!(batch.paddings(), vec![3, 2]);
+        let lengths: Vec<i32> = batch.row_offsets().as_slice::<i32>().to_vec();
+        assert_eq!(lengths, vec![7 + 1, 5 + 4]);
+        let step = mlx_rs::ops::concatenate(&[next.clone(), next.clone()], 0).unwrap();
+        let (keys, _) = batch.update(0, step.clone(), step).unwrap();
+        let want = [
+            mlx_rs::ops::concatenate(&[a.clone(), drafts.index((.., .., ..1, ..)), next.clone()], 2).unwrap(),
+            mlx_rs::ops::concatenate(&[b.clone(), drafts.index((.., .., 5..9, ..)), next.clone()], 2).unwrap(),
+        ];
+        for (row, want) in want.iter().enumerate() {
+            let pad = batch.paddings()[row];
+            let got = keys.index((row as i32..row as i32 + 1, .., pad.., ..));
+            assert_eq!(got.shape(), want.shape(), "row {row}");
+            assert!(got.all_close(want, 0.0, 0.0, None).unwrap(), "row {row}");
+        }
     }
 
     /// Each row's first visible key (what the batch attention kernel takes

@@ -3,11 +3,15 @@
 //! requests with the same token ids on real weights (SmolLM2, Qwen2.5-Coder
 //! 0.5B), through a stop string and a token limit that fall inside an
 //! accepted run; the drafting daemon reports what it drafted and accepted.
-//! A request may turn drafts on or off for itself (`speculate`).
+//! A request may turn drafts on or off for itself (`speculate`). Rows that
+//! draft share a continuous batch with rows that do not (drafts off,
+//! sampled, constrained, log-probabilities), and every row's answer is
+//! what it is without drafts.
 
 use crate::helper::{fixture, greedy, Daemon, DaemonOptions, SMOLLM2};
 use crate::reference::ask_ok;
-use mlxbc_client::Speculation;
+use mlxbc_client::{Constraint, GenerateRequest, GenerationStats, SamplingParams, Speculation};
+use std::time::Duration;
 
 const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
@@ -98,4 +102,71 @@ async fn a_family_without_draft_verification_refuses_a_request_that_insists() {
     r.speculate = Speculation::Auto;
     let ok = ask_ok(&d, r).await;
     assert_eq!(ok.draft_tokens, 0);
+}
+
+/// Requests sent together (request `i` after `delays[i]` ms), so that
+/// they decode in one batch; each one's statistics.
+async fn together(d: &Daemon, requests: &[GenerateRequest], delays: &[u64]) -> Vec<GenerationStats> {
+    let tasks: Vec<_> = requests
+        .iter()
+        .zip(delays)
+        .map(|(r, &ms)| {
+            let (socket, r) = (d.socket.clone(), r.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                crate::helper::ask(socket, r).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap_or_else(|e| panic!("{e}\n{}", d.log_text())).1);
+    }
+    out
+}
+
+/// Drafting rows in one continuous batch with rows that do not draft —
+/// drafts off, seeded sampling, a JSON schema, log-probabilities — and
+/// with each other (different draft lengths, accepted runs and stops, so
+/// rows forget different numbers of positions): every answer's ids equal
+/// the plain daemon's for the same requests sent the same way.
+#[tokio::test(flavor = "multi_thread")]
+async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
+    let (drafting, plain) = (daemon(true), daemon(false));
+    let edit = |what: &str| format!("{what} Answer with the code only.\n\n{FUNCTION}");
+    let rename = greedy(Some(QWEN25), &edit("Rename the variable `count` to `n` in this function."), 64);
+    let hints = greedy(Some(QWEN25), &edit("Add type hints to this function."), 48);
+    let mut off = greedy(Some(QWEN25), &edit("Rename `values` to `items` in this function."), 40);
+    off.speculate = Speculation::Off;
+    let mut sampled = greedy(Some(QWEN25), "Describe a rainy afternoon in two sentences.", 24);
+    sampled.sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: Some(7) };
+    let mut json = greedy(Some(QWEN25), "Give Alice's name and age (30) as JSON.", 32);
+    json.constraint = Some(Constraint::JsonSchema(
+        r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}"#
+            .into(),
+    ));
+    let mut logprobs = greedy(Some(QWEN25), &edit("Rename `average` to `mean` in this function."), 24);
+    logprobs.logprobs = Some(2);
+    let mut stopped = greedy(Some(QWEN25), &edit("Rename the variable `total` to `acc` in this function."), 64);
+    stopped.stop = vec!["count += 1".into()];
+    let requests = [rename, hints, off, sampled, json, logprobs, stopped];
+    let names = ["rename", "type hints", "drafts off", "sampled", "json schema", "logprobs", "stop string"];
+    let delays = [0, 0, 60, 120, 120, 200, 250];
+    let (with, without) = tokio::join!(together(&drafting, &requests, &delays), together(&plain, &requests, &delays));
+    for ((name, w), p) in names.iter().zip(&with).zip(&without) {
+        assert_eq!(w.token_ids, p.token_ids, "{name}: ids in a drafting batch differ from plain decoding");
+        assert_eq!((w.stop_reason, &w.stop_string), (p.stop_reason, &p.stop_string), "{name}");
+        assert_eq!(w.logprobs.len(), p.logprobs.len(), "{name}: log-probabilities per token");
+        for (a, b) in w.logprobs.iter().zip(&p.logprobs) {
+            assert!((a.logprob - b.logprob).abs() < 0.05, "{name}: logprob {} against {}", a.logprob, b.logprob);
+        }
+        eprintln!(
+            "{name}: {} tokens, {} of {} drafted accepted",
+            w.generated_tokens, w.accepted_draft_tokens, w.draft_tokens
+        );
+    }
+    for (name, w) in names.iter().zip(&with).skip(2).take(4) {
+        assert_eq!(w.draft_tokens, 0, "{name} does not draft");
+    }
+    assert!(with[0].accepted_draft_tokens > 0 && with[1].accepted_draft_tokens > 0, "code edits accept drafts");
 }

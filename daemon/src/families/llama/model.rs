@@ -212,15 +212,15 @@ impl Transformer {
         self.split.gather_vocab(logits.reshape(&[b, -1])?)
     }
 
-    /// Logits `[L, vocab]` of every position of a one-row `hidden`.
+    /// Logits `[B, L, vocab]` of every position of `hidden`.
     fn logits_every(&self, hidden: &Array) -> Result<Array> {
-        let l = hidden.shape()[1];
+        let (b, l) = (hidden.shape()[0], hidden.shape()[1]);
         let x = fast::rms_norm(hidden, Some(&self.norm), self.config.rms_norm_eps)?;
         let logits = match &self.lm_head {
             Some(head) => head.forward(&x)?,
             None => self.embed_tokens.as_linear(&x)?,
         };
-        Ok(logits.reshape(&[l, -1])?)
+        Ok(logits.reshape(&[b, l, -1])?)
     }
 
     fn attention(
