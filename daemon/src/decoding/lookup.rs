@@ -13,17 +13,28 @@
 use crate::model::options::Speculate;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// The process's choice (0 off, 1 ngram), set once at start by `mlxbcd`'s main.
+/// The process's choice (0 auto, 1 off, 2 ngram), set once at start by `mlxbcd`'s main.
 static CHOICE: AtomicU8 = AtomicU8::new(0);
 
 /// Sets whether sequences draft (from `EngineOptions`, at start).
 pub fn configure(choice: Speculate) {
-    CHOICE.store(u8::from(choice == Speculate::Ngram), Ordering::Relaxed);
+    CHOICE.store(
+        match choice {
+            Speculate::Auto => 0,
+            Speculate::Off => 1,
+            Speculate::Ngram => 2,
+        },
+        Ordering::Relaxed,
+    );
 }
 
-/// True when new sequences draft.
-pub fn enabled() -> bool {
-    CHOICE.load(Ordering::Relaxed) == 1
+/// Whether new sequences draft unless their request says otherwise.
+pub fn configured() -> Speculate {
+    match CHOICE.load(Ordering::Relaxed) {
+        1 => Speculate::Off,
+        2 => Speculate::Ngram,
+        _ => Speculate::Auto,
+    }
 }
 
 /// The longest suffix tried first; shorter ones after (down to one token).
@@ -59,7 +70,8 @@ pub fn propose(history: &[u32], k: usize) -> Vec<u32> {
 const MAX_REST: u32 = 16;
 
 /// One sequence's drafting state: how many tokens to draft next, when to
-/// try again after a miss, and what its drafts came to.
+/// try again after a miss, how often its drafts are accepted, and what
+/// they came to.
 ///
 /// A drafting step reads the previous token before it can draft, so it is
 /// not pipelined like a plain step: after a step with nothing to draft or
@@ -74,6 +86,13 @@ pub struct Drafter {
     /// Plain steps left before the next attempt, and the last rest's length.
     idle: u32,
     rest: u32,
+    /// Recent accepted drafted tokens and rejections (a draft not accepted
+    /// whole), decayed: the acceptance rate's evidence.
+    recent_accepted: f64,
+    recent_rejected: f64,
+    /// Drafts every step it can (`ngram` asked for), or where the cost
+    /// model expects them to pay (`auto`).
+    pub forced: bool,
     /// Tokens drafted and accepted, for the statistics.
     pub drafted: u32,
     pub accepted: u32,
@@ -81,11 +100,19 @@ pub struct Drafter {
 
 impl Default for Drafter {
     fn default() -> Self {
-        Self { k: 4, idle: 0, rest: 0, drafted: 0, accepted: 0 }
+        Self::new(false)
     }
 }
 
+/// How fast the acceptance rate forgets old drafts (per verified draft).
+const RATE_MEMORY: f64 = 0.8;
+
 impl Drafter {
+    /// A sequence's drafter; `forced`: drafts are verified whatever they cost.
+    pub fn new(forced: bool) -> Self {
+        Self { k: 4, idle: 0, rest: 0, recent_accepted: 0.0, recent_rejected: 0.0, forced, drafted: 0, accepted: 0 }
+    }
+
     /// True when this step should try to draft (false while resting).
     pub fn try_now(&mut self) -> bool {
         if self.idle > 0 {
@@ -110,6 +137,8 @@ impl Drafter {
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
         self.drafted += drafted as u32;
         self.accepted += accepted as u32;
+        self.recent_accepted = self.recent_accepted * RATE_MEMORY + accepted as f64;
+        self.recent_rejected = self.recent_rejected * RATE_MEMORY + f64::from(u8::from(accepted < drafted));
         self.k = if accepted == drafted { (self.k * 2).min(MAX_DRAFT) } else { accepted.max(1) };
         if accepted == 0 {
             self.missed();
@@ -126,6 +155,13 @@ impl Drafter {
     /// Tokens the next draft may propose.
     pub fn k(&self) -> usize {
         self.k
+    }
+
+    /// The chance that a drafted token is accepted given the ones before
+    /// it were: accepted tokens against rejections in recent drafts, with
+    /// one of each assumed beforehand (0.5 before any evidence).
+    pub fn rate(&self) -> f64 {
+        (self.recent_accepted + 1.0) / (self.recent_accepted + self.recent_rejected + 2.0)
     }
 }
 
@@ -178,6 +214,20 @@ mod tests {
         d.verified(3, 0);
         assert_eq!(d.k(), 1);
         assert_eq!((d.drafted, d.accepted), (23, 15));
+    }
+
+    #[test]
+    fn the_acceptance_rate_follows_recent_drafts() {
+        let mut d = Drafter::default();
+        assert_eq!(d.rate(), 0.5);
+        for _ in 0..10 {
+            d.verified(8, 8);
+        }
+        assert!(d.rate() > 0.9, "{}", d.rate());
+        for _ in 0..20 {
+            d.verified(4, 0);
+        }
+        assert!(d.rate() < 0.3, "recent misses outweigh old hits: {}", d.rate());
     }
 
     #[test]

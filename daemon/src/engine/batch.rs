@@ -11,6 +11,7 @@
 //! the cache: computed by the step in flight, or (for a row that has just
 //! joined) the first token, which its prefill already streamed.
 
+use super::draft_costs::{self, PassCosts};
 use super::sequence::Sequence;
 use crate::decoding::lookup;
 use crate::error::EngineError;
@@ -21,6 +22,7 @@ use crate::model::Model;
 use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::transforms::async_eval;
 use mlx_rs::Array;
+use std::cell::RefCell;
 use std::rc::Rc;
 
 /// A sequence's key in the scheduler.
@@ -44,6 +46,12 @@ pub struct DecodeBatch {
     rows: Vec<Row>,
     ahead: Option<Array>,
     profile: Profile,
+    /// The model's measured pass costs (shared by its batches over time):
+    /// whether a verify pass pays.
+    costs: Rc<RefCell<PassCosts>>,
+    /// Rows of the last step when it was a plain one: the next plain step
+    /// of as many rows waits for one like it, so its time is a step's cost.
+    plain_before: Option<usize>,
 }
 
 /// Where a batch's steps spend host time, logged every [`PROFILE_EVERY`]
@@ -99,9 +107,18 @@ impl Profile {
 
 impl DecodeBatch {
     /// An empty batch for `model`; a single row decodes as `mode` says,
-    /// several rows eagerly.
-    pub fn new(model: Rc<Model>, mode: DecodeMode) -> Self {
-        Self { model, mode, cache: None, rows: Vec::new(), ahead: None, profile: Profile::default() }
+    /// several rows eagerly. `costs` are the model's measured pass costs.
+    pub fn new(model: Rc<Model>, mode: DecodeMode, costs: Rc<RefCell<PassCosts>>) -> Self {
+        Self {
+            model,
+            mode,
+            cache: None,
+            rows: Vec::new(),
+            ahead: None,
+            profile: Profile::default(),
+            costs,
+            plain_before: None,
+        }
     }
 
     /// Rows in the batch.
@@ -217,7 +234,12 @@ impl DecodeBatch {
             ahead.eval().map_err(EngineError::inference)?;
             ended.extend(self.accept_rows(&ahead, &mut seqs));
         }
-        self.profile.record(t, self.rows.len(), mode, queued, t.elapsed().as_secs_f64() - queued);
+        let took = t.elapsed().as_secs_f64();
+        self.profile.record(t, self.rows.len(), mode, queued, took - queued);
+        if self.plain_before == Some(self.rows.len()) {
+            self.costs.borrow_mut().plain_step(self.rows.len(), took);
+        }
+        self.plain_before = Some(self.rows.len());
         self.ahead = Some(next);
         Ok(ended)
     }
@@ -244,8 +266,21 @@ impl DecodeBatch {
         let Some(ahead) = self.ahead.as_ref().filter(|_| cache_fits && wants.contains(&true)) else {
             return Ok((Vec::new(), false));
         };
-        let started = std::time::Instant::now();
+        // How wide a pass pays (1: not at all), unless a row insists.
+        let outlooks: Vec<_> =
+            seqs.iter().zip(&wants).filter(|(_, &w)| w).filter_map(|(s, _)| s.draft_outlook()).collect();
+        let drafting: Vec<_> = outlooks.iter().map(|(d, _)| *d).collect();
+        let width = match outlooks.iter().any(|(_, forced)| *forced) {
+            true => 1 + drafting.iter().map(|d| d.k).max().unwrap_or(0),
+            false => draft_costs::choose_width(&self.costs.borrow(), self.rows.len(), &drafting),
+        };
+        if width == 1 {
+            return Ok((Vec::new(), false));
+        }
         ahead.eval().map_err(EngineError::inference)?;
+        // The wait for the token ahead belongs to the step that queued it.
+        let started = std::time::Instant::now();
+        self.plain_before = None;
         let tokens: Vec<u32> = ahead.as_slice::<u32>().to_vec();
         // The drafts continue each history up to its token ahead: it is
         // handed over first (unless its prefill already did).
@@ -264,7 +299,7 @@ impl DecodeBatch {
             .map(|((s, &wants), row)| {
                 let over = ended.iter().any(|(id, _)| *id == row.seq);
                 if wants && !over {
-                    s.draft()
+                    s.draft(width - 1)
                 } else {
                     Vec::new()
                 }
@@ -320,7 +355,9 @@ impl DecodeBatch {
         if !cache.trim_rows(&forget).map_err(EngineError::inference)? {
             return Err(EngineError::Internal("a verified cache could not forget its rejected drafts".into()));
         }
-        self.profile.record(started, self.rows.len(), DecodeMode::Eager, 0.0, started.elapsed().as_secs_f64());
+        let took = started.elapsed().as_secs_f64();
+        self.profile.record(started, self.rows.len(), DecodeMode::Eager, 0.0, took);
+        self.costs.borrow_mut().verify_pass(self.rows.len() * width, took);
         for (((row, s), d), run) in self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs) {
             row.taken = false;
             if d.is_empty() || ended.iter().any(|(id, _)| *id == row.seq) {

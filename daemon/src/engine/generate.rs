@@ -11,6 +11,7 @@ use crate::media::{self, Encoded, MediaStats, PreparedMedia, Resolved, SharedSto
 use crate::model::decode_step::DecodeMode;
 use crate::model::family::MediaAttention;
 use crate::model::kv_cache::KvCache;
+use crate::model::options::Speculate;
 use crate::model::Model;
 use crate::prompt_cache::{self, PromptCache, PromptKeys};
 use mlx_rs::Array;
@@ -316,13 +317,15 @@ pub fn begin(
 
 /// Whether a request's answer drafts and verifies tokens: as it asks, else
 /// as the daemon is set (`speculate`); a model that cannot verify drafts
-/// refuses a request that insists.
-fn speculates(model: &Model, asked: mlxbc_shared::Speculation) -> Result<bool, EngineError> {
+/// refuses a request that insists, and never drafts otherwise.
+fn speculates(model: &Model, asked: mlxbc_shared::Speculation) -> Result<Speculate, EngineError> {
     use mlxbc_shared::Speculation;
+    let verifies = model.lm.verifies_drafts();
     Ok(match asked {
-        Speculation::Off => false,
-        Speculation::Auto => crate::decoding::lookup::enabled() && model.lm.verifies_drafts(),
-        Speculation::Ngram if model.lm.verifies_drafts() => true,
+        Speculation::Off => Speculate::Off,
+        Speculation::Auto if verifies => crate::decoding::lookup::configured(),
+        Speculation::Auto => Speculate::Off,
+        Speculation::Ngram if verifies => Speculate::Ngram,
         Speculation::Ngram => {
             return Err(EngineError::BadRequest(format!(
                 "speculative decoding (ngram) is not available for {} models yet (llama, Qwen2 and Qwen3 \

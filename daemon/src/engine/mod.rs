@@ -6,6 +6,7 @@
 
 mod answer;
 mod batch;
+mod draft_costs;
 pub mod generate;
 mod handle;
 mod housekeeping;

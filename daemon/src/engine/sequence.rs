@@ -9,6 +9,7 @@
 //! the last token in chunks, then the last token alone), so the computation,
 //! and therefore the greedy token ids, are the reference's.
 
+use super::draft_costs::Drafting;
 use super::generate::Finished;
 use crate::decoding::constraint::Constrained;
 use crate::decoding::lookup::Drafter;
@@ -19,6 +20,7 @@ use crate::error::EngineError;
 use crate::media::MediaStats;
 use crate::model::decode_step::DecodeMode;
 use crate::model::kv_cache::KvCache;
+use crate::model::options::Speculate;
 use crate::model::positions::{Deepstack, MediaPositions, MropePositions};
 use crate::model::Model;
 use crate::prompt_cache::{PromptCache, PromptKeys};
@@ -84,9 +86,9 @@ pub struct Setup {
     pub logprobs: Option<crate::decoding::logprobs::LogprobTracker>,
     pub stops: StopFilter,
     pub ignore_eos: bool,
-    /// It drafts tokens from its history and verifies them in one pass
-    /// (where it decodes alone and greedily).
-    pub speculate: bool,
+    /// Whether it drafts tokens from its history and verifies them in one
+    /// pass (where it decodes greedily): where they pay, or always.
+    pub speculate: Speculate,
     /// Tokens to generate at most (the request's and the context's bound),
     /// and what was asked (to tell `ContextFull` from `MaxTokens`).
     pub limit: usize,
@@ -149,7 +151,11 @@ impl Sequence {
     /// A sequence about to prefill.
     pub fn new(setup: Setup) -> Self {
         let at = setup.start;
-        let drafter = setup.speculate.then(Drafter::default);
+        let drafter = match setup.speculate {
+            Speculate::Off => None,
+            Speculate::Auto => Some(Drafter::new(false)),
+            Speculate::Ngram => Some(Drafter::new(true)),
+        };
         Self {
             setup,
             prefill_at: Some(at),
@@ -234,9 +240,18 @@ impl Sequence {
         self.speculates() && self.drafter.as_mut().is_some_and(Drafter::try_now)
     }
 
+    /// What the cost model needs of a sequence that wants to draft: the
+    /// most it would draft and how often its drafts are accepted; and
+    /// whether it drafts whatever that costs (its request asked).
+    pub fn draft_outlook(&self) -> Option<(Drafting, bool)> {
+        let d = self.drafter.as_ref()?;
+        Some((Drafting { k: d.k(), rate: d.rate() }, d.forced))
+    }
+
     /// Tokens drafted from its prompt and answer so far to follow them (at
-    /// most the tokens it may still generate); empty: take a plain step.
-    pub fn draft(&mut self) -> Vec<u32> {
+    /// most `most`, and the tokens it may still generate); empty: take a
+    /// plain step.
+    pub fn draft(&mut self, most: usize) -> Vec<u32> {
         let Some(d) = &mut self.drafter else { return Vec::new() };
         let room = self.setup.limit.saturating_sub(self.generated.len());
         if room == 0 {
@@ -246,7 +261,7 @@ impl Sequence {
         history.extend_from_slice(&self.setup.ids);
         history.extend_from_slice(&self.generated);
         let mut drafts = d.draft(&history);
-        drafts.truncate(room);
+        drafts.truncate(room.min(most));
         drafts
     }
 

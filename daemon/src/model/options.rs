@@ -65,7 +65,7 @@ pub struct EngineOptions {
     pub batch: Option<BatchWeights>,
     /// How padded batches attend in decode steps.
     pub attention: BatchAttention,
-    /// Whether lone greedy sequences draft from their history.
+    /// Whether greedy sequences draft from their history.
     pub speculate: Speculate,
 }
 
@@ -73,11 +73,14 @@ pub struct EngineOptions {
 /// (`crate::decoding::lookup`; a request may say otherwise).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Speculate {
-    /// One token per step (the default until the per-model cost model
-    /// decides where drafting pays).
+    /// Prompt-lookup drafts where the measured costs of a verify pass and
+    /// a plain step and the sequence's acceptance say they pay.
     #[default]
+    Auto,
+    /// One token per step (`MLXBC_SPECULATE=off`).
     Off,
-    /// Prompt-lookup drafts, verified in one pass (`MLXBC_SPECULATE=ngram`).
+    /// Prompt-lookup drafts verified every step there are any, whatever
+    /// they cost (`MLXBC_SPECULATE=ngram`).
     Ngram,
 }
 
@@ -159,10 +162,11 @@ impl EngineOptions {
             Some(other) => return Err(bad(&other, "auto, mask")),
         };
         let speculate = match var("MLXBC_SPECULATE", "speculate") {
-            None => Speculate::Off,
+            None => Speculate::Auto,
+            Some((_, v)) if v == "auto" => Speculate::Auto,
             Some((_, v)) if v == "off" => Speculate::Off,
             Some((_, v)) if v == "ngram" => Speculate::Ngram,
-            Some(other) => return Err(bad(&other, "off, ngram")),
+            Some(other) => return Err(bad(&other, "auto, off, ngram")),
         };
         Ok(Self { weights, decode, fusion, batch, attention, speculate })
     }
@@ -222,7 +226,7 @@ mod tests {
         assert_eq!(o.speculate, Speculate::Ngram);
         std::env::set_var("MLXBC_SPECULATE", "eagle");
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
-        assert!(e.contains("MLXBC_SPECULATE") && e.contains("off, ngram"), "{e}");
+        assert!(e.contains("MLXBC_SPECULATE") && e.contains("auto, off, ngram"), "{e}");
         std::env::remove_var("MLXBC_SPECULATE");
         assert!(!cuda_available(), "this test runs on the CPU build");
     }

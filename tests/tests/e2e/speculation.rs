@@ -29,22 +29,21 @@ const FUNCTION: &str = "def summarize(values):
     average = total / count
     return {\"total\": total, \"count\": count, \"average\": average}";
 
-fn daemon(speculate: bool) -> Daemon {
+/// A daemon whose sequences draft as `speculate` (`MLXBC_SPECULATE`) says.
+fn daemon(speculate: &str) -> Daemon {
     let opts = DaemonOptions {
         models: vec![(SMOLLM2, fixture(&format!("models/{SMOLLM2}"))), (QWEN25, fixture(&format!("models/{QWEN25}")))],
         args: vec![],
     };
     let mut d = Daemon::prepare(&opts);
-    if speculate {
-        d.extra_env.push(("MLXBC_SPECULATE".into(), "ngram".into()));
-    }
+    d.extra_env.push(("MLXBC_SPECULATE".into(), speculate.into()));
     d.spawn(&opts.args);
     d
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn drafted_greedy_ids_equal_plain_decoding_on_real_weights() {
-    let (drafting, plain) = (daemon(true), daemon(false));
+    let (drafting, plain) = (daemon("ngram"), daemon("off"));
     let edit =
         format!("Rename the variable `total` to `acc` in this function. Answer with the code only.\n\n{FUNCTION}");
     let quote = "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.";
@@ -132,7 +131,7 @@ async fn together(d: &Daemon, requests: &[GenerateRequest], delays: &[u64]) -> V
 /// the plain daemon's for the same requests sent the same way.
 #[tokio::test(flavor = "multi_thread")]
 async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
-    let (drafting, plain) = (daemon(true), daemon(false));
+    let (drafting, plain) = (daemon("ngram"), daemon("off"));
     let edit = |what: &str| format!("{what} Answer with the code only.\n\n{FUNCTION}");
     let rename = greedy(Some(QWEN25), &edit("Rename the variable `count` to `n` in this function."), 64);
     let hints = greedy(Some(QWEN25), &edit("Add type hints to this function."), 48);
@@ -169,4 +168,24 @@ async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
         assert_eq!(w.draft_tokens, 0, "{name} does not draft");
     }
     assert!(with[0].accepted_draft_tokens > 0 && with[1].accepted_draft_tokens > 0, "code edits accept drafts");
+}
+
+/// The default (`auto`): a lone code edit, whose drafts are accepted
+/// often, drafts where the measured costs say it pays, with the ids of
+/// plain decoding; drafts off for a request means none.
+#[tokio::test(flavor = "multi_thread")]
+async fn by_default_drafts_are_verified_where_the_cost_model_expects_them_to_pay() {
+    let (auto, plain) = (daemon("auto"), daemon("off"));
+    let edit = format!("Rename the variable `value` to `v` in this function. Answer with the code only.\n\n{FUNCTION}");
+    let request = greedy(Some(QWEN25), &edit, 64);
+    let (with, without) = tokio::join!(ask_ok(&auto, request.clone()), ask_ok(&plain, request.clone()));
+    assert_eq!(with.token_ids, without.token_ids, "ids with the cost model's drafts differ from plain decoding");
+    assert!(with.accepted_draft_tokens >= 10, "a code edit's drafts pay on one row: {with:?}");
+    eprintln!(
+        "auto: {} of {} drafted accepted; decode {:.1} tok/s, plain {:.1}",
+        with.accepted_draft_tokens, with.draft_tokens, with.decode_tokens_per_s, without.decode_tokens_per_s
+    );
+    let mut off = request;
+    off.speculate = Speculation::Off;
+    assert_eq!(ask_ok(&auto, off).await.draft_tokens, 0);
 }

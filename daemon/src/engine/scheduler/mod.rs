@@ -22,14 +22,17 @@ pub use plan::SeqId;
 use plan::{Facts, Queues, Refusal, TickPlan};
 
 use super::batch::{prefill_together, DecodeBatch};
+use super::draft_costs::PassCosts;
 use super::generate::Finished;
 use super::sequence::{Prefilled, Sequence};
 use super::SessionTurn;
 use crate::error::EngineError;
+use crate::model::Model;
 use crate::prompt_cache::PromptCache;
 use mlxbc_shared::{KeepAlive, SequenceInfo};
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 /// A sequence and what answering it needs once it ends.
 pub struct Active {
@@ -66,6 +69,9 @@ pub struct Scheduler {
     /// Waiting, prefilling, decoding; the KV reserved.
     queues: Queues,
     batches: HashMap<BatchKey, DecodeBatch>,
+    /// Each model's measured pass costs (speculation's cost model), kept
+    /// across its batches while the model is loaded.
+    costs: Vec<(Weak<Model>, Rc<RefCell<PassCosts>>)>,
     /// A sequence arrived, was admitted, joined a batch or ended since
     /// [`Self::take_changed`] was last called (status should be republished).
     changed: bool,
@@ -79,8 +85,20 @@ impl Scheduler {
             active: HashMap::new(),
             queues: Queues::default(),
             batches: HashMap::new(),
+            costs: Vec::new(),
             changed: false,
         }
+    }
+
+    /// `model`'s pass costs (new for a model not seen; unloaded models' go).
+    fn costs_of(&mut self, model: &Rc<Model>) -> Rc<RefCell<PassCosts>> {
+        self.costs.retain(|(m, _)| m.strong_count() > 0);
+        if let Some((_, c)) = self.costs.iter().find(|(m, _)| std::ptr::eq(m.as_ptr(), Rc::as_ptr(model))) {
+            return c.clone();
+        }
+        let c = Rc::new(RefCell::new(PassCosts::default()));
+        self.costs.push((Rc::downgrade(model), c.clone()));
+        c
     }
 
     /// True once after sequences came, moved on or went.
@@ -253,7 +271,8 @@ impl Scheduler {
                 let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id) };
                 self.changed = true;
                 self.queues.start_decoding(id, key.model);
-                let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model, mode));
+                let costs = self.costs_of(&model);
+                let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model, mode, costs));
                 if let Err(e) = batch.join(&[id], cache, first) {
                     let a = self.take(id).expect("a prefilled sequence");
                     ended.push((a, Err(e)));
@@ -324,7 +343,8 @@ impl Scheduler {
             for &id in &joined {
                 self.queues.start_decoding(id, key.model);
             }
-            let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model.clone(), mode));
+            let costs = self.costs_of(&model);
+            let batch = self.batches.entry(key).or_insert_with(|| DecodeBatch::new(model.clone(), mode, costs));
             batch.join(&joined, cache, first)
         };
         if let Err(e) = kept() {

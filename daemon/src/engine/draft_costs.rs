@@ -1,0 +1,199 @@
+//! Whether a verify pass pays, measured: speculation's cost model.
+//!
+//! A verify pass of `rows × width` positions gives each drafting row one
+//! token plus the drafts the model agrees with; a plain step gives each row
+//! one token. Which is faster per token depends on the device (on a
+//! two-core CPU a pass costs about what its positions cost; on a GPU a few
+//! more positions are nearly free), the batch and the acceptance, so both
+//! costs are measured as the model runs ([`PassCosts`]), and each step
+//! takes the width with the most expected tokens per second
+//! ([`choose_width`]) — 1 when no width beats a plain step. A width never
+//! measured is tried once (that is how it gets measured), and a refusal
+//! is revisited now and then, since costs drift with the context and load.
+
+use std::collections::BTreeMap;
+
+/// How much a new measurement moves an estimate.
+const WEIGHT: f64 = 0.25;
+
+/// Plain steps in a row that the cost model may refuse before it lets one
+/// verify pass through anyway (costs drift; a stale refusal would stick).
+const REVISIT_AFTER: u32 = 64;
+
+/// Measured wall time of a model's forward passes (seconds), per kind.
+#[derive(Debug, Default)]
+pub struct PassCosts {
+    /// A plain (pipelined) decode step, by rows.
+    plain: BTreeMap<usize, f64>,
+    /// A verify pass (synchronous), by positions (rows × width).
+    verify: BTreeMap<usize, f64>,
+    /// Plain steps taken since the last verify pass.
+    refused: u32,
+}
+
+fn blend(slot: &mut f64, secs: f64) {
+    *slot += WEIGHT * (secs - *slot);
+}
+
+impl PassCosts {
+    /// A plain step of `rows` took `secs`.
+    pub fn plain_step(&mut self, rows: usize, secs: f64) {
+        self.plain.entry(rows).and_modify(|t| blend(t, secs)).or_insert(secs);
+        self.refused = self.refused.saturating_add(1);
+    }
+
+    /// A verify pass of `positions` took `secs`.
+    pub fn verify_pass(&mut self, positions: usize, secs: f64) {
+        self.verify.entry(positions).and_modify(|t| blend(t, secs)).or_insert(secs);
+        self.refused = 0;
+    }
+
+    /// The plain step's cost for `rows`, if measured.
+    pub fn plain(&self, rows: usize) -> Option<f64> {
+        self.plain.get(&rows).copied()
+    }
+
+    /// A verify pass's estimated cost for `positions`: measured, or
+    /// interpolated between the nearest measured sizes on each side, or
+    /// from the nearest smaller size scaled by positions (a pessimistic
+    /// guess: costs grow slower than that where the device has room).
+    /// `None` with nothing smaller measured.
+    pub fn verify(&self, positions: usize) -> Option<f64> {
+        let below = self.verify.range(..=positions).next_back();
+        let above = self.verify.range(positions..).next();
+        match (below, above) {
+            (Some((&n, &t)), _) if n == positions => Some(t),
+            (Some((&a, &ta)), Some((&b, &tb))) => Some(ta + (tb - ta) * (positions - a) as f64 / (b - a) as f64),
+            (Some((&a, &ta)), None) => Some(ta * positions as f64 / a as f64),
+            (None, _) => None,
+        }
+    }
+
+    /// True when a refusal has stood long enough to try a pass again.
+    fn revisit(&self) -> bool {
+        self.refused >= REVISIT_AFTER
+    }
+}
+
+/// Expected tokens accepted from `k` drafted ones when each is accepted
+/// with probability `rate` given the ones before it were (the prefix rule):
+/// `rate + rate² + … + rateᵏ`.
+pub fn expected_accepted(k: usize, rate: f64) -> f64 {
+    (1..=k).map(|i| rate.powi(i as i32)).sum()
+}
+
+/// A drafting row's view for the choice: the most tokens it would draft
+/// and the rate at which its drafts are accepted.
+#[derive(Debug, Clone, Copy)]
+pub struct Drafting {
+    pub k: usize,
+    pub rate: f64,
+}
+
+/// The verify pass width (1 + drafted positions per row) with the most
+/// expected tokens per second for a batch of `rows` rows of which
+/// `drafting` draft; 1 means a plain step. With no pass measured yet (or
+/// after [`REVISIT_AFTER`] refusals) the widest is chosen, to measure it.
+pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> usize {
+    let widest = 1 + drafting.iter().map(|d| d.k).max().unwrap_or(0);
+    if widest == 1 {
+        return 1;
+    }
+    let Some(plain) = costs.plain(rows) else { return widest };
+    // Below the smallest measured pass: between a plain step (`rows`
+    // positions) and that pass.
+    let estimate = |n: usize| {
+        costs.verify(n).or_else(|| {
+            let (&b, &tb) = costs.verify.range(n..).next()?;
+            Some(plain + (tb - plain) * (n - rows) as f64 / (b - rows) as f64)
+        })
+    };
+    if costs.revisit() || estimate(rows * widest).is_none() {
+        return widest;
+    }
+    let mut best = (rows as f64 / plain, 1);
+    for width in 2..=widest {
+        let Some(t) = estimate(rows * width) else { continue };
+        let accepted: f64 = drafting.iter().map(|d| expected_accepted(d.k.min(width - 1), d.rate)).sum();
+        let rate = (rows as f64 + accepted) / t;
+        if rate > best.0 {
+            best = (rate, width);
+        }
+    }
+    best.1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs(plain: &[(usize, f64)], verify: &[(usize, f64)]) -> PassCosts {
+        let mut c = PassCosts::default();
+        for &(n, t) in plain {
+            c.plain_step(n, t);
+        }
+        for &(n, t) in verify {
+            c.verify_pass(n, t);
+        }
+        c
+    }
+
+    #[test]
+    fn expected_acceptance_follows_the_prefix_rule() {
+        assert_eq!(expected_accepted(0, 0.9), 0.0);
+        assert!((expected_accepted(3, 0.5) - 0.875).abs() < 1e-12);
+        assert!((expected_accepted(8, 1.0) - 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn unmeasured_passes_are_tried_and_estimates_interpolate() {
+        let c = PassCosts::default();
+        let row = [Drafting { k: 4, rate: 0.1 }];
+        assert_eq!(choose_width(&c, 1, &row), 5, "nothing measured: try the widest");
+        let c = costs(&[(1, 0.010)], &[(2, 0.012), (6, 0.020)]);
+        assert_eq!(c.verify(4), Some(0.016));
+        assert_eq!(c.verify(12), Some(0.040), "beyond the largest: scaled by positions");
+        assert_eq!(c.verify(1), None);
+        assert_eq!(choose_width(&c, 1, &[]), 1, "no drafting row: a plain step");
+        // Only the widest measured: narrower ones lie between it and a plain step.
+        let c = costs(&[(1, 0.010)], &[(5, 0.030)]);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.9 }]), 4);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.6 }]), 2);
+    }
+
+    #[test]
+    fn a_pass_that_costs_what_its_positions_cost_pays_only_with_high_acceptance() {
+        // A compute-bound device: a pass costs 4 ms plus 6 ms per position
+        // (a purely linear cost never pays: w positions for at most w tokens).
+        let per = |n: usize| (n, 0.004 + 0.006 * n as f64);
+        let c = costs(&[per(1), per(16)], &(2..=9).map(per).chain((2..=9).map(|w| per(16 * w))).collect::<Vec<_>>());
+        // One row: drafts accepted at 0.95 pay; at 0.3 they do not.
+        assert!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.95 }]) > 1);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.3 }]), 1);
+        // Sixteen rows, one of them drafting well: the pass would cost 16
+        // rows' worth per width for one row's gain. No.
+        let rows = [Drafting { k: 8, rate: 0.95 }];
+        assert_eq!(choose_width(&c, 16, &rows), 1, "a batch under load stops speculating");
+    }
+
+    #[test]
+    fn a_pass_nearly_as_cheap_as_a_step_pays_even_with_modest_acceptance() {
+        // A bandwidth-bound device: positions are nearly free.
+        let c = costs(&[(1, 0.006)], &(2..=9).map(|n| (n, 0.0065 + 0.0001 * n as f64)).collect::<Vec<_>>());
+        let w = choose_width(&c, 1, &[Drafting { k: 8, rate: 0.5 }]);
+        assert!(w >= 3, "width {w}");
+    }
+
+    #[test]
+    fn a_long_refusal_is_revisited() {
+        let mut c = costs(&[(1, 0.010)], &[(5, 0.050)]);
+        let row = [Drafting { k: 4, rate: 0.2 }];
+        assert_eq!(choose_width(&c, 1, &row), 1);
+        for _ in 0..REVISIT_AFTER {
+            c.plain_step(1, 0.010);
+        }
+        assert_eq!(choose_width(&c, 1, &row), 5, "tried again after {REVISIT_AFTER} plain steps");
+        c.verify_pass(5, 0.050);
+        assert_eq!(choose_width(&c, 1, &row), 1);
+    }
+}
