@@ -41,8 +41,8 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
             let s = client.status().await?;
             writeln!(
                 out,
-                "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  WEIGHTS",
-                "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE"
+                "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  {:<24} WEIGHTS",
+                "NAME", "ARCH", "MEMORY", "PIN", "KEEP", "UNLOAD IN", "LAST USE", "SPECULATION"
             )?;
             for m in &s.loaded {
                 let until = match m.expires_in_s {
@@ -51,7 +51,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 };
                 writeln!(
                     out,
-                    "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  {}",
+                    "{:<40} {:<10} {:>12} {:<4} {:<10} {:>10} {:>10}  {:<24} {}",
                     m.name,
                     m.architecture,
                     mib(m.memory_bytes),
@@ -59,6 +59,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     crate::human_duration(m.keep_alive),
                     until,
                     format!("{}s ago", m.idle_s),
+                    speculation(m),
                     m.batch_weights
                 )?;
             }
@@ -326,4 +327,13 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A model's speculation for `mlxbc ps`: its default mode and, once it has
+/// drafted, how many drafted tokens were accepted.
+fn speculation(m: &mlxbc_client::LoadedModel) -> String {
+    match m.draft_tokens {
+        0 => m.speculation.clone(),
+        d => format!("{}, {:.0}% of {d} accepted", m.speculation, 100.0 * m.accepted_draft_tokens as f64 / d as f64),
+    }
 }

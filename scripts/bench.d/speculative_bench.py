@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""Speculative decoding (prompt-lookup drafts) on and off, side by side:
-two warm daemons on the same weights, one started with MLXBC_SPECULATE=ngram,
-the same greedy requests against each in turn (the order alternating per
-round), through `mlxbc ask --json`. Prints, per task, the decode tok/s with
-and without drafts (medians over rounds), the ratio, the acceptance, and
-whether the token ids were equal in every round.
+"""Speculative decoding (prompt-lookup drafts) side by side: three warm
+daemons on the same weights, started with MLXBC_SPECULATE=off, auto (the
+default: drafts where the cost model expects them to pay) and ngram (drafts
+verified whenever there are any), the same greedy requests against each in
+turn (the order rotating per round), through `mlxbc ask --json`. Prints,
+per task, the decode tok/s of each (medians over rounds), the ratios to
+off, the acceptance, and whether the token ids were equal in every round.
+Then the batched row: 16 clients at once on code edits, total tok/s per
+daemon; and the long-prompt row: an 8k-token agent-style prompt.
 
-Usage: speculative_bench.py MLXBC HOME_ON HOME_OFF ROUNDS"""
-import json, os, statistics, subprocess, sys
+Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS"""
+import json, os, statistics, subprocess, sys, threading, time
 
-mlxbc, home_on, home_off = sys.argv[1:4]
-rounds = int(sys.argv[4])
+mlxbc = sys.argv[1]
+homes = dict(zip(["off", "auto", "ngram"], sys.argv[2:5]))
+rounds = int(sys.argv[5])
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FUNCTION = '''def summarize(values, skip_missing=True):
@@ -49,7 +53,34 @@ TASKS = [
      '"population": 0, "river": "", "founded": "", "mayor": "", "area_km2": 0}'),
     ("quote a passage (SmolLM2 135M)", SMOL, 100, f"Quote this passage word for word:\n\n{PASSAGE}"),
     ("open-ended chat (SmolLM2 135M)", SMOL, 100, "Tell me about the history of the bicycle."),
+    ("open-ended chat (Qwen2.5-Coder 0.5B)", QWEN, 100, "Tell me about the history of the bicycle."),
 ]
+
+
+def agent_prompt():
+    """An agent's request (~8k tokens): tool descriptions, a long source
+    file to work on, and the edit asked for (the peers' regression case)."""
+    tools = "\n".join(
+        f"- {name}(path: str{extra}) -> str: {what}" for name, extra, what in [
+            ("read_file", "", "returns the file's text"),
+            ("write_file", ", text: str", "replaces the file's text"),
+            ("search", ", pattern: str", "lines matching a regular expression, with line numbers"),
+            ("run_tests", "", "runs the test suite of the package at path and returns its report"),
+        ])
+    parts = []
+    for i in range(60):
+        parts.append(f'''def metric_{i}(values, weight={i % 7 + 1}):
+    """Weighted summary number {i} of a list of readings."""
+    total = 0
+    for value in values:
+        if value is None:
+            continue
+        total += value * weight
+    return total / max(len(values), 1) + {i}
+''')
+    source = "\n".join(parts)
+    return (f"You are a coding agent. Tools:\n{tools}\n\nThe file metrics.py:\n```python\n{source}```\n\n"
+            "Rename the parameter `values` to `readings` in metric_41 and answer with that whole function only.")
 
 
 def ask(home, model, max_tokens, prompt):
@@ -62,30 +93,78 @@ def ask(home, model, max_tokens, prompt):
     raise RuntimeError(f"no answer: {out.stderr[-400:]}")
 
 
+MODES = ["off", "auto", "ngram"]
+
+
+def burst(home, model, max_tokens, prompts):
+    """All `prompts` at once; total generated tokens per second of wall time."""
+    out = [None] * len(prompts)
+
+    def one(i):
+        out[i] = ask(home, model, max_tokens, prompts[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.monotonic() - t
+    return sum(s["generated_tokens"] for s in out) / wall, out
+
+
+def measure(name, run, rounds):
+    """`run(home)` -> (tok/s, stats list) per mode, modes rotating per round."""
+    speed = {m: [] for m in MODES}
+    last, same = {}, True
+    for r in range(rounds):
+        for m in MODES[r % 3:] + MODES[:r % 3]:
+            tps, stats = run(homes[m])
+            speed[m].append(tps)
+            last[m] = stats
+        same &= all([s["token_ids"] for s in last[m]] == [s["token_ids"] for s in last["off"]] for m in MODES)
+    print(f"{name}: " + ", ".join(f"{m} {[round(x, 1) for x in speed[m]]}" for m in MODES), flush=True)
+    med = {m: statistics.median(speed[m]) for m in MODES}
+    acc = {m: (sum(s["accepted_draft_tokens"] for s in last[m]), sum(s["draft_tokens"] for s in last[m]),
+               sum(s["generated_tokens"] for s in last[m])) for m in MODES}
+    return name, med, acc, same
+
+
 def main():
-    for home in (home_on, home_off):  # load both models in both daemons
+    for home in homes.values():  # load both models in every daemon
         for _, model, _, prompt in TASKS[::3]:
             ask(home, model, 4, prompt)
     rows = []
     for name, model, max_tokens, prompt in TASKS:
-        on, off, acc, same = [], [], [], True
-        for r in range(rounds):
-            order = [(home_on, on), (home_off, off)] if r % 2 == 0 else [(home_off, off), (home_on, on)]
-            got = {}
-            for home, into in order:
-                s = ask(home, model, max_tokens, prompt)
-                into.append(s["decode_tokens_per_s"])
-                got[home] = s
-            s = got[home_on]
-            acc.append((s["accepted_draft_tokens"], s["draft_tokens"], s["generated_tokens"]))
-            same &= s["token_ids"] == got[home_off]["token_ids"]
-        a, d, g = acc[-1]
-        rows.append((name, statistics.median(on), statistics.median(off), a, d, g, same))
-        print(f"{name}: on {on} off {off}", flush=True)
-    print("\n| task | decode tok/s, drafts on | off | on/off | accepted / drafted (tokens generated) | ids equal |")
-    print("|---|---:|---:|---:|---:|---|")
-    for name, on, off, a, d, g, same in rows:
-        print(f"| {name} | {on:.1f} | {off:.1f} | {on / off:.2f}x | {a} / {d} ({g}) | {'yes' if same else 'NO'} |")
+        def alone(home, model=model, max_tokens=max_tokens, prompt=prompt):
+            s = ask(home, model, max_tokens, prompt)
+            return s["decode_tokens_per_s"], [s]
+        rows.append(measure(name, alone, rounds))
+    edits = [f"Rename the variable `{old}` to `{new}` in this function. Answer with the whole function only."
+             f"\n\n{FUNCTION}" for old, new in [("total", "acc"), ("count", "n"), ("smallest", "low"),
+                                               ("largest", "high")]] * 4
+    rows.append(measure("16 clients at once, code edits (Qwen2.5-Coder 0.5B), total tok/s",
+                        lambda home: burst(home, QWEN, 48, edits), max(1, rounds - 1)))
+    long = agent_prompt()
+    for home in homes.values():  # its prefix in every daemon's prompt cache: rounds time the decode
+        ask(home, QWEN, 1, long)
+    def agent(home):
+        s = ask(home, QWEN, 96, long)
+        return s["decode_tokens_per_s"], [s]
+    rows.append(measure(f"agent prompt of {last_prompt_tokens(long)} tokens, code edit (Qwen2.5-Coder 0.5B)",
+                        agent, rounds))
+    print("\n| task | off tok/s | auto | auto/off | ngram | ngram/off | auto: accepted / drafted (generated) "
+          "| ngram: accepted / drafted | ids equal |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, med, acc, same in rows:
+        a, n = acc["auto"], acc["ngram"]
+        print(f"| {name} | {med['off']:.1f} | {med['auto']:.1f} | {med['auto'] / med['off']:.2f}x | "
+              f"{med['ngram']:.1f} | {med['ngram'] / med['off']:.2f}x | {a[0]} / {a[1]} ({a[2]}) | "
+              f"{n[0]} / {n[1]} | {'yes' if same else 'NO'} |")
+
+
+def last_prompt_tokens(prompt):
+    return ask(homes["off"], QWEN, 1, prompt)["prompt_tokens"]
 
 
 if __name__ == "__main__":

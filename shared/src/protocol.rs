@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 16;
+pub const PROTOCOL_VERSION: u32 = 17;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -422,16 +422,18 @@ pub struct GenerateRequest {
 }
 
 /// Speculative decoding for one request: drafted tokens verified in one
-/// pass of the model. The output is the same as without it.
+/// pass of the model. A greedy answer is the same as without it; a
+/// sampled one is distributed the same.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Speculation {
-    /// The daemon's setting (`speculate` in config.toml; off by default).
+    /// The daemon's setting (`speculate` in config.toml): by default,
+    /// drafts where the daemon measures that they pay.
     #[default]
     Auto,
     /// One token per step.
     Off,
-    /// Prompt-lookup drafts (greedy answers; refused with a sentence by a
-    /// model that cannot verify drafts).
+    /// Prompt-lookup drafts verified whenever there are any (refused with
+    /// a sentence by a model that cannot verify drafts).
     Ngram,
 }
 
@@ -730,6 +732,13 @@ pub struct LoadedModel {
     /// "packed, expanded per batched step" (the memory budget decides on
     /// CUDA), "-" for a model without that choice.
     pub batch_weights: String,
+    /// How its answers speculate by default: "auto", "off", "ngram", or
+    /// "-" for a model that cannot verify drafts.
+    pub speculation: String,
+    /// Tokens drafted by speculation over its finished generations, and
+    /// of those the ones the model accepted.
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
 }
 
 /// One thing the daemon let go of under memory pressure.

@@ -44,6 +44,36 @@ fn grammar(c: &Constraint) -> Result<TopLevelGrammar, String> {
     })
 }
 
+/// The tokens a grammar allows at one position (`Constrained::mask`'s
+/// rule): its own mask, and the model's end-of-sequence ids where it may end.
+pub struct Allowed {
+    /// `None`: anything (past the end of the grammar, where the sequence
+    /// ends and its pick is thrown away).
+    tokens: Option<llguidance::toktrie::SimpleVob>,
+    ends: Vec<u32>,
+}
+
+impl Allowed {
+    fn anything() -> Self {
+        Self { tokens: None, ends: Vec::new() }
+    }
+
+    /// True when `token` may come here.
+    pub fn allows(&self, token: u32) -> bool {
+        match &self.tokens {
+            None => true,
+            Some(t) => ((token as usize) < t.len() && t.is_allowed(token)) || self.ends.contains(&token),
+        }
+    }
+
+    /// Per token of a `vocab`-wide logits row, whether it may come here
+    /// (tokens past the tokenizer's vocabulary, padding rows of the
+    /// embedding, never).
+    pub fn keep(&self, vocab: usize) -> Vec<bool> {
+        (0..vocab as u32).map(|t| self.allows(t)).collect()
+    }
+}
+
 /// One sequence's constraint.
 pub struct Constrained {
     matcher: Matcher,
@@ -67,20 +97,44 @@ impl Constrained {
     /// `logits` (`[1, vocab]` or `[vocab]`) with every token the constraint
     /// forbids next set to minus infinity.
     pub fn mask(&mut self, logits: &Array) -> anyhow::Result<Array> {
-        let allowed = self.matcher.compute_mask().map_err(|e| anyhow::anyhow!("constraint: {e}"))?;
+        let next = self.next_allowed()?;
         let vocab = logits.shape()[logits.ndim() - 1] as usize;
-        // Tokens past the tokenizer's vocabulary (padding rows of the
-        // embedding) are never allowed.
-        let mut keep: Vec<bool> = (0..vocab).map(|t| t < allowed.len() && allowed.is_allowed(t as u32)).collect();
-        if self.matcher.is_accepting().unwrap_or(false) {
-            for &e in &self.eos_ids {
-                if let Some(k) = keep.get_mut(e as usize) {
-                    *k = true;
+        let keep = Array::from_slice(&next.keep(vocab), &[vocab as i32]);
+        Ok(mlx_rs::ops::select(&keep, logits, Array::from_f32(f32::NEG_INFINITY))?)
+    }
+
+    /// What the grammar allows next, in its current state.
+    fn next_allowed(&mut self) -> anyhow::Result<Allowed> {
+        let tokens = self.matcher.compute_mask().map_err(|e| anyhow::anyhow!("constraint: {e}"))?;
+        let ends = if self.matcher.is_accepting().unwrap_or(false) { self.eos_ids.clone() } else { Vec::new() };
+        Ok(Allowed { tokens: Some(tokens), ends })
+    }
+
+    /// For a verify pass over `drafts`: what the grammar allows after each
+    /// of them in turn (position i: after `drafts[..i]`), up to the first
+    /// draft it forbids, which ends the run. Returns the allowed sets
+    /// (drafts that stand + 1 of them); the matcher ends where it began.
+    pub fn allowed_along(&mut self, drafts: &[u32]) -> anyhow::Result<Vec<Allowed>> {
+        let mut along = vec![self.next_allowed()?];
+        let mut consumed = 0;
+        for &d in drafts {
+            let here = along.last().expect("one per position");
+            // An end-of-sequence draft ends the answer: nothing after it.
+            if !here.allows(d) || self.eos_ids.contains(&d) {
+                if here.allows(d) {
+                    along.push(Allowed::anything());
                 }
+                break;
+            }
+            self.consume(d)?;
+            consumed += 1;
+            along.push(if self.is_done() { Allowed::anything() } else { self.next_allowed()? });
+            if self.is_done() {
+                break;
             }
         }
-        let keep = Array::from_slice(&keep, &[vocab as i32]);
-        Ok(mlx_rs::ops::select(&keep, logits, Array::from_f32(f32::NEG_INFINITY))?)
+        self.matcher.rollback(consumed).map_err(|e| anyhow::anyhow!("constraint: {e}"))?;
+        Ok(along)
     }
 
     /// Feeds the sampled `token` to the matcher.

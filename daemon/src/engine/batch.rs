@@ -62,6 +62,8 @@ struct Profile {
     steps: u32,
     /// Steps built with the compiled single-row graph.
     compiled: u32,
+    /// Speculation's verify passes among the steps (always eager).
+    verified: u32,
     rows: usize,
     queue_s: f64,
     wait_s: f64,
@@ -71,10 +73,19 @@ struct Profile {
 const PROFILE_EVERY: u32 = 64;
 
 impl Profile {
-    fn record(&mut self, started: std::time::Instant, rows: usize, mode: DecodeMode, queue_s: f64, wait_s: f64) {
+    /// A step of `rows` built as `mode` (`None`: a verify pass).
+    fn record(
+        &mut self,
+        started: std::time::Instant,
+        rows: usize,
+        mode: Option<DecodeMode>,
+        queue_s: f64,
+        wait_s: f64,
+    ) {
         self.since.get_or_insert(started);
         self.steps += 1;
-        self.compiled += u32::from(mode == DecodeMode::Compiled);
+        self.compiled += u32::from(mode == Some(DecodeMode::Compiled));
+        self.verified += u32::from(mode.is_none());
         self.rows += rows;
         self.queue_s += queue_s;
         self.wait_s += wait_s;
@@ -87,13 +98,18 @@ impl Profile {
     fn flush(&mut self) {
         if let Some(since) = self.since.filter(|_| self.steps > 0) {
             let per = |x: f64| x * 1e3 / f64::from(self.steps);
+            // The plain steps' mode; verify passes are counted apart.
             let mode = match self.compiled {
                 0 => "Eager",
-                c if c == self.steps => "Compiled",
+                c if c == self.steps - self.verified => "Compiled",
                 _ => "Compiled alone, Eager batched",
             };
+            let verified = match self.verified {
+                0 => String::new(),
+                v => format!(" ({v} verifying drafts)"),
+            };
             tracing::info!(
-                "decode ({mode}): {} steps, {:.1} rows on average, {:.2} ms/step: queueing {:.2}, waiting {:.2}",
+                "decode ({mode}): {} steps{verified}, {:.1} rows on average, {:.2} ms/step: queueing {:.2}, waiting {:.2}",
                 self.steps,
                 self.rows as f64 / f64::from(self.steps),
                 per(since.elapsed().as_secs_f64()),
@@ -235,7 +251,7 @@ impl DecodeBatch {
             ended.extend(self.accept_rows(&ahead, &mut seqs));
         }
         let took = t.elapsed().as_secs_f64();
-        self.profile.record(t, self.rows.len(), mode, queued, took - queued);
+        self.profile.record(t, self.rows.len(), Some(mode), queued, took - queued);
         if self.plain_before == Some(self.rows.len()) {
             self.costs.borrow_mut().plain_step(self.rows.len(), took);
         }
@@ -249,13 +265,17 @@ impl DecodeBatch {
     /// through the model in one pass (`[rows, 1 + most drafts]`; a row with
     /// fewer drafts is filled with its last token, which it never accepts),
     /// which gives the model's own pick after each position. The leading
-    /// drafts a row's model agrees with are accepted (each a step saved),
+    /// drafts a row's model agrees with are accepted (each a step saved;
+    /// a sampled row accepts by the speculative sampling rule instead),
     /// its cache forgets the rest (rows forget different numbers of
     /// positions: [`KvCache::trim_rows`]), and the model's pick after its
-    /// last accepted token is its new token ahead. A row that does not
-    /// draft (sampled, constrained, resting after a miss) takes its pick
-    /// after the first position, as a plain step would have, and forgets
-    /// the others. Greedy output is the same as without drafts.
+    /// last accepted token is its new token ahead. A constrained row's
+    /// picks are masked position by position (its drafts stand up to the
+    /// first its grammar forbids); a row that reports log-probabilities has
+    /// them from this pass. A row that does not draft (drafts off, resting
+    /// after a miss) takes its pick after the first position, as a plain
+    /// step would have, and forgets the others. Greedy output is the same
+    /// as without drafts.
     ///
     /// Returns the rows that ended, and whether the step was taken: not
     /// when no row drafted anything or the cache cannot be cut back (the
@@ -292,7 +312,7 @@ impl DecodeBatch {
                 }
             }
         }
-        let drafts: Vec<Vec<u32>> = seqs
+        let mut drafts: Vec<Vec<u32>> = seqs
             .iter_mut()
             .zip(&wants)
             .zip(&self.rows)
@@ -305,6 +325,16 @@ impl DecodeBatch {
                 }
             })
             .collect();
+        // A constrained row's drafts stand up to the first one its grammar
+        // forbids; its picks are masked position by position.
+        let mut allowed = Vec::with_capacity(drafts.len());
+        for (s, d) in seqs.iter_mut().zip(drafts.iter_mut()) {
+            let along = if d.is_empty() { None } else { s.allowed_along(d)? };
+            if let Some(a) = &along {
+                d.truncate(a.len() - 1);
+            }
+            allowed.push(along);
+        }
         let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
         let Some(cache) = self.cache.as_mut().filter(|_| width > 1) else {
             return Ok((ended, false));
@@ -323,40 +353,59 @@ impl DecodeBatch {
             .and_then(|x| lm.forward(&x, cache, &MediaPositions::default()))
             .and_then(|h| lm.logits_all(&h))
             .map_err(EngineError::inference)?;
-        // Rows that draft: the argmax after every position. The others:
-        // their own pick (sampler, constraint, log-probabilities) after the first.
+        // Rows that draft: the argmax after every position (masked for a
+        // constrained row). The others: the argmax after the first, or
+        // their own pick there (sampler, constraint, log-probabilities).
         let all = argmax_axis(&logits, -1, None).map_err(EngineError::inference)?;
-        let plain_rows = drafts.iter().any(Vec::is_empty);
-        let first = if plain_rows {
+        let mut first = Vec::with_capacity(drafts.len());
+        for (r, (s, d)) in seqs.iter_mut().zip(&drafts).enumerate() {
             use mlx_rs::ops::indexing::IndexOp;
-            Some(pick_rows(&logits.index((.., 0, ..)), seqs)?)
-        } else {
-            None
-        };
+            let own = d.is_empty() && !s.picks_argmax();
+            first.push(if own { Some(s.pick(&logits.index((r as i32, 0..1, ..)))?) } else { None });
+        }
+        let masked = masked_picks(&logits, &drafts, &allowed)?;
         let mut queued = vec![&all];
-        queued.extend(first.as_ref());
+        queued.extend(first.iter().flatten());
+        queued.extend(masked.iter().flatten());
         queued.extend(seqs.iter().flat_map(|s| s.logprob_arrays()));
         mlx_rs::transforms::eval(queued).map_err(EngineError::inference)?;
         let all = all.as_slice::<u32>();
-        let first = first.as_ref().map(|f| f.as_slice::<u32>());
         let mut forget = Vec::with_capacity(drafts.len());
         let mut next = Vec::with_capacity(drafts.len());
         let mut runs = Vec::with_capacity(drafts.len());
         for (r, d) in drafts.iter().enumerate() {
             let picks = &all[r * width..(r + 1) * width];
-            let accepted = lookup::accepted_prefix(d, picks);
+            let (accepted, token) = match &masked[r] {
+                _ if d.is_empty() => (0, first[r].as_ref().map_or(picks[0], |f| f.as_slice::<u32>()[0])),
+                Some(picks) => {
+                    let picks = picks.as_slice::<u32>();
+                    let accepted = lookup::accepted_prefix(d, picks);
+                    (accepted, picks[accepted])
+                }
+                None if seqs[r].is_greedy() => {
+                    let accepted = lookup::accepted_prefix(d, picks);
+                    (accepted, picks[accepted])
+                }
+                // A sampled row: the speculative sampling rule.
+                None => {
+                    use mlx_rs::ops::indexing::IndexOp;
+                    let row = logits.index((r as i32, ..d.len() as i32 + 1, ..));
+                    seqs[r].accept_drafts(&row, d)?
+                }
+            };
+            if !d.is_empty() {
+                use mlx_rs::ops::indexing::IndexOp;
+                seqs[r].queue_logprobs(&logits.index((r as i32, ..accepted as i32 + 1, ..)))?;
+            }
             forget.push((width - 1 - accepted) as i32);
-            next.push(match (d.is_empty(), first) {
-                (true, Some(first)) => first[r],
-                _ => picks[accepted],
-            });
+            next.push(token);
             runs.push(&d[..accepted]);
         }
         if !cache.trim_rows(&forget).map_err(EngineError::inference)? {
             return Err(EngineError::Internal("a verified cache could not forget its rejected drafts".into()));
         }
         let took = started.elapsed().as_secs_f64();
-        self.profile.record(started, self.rows.len(), DecodeMode::Eager, 0.0, took);
+        self.profile.record(started, self.rows.len(), None, 0.0, took);
         self.costs.borrow_mut().verify_pass(self.rows.len() * width, took);
         for (((row, s), d), run) in self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs) {
             row.taken = false;
@@ -390,6 +439,32 @@ impl DecodeBatch {
         }
         ended
     }
+}
+
+/// For each constrained drafting row (`allowed` per position, from
+/// `Constrained::allowed_along`), the argmax of its logits after each of
+/// its positions under that position's mask; `None` for the other rows.
+fn masked_picks(
+    logits: &Array,
+    drafts: &[Vec<u32>],
+    allowed: &[Option<Vec<crate::decoding::constraint::Allowed>>],
+) -> Result<Vec<Option<Array>>, EngineError> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let vocab = logits.shape()[2];
+    let mut out = Vec::with_capacity(drafts.len());
+    for (r, (d, along)) in drafts.iter().zip(allowed).enumerate() {
+        let Some(along) = along.as_ref().filter(|_| !d.is_empty()) else {
+            out.push(None);
+            continue;
+        };
+        let n = d.len() + 1;
+        let keep: Vec<bool> = along[..n].iter().flat_map(|a| a.keep(vocab as usize)).collect();
+        let keep = Array::from_slice(&keep, &[n as i32, vocab]);
+        let row = logits.index((r as i32, ..n as i32, ..));
+        let masked = mlx_rs::ops::select(&keep, &row, Array::from_f32(f32::NEG_INFINITY));
+        out.push(Some(masked.and_then(|m| argmax_axis(&m, -1, None)).map_err(EngineError::inference)?));
+    }
+    Ok(out)
 }
 
 /// Each row's next token `[B, 1]` from logits `[B, vocab]`, picked by that

@@ -531,6 +531,20 @@ impl Residency {
                     Servable::Chat(m) => m.batch_weights.describe().to_string(),
                     Servable::Speech(_) => "-".to_string(),
                 },
+                speculation: match &r.model {
+                    Servable::Chat(m) if m.lm.verifies_drafts() => {
+                        format!("{:?}", crate::decoding::lookup::configured()).to_lowercase()
+                    }
+                    _ => "-".to_string(),
+                },
+                draft_tokens: match &r.model {
+                    Servable::Chat(m) => m.drafts.get().0,
+                    Servable::Speech(_) => 0,
+                },
+                accepted_draft_tokens: match &r.model {
+                    Servable::Chat(m) => m.drafts.get().1,
+                    Servable::Speech(_) => 0,
+                },
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

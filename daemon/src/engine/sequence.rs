@@ -11,7 +11,7 @@
 
 use super::draft_costs::Drafting;
 use super::generate::Finished;
-use crate::decoding::constraint::Constrained;
+use crate::decoding::constraint::{Allowed, Constrained};
 use crate::decoding::lookup::Drafter;
 use crate::decoding::sampling::Sampler;
 use crate::decoding::stop::{Filtered, StopFilter};
@@ -227,11 +227,18 @@ impl Sequence {
         self.setup.constraint.is_none() && self.setup.logprobs.is_none() && self.setup.sampler.is_greedy()
     }
 
-    /// True when its next steps may verify drafts: speculation is on, its
-    /// tokens are the argmax of the logits (greedy, no constraint, no
-    /// log-probabilities), and its model gives every position's logits.
+    /// True when its next steps may verify drafts: speculation is on, no
+    /// constraint shapes a sampled row's picks, no multimodal rope
+    /// places its positions, and it is greedy or sampled; a seeded sampled
+    /// row drafts only where its request asked (`ngram`): its answer is
+    /// then distributed as without drafts but no longer the same draw.
     pub fn speculates(&self) -> bool {
-        self.drafter.is_some() && self.picks_argmax() && self.setup.mrope.is_none()
+        let Some(d) = &self.drafter else { return false };
+        // A constraint's masks apply per verified position (greedy rows);
+        // log-probabilities come from the verify pass's logits.
+        let unshaped = self.setup.constraint.is_none() || self.setup.sampler.is_greedy();
+        let reproducible = self.setup.sampler.is_greedy() || !self.setup.sampler.is_seeded() || d.forced;
+        unshaped && reproducible && self.setup.mrope.is_none()
     }
 
     /// True when this step should try to draft ([`Self::speculates`], and
@@ -293,6 +300,40 @@ impl Sequence {
             t.picked(&token).map_err(EngineError::inference)?;
         }
         Ok(token)
+    }
+
+    /// True when its picks are the argmax of its (masked) logits.
+    pub fn is_greedy(&self) -> bool {
+        self.setup.sampler.is_greedy()
+    }
+
+    /// A verify pass's logits `[n, vocab]` for the first `n` of its
+    /// positions, whose picks it accepted: their log-probabilities are
+    /// queued, to be recorded as the tokens are accepted (when asked).
+    pub fn queue_logprobs(&mut self, logits: &Array) -> Result<(), EngineError> {
+        use mlx_rs::ops::indexing::IndexOp;
+        let Some(t) = &mut self.setup.logprobs else { return Ok(()) };
+        for i in 0..logits.shape()[0] {
+            t.queue(&logits.index(i..i + 1)).map_err(EngineError::inference)?;
+        }
+        Ok(())
+    }
+
+    /// For a constrained row's verify pass: what its grammar allows after
+    /// each of `drafts` in turn, up to the first it forbids (`None`:
+    /// unconstrained, or the grammar is complete).
+    pub fn allowed_along(&mut self, drafts: &[u32]) -> Result<Option<Vec<Allowed>>, EngineError> {
+        match &mut self.setup.constraint {
+            Some(c) if !c.is_done() => c.allowed_along(drafts).map(Some).map_err(EngineError::inference),
+            _ => Ok(None),
+        }
+    }
+
+    /// A sampled row's verify pass: how many of `drafts` are accepted and
+    /// the token after them, by the speculative sampling rule
+    /// (`Sampler::accept_drafts`; `logits` `[drafts + 1, vocab]`).
+    pub fn accept_drafts(&mut self, logits: &Array, drafts: &[u32]) -> Result<(usize, u32), EngineError> {
+        self.setup.sampler.accept_drafts(logits, drafts).map_err(EngineError::inference)
     }
 
     /// The log-probability arrays its last pick queued (none when not asked).
@@ -591,6 +632,8 @@ impl Sequence {
         stats.logprobs = self.setup.logprobs.take().map(|t| t.entries).unwrap_or_default();
         if let Some(d) = &self.drafter {
             (stats.draft_tokens, stats.accepted_draft_tokens) = (d.drafted, d.accepted);
+            let (drafted, accepted) = self.setup.model.drafts.get();
+            self.setup.model.drafts.set((drafted + u64::from(d.drafted), accepted + u64::from(d.accepted)));
         }
         stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))

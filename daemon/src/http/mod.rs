@@ -317,8 +317,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: axum::body::Bytes
     match collect(begun).await {
         Ok((text, stats)) => {
             let finish = openai::finish_reason(stats.stop_reason);
-            let usage = (stats.prompt_tokens, stats.generated_tokens);
-            let mut v = openai::text_completion(&id, created, &model, &text, Some(finish), Some(usage));
+            let mut v = openai::text_completion(&id, created, &model, &text, Some(finish), Some(&stats));
             if !stats.logprobs.is_empty() {
                 v["choices"][0]["logprobs"] = openai::completion_logprobs(&stats.logprobs);
             }
@@ -369,7 +368,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: axum::body::
                 }
                 out.push(last);
                 if include_usage {
-                    out.push(openai::usage_chunk(id, created, model, stats.prompt_tokens, stats.generated_tokens));
+                    out.push(openai::usage_chunk(id, created, model, stats));
                 }
                 out
             },

@@ -153,12 +153,12 @@ pub fn text_completion(
     model: &str,
     text: &str,
     finish: Option<&str>,
-    usage: Option<(u32, u32)>,
+    stats: Option<&mlxbc_shared::GenerationStats>,
 ) -> Value {
     let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
                        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]});
-    if let Some((p, g)) = usage {
-        v["usage"] = json!({"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g});
+    if let Some(stats) = stats {
+        v["usage"] = usage(stats);
     }
     v
 }
@@ -461,9 +461,23 @@ pub fn chunk(id: &str, created: u64, model: &str, delta: Value, finish: Option<&
 }
 
 /// The last chunk of a stream that asked `stream_options.include_usage`.
-pub fn usage_chunk(id: &str, created: u64, model: &str, prompt: u32, generated: u32) -> Value {
+pub fn usage_chunk(id: &str, created: u64, model: &str, stats: &mlxbc_shared::GenerationStats) -> Value {
     json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-           "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}})
+           "usage": usage(stats)})
+}
+
+/// A generation's `usage`: tokens, and speculation's drafts in OpenAI's
+/// fields for predicted tokens (`completion_tokens_details`).
+fn usage(stats: &mlxbc_shared::GenerationStats) -> Value {
+    let (prompt, generated) = (stats.prompt_tokens, stats.generated_tokens);
+    let mut v = json!({"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated});
+    if stats.draft_tokens > 0 {
+        v["completion_tokens_details"] = json!({
+            "accepted_prediction_tokens": stats.accepted_draft_tokens,
+            "rejected_prediction_tokens": stats.draft_tokens - stats.accepted_draft_tokens,
+        });
+    }
+    v
 }
 
 /// Calls as OpenAI writes them (`index` for stream deltas).
@@ -486,7 +500,6 @@ pub fn tool_calls(calls: &[ToolCall], with_index: bool) -> Value {
 
 /// A whole `chat.completion`.
 pub fn completion(id: &str, created: u64, model: &str, text: &str, stats: &mlxbc_shared::GenerationStats) -> Value {
-    let (prompt, generated) = (stats.prompt_tokens, stats.generated_tokens);
     let mut message = json!({"role": "assistant", "content": text});
     let mut finish = finish_reason(stats.stop_reason);
     if !stats.tool_calls.is_empty() {
@@ -497,17 +510,9 @@ pub fn completion(id: &str, created: u64, model: &str, text: &str, stats: &mlxbc
         finish = "tool_calls";
     }
     let logprobs = (!stats.logprobs.is_empty()).then(|| chat_logprobs(&stats.logprobs));
-    let mut v = json!({"id": id, "object": "chat.completion", "created": created, "model": model,
+    json!({"id": id, "object": "chat.completion", "created": created, "model": model,
            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-           "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}});
-    // Speculation's drafts in OpenAI's fields for predicted tokens.
-    if stats.draft_tokens > 0 {
-        v["usage"]["completion_tokens_details"] = json!({
-            "accepted_prediction_tokens": stats.accepted_draft_tokens,
-            "rejected_prediction_tokens": stats.draft_tokens - stats.accepted_draft_tokens,
-        });
-    }
-    v
+           "usage": usage(stats)})
 }
 
 #[cfg(test)]
@@ -527,6 +532,8 @@ mod tests {
             json!({"accepted_prediction_tokens": 19, "rejected_prediction_tokens": 5})
         );
         assert_eq!(v["usage"]["completion_tokens"], 30);
+        // A stream's usage chunk says the same.
+        assert_eq!(usage_chunk("id", 0, "m", &stats)["usage"], v["usage"]);
     }
 
     #[test]

@@ -320,6 +320,9 @@ pub struct Model {
     /// Batch sizes whose paths are still to be warmed ([`Self::warm_batches`]),
     /// one at a time while the engine is idle; `mlxbc ps` says "warming".
     pub warm_pending: RefCell<Vec<usize>>,
+    /// Tokens drafted by speculation and of those accepted, over its
+    /// finished generations (`mlxbc ps`).
+    pub drafts: std::cell::Cell<(u64, u64)>,
     /// llguidance's view of the tokenizer, for constrained requests (built
     /// on the first one: a trie of every token's bytes).
     constraints: std::cell::OnceCell<Result<Arc<llguidance::ParserFactory>, String>>,
@@ -361,6 +364,7 @@ impl Model {
             kv_root: None,
             batch_weights: layers::BatchWeights::Packed,
             warm_pending: RefCell::default(),
+            drafts: Default::default(),
             constraints: Default::default(),
         }
     }

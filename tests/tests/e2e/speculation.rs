@@ -4,9 +4,9 @@
 //! 0.5B), through a stop string and a token limit that fall inside an
 //! accepted run; the drafting daemon reports what it drafted and accepted.
 //! A request may turn drafts on or off for itself (`speculate`). Rows that
-//! draft share a continuous batch with rows that do not (drafts off,
-//! sampled, constrained, log-probabilities), and every row's answer is
-//! what it is without drafts.
+//! draft (greedy, constrained, with log-probabilities, sampled) share a
+//! continuous batch with rows that do not (drafts off, seeded sampling), and every
+//! greedy or seeded row's answer is what it is without drafts.
 
 use crate::helper::{fixture, greedy, Daemon, DaemonOptions, SMOLLM2};
 use crate::reference::ask_ok;
@@ -124,11 +124,13 @@ async fn together(d: &Daemon, requests: &[GenerateRequest], delays: &[u64]) -> V
     out
 }
 
-/// Drafting rows in one continuous batch with rows that do not draft —
-/// drafts off, seeded sampling, a JSON schema, log-probabilities — and
-/// with each other (different draft lengths, accepted runs and stops, so
-/// rows forget different numbers of positions): every answer's ids equal
-/// the plain daemon's for the same requests sent the same way.
+/// Drafting rows in one continuous batch — greedy, constrained (JSON),
+/// with log-probabilities, sampled — with rows that do not draft (drafts
+/// off, seeded sampling) and with each other (different draft lengths,
+/// accepted runs and stops, so rows forget different numbers of
+/// positions): every answer but the drafting sampled one has the plain
+/// daemon's ids (and log-probabilities) for the same requests sent the
+/// same way.
 #[tokio::test(flavor = "multi_thread")]
 async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
     let (drafting, plain) = (daemon("ngram"), daemon("off"));
@@ -137,22 +139,36 @@ async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
     let hints = greedy(Some(QWEN25), &edit("Add type hints to this function."), 48);
     let mut off = greedy(Some(QWEN25), &edit("Rename `values` to `items` in this function."), 40);
     off.speculate = Speculation::Off;
+    // A seeded sampled row that does not draft keeps its draw exactly.
     let mut sampled = greedy(Some(QWEN25), "Describe a rainy afternoon in two sentences.", 24);
     sampled.sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: Some(7) };
-    let mut json = greedy(Some(QWEN25), "Give Alice's name and age (30) as JSON.", 32);
-    json.constraint = Some(Constraint::JsonSchema(
-        r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}"#
-            .into(),
-    ));
+    sampled.speculate = Speculation::Off;
+    // One that drafts (its request insists) accepts by the speculative
+    // sampling rule: another draw from the same distribution, not compared.
+    let mut sampled_edit = greedy(Some(QWEN25), &edit("Rename `count` to `k` in this function."), 48);
+    sampled_edit.sampling = SamplingParams { temperature: 0.3, top_k: 0, top_p: 1.0, seed: Some(11) };
+    sampled_edit.speculate = Speculation::Ngram;
+    // A constrained row drafts too: its drafts stand up to the first one
+    // its grammar forbids, and its picks are masked per position.
+    let keys = r#"{"name": "", "country": "", "population": 0, "river": "", "founded": "", "mayor": ""}"#;
+    let mut json = greedy(Some(QWEN25), &format!("Fill in this JSON object for Lyon, keeping every key: {keys}"), 48);
+    json.constraint = Some(Constraint::JsonObject);
     let mut logprobs = greedy(Some(QWEN25), &edit("Rename `average` to `mean` in this function."), 24);
     logprobs.logprobs = Some(2);
     let mut stopped = greedy(Some(QWEN25), &edit("Rename the variable `total` to `acc` in this function."), 64);
     stopped.stop = vec!["count += 1".into()];
-    let requests = [rename, hints, off, sampled, json, logprobs, stopped];
-    let names = ["rename", "type hints", "drafts off", "sampled", "json schema", "logprobs", "stop string"];
-    let delays = [0, 0, 60, 120, 120, 200, 250];
+    let requests = [rename, hints, off, sampled, json, logprobs, stopped, sampled_edit];
+    let names =
+        ["rename", "type hints", "drafts off", "sampled", "json object", "logprobs", "stop string", "sampled edit"];
+    let delays = [0, 0, 60, 120, 120, 200, 250, 250];
     let (with, without) = tokio::join!(together(&drafting, &requests, &delays), together(&plain, &requests, &delays));
-    for ((name, w), p) in names.iter().zip(&with).zip(&without) {
+    let drafted = &with[7];
+    eprintln!(
+        "sampled edit: {} tokens, {} of {} drafted accepted",
+        drafted.generated_tokens, drafted.accepted_draft_tokens, drafted.draft_tokens
+    );
+    assert!(drafted.accepted_draft_tokens > 0, "a sampled code edit at temperature 0.3 accepts drafts: {drafted:?}");
+    for ((name, w), p) in names.iter().zip(&with).zip(&without).take(7) {
         assert_eq!(w.token_ids, p.token_ids, "{name}: ids in a drafting batch differ from plain decoding");
         assert_eq!((w.stop_reason, &w.stop_string), (p.stop_reason, &p.stop_string), "{name}");
         assert_eq!(w.logprobs.len(), p.logprobs.len(), "{name}: log-probabilities per token");
@@ -164,10 +180,12 @@ async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
             w.generated_tokens, w.accepted_draft_tokens, w.draft_tokens
         );
     }
-    for (name, w) in names.iter().zip(&with).skip(2).take(4) {
-        assert_eq!(w.draft_tokens, 0, "{name} does not draft");
+    for i in [2, 3] {
+        assert_eq!(with[i].draft_tokens, 0, "{} does not draft", names[i]);
     }
-    assert!(with[0].accepted_draft_tokens > 0 && with[1].accepted_draft_tokens > 0, "code edits accept drafts");
+    for i in [0, 1, 4, 5] {
+        assert!(with[i].accepted_draft_tokens > 0, "{} accepts drafts: {:?}", names[i], with[i]);
+    }
 }
 
 /// The default (`auto`): a lone code edit, whose drafts are accepted
@@ -188,4 +206,15 @@ async fn by_default_drafts_are_verified_where_the_cost_model_expects_them_to_pay
     let mut off = request;
     off.speculate = Speculation::Off;
     assert_eq!(ask_ok(&auto, off).await.draft_tokens, 0);
+    // The model's totals (`mlxbc ps`).
+    let status = auto.client().await.status().await.unwrap();
+    let qwen = status.loaded.iter().find(|m| m.name == QWEN25).expect("qwen is loaded");
+    assert_eq!(qwen.speculation, "auto");
+    assert_eq!(
+        (qwen.draft_tokens, qwen.accepted_draft_tokens),
+        (with.draft_tokens as u64, with.accepted_draft_tokens as u64)
+    );
+    let ps = auto.cli().arg("ps").output().unwrap();
+    let ps = String::from_utf8_lossy(&ps.stdout);
+    assert!(ps.contains("SPECULATION") && ps.contains("auto, "), "{ps}");
 }
