@@ -54,18 +54,18 @@ impl PassCosts {
     }
 
     /// A verify pass's estimated cost for `positions`: measured, or
-    /// interpolated between the nearest measured sizes on each side, or
-    /// from the nearest smaller size scaled by positions (a pessimistic
-    /// guess: costs grow slower than that where the device has room).
-    /// `None` with nothing smaller measured.
+    /// interpolated between the nearest measured sizes on each side.
+    /// `None` without a measured size on each side: a guess beyond what
+    /// was measured (scaling by positions, say) is far off on a device
+    /// with room to spare, and a wrong guess would stick; such a width is
+    /// tried instead.
     pub fn verify(&self, positions: usize) -> Option<f64> {
         let below = self.verify.range(..=positions).next_back();
         let above = self.verify.range(positions..).next();
         match (below, above) {
             (Some((&n, &t)), _) if n == positions => Some(t),
             (Some((&a, &ta)), Some((&b, &tb))) => Some(ta + (tb - ta) * (positions - a) as f64 / (b - a) as f64),
-            (Some((&a, &ta)), None) => Some(ta * positions as f64 / a as f64),
-            (None, _) => None,
+            _ => None,
         }
     }
 
@@ -152,7 +152,8 @@ mod tests {
         assert_eq!(choose_width(&c, 1, &row), 5, "nothing measured: try the widest");
         let c = costs(&[(1, 0.010)], &[(2, 0.012), (6, 0.020)]);
         assert_eq!(c.verify(4), Some(0.016));
-        assert_eq!(c.verify(12), Some(0.040), "beyond the largest: scaled by positions");
+        assert_eq!(c.verify(12), None, "beyond the largest: not guessed");
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.1 }]), 9, "so the widest is tried");
         assert_eq!(c.verify(1), None);
         assert_eq!(choose_width(&c, 1, &[]), 1, "no drafting row: a plain step");
         // Only the widest measured: narrower ones lie between it and a plain step.
