@@ -9,7 +9,8 @@ off, the acceptance, and whether the token ids were equal in every round.
 Then the batched row: 16 clients at once on code edits, total tok/s per
 daemon; and the long-prompt row: an 8k-token agent-style prompt.
 
-Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS"""
+Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS
+(ONLY=alone,batched,long, the default: those rows)"""
 import json, os, statistics, subprocess, sys, threading, time
 
 mlxbc = sys.argv[1]
@@ -58,7 +59,7 @@ TASKS = [
 
 
 def agent_prompt():
-    """An agent's request (~8k tokens): tool descriptions, a long source
+    """An agent's request (~8k tokens with Qwen2.5's tokenizer): tool descriptions, a long source
     file to work on, and the edit asked for (the peers' regression case)."""
     tools = "\n".join(
         f"- {name}(path: str{extra}) -> str: {what}" for name, extra, what in [
@@ -68,7 +69,7 @@ def agent_prompt():
             ("run_tests", "", "runs the test suite of the package at path and returns its report"),
         ])
     parts = []
-    for i in range(60):
+    for i in range(115):
         parts.append(f'''def metric_{i}(values, weight={i % 7 + 1}):
     """Weighted summary number {i} of a list of readings."""
     total = 0
@@ -80,7 +81,7 @@ def agent_prompt():
 ''')
     source = "\n".join(parts)
     return (f"You are a coding agent. Tools:\n{tools}\n\nThe file metrics.py:\n```python\n{source}```\n\n"
-            "Rename the parameter `values` to `readings` in metric_41 and answer with that whole function only.")
+            "Rename the parameter `values` to `readings` in metric_87 and answer with that whole function only.")
 
 
 def ask(home, model, max_tokens, prompt):
@@ -97,7 +98,10 @@ MODES = ["off", "auto", "ngram"]
 
 
 def burst(home, model, max_tokens, prompts):
-    """All `prompts` at once; total generated tokens per second of wall time."""
+    """All `prompts` at once: total decode tok/s (each answer's tokens after
+    its first over the span from the last first token to the last answer:
+    every row decoding together, the burst's batched prefill left out), and
+    the stats."""
     out = [None] * len(prompts)
 
     def one(i):
@@ -110,7 +114,11 @@ def burst(home, model, max_tokens, prompts):
     for th in threads:
         th.join()
     wall = time.monotonic() - t
-    return sum(s["generated_tokens"] for s in out) / wall, out
+    # Decode spans end at each answer's end; with one batch they overlap.
+    decode = sum(s["generated_tokens"] - 1 for s in out)
+    span = max(s["generated_tokens"] / max(s["decode_tokens_per_s"], 1e-9) for s in out)
+    print(f"  burst: {sum(s['generated_tokens'] for s in out)} tokens in {wall:.1f} s wall", flush=True)
+    return decode / span, out
 
 
 def measure(name, run, rounds):
@@ -135,7 +143,8 @@ def main():
         for _, model, _, prompt in TASKS[::3]:
             ask(home, model, 4, prompt)
     rows = []
-    for name, model, max_tokens, prompt in TASKS:
+    only = os.environ.get("ONLY", "alone,batched,long").split(",")
+    for name, model, max_tokens, prompt in TASKS if "alone" in only else []:
         def alone(home, model=model, max_tokens=max_tokens, prompt=prompt):
             s = ask(home, model, max_tokens, prompt)
             return s["decode_tokens_per_s"], [s]
@@ -143,16 +152,21 @@ def main():
     edits = [f"Rename the variable `{old}` to `{new}` in this function. Answer with the whole function only."
              f"\n\n{FUNCTION}" for old, new in [("total", "acc"), ("count", "n"), ("smallest", "low"),
                                                ("largest", "high")]] * 4
-    rows.append(measure("16 clients at once, code edits (Qwen2.5-Coder 0.5B), total tok/s",
-                        lambda home: burst(home, QWEN, 48, edits), max(1, rounds - 1)))
-    long = agent_prompt()
-    for home in homes.values():  # its prefix in every daemon's prompt cache: rounds time the decode
-        ask(home, QWEN, 1, long)
-    def agent(home):
-        s = ask(home, QWEN, 96, long)
-        return s["decode_tokens_per_s"], [s]
-    rows.append(measure(f"agent prompt of {last_prompt_tokens(long)} tokens, code edit (Qwen2.5-Coder 0.5B)",
-                        agent, rounds))
+    if "batched" in only:
+        for home in homes.values():  # a first burst warms the batch's shapes
+            burst(home, QWEN, 8, edits)
+        rows.append(measure("16 clients at once, code edits (Qwen2.5-Coder 0.5B), total decode tok/s",
+                            lambda home: burst(home, QWEN, 96, edits), max(1, rounds - 1)))
+    if "long" in only:
+        long = agent_prompt()
+        for home in homes.values():  # its prefix in every daemon's prompt cache: rounds time the decode
+            ask(home, QWEN, 1, long)
+
+        def agent(home):
+            s = ask(home, QWEN, 96, long)
+            return s["decode_tokens_per_s"], [s]
+        rows.append(measure(f"agent prompt of {last_prompt_tokens(long)} tokens, code edit (Qwen2.5-Coder 0.5B)",
+                            agent, rounds))
     print("\n| task | off tok/s | auto | auto/off | ngram | ngram/off | auto: accepted / drafted (generated) "
           "| ngram: accepted / drafted | ids equal |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
