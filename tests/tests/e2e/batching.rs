@@ -27,26 +27,6 @@ async fn alone(d: &Daemon, requests: &[GenerateRequest]) -> Vec<(String, Generat
     out
 }
 
-/// All at once, request `i` sent `delays[i]` after the start.
-async fn together(d: &Daemon, requests: &[GenerateRequest], delays: &[u64]) -> Vec<(String, GenerationStats)> {
-    let tasks: Vec<_> = requests
-        .iter()
-        .zip(delays)
-        .map(|(r, &ms)| {
-            let (socket, r) = (d.socket.clone(), r.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-                ask(socket, r).await
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap().unwrap());
-    }
-    out
-}
-
 /// The daemon's status once `ready` holds for it, or after 5 s.
 async fn status_when(d: &Daemon, ready: impl Fn(&mlxbc_client::DaemonStatus) -> bool) -> mlxbc_client::DaemonStatus {
     let mut c = d.client().await;

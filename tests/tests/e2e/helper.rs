@@ -221,6 +221,28 @@ pub fn greedy(model: Option<&str>, prompt: &str, max_tokens: u32) -> GenerateReq
     r
 }
 
+/// Requests all at once, request `i` sent `delays[i]` ms after the start
+/// (so that they share a batch), each on its own connection; each answer
+/// (a failure panics with the daemon's log).
+pub async fn together(d: &Daemon, requests: &[GenerateRequest], delays: &[u64]) -> Vec<(String, GenerationStats)> {
+    let tasks: Vec<_> = requests
+        .iter()
+        .zip(delays)
+        .map(|(r, &ms)| {
+            let (socket, r) = (d.socket.clone(), r.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                ask(socket, r).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap_or_else(|e| panic!("{e}\n{}", d.log_text())));
+    }
+    out
+}
+
 /// Runs a request to completion on a new connection.
 pub async fn ask(
     socket: impl AsRef<Path>,

@@ -8,10 +8,9 @@
 //! continuous batch with rows that do not (drafts off, seeded sampling), and every
 //! greedy or seeded row's answer is what it is without drafts.
 
-use crate::helper::{fixture, greedy, Daemon, DaemonOptions, SMOLLM2};
+use crate::helper::{fixture, greedy, together, Daemon, DaemonOptions, SMOLLM2};
 use crate::reference::ask_ok;
-use mlxbc_client::{Constraint, GenerateRequest, GenerationStats, SamplingParams, Speculation};
-use std::time::Duration;
+use mlxbc_client::{Constraint, SamplingParams, Speculation};
 
 const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
@@ -103,27 +102,6 @@ async fn a_family_without_draft_verification_refuses_a_request_that_insists() {
     assert_eq!(ok.draft_tokens, 0);
 }
 
-/// Requests sent together (request `i` after `delays[i]` ms), so that
-/// they decode in one batch; each one's statistics.
-async fn together(d: &Daemon, requests: &[GenerateRequest], delays: &[u64]) -> Vec<GenerationStats> {
-    let tasks: Vec<_> = requests
-        .iter()
-        .zip(delays)
-        .map(|(r, &ms)| {
-            let (socket, r) = (d.socket.clone(), r.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-                crate::helper::ask(socket, r).await
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap().unwrap_or_else(|e| panic!("{e}\n{}", d.log_text())).1);
-    }
-    out
-}
-
 /// Drafting rows in one continuous batch — greedy, constrained (JSON),
 /// with log-probabilities, sampled — with rows that do not draft (drafts
 /// off, seeded sampling) and with each other (different draft lengths,
@@ -162,6 +140,9 @@ async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
         ["rename", "type hints", "drafts off", "sampled", "json object", "logprobs", "stop string", "sampled edit"];
     let delays = [0, 0, 60, 120, 120, 200, 250, 250];
     let (with, without) = tokio::join!(together(&drafting, &requests, &delays), together(&plain, &requests, &delays));
+    let stats =
+        |answers: Vec<(String, mlxbc_client::GenerationStats)>| answers.into_iter().map(|(_, s)| s).collect::<Vec<_>>();
+    let (with, without) = (stats(with), stats(without));
     let drafted = &with[7];
     eprintln!(
         "sampled edit: {} tokens, {} of {} drafted accepted",
