@@ -375,14 +375,14 @@ impl DecodeBatch {
         let mut runs = Vec::with_capacity(drafts.len());
         for (r, d) in drafts.iter().enumerate() {
             let picks = &all[r * width..(r + 1) * width];
-            let (accepted, token) = match &masked[r] {
+            // A greedy row's picks: its argmax, under its grammar's masks if any.
+            let greedy = match &masked[r] {
+                Some(m) => Some(m.as_slice::<u32>()),
+                None => seqs[r].is_greedy().then_some(picks),
+            };
+            let (accepted, token) = match greedy {
                 _ if d.is_empty() => (0, first[r].as_ref().map_or(picks[0], |f| f.as_slice::<u32>()[0])),
                 Some(picks) => {
-                    let picks = picks.as_slice::<u32>();
-                    let accepted = lookup::accepted_prefix(d, picks);
-                    (accepted, picks[accepted])
-                }
-                None if seqs[r].is_greedy() => {
                     let accepted = lookup::accepted_prefix(d, picks);
                     (accepted, picks[accepted])
                 }
