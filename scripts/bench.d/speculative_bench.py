@@ -10,14 +10,18 @@ Then the batched row: 16 clients at once on code edits, total tok/s per
 daemon; and the long-prompt row: an 8k-token agent-style prompt.
 
 Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS
-(ONLY=alone,batched,long, the default: those rows)"""
+(ONLY=alone,batched,long, the default: those rows; CODE_MODEL and
+SMALL_MODEL name other models for the Qwen2.5-Coder and SmolLM2 rows, as
+on the GPU: scripts/gpu/real-size.sh spec)"""
 import json, os, statistics, subprocess, sys, threading, time
 
 mlxbc = sys.argv[1]
 homes = dict(zip(["off", "auto", "ngram"], sys.argv[2:5]))
 rounds = int(sys.argv[5])
-QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN = os.environ.get("CODE_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+SMOL = os.environ.get("SMALL_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf")
+QWEN_NAME = "Qwen2.5-Coder 0.5B" if "CODE_MODEL" not in os.environ else QWEN
+SMOL_NAME = "SmolLM2 135M" if "SMALL_MODEL" not in os.environ else SMOL
 FUNCTION = '''def summarize(values, skip_missing=True):
     total = 0
     count = 0
@@ -45,16 +49,16 @@ PASSAGE = ("The lighthouse stood at the end of the harbour wall for two hundred 
            "climbed the hundred and twelve steps, trimmed the wick, wound the clockwork and watched the beam "
            "sweep across the water until dawn. Ships that had never seen the coast knew it by that light.")
 TASKS = [
-    ("code edit: rename a variable (Qwen2.5-Coder 0.5B)", QWEN, 160,
+    (f"code edit: rename a variable ({QWEN_NAME})", QWEN, 160,
      f"Rename the variable `total` to `running_sum` in this function. Answer with the whole function only.\n\n{FUNCTION}"),
-    ("code edit: add type hints (Qwen2.5-Coder 0.5B)", QWEN, 160,
+    (f"code edit: add type hints ({QWEN_NAME})", QWEN, 160,
      f"Add type hints to this function. Answer with the whole function only.\n\n{FUNCTION}"),
-    ("JSON repeating the prompt's keys (Qwen2.5-Coder 0.5B)", QWEN, 120,
+    (f"JSON repeating the prompt's keys ({QWEN_NAME})", QWEN, 120,
      'Fill in this JSON object for the city of Lyon, keeping every key: {"name": "", "country": "", '
      '"population": 0, "river": "", "founded": "", "mayor": "", "area_km2": 0}'),
-    ("quote a passage (SmolLM2 135M)", SMOL, 100, f"Quote this passage word for word:\n\n{PASSAGE}"),
-    ("open-ended chat (SmolLM2 135M)", SMOL, 100, "Tell me about the history of the bicycle."),
-    ("open-ended chat (Qwen2.5-Coder 0.5B)", QWEN, 100, "Tell me about the history of the bicycle."),
+    (f"quote a passage ({SMOL_NAME})", SMOL, 100, f"Quote this passage word for word:\n\n{PASSAGE}"),
+    (f"open-ended chat ({SMOL_NAME})", SMOL, 100, "Tell me about the history of the bicycle."),
+    (f"open-ended chat ({QWEN_NAME})", QWEN, 100, "Tell me about the history of the bicycle."),
 ]
 
 
@@ -155,7 +159,7 @@ def main():
     if "batched" in only:
         for home in homes.values():  # a first burst warms the batch's shapes
             burst(home, QWEN, 8, edits)
-        rows.append(measure("16 clients at once, code edits (Qwen2.5-Coder 0.5B), total decode tok/s",
+        rows.append(measure(f"16 clients at once, code edits ({QWEN_NAME}), total decode tok/s",
                             lambda home: burst(home, QWEN, 96, edits), max(1, rounds - 1)))
     if "long" in only:
         long = agent_prompt()
@@ -165,7 +169,7 @@ def main():
         def agent(home):
             s = ask(home, QWEN, 96, long)
             return s["decode_tokens_per_s"], [s]
-        rows.append(measure(f"agent prompt of {last_prompt_tokens(long)} tokens, code edit (Qwen2.5-Coder 0.5B)",
+        rows.append(measure(f"agent prompt of {last_prompt_tokens(long)} tokens, code edit ({QWEN_NAME})",
                             agent, rounds))
     print("\n| task | off tok/s | auto | auto/off | ngram | ngram/off | auto: accepted / drafted (generated) "
           "| ngram: accepted / drafted | ids equal |")

@@ -27,6 +27,10 @@
 #   sweep MODEL   several warm daemons, each with its own environment
 #                 (SWEEP="label:VAR=1,VAR2=2 label2:..."; "base:" for none):
 #                 interleaved rounds at LEVELS (scripts/gpu/real/env_sweep.py)
+#   spart N       copy SmolLM2 Q4_1 (real weights) part N (0, 1, 2) for `spec`
+#   spec MODEL    speculation off / auto / ngram: three warm daemons,
+#                 scripts/bench.d/speculative_bench.py with MODEL for the
+#                 code rows and SmolLM2 for the quotation and chat rows
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
 #   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
 #                 (scripts/bench.d/audio_bench.py)
@@ -56,7 +60,10 @@ if [[ $step == stage ]]; then # here, at no device time
       clips/s6.wav clips/s7.wav clips/s8.wav clips/long.wav
   python3 -m pip download --no-deps --quiet -d "$out/w1" --python-version 3.12 --only-binary=:all: \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 mlx-whisper==0.4.3 tiktoken regex
-  echo "$n parts"; du -sh "$out"/c* "$out"/w*
+  # SmolLM2 Q4_1 for `spec` (real weights; in three, under what a call carries).
+  split -n 3 -d -a 1 "$fx/models/SmolLM2-135M-Instruct.Q4_1.gguf" "$out/smol."
+  for i in 0 1 2; do mkdir -p "$out/s$i"; mv "$out/smol.$i" "$out/s$i/"; done
+  echo "$n parts"; du -sh "$out"/c* "$out"/w* "$out"/s*
   exit 0
 fi
 PY=/opt/torch/.venv/bin/python3
@@ -152,6 +159,20 @@ sweep)
   for a in "${args[@]}"; do
     h=${a#*=}; echo "## ${a%%=*}"; grep -E "decode \(" "$h/daemon.log" | cut -c60-200 | tail -6
     MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-sweep-${a%%=*}.log"
+  done ;;
+spart)
+  mkdir -p /tmp/smol; cp -r ".dev/rs/s$1/." /tmp/smol/; ls -la /tmp/smol ;;
+spec)
+  cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  hs=()
+  for mode in off auto ngram; do
+    h=/tmp/home-spec-$mode-$RANDOM; daemon "$h" MLXBC_SPECULATE=$mode || exit 1; hs+=("$h")
+  done
+  CODE_MODEL=$1-4bit SMALL_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf timeout ${SPEC_TIMEOUT:-560} \
+    $PY scripts/bench.d/speculative_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/spec-$1.txt"
+  for h in "${hs[@]}"; do
+    grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
+    MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec-$(basename "$h").log"
   done ;;
 wpart)
   mkdir -p /tmp/whisper; cp -r ".dev/rs/w$1/." /tmp/whisper/; ls -la /tmp/whisper ;;
