@@ -90,6 +90,11 @@ pub struct Drafter {
     /// whole), decayed: the acceptance rate's evidence.
     recent_accepted: f64,
     recent_rejected: f64,
+    /// The rate assumed before this sequence's own drafts say otherwise:
+    /// its model's recent acceptance ([`Self::new`]).
+    prior: f64,
+    /// Drafts not accepted whole, over the sequence (its model's evidence).
+    pub rejections: u32,
     /// Drafts every step it can (`ngram` asked for), or where the cost
     /// model expects them to pay (`auto`).
     pub forced: bool,
@@ -100,7 +105,7 @@ pub struct Drafter {
 
 impl Default for Drafter {
     fn default() -> Self {
-        Self::new(false)
+        Self::new(false, 0.5)
     }
 }
 
@@ -108,9 +113,24 @@ impl Default for Drafter {
 const RATE_MEMORY: f64 = 0.8;
 
 impl Drafter {
-    /// A sequence's drafter; `forced`: drafts are verified whatever they cost.
-    pub fn new(forced: bool) -> Self {
-        Self { k: 4, idle: 0, rest: 0, recent_accepted: 0.0, recent_rejected: 0.0, forced, drafted: 0, accepted: 0 }
+    /// A sequence's drafter; `forced`: drafts are verified whatever they
+    /// cost; `prior`: the acceptance rate assumed before its own drafts
+    /// are verified (its model's recent sequences': a fixed guess would
+    /// keep `auto` from ever trying where a pass costs more than that
+    /// guess pays, as on a long prompt, and so from learning otherwise).
+    pub fn new(forced: bool, prior: f64) -> Self {
+        Self {
+            k: 4,
+            idle: 0,
+            rest: 0,
+            recent_accepted: 0.0,
+            recent_rejected: 0.0,
+            prior: prior.clamp(0.0, 1.0),
+            rejections: 0,
+            forced,
+            drafted: 0,
+            accepted: 0,
+        }
     }
 
     /// True when this step should try to draft (false while resting).
@@ -139,6 +159,7 @@ impl Drafter {
         self.accepted += accepted as u32;
         self.recent_accepted = self.recent_accepted * RATE_MEMORY + accepted as f64;
         self.recent_rejected = self.recent_rejected * RATE_MEMORY + f64::from(u8::from(accepted < drafted));
+        self.rejections += u32::from(accepted < drafted);
         self.k = if accepted == drafted { (self.k * 2).min(MAX_DRAFT) } else { accepted.max(1) };
         if accepted == 0 {
             self.missed();
@@ -159,9 +180,10 @@ impl Drafter {
 
     /// The chance that a drafted token is accepted given the ones before
     /// it were: accepted tokens against rejections in recent drafts, with
-    /// one of each assumed beforehand (0.5 before any evidence).
+    /// two drafts' worth of the prior assumed beforehand (the prior before
+    /// any evidence).
     pub fn rate(&self) -> f64 {
-        (self.recent_accepted + 1.0) / (self.recent_accepted + self.recent_rejected + 2.0)
+        (self.recent_accepted + 2.0 * self.prior) / (self.recent_accepted + self.recent_rejected + 2.0)
     }
 }
 
@@ -228,6 +250,17 @@ mod tests {
             d.verified(4, 0);
         }
         assert!(d.rate() < 0.3, "recent misses outweigh old hits: {}", d.rate());
+        assert_eq!(d.rejections, 20);
+    }
+
+    #[test]
+    fn the_prior_leads_until_the_sequences_own_drafts_outweigh_it() {
+        let mut d = Drafter::new(false, 0.9);
+        assert!((d.rate() - 0.9).abs() < 1e-9);
+        for _ in 0..5 {
+            d.verified(4, 0);
+        }
+        assert!(d.rate() < 0.5, "{}", d.rate());
     }
 
     #[test]

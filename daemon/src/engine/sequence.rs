@@ -153,8 +153,8 @@ impl Sequence {
         let at = setup.start;
         let drafter = match setup.speculate {
             Speculate::Off => None,
-            Speculate::Auto => Some(Drafter::new(false)),
-            Speculate::Ngram => Some(Drafter::new(true)),
+            Speculate::Auto => Some(Drafter::new(false, setup.model.draft_prior())),
+            Speculate::Ngram => Some(Drafter::new(true, setup.model.draft_prior())),
         };
         Self {
             setup,
@@ -634,6 +634,7 @@ impl Sequence {
             (stats.draft_tokens, stats.accepted_draft_tokens) = (d.drafted, d.accepted);
             let (drafted, accepted) = self.setup.model.drafts.get();
             self.setup.model.drafts.set((drafted + u64::from(d.drafted), accepted + u64::from(d.accepted)));
+            self.setup.model.record_drafts(d.accepted, d.rejections);
         }
         stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))

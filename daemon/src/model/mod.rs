@@ -323,6 +323,10 @@ pub struct Model {
     /// Tokens drafted by speculation and of those accepted, over its
     /// finished generations (`mlxbc ps`).
     pub drafts: std::cell::Cell<(u64, u64)>,
+    /// Accepted drafted tokens and rejected drafts of its recent finished
+    /// sequences, decayed per sequence: a new sequence's prior
+    /// ([`Self::draft_prior`]).
+    draft_evidence: std::cell::Cell<(f64, f64)>,
     /// llguidance's view of the tokenizer, for constrained requests (built
     /// on the first one: a trie of every token's bytes).
     constraints: std::cell::OnceCell<Result<Arc<llguidance::ParserFactory>, String>>,
@@ -365,8 +369,27 @@ impl Model {
             batch_weights: layers::BatchWeights::Packed,
             warm_pending: RefCell::default(),
             drafts: Default::default(),
+            draft_evidence: Default::default(),
             constraints: Default::default(),
         }
+    }
+
+    /// The acceptance rate a new sequence's drafts start from: its recent
+    /// sequences' accepted drafted tokens against rejected drafts, with
+    /// one of each assumed (0.5 before any sequence drafted).
+    pub fn draft_prior(&self) -> f64 {
+        let (accepted, rejected) = self.draft_evidence.get();
+        (accepted + 1.0) / (accepted + rejected + 2.0)
+    }
+
+    /// Folds a finished sequence's drafts into [`Self::draft_prior`]'s
+    /// evidence; older sequences count half as much per sequence since.
+    pub fn record_drafts(&self, accepted: u32, rejected: u32) {
+        if accepted + rejected == 0 {
+            return;
+        }
+        let (a, r) = self.draft_evidence.get();
+        self.draft_evidence.set((a * 0.5 + f64::from(accepted), r * 0.5 + f64::from(rejected)));
     }
 
     /// How this model's decode steps are built when `wanted`: compiled only
