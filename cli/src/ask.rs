@@ -77,6 +77,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         raw: None,
         logprobs: None,
         speculate: args.speculate.into(),
+        draft: args.draft.clone(),
     })
 }
 

@@ -118,6 +118,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             raw: None,
             logprobs: None,
             speculate: Default::default(),
+            draft: None,
         };
         let mut stream = client.generate(request).await?;
         let mut answer = String::new();

@@ -184,6 +184,7 @@ pub enum SpeculateArg {
     Auto,
     Off,
     Ngram,
+    Draft,
 }
 
 impl From<SpeculateArg> for mlxbc_client::Speculation {
@@ -192,6 +193,7 @@ impl From<SpeculateArg> for mlxbc_client::Speculation {
             SpeculateArg::Auto => Self::Auto,
             SpeculateArg::Off => Self::Off,
             SpeculateArg::Ngram => Self::Ngram,
+            SpeculateArg::Draft => Self::Draft,
         }
     }
 }
@@ -246,11 +248,16 @@ pub(crate) struct AskArgs {
     /// Keep generating past end-of-sequence (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
-    /// Speculative decoding: auto (the daemon's setting), off, or ngram
+    /// Speculative decoding: auto (the daemon's setting), off, ngram
     /// (drafts from the prompt: faster code edits and quotations, the same
-    /// answer).
+    /// answer) or draft (a draft model's drafts: --draft, or the model's in
+    /// config.toml).
     #[arg(long, value_enum, default_value_t = SpeculateArg::Auto)]
     speculate: SpeculateArg,
+    /// A draft model for speculative decoding: a smaller model with the
+    /// same tokenizer, loaded beside the model.
+    #[arg(long, value_name = "MODEL")]
+    draft: Option<String>,
     /// Continue (or start) a conversation the daemon keeps under this name.
     #[arg(long)]
     session: Option<String>,

@@ -130,11 +130,13 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
         },
         raw: rng.one_in(5).then(|| RawPrompt { prefix: rng.string(), suffix: rng.one_in(2).then(|| rng.string()) }),
         logprobs: rng.one_in(4).then(|| rng.below(40) as u8),
-        speculate: match rng.below(3) {
+        speculate: match rng.below(4) {
             0 => Speculation::Auto,
             1 => Speculation::Off,
+            2 => Speculation::Draft,
             _ => Speculation::Ngram,
         },
+        draft: rng.one_in(4).then(|| rng.string()),
     }
 }
 

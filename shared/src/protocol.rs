@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 17;
+pub const PROTOCOL_VERSION: u32 = 18;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -419,6 +419,10 @@ pub struct GenerateRequest {
     pub logprobs: Option<u8>,
     /// Whether the answer may be decoded several tokens per step.
     pub speculate: Speculation,
+    /// A draft model (a small model with the same tokenizer) to draft with
+    /// for this request, in place of the one config.toml names for the
+    /// model (`[models."NAME"] draft`); loaded beside it.
+    pub draft: Option<String>,
 }
 
 /// Speculative decoding for one request: drafted tokens verified in one
@@ -435,6 +439,10 @@ pub enum Speculation {
     /// Prompt-lookup drafts verified whenever there are any (refused with
     /// a sentence by a model that cannot verify drafts).
     Ngram,
+    /// Drafts of a draft model (the request's `draft`, else the model's
+    /// in config.toml) verified every step, whatever they cost (refused
+    /// with a sentence where there is none).
+    Draft,
 }
 
 /// The most alternatives [`GenerateRequest::logprobs`] may ask for (OpenAI's cap).
@@ -534,6 +542,7 @@ impl GenerateRequest {
             raw: None,
             logprobs: None,
             speculate: Speculation::Auto,
+            draft: None,
         }
     }
 }

@@ -112,14 +112,27 @@ pub struct SettingsFile {
     pub fuse: Option<String>,
     pub batch_weights: Option<String>,
     pub batch_attention: Option<String>,
-    /// Prompt-lookup drafts for lone greedy sequences: "off" (default) |
-    /// "ngram" (`MLXBC_SPECULATE` overrides it).
+    /// Speculative decoding: "auto" (default: drafts where they pay) |
+    /// "off" | "ngram" (prompt-lookup drafts always) | "draft" (a draft
+    /// model's drafts always, for models that name one); `MLXBC_SPECULATE`
+    /// overrides it.
     pub speculate: Option<String>,
     /// Extra names for models: alias = "file name, directory or path".
     pub aliases: BTreeMap<String, String>,
+    /// Settings per model (`[models."NAME"]`, NAME as requests name it).
+    pub models: BTreeMap<String, ModelSettings>,
     /// Joining a group of daemons that split a model between them
     /// (docs/distributed.md).
     pub cluster: ClusterFile,
+}
+
+/// config.toml's `[models."NAME"]`: what applies to one model.
+#[derive(Debug, Default, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSettings {
+    /// A small model with the same tokenizer that drafts tokens for this
+    /// one (speculative decoding), loaded beside it.
+    pub draft: Option<String>,
 }
 
 /// config.toml's `[cluster]`: the same as `mlxbcd --hostfile --rank
@@ -162,6 +175,8 @@ pub struct Settings {
     /// None: the engine's default for the device it computes on.
     pub prefill_chunk: Option<usize>,
     pub aliases: BTreeMap<String, String>,
+    /// `[models."NAME"]` as written.
+    pub models: BTreeMap<String, ModelSettings>,
     pub feature_cache_dir: PathBuf,
     pub feature_cache_bytes: u64,
     pub feature_ram_bytes: u64,
@@ -268,6 +283,7 @@ impl Settings {
             keep_alive,
             prefill_chunk: file.prefill_chunk.map(|c| c.max(1)),
             aliases,
+            models: file.models,
             feature_cache_dir: file.feature_cache_dir.unwrap_or_else(|| paths.home.join("cache/features")),
             feature_cache_bytes: file.feature_cache_mib.unwrap_or(4096) << 20,
             feature_ram_bytes: file.feature_ram_mib.unwrap_or(256) << 20,
@@ -353,10 +369,15 @@ mod tests {
     fn file_overrides_and_bad_keep_alive() {
         let dir = tempfile::tempdir().unwrap();
         let paths = Paths::under(dir.path().into());
-        std::fs::write(&paths.config_file, "keep_alive = \"forever\"\n[aliases]\nq = \"qwen.gguf\"\n").unwrap();
+        std::fs::write(
+            &paths.config_file,
+            "keep_alive = \"forever\"\n[aliases]\nq = \"qwen.gguf\"\n[models.q]\ndraft = \"tiny-qwen\"\n",
+        )
+        .unwrap();
         let s = Settings::load(paths.clone()).unwrap();
         assert_eq!(s.keep_alive, KeepAlive::Forever);
         assert_eq!(s.aliases["q"], "qwen.gguf");
+        assert_eq!(s.models["q"].draft.as_deref(), Some("tiny-qwen"));
         std::fs::write(&paths.config_file, "keep_alive = \"soon\"\n").unwrap();
         assert!(Settings::load(paths).is_err());
     }

@@ -13,7 +13,7 @@
 use crate::model::options::Speculate;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// The process's choice (0 auto, 1 off, 2 ngram), set once at start by `mlxbcd`'s main.
+/// The process's choice (0 auto, 1 off, 2 ngram, 3 draft), set once at start by `mlxbcd`'s main.
 static CHOICE: AtomicU8 = AtomicU8::new(0);
 
 /// Sets whether sequences draft (from `EngineOptions`, at start).
@@ -23,6 +23,7 @@ pub fn configure(choice: Speculate) {
             Speculate::Auto => 0,
             Speculate::Off => 1,
             Speculate::Ngram => 2,
+            Speculate::Draft => 3,
         },
         Ordering::Relaxed,
     );
@@ -33,6 +34,7 @@ pub fn configured() -> Speculate {
     match CHOICE.load(Ordering::Relaxed) {
         1 => Speculate::Off,
         2 => Speculate::Ngram,
+        3 => Speculate::Draft,
         _ => Speculate::Auto,
     }
 }
@@ -144,7 +146,12 @@ impl Drafter {
 
     /// The next draft for `history` (empty: take a plain step, and rest).
     pub fn draft(&mut self, history: &[u32]) -> Vec<u32> {
-        let drafts = propose(history, self.k);
+        self.proposed(propose(history, self.k))
+    }
+
+    /// `drafts` proposed elsewhere (a draft model) for the next step: rests
+    /// when there are none, as [`Self::draft`] does.
+    pub fn proposed(&mut self, drafts: Vec<u32>) -> Vec<u32> {
         if drafts.is_empty() {
             self.missed();
         }

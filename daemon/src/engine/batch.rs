@@ -260,7 +260,7 @@ impl DecodeBatch {
         Ok(ended)
     }
 
-    /// A step with prompt-lookup drafts (speculation) for the rows that
+    /// A step with drafts (a draft model's, or prompt lookup's: speculation) for the rows that
     /// draft: every row's token ahead, then that row's drafted tokens, go
     /// through the model in one pass (`[rows, 1 + most drafts]`; a row with
     /// fewer drafts is filled with its last token, which it never accepts),
@@ -312,19 +312,23 @@ impl DecodeBatch {
                 }
             }
         }
-        let mut drafts: Vec<Vec<u32>> = seqs
-            .iter_mut()
-            .zip(&wants)
-            .zip(&self.rows)
-            .map(|((s, &wants), row)| {
-                let over = ended.iter().any(|(id, _)| *id == row.seq);
-                if wants && !over {
-                    s.draft(width - 1)
-                } else {
-                    Vec::new()
-                }
-            })
-            .collect();
+        // Which rows drafted (and must hear how it went, even if nothing
+        // was proposed or verified: a draft model's cache holds its drafts),
+        // and the seconds their draft models took (not the pass's cost).
+        let mut drafted = vec![false; seqs.len()];
+        let mut drafting_secs = 0.0;
+        let mut drafts = Vec::with_capacity(seqs.len());
+        for (r, (s, row)) in seqs.iter_mut().zip(&self.rows).enumerate() {
+            let over = ended.iter().any(|(id, _)| *id == row.seq);
+            drafted[r] = wants[r] && !over;
+            drafts.push(if drafted[r] {
+                let (d, secs) = s.draft(width - 1)?;
+                drafting_secs += secs;
+                d
+            } else {
+                Vec::new()
+            });
+        }
         // A constrained row's drafts stand up to the first one its grammar
         // forbids; its picks are masked position by position.
         let mut allowed = Vec::with_capacity(drafts.len());
@@ -337,6 +341,9 @@ impl DecodeBatch {
         }
         let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
         let Some(cache) = self.cache.as_mut().filter(|_| width > 1) else {
+            for (s, _) in seqs.iter_mut().zip(&drafted).filter(|(_, &d)| d) {
+                s.verified(0, 0)?;
+            }
             return Ok((ended, false));
         };
         let mut ids = Vec::with_capacity(drafts.len() * width);
@@ -406,13 +413,15 @@ impl DecodeBatch {
         }
         let took = started.elapsed().as_secs_f64();
         self.profile.record(started, self.rows.len(), None, 0.0, took);
-        self.costs.borrow_mut().verify_pass(self.rows.len() * width, took);
-        for (((row, s), d), run) in self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs) {
+        self.costs.borrow_mut().verify_pass(self.rows.len() * width, (took - drafting_secs).max(0.0));
+        for ((((row, s), d), run), &drafted) in
+            self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs).zip(&drafted)
+        {
             row.taken = false;
-            if d.is_empty() || ended.iter().any(|(id, _)| *id == row.seq) {
+            if !drafted {
                 continue;
             }
-            s.verified(d.len(), run.len());
+            s.verified(d.len(), run.len())?;
             for &t in run {
                 if let Some(end) = s.accept(t) {
                     ended.push((row.seq, end));

@@ -82,12 +82,14 @@ pub fn expected_accepted(k: usize, rate: f64) -> f64 {
     (1..=k).map(|i| rate.powi(i as i32)).sum()
 }
 
-/// A drafting row's view for the choice: the most tokens it would draft
-/// and the rate at which its drafts are accepted.
-#[derive(Debug, Clone, Copy)]
+/// A drafting row's view for the choice: the most tokens it would draft,
+/// the rate at which its drafts are accepted, and what drafting a token
+/// costs it (a draft model's step, measured; 0 for prompt lookup).
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Drafting {
     pub k: usize,
     pub rate: f64,
+    pub draft_secs: f64,
 }
 
 /// The verify pass width (1 + drafted positions per row) with the most
@@ -115,7 +117,8 @@ pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> us
     for width in 2..=widest {
         let Some(t) = estimate(rows * width) else { continue };
         let accepted: f64 = drafting.iter().map(|d| expected_accepted(d.k.min(width - 1), d.rate)).sum();
-        let rate = (rows as f64 + accepted) / t;
+        let drafting_secs: f64 = drafting.iter().map(|d| d.k.min(width - 1) as f64 * d.draft_secs).sum();
+        let rate = (rows as f64 + accepted) / (t + drafting_secs);
         if rate > best.0 {
             best = (rate, width);
         }
@@ -148,18 +151,18 @@ mod tests {
     #[test]
     fn unmeasured_passes_are_tried_and_estimates_interpolate() {
         let c = PassCosts::default();
-        let row = [Drafting { k: 4, rate: 0.1 }];
+        let row = [Drafting { k: 4, rate: 0.1, draft_secs: 0.0 }];
         assert_eq!(choose_width(&c, 1, &row), 5, "nothing measured: try the widest");
         let c = costs(&[(1, 0.010)], &[(2, 0.012), (6, 0.020)]);
         assert_eq!(c.verify(4), Some(0.016));
         assert_eq!(c.verify(12), None, "beyond the largest: not guessed");
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.1 }]), 9, "so the widest is tried");
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.1, draft_secs: 0.0 }]), 9, "so the widest is tried");
         assert_eq!(c.verify(1), None);
         assert_eq!(choose_width(&c, 1, &[]), 1, "no drafting row: a plain step");
         // Only the widest measured: narrower ones lie between it and a plain step.
         let c = costs(&[(1, 0.010)], &[(5, 0.030)]);
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.9 }]), 4);
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.6 }]), 2);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.9, draft_secs: 0.0 }]), 4);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.6, draft_secs: 0.0 }]), 2);
     }
 
     #[test]
@@ -169,11 +172,11 @@ mod tests {
         let per = |n: usize| (n, 0.004 + 0.006 * n as f64);
         let c = costs(&[per(1), per(16)], &(2..=9).map(per).chain((2..=9).map(|w| per(16 * w))).collect::<Vec<_>>());
         // One row: drafts accepted at 0.95 pay; at 0.3 they do not.
-        assert!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.95 }]) > 1);
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.3 }]), 1);
+        assert!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.95, draft_secs: 0.0 }]) > 1);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.3, draft_secs: 0.0 }]), 1);
         // Sixteen rows, one of them drafting well: the pass would cost 16
         // rows' worth per width for one row's gain. No.
-        let rows = [Drafting { k: 8, rate: 0.95 }];
+        let rows = [Drafting { k: 8, rate: 0.95, draft_secs: 0.0 }];
         assert_eq!(choose_width(&c, 16, &rows), 1, "a batch under load stops speculating");
     }
 
@@ -181,14 +184,27 @@ mod tests {
     fn a_pass_nearly_as_cheap_as_a_step_pays_even_with_modest_acceptance() {
         // A bandwidth-bound device: positions are nearly free.
         let c = costs(&[(1, 0.006)], &(2..=9).map(|n| (n, 0.0065 + 0.0001 * n as f64)).collect::<Vec<_>>());
-        let w = choose_width(&c, 1, &[Drafting { k: 8, rate: 0.5 }]);
+        let w = choose_width(&c, 1, &[Drafting { k: 8, rate: 0.5, draft_secs: 0.0 }]);
         assert!(w >= 3, "width {w}");
+    }
+
+    #[test]
+    fn a_draft_models_steps_count_against_the_pass() {
+        // The bandwidth-bound device above: with free drafts (prompt
+        // lookup) a pass pays at 0.8; a draft model whose token costs as
+        // much as the target's step (the same weights) never pays, and a
+        // draft model at a tenth of it pays again.
+        let c = costs(&[(1, 0.006)], &(2..=9).map(|n| (n, 0.0065 + 0.0001 * n as f64)).collect::<Vec<_>>());
+        let drafting = |draft_secs| [Drafting { k: 8, rate: 0.8, draft_secs }];
+        assert!(choose_width(&c, 1, &drafting(0.0)) > 1);
+        assert_eq!(choose_width(&c, 1, &drafting(0.006)), 1);
+        assert!(choose_width(&c, 1, &drafting(0.0006)) > 1);
     }
 
     #[test]
     fn a_long_refusal_is_revisited() {
         let mut c = costs(&[(1, 0.010)], &[(5, 0.050)]);
-        let row = [Drafting { k: 4, rate: 0.2 }];
+        let row = [Drafting { k: 4, rate: 0.2, draft_secs: 0.0 }];
         assert_eq!(choose_width(&c, 1, &row), 1);
         for _ in 0..REVISIT_AFTER {
             c.plain_step(1, 0.010);

@@ -40,6 +40,8 @@ pub struct GenerationContext<'a> {
     pub prepared: Option<super::PreparedPrompt>,
     /// The media, if it was prepared before the job reached the engine.
     pub media: Option<PreparedMedia>,
+    /// The draft model loaded beside the model for this request, if any.
+    pub draft: Option<Rc<Model>>,
 }
 
 /// No tokenizer here averages more than this many bytes of text per token,
@@ -277,6 +279,7 @@ pub fn begin(
     };
     let room = context - ids.len();
     let asked = request.max_tokens.min(ctx.max_tokens_limit.unwrap_or(u32::MAX)) as usize;
+    let (speculate, draft) = speculates(&model, request.speculate, ctx.draft.take())?;
     let calls_tools = !crate::decoding::tools::for_prompt(&model.prompter.template, request)
         .map_err(EngineError::BadRequest)?
         .is_empty();
@@ -301,7 +304,8 @@ pub fn begin(
         logprobs: request.logprobs.map(crate::decoding::logprobs::LogprobTracker::new),
         stops: StopFilter::new(&request.stop),
         ignore_eos: request.ignore_eos,
-        speculate: speculates(&model, request.speculate)?,
+        speculate,
+        draft,
         limit: asked.min(room),
         asked,
         mode: model.decode_mode(ctx.decode),
@@ -315,23 +319,48 @@ pub fn begin(
     Ok(Begun::Sequence(Box::new(Sequence::new(setup))))
 }
 
-/// Whether a request's answer drafts and verifies tokens: as it asks, else
-/// as the daemon is set (`speculate`); a model that cannot verify drafts
-/// refuses a request that insists, and never drafts otherwise.
-fn speculates(model: &Model, asked: mlxbc_shared::Speculation) -> Result<Speculate, EngineError> {
+/// Whether a request's answer drafts and verifies tokens, and with which
+/// draft model (`draft`: the request's or the model's configured one, if
+/// loaded; else drafts come from prompt lookup): as it asks, else as the
+/// daemon is set (`speculate`). A model that cannot verify drafts refuses
+/// a request that insists, and never drafts otherwise; `draft` without a
+/// draft model is refused with what to do.
+fn speculates(
+    model: &Model,
+    asked: mlxbc_shared::Speculation,
+    draft: Option<Rc<Model>>,
+) -> Result<(Speculate, Option<Rc<Model>>), EngineError> {
     use mlxbc_shared::Speculation;
     let verifies = model.lm.verifies_drafts();
-    Ok(match asked {
+    let wanted = match asked {
         Speculation::Off => Speculate::Off,
-        Speculation::Auto if verifies => crate::decoding::lookup::configured(),
-        Speculation::Auto => Speculate::Off,
-        Speculation::Ngram if verifies => Speculate::Ngram,
-        Speculation::Ngram => {
-            return Err(EngineError::BadRequest(format!(
-                "speculative decoding (ngram) is not available for {} models yet (llama, Qwen2 and Qwen3 \
+        Speculation::Auto => crate::decoding::lookup::configured(),
+        Speculation::Ngram => Speculate::Ngram,
+        Speculation::Draft => Speculate::Draft,
+    };
+    if !verifies {
+        return match wanted {
+            Speculate::Ngram | Speculate::Draft if asked != Speculation::Auto => Err(EngineError::BadRequest(format!(
+                "speculative decoding is not available for {} models yet (llama, Qwen2 and Qwen3 \
                  decoders have it): ask without --speculate, or with --speculate off",
                 model.lm.architecture()
-            )))
+            ))),
+            _ => Ok((Speculate::Off, None)),
+        };
+    }
+    Ok(match (wanted, draft) {
+        (Speculate::Off, _) => (Speculate::Off, None),
+        (Speculate::Ngram, _) => (Speculate::Ngram, None),
+        (Speculate::Auto, draft) => (Speculate::Auto, draft),
+        (Speculate::Draft, Some(draft)) => (Speculate::Draft, Some(draft)),
+        // The daemon drafts with draft models where models name one.
+        (Speculate::Draft, None) if asked == Speculation::Auto => (Speculate::Auto, None),
+        (Speculate::Draft, None) => {
+            return Err(EngineError::BadRequest(
+                "--speculate draft needs a draft model: name one with --draft NAME (a small model with the \
+                 same tokenizer), or in config.toml as [models.\"MODEL\"] draft = \"NAME\""
+                    .into(),
+            ))
         }
     })
 }

@@ -7,6 +7,7 @@
 mod answer;
 mod batch;
 mod draft_costs;
+mod draft_model;
 pub mod generate;
 mod handle;
 mod housekeeping;
@@ -131,6 +132,7 @@ pub fn spawn(
                 r.device = device_for_keys;
                 r.decode = decode;
                 r.warm_rows = warm_rows;
+                r.drafts = settings.models.iter().filter_map(|(m, s)| Some((m.clone(), s.draft.clone()?))).collect();
                 r.cluster = cluster.map(|coordinator| residency::SplitModels {
                     coordinator,
                     names: settings.cluster.sharded.iter().cloned().collect(),

@@ -65,6 +65,12 @@ pub struct Residency {
     /// is idle (`Model::warm_batches`): a GPU's powers of two up to its
     /// `max_batch`; none on a CPU, which compiles nothing for them.
     pub warm_rows: Vec<usize>,
+    /// Draft models config.toml names per model (`[models."NAME"] draft`),
+    /// by the name written there.
+    pub drafts: std::collections::BTreeMap<String, String>,
+    /// Configured drafts that failed to load, and why (not tried again
+    /// for every request; a request naming one hears why).
+    failed_drafts: HashMap<(String, String), String>,
 }
 
 /// Which models are split over the group rank 0 leads: those named in
@@ -183,6 +189,8 @@ impl Residency {
             cluster: None,
             decode: crate::model::decode_step::DecodeMode::Eager,
             warm_rows: Vec::new(),
+            drafts: Default::default(),
+            failed_drafts: HashMap::new(),
         }
     }
 
@@ -382,6 +390,128 @@ impl Residency {
         Ok((resolved.name, model, load_ms))
     }
 
+    /// The draft model for the resident model `name`: `asked` (a request's)
+    /// else the one config.toml names for it, loaded beside it unless it
+    /// is already (its memory counted with the target's, and unloaded
+    /// with it; another draft loaded for the target replaces the last).
+    /// `None` when neither names one. A draft that cannot serve its target
+    /// (another tokenizer, a family whose cache cannot forget drafts, no
+    /// room) is an error with the reason; a configured one that failed is
+    /// not tried again until the daemon restarts.
+    pub fn draft_for(
+        &mut self,
+        registry: &ModelRegistry,
+        name: &str,
+        asked: Option<&str>,
+        form: crate::model::options::ModelOptions,
+        fingerprints: Option<&sled::Tree>,
+    ) -> Result<Option<Rc<Model>>, EngineError> {
+        let Some(target) = self.handle(name) else { return Ok(None) };
+        let wanted = match asked {
+            Some(a) => a.to_string(),
+            None => match self.configured_draft(registry, name) {
+                Some(d) => d,
+                None => return Ok(None),
+            },
+        };
+        let key = (name.to_string(), wanted.clone());
+        if let Some(why) = self.failed_drafts.get(&key) {
+            return Err(EngineError::BadRequest(why.clone()));
+        }
+        let resolved = registry.resolve(Some(&wanted))?;
+        if let Some(d) = target.draft.borrow().as_ref().filter(|d| d.name == resolved.name) {
+            return Ok(Some(d.model.clone()));
+        }
+        let loaded = self.load_draft(name, &target, &resolved, form, fingerprints);
+        if let (Err(EngineError::BadRequest(why) | EngineError::ModelLoad(why)), None) = (&loaded, asked) {
+            self.failed_drafts.insert(key, why.clone());
+        }
+        loaded.map(Some)
+    }
+
+    /// The draft config.toml names for `name` (written under that name or
+    /// any name that resolves to it).
+    fn configured_draft(&self, registry: &ModelRegistry, name: &str) -> Option<String> {
+        if let Some(d) = self.drafts.get(name) {
+            return Some(d.clone());
+        }
+        self.drafts
+            .iter()
+            .find(|(k, _)| registry.resolve(Some(k)).is_ok_and(|r| r.name == name))
+            .map(|(_, d)| d.clone())
+    }
+
+    fn load_draft(
+        &mut self,
+        name: &str,
+        target: &Rc<Model>,
+        resolved: &crate::catalog::registry::ResolvedModel,
+        form: crate::model::options::ModelOptions,
+        fingerprints: Option<&sled::Tree>,
+    ) -> Result<Rc<Model>, EngineError> {
+        let draft = &resolved.name;
+        if draft == name {
+            return Err(EngineError::BadRequest(format!(
+                "{draft} cannot draft for itself: a draft model is a smaller model with the same tokenizer"
+            )));
+        }
+        // Room beside the resident models, never by unloading the target.
+        let estimate = estimated_bytes(&resolved.path, form.form);
+        let own = self.memory_of(name);
+        let others = self.models.iter().filter(|(n, _)| n.as_str() != name).map(|(n, r)| (n, &r.clock));
+        let victims = keep_alive::make_room(others, estimate, self.budget_bytes.saturating_sub(own), usize::MAX)
+            .map_err(|_| {
+                EngineError::OutOfMemory(format!(
+                    "the draft model {draft} (about {} MiB) does not fit beside {name} in the memory budget \
+                     of {} MiB",
+                    estimate / MIB,
+                    self.budget_bytes / MIB
+                ))
+            })?;
+        for victim in victims {
+            tracing::info!(model = %victim, draft = %draft, "unloading the least recently used model to make room");
+            self.unload(&victim);
+            self.evicted.push(victim);
+        }
+        let form = self.choose_batch_weights(draft, &resolved.path, form, estimate, false);
+        let before = mlx_rs::memory::active_memory().unwrap_or(0);
+        let t = Instant::now();
+        let loaded = crate::families::load_any(&resolved.path, form, fingerprints).map_err(|e| {
+            EngineError::ModelLoad(format!("loading the draft model {draft} from {}: {e:#}", resolved.path.display()))
+        })?;
+        let crate::families::LoadedModel::Chat(mut model) = loaded else {
+            return Err(EngineError::BadRequest(format!("{draft} is a speech model and cannot draft tokens")));
+        };
+        if !model.lm.verifies_drafts() {
+            return Err(EngineError::BadRequest(format!(
+                "{draft} ({}) cannot draft: its cache cannot forget rejected drafts (llama, Qwen2 and Qwen3 \
+                 decoders can)",
+                model.lm.architecture()
+            )));
+        }
+        if let Some(why) = crate::model::tokenizer::disagreement(&target.prompter.tokenizer, &model.prompter.tokenizer)
+        {
+            return Err(EngineError::BadRequest(format!(
+                "{draft} cannot draft for {name}: {why}; a draft model must have the same tokenizer"
+            )));
+        }
+        model.warm_up().and_then(|()| model.warm_decode(self.decode)).map_err(|e| {
+            EngineError::ModelLoad(format!("running the draft model {draft} for the first time: {e:#}"))
+        })?;
+        let bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
+        let model = Rc::new(model);
+        let old = target.draft.replace(Some(crate::model::AttachedDraft {
+            name: draft.clone(),
+            model: model.clone(),
+            bytes,
+        }));
+        if let Some(r) = self.models.get_mut(name) {
+            r.clock.memory_bytes = r.clock.memory_bytes + bytes - old.map_or(0, |o| o.bytes).min(r.clock.memory_bytes);
+        }
+        tracing::info!(model = %name, draft = %draft, load_ms = t.elapsed().as_secs_f64() * 1000.0, memory_bytes = bytes, "draft model loaded");
+        Ok(model)
+    }
+
     /// `form` with dense copies only where the budget holds
     /// them beside the model and what is resident (without unloading
     /// anything for them); otherwise expanded per step, as a split model
@@ -533,7 +663,11 @@ impl Residency {
                 },
                 speculation: match &r.model {
                     Servable::Chat(m) if m.lm.verifies_drafts() => {
-                        format!("{:?}", crate::decoding::lookup::configured()).to_lowercase()
+                        let mode = format!("{:?}", crate::decoding::lookup::configured()).to_lowercase();
+                        match m.draft.borrow().as_ref() {
+                            Some(d) => format!("{mode}, draft {}", d.name),
+                            None => mode,
+                        }
                     }
                     _ => "-".to_string(),
                 },

@@ -10,6 +10,7 @@
 //! and therefore the greedy token ids, are the reference's.
 
 use super::draft_costs::Drafting;
+use super::draft_model::DraftRun;
 use super::generate::Finished;
 use crate::decoding::constraint::{Allowed, Constrained};
 use crate::decoding::lookup::Drafter;
@@ -89,6 +90,9 @@ pub struct Setup {
     /// Whether it drafts tokens from its history and verifies them in one
     /// pass (where it decodes greedily): where they pay, or always.
     pub speculate: Speculate,
+    /// The draft model its drafts come from, where speculation uses one
+    /// (else prompt lookup).
+    pub draft: Option<Rc<Model>>,
     /// Tokens to generate at most (the request's and the context's bound),
     /// and what was asked (to tell `ContextFull` from `MaxTokens`).
     pub limit: usize,
@@ -143,18 +147,28 @@ pub struct Sequence {
     t_last: Option<Instant>,
     /// The stop string that ended it, once one did.
     stop_string: Option<String>,
-    /// Its prompt-lookup drafting, when speculation is on.
+    /// Its drafting (how far, how often, how well), when speculation is on.
     drafter: Option<Drafter>,
+    /// Its draft model and that model's cache of its history, where its
+    /// drafts come from one (else from prompt lookup).
+    draft_run: Option<DraftRun>,
 }
 
 impl Sequence {
     /// A sequence about to prefill.
     pub fn new(setup: Setup) -> Self {
         let at = setup.start;
+        let draft_run = match setup.speculate {
+            Speculate::Auto | Speculate::Draft => setup.draft.clone().map(|m| DraftRun::new(m, setup.mode)),
+            Speculate::Off | Speculate::Ngram => None,
+        };
+        // Acceptance differs by where drafts come from: a draft model's
+        // evidence is kept on the draft model.
+        let prior = draft_run.as_ref().map_or_else(|| setup.model.draft_prior(), |r| r.model().draft_prior());
         let drafter = match setup.speculate {
             Speculate::Off => None,
-            Speculate::Auto => Some(Drafter::new(false, setup.model.draft_prior())),
-            Speculate::Ngram => Some(Drafter::new(true, setup.model.draft_prior())),
+            Speculate::Auto => Some(Drafter::new(false, prior)),
+            Speculate::Ngram | Speculate::Draft => Some(Drafter::new(true, prior)),
         };
         Self {
             setup,
@@ -167,6 +181,7 @@ impl Sequence {
             t_last: None,
             stop_string: None,
             drafter,
+            draft_run,
         }
     }
 
@@ -252,32 +267,44 @@ impl Sequence {
     /// whether it drafts whatever that costs (its request asked).
     pub fn draft_outlook(&self) -> Option<(Drafting, bool)> {
         let d = self.drafter.as_ref()?;
-        Some((Drafting { k: d.k(), rate: d.rate() }, d.forced))
+        let draft_secs = self.draft_run.as_ref().and_then(DraftRun::secs_per_token).unwrap_or(0.0);
+        Some((Drafting { k: d.k(), rate: d.rate(), draft_secs }, d.forced))
     }
 
-    /// Tokens drafted from its prompt and answer so far to follow them (at
-    /// most `most`, and the tokens it may still generate); empty: take a
-    /// plain step.
-    pub fn draft(&mut self, most: usize) -> Vec<u32> {
-        let Some(d) = &mut self.drafter else { return Vec::new() };
-        let room = self.setup.limit.saturating_sub(self.generated.len());
+    /// Tokens drafted to follow its prompt and answer so far (at most
+    /// `most`, and the tokens it may still generate), by its draft model or
+    /// from its history; empty: take a plain step. Returns also the
+    /// seconds its draft model took (not the verify pass's cost).
+    pub fn draft(&mut self, most: usize) -> Result<(Vec<u32>, f64), EngineError> {
+        let Some(d) = &mut self.drafter else { return Ok((Vec::new(), 0.0)) };
+        let room = self.setup.limit.saturating_sub(self.generated.len()).min(most);
         if room == 0 {
-            return Vec::new();
+            return Ok((Vec::new(), 0.0));
         }
         let mut history = Vec::with_capacity(self.setup.ids.len() + self.generated.len());
         history.extend_from_slice(&self.setup.ids);
         history.extend_from_slice(&self.generated);
-        let mut drafts = d.draft(&history);
-        drafts.truncate(room.min(most));
-        drafts
+        let (mut drafts, secs) = match &mut self.draft_run {
+            Some(run) => {
+                let proposed = run.propose(&history, d.k().min(room)).map_err(EngineError::inference)?;
+                (d.proposed(proposed), run.last_secs)
+            }
+            None => (d.draft(&history), 0.0),
+        };
+        drafts.truncate(room);
+        Ok((drafts, secs))
     }
 
     /// A verify pass checked `drafted` tokens and the model agreed with the
-    /// first `accepted`.
-    pub fn verified(&mut self, drafted: usize, accepted: usize) {
-        if let Some(d) = &mut self.drafter {
+    /// first `accepted`; or (`drafted` 0) its drafts were not verified.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) -> Result<(), EngineError> {
+        if let Some(run) = &mut self.draft_run {
+            run.verified(accepted).map_err(EngineError::inference)?;
+        }
+        if let (Some(d), true) = (&mut self.drafter, drafted > 0) {
             d.verified(drafted, accepted);
         }
+        Ok(())
     }
 
     /// Its next token `[1, 1]` from its row's logits: masked by its
@@ -634,7 +661,10 @@ impl Sequence {
             (stats.draft_tokens, stats.accepted_draft_tokens) = (d.drafted, d.accepted);
             let (drafted, accepted) = self.setup.model.drafts.get();
             self.setup.model.drafts.set((drafted + u64::from(d.drafted), accepted + u64::from(d.accepted)));
-            self.setup.model.record_drafts(d.accepted, d.rejections);
+            match &self.draft_run {
+                Some(run) => run.model().record_drafts(d.accepted, d.rejections),
+                None => self.setup.model.record_drafts(d.accepted, d.rejections),
+            }
         }
         stats.warnings.extend(warnings);
         Ok(Finished::Done(stats))

@@ -189,10 +189,18 @@ impl Engine {
                 let begun = match self.load(request.model.as_deref(), keep_alive) {
                     Err(e) => Err(e),
                     Ok(residency::Ready { name, model, load_ms }) => {
+                        let draft = self.draft_for(&name, &request);
                         self.publish();
+                        let (draft, draft_ms) = match draft {
+                            Ok(d) => d,
+                            Err(e) => {
+                                self.finish(Err(e), &events, &request.stop, turn);
+                                return false;
+                            }
+                        };
                         let mut ctx = generate::GenerationContext {
                             model_name: &name,
-                            load_ms: load_ms.max(loaded_ms),
+                            load_ms: load_ms.max(loaded_ms) + draft_ms,
                             prefill_chunk: self.prefill_chunk,
                             decode: self.decode,
                             received,
@@ -201,6 +209,7 @@ impl Engine {
                             max_tokens_limit: self.max_tokens_limit,
                             prepared,
                             media,
+                            draft,
                         };
                         let begun = generate::begin(model, &mut ctx, &request, events.clone(), cancel);
                         self.residency.touch(&name, keep_alive);
@@ -362,6 +371,35 @@ impl Engine {
         }
         self.routes.insert(asked, loaded.name.clone());
         Ok(loaded)
+    }
+
+    /// The draft model a generation on `name` drafts with, loaded beside
+    /// it if needed (and the milliseconds that took): the request's, else
+    /// the one config.toml names, where its speculation may use one. A
+    /// configured draft that cannot load is logged and left out unless the
+    /// request insists on drafting with one.
+    fn draft_for(
+        &mut self,
+        name: &str,
+        request: &mlxbc_shared::GenerateRequest,
+    ) -> Result<(Option<std::rc::Rc<crate::model::Model>>, f64), EngineError> {
+        use mlxbc_shared::Speculation;
+        if matches!(request.speculate, Speculation::Off | Speculation::Ngram) {
+            return Ok((None, 0.0));
+        }
+        let t = Instant::now();
+        let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
+        let found =
+            self.residency.draft_for(&self.registry, name, request.draft.as_deref(), self.form.clone(), memo.as_ref());
+        let insists = request.draft.is_some() || request.speculate == Speculation::Draft;
+        match found {
+            Ok(d) => Ok((d, t.elapsed().as_secs_f64() * 1000.0)),
+            Err(e) if insists => Err(e),
+            Err(e) => {
+                tracing::warn!(model = %name, error = %e, "its configured draft model is left out");
+                Ok((None, 0.0))
+            }
+        }
     }
 
     pub(super) fn publish(&mut self) {

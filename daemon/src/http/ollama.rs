@@ -263,6 +263,7 @@ fn request(
         raw: None,
         logprobs: None,
         speculate: Default::default(),
+        draft: None,
     })
 }
 

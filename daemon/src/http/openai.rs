@@ -442,6 +442,7 @@ impl ChatCompletionRequest {
                 }),
             },
             speculate: Default::default(),
+            draft: None,
         })
     }
 }

@@ -327,9 +327,21 @@ pub struct Model {
     /// sequences, decayed per sequence: a new sequence's prior
     /// ([`Self::draft_prior`]).
     draft_evidence: std::cell::Cell<(f64, f64)>,
+    /// The draft model loaded beside it (speculative decoding), if any:
+    /// its memory is counted with this model's, and it goes when this does.
+    pub draft: RefCell<Option<AttachedDraft>>,
     /// llguidance's view of the tokenizer, for constrained requests (built
     /// on the first one: a trie of every token's bytes).
     constraints: std::cell::OnceCell<Result<Arc<llguidance::ParserFactory>, String>>,
+}
+
+/// A draft model resident beside its target ([`Model::draft`]).
+pub struct AttachedDraft {
+    /// Its canonical name.
+    pub name: String,
+    pub model: std::rc::Rc<Model>,
+    /// What it took at load (counted in its target's memory).
+    pub bytes: u64,
 }
 
 impl Model {
@@ -370,6 +382,7 @@ impl Model {
             warm_pending: RefCell::default(),
             drafts: Default::default(),
             draft_evidence: Default::default(),
+            draft: RefCell::default(),
             constraints: Default::default(),
         }
     }

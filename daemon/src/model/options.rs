@@ -82,6 +82,9 @@ pub enum Speculate {
     /// Prompt-lookup drafts verified every step there are any, whatever
     /// they cost (`MLXBC_SPECULATE=ngram`).
     Ngram,
+    /// A draft model's drafts verified every step, whatever they cost
+    /// (`MLXBC_SPECULATE=draft`; models with no draft model: `Auto`).
+    Draft,
 }
 
 impl BatchWeights {
@@ -166,7 +169,8 @@ impl EngineOptions {
             Some((_, v)) if v == "auto" => Speculate::Auto,
             Some((_, v)) if v == "off" => Speculate::Off,
             Some((_, v)) if v == "ngram" => Speculate::Ngram,
-            Some(other) => return Err(bad(&other, "auto, off, ngram")),
+            Some((_, v)) if v == "draft" => Speculate::Draft,
+            Some(other) => return Err(bad(&other, "auto, off, ngram, draft")),
         };
         Ok(Self { weights, decode, fusion, batch, attention, speculate })
     }

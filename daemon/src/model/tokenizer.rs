@@ -78,6 +78,32 @@ pub fn from_file(path: &std::path::Path) -> Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("reading tokenizer at {}: {e}", path.display()))
 }
 
+/// Why `draft`'s token ids do not mean what `target`'s do (a draft model
+/// must share its target's tokenizer: the target verifies the draft's ids
+/// as its own): the vocabulary, every token's id, and the added (special)
+/// tokens must agree. Whether a token is flagged special may differ (a
+/// GGUF's tokenizer flags what a `tokenizer.json` may not).
+pub fn disagreement(target: &Tokenizer, draft: &Tokenizer) -> Option<String> {
+    let (a, b) = (target.get_vocab(true), draft.get_vocab(true));
+    if a.len() != b.len() {
+        return Some(format!("its vocabulary has {} tokens, the model's {}", b.len(), a.len()));
+    }
+    if let Some((token, id)) = a.iter().find(|(token, id)| b.get(*token) != Some(id)) {
+        return Some(match b.get(token) {
+            Some(other) => format!("token {token:?} is id {id} for the model and {other} for the draft"),
+            None => format!("the model's token {token:?} (id {id}) is not in the draft's vocabulary"),
+        });
+    }
+    let added = |t: &Tokenizer| -> std::collections::BTreeMap<u32, String> {
+        t.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content)).collect()
+    };
+    let (a, b) = (added(target), added(draft));
+    let differ = a.iter().find(|(id, content)| b.get(id) != Some(content)).map(|(id, c)| (*id, c.clone()));
+    let differ =
+        differ.or_else(|| b.iter().find(|(id, content)| a.get(id) != Some(content)).map(|(id, c)| (*id, c.clone())));
+    differ.map(|(id, content)| format!("their added (special) tokens differ, first at id {id} ({content:?})"))
+}
+
 /// llguidance's parser factory for a tokenizer (for constrained decoding,
 /// `crate::decoding::constraint`): the tokenizer as llguidance sees it, with
 /// the model's end-of-sequence ids (allowed where the grammar may end).

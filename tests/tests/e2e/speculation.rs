@@ -199,3 +199,71 @@ async fn by_default_drafts_are_verified_where_the_cost_model_expects_them_to_pay
     let ps = String::from_utf8_lossy(&ps.stdout);
     assert!(ps.contains("SPECULATION") && ps.contains("auto, "), "{ps}");
 }
+
+/// Draft models: SmolLM2 (GGUF) drafted for by the same weights in MLX's
+/// form (`smollm2-mlx`: nearly every draft accepted) and by a random
+/// two-layer model with SmolLM2's tokenizer (`tiny-qwen3`: nearly none),
+/// named per request (`--draft`) or in config.toml (`[models."NAME"]
+/// draft`). Either way the ids equal plain decoding's; the draft is loaded
+/// beside its model, shown by `mlxbc ps`, and a draft that cannot serve
+/// (another tokenizer, the model itself, none at all) is refused with a
+/// sentence while the daemon keeps answering.
+#[tokio::test(flavor = "multi_thread")]
+async fn draft_models_draft_and_the_answer_is_the_same() {
+    const SAME: &str = "smollm2-mlx";
+    const TINY: &str = "tiny-qwen3";
+    let opts = DaemonOptions {
+        models: vec![
+            (SMOLLM2, fixture(&format!("models/{SMOLLM2}"))),
+            (QWEN25, fixture(&format!("models/{QWEN25}"))),
+            (SAME, fixture("mlx/smollm2-mlx")),
+            (TINY, fixture("mlx/tiny-qwen3")),
+        ],
+        args: vec![],
+    };
+    let mut d = Daemon::prepare(&opts);
+    std::fs::write(d.home.path().join("config.toml"), format!("[models.{SMOLLM2:?}]\ndraft = {TINY:?}\n")).unwrap();
+    d.spawn(&opts.args);
+    let quote = "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.";
+    let mut plain = greedy(Some(SMOLLM2), quote, 40);
+    plain.speculate = Speculation::Off;
+    let plain = ask_ok(&d, plain).await;
+    assert_eq!(plain.draft_tokens, 0);
+
+    // The same weights draft: (nearly) every drafted token is accepted.
+    let mut same = greedy(Some(SMOLLM2), quote, 40);
+    (same.speculate, same.draft) = (Speculation::Draft, Some(SAME.into()));
+    let same = ask_ok(&d, same).await;
+    assert_eq!(same.token_ids, plain.token_ids, "drafting with {SAME} changed the answer");
+    assert!(
+        same.draft_tokens > 0 && same.accepted_draft_tokens * 10 >= same.draft_tokens * 8,
+        "the same weights' drafts should be accepted: {} of {}",
+        same.accepted_draft_tokens,
+        same.draft_tokens
+    );
+    // A random draft (the configured one, forced): drafts rejected, same answer.
+    let mut tiny = greedy(Some(SMOLLM2), quote, 40);
+    tiny.speculate = Speculation::Draft;
+    let tiny = ask_ok(&d, tiny).await;
+    assert_eq!(tiny.token_ids, plain.token_ids, "drafting with {TINY} changed the answer");
+    assert!(tiny.draft_tokens > 0, "the configured draft model should have drafted: {tiny:?}");
+    let ps = String::from_utf8_lossy(&d.cli().arg("ps").output().unwrap().stdout).to_string();
+    assert!(ps.contains(&format!("draft {TINY}")), "mlxbc ps should name the draft model:\n{ps}");
+
+    // Refusals, each a sentence, and the daemon answers afterwards.
+    let refused = |model: &str, draft: Option<&str>| {
+        let mut r = greedy(Some(model), quote, 4);
+        (r.speculate, r.draft) = (Speculation::Draft, draft.map(String::from));
+        r
+    };
+    for (r, says) in [
+        (refused(QWEN25, Some(SMOLLM2)), "same tokenizer"),
+        (refused(SMOLLM2, Some(SMOLLM2)), "cannot draft for itself"),
+        (refused(QWEN25, None), "needs a draft model"),
+    ] {
+        let e = crate::helper::ask(&d.socket, r).await.expect_err("refused");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    let after = ask_ok(&d, greedy(Some(SMOLLM2), quote, 40)).await;
+    assert_eq!(after.token_ids, plain.token_ids);
+}
