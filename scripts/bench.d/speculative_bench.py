@@ -10,7 +10,8 @@ Then the batched row: 16 clients at once on code edits, total tok/s per
 daemon; and the long-prompt row: an 8k-token agent-style prompt.
 
 Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS
-(ONLY=alone,batched,long, the default: those rows; CODE_MODEL and
+(ONLY=alone,batched,long, the default: those rows; draft: SmolLM2's rows
+with draft models named per request, DRAFTS=tiny-qwen3,smollm2-mlx; CODE_MODEL and
 SMALL_MODEL name other models for the Qwen2.5-Coder and SmolLM2 rows, as
 on the GPU: scripts/gpu/real-size.sh spec)"""
 import json, os, statistics, subprocess, sys, threading, time
@@ -88,8 +89,8 @@ def agent_prompt():
             "Rename the parameter `values` to `readings` in metric_87 and answer with that whole function only.")
 
 
-def ask(home, model, max_tokens, prompt):
-    cmd = [mlxbc, "ask", "--json", "-m", model, "--temperature", "0", "--max-tokens", str(max_tokens), prompt]
+def ask(home, model, max_tokens, prompt, extra=()):
+    cmd = [mlxbc, "ask", "--json", "-m", model, "--temperature", "0", "--max-tokens", str(max_tokens), *extra, prompt]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, MLXBC_HOME=home), timeout=600)
     for line in out.stdout.splitlines():
         ev = json.loads(line)
@@ -125,13 +126,14 @@ def burst(home, model, max_tokens, prompts):
     return decode / span, out
 
 
-def measure(name, run, rounds):
-    """`run(home)` -> (tok/s, stats list) per mode, modes rotating per round."""
+def measure(name, run, rounds, by_mode=False):
+    """`run(home)` (or `run(mode)` when `by_mode`) -> (tok/s, stats list)
+    per mode, modes rotating per round."""
     speed = {m: [] for m in MODES}
     last, same = {}, True
     for r in range(rounds):
         for m in MODES[r % 3:] + MODES[:r % 3]:
-            tps, stats = run(homes[m])
+            tps, stats = run(m if by_mode else homes[m])
             speed[m].append(tps)
             last[m] = stats
         same &= all([s["token_ids"] for s in last[m]] == [s["token_ids"] for s in last["off"]] for m in MODES)
@@ -171,6 +173,20 @@ def main():
             return s["decode_tokens_per_s"], [s]
         rows.append(measure(f"agent prompt of {last_prompt_tokens(long)} tokens, code edit ({QWEN_NAME})",
                             agent, rounds))
+    if "draft" in only:
+        # Draft models, named per request against the auto daemon: off,
+        # auto with the draft (the cost model decides), the draft forced.
+        # Columns: "ngram" reads "draft forced" for these rows.
+        for draft in os.environ.get("DRAFTS", "tiny-qwen3,smollm2-mlx").split(","):
+            args = {"off": ["--speculate", "off"], "auto": ["--draft", draft],
+                    "ngram": ["--speculate", "draft", "--draft", draft]}
+            ask(homes["auto"], SMOL, 2, "Hi.", args["ngram"])  # loads the draft
+            for name, model, max_tokens, prompt in TASKS[3:5]:
+                def drafted(mode, model=model, max_tokens=max_tokens, prompt=prompt):
+                    s = ask(homes["auto"], model, max_tokens, prompt, args[mode])
+                    return s["decode_tokens_per_s"], [s]
+                rows.append(measure(f"{name}, draft model {draft} (ngram column: draft forced)", drafted, rounds,
+                                    by_mode=True))
     print("\n| task | off tok/s | auto | auto/off | ngram | ngram/off | auto: accepted / drafted (generated) "
           "| ngram: accepted / drafted | ids equal |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
