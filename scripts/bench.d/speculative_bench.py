@@ -11,7 +11,8 @@ daemon; and the long-prompt row: an 8k-token agent-style prompt.
 
 Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS
 (ONLY=alone,batched,long, the default: those rows; draft: SmolLM2's rows
-with draft models named per request, DRAFTS=tiny-qwen3,smollm2-mlx; CODE_MODEL and
+with draft models named per request, DRAFTS=tiny-qwen3,smollm2-mlx,
+DRAFT_TARGET=another model for them; CODE_MODEL and
 SMALL_MODEL name other models for the Qwen2.5-Coder and SmolLM2 rows, as
 on the GPU: scripts/gpu/real-size.sh spec)"""
 import json, os, statistics, subprocess, sys, threading, time
@@ -180,8 +181,11 @@ def main():
         for draft in os.environ.get("DRAFTS", "tiny-qwen3,smollm2-mlx").split(","):
             args = {"off": ["--speculate", "off"], "auto": ["--draft", draft],
                     "ngram": ["--speculate", "draft", "--draft", draft]}
-            ask(homes["auto"], SMOL, 2, "Hi.", args["ngram"])  # loads the draft
-            for name, model, max_tokens, prompt in TASKS[3:5]:
+            target = os.environ.get("DRAFT_TARGET", SMOL)
+            ask(homes["auto"], target, 2, "Hi.", args["ngram"])  # loads the draft
+            for name, _, max_tokens, prompt in TASKS[3:5]:
+                model = target
+                name = name if target == SMOL else f"{name.split(' (')[0]} ({target})"
                 def drafted(mode, model=model, max_tokens=max_tokens, prompt=prompt):
                     s = ask(homes["auto"], model, max_tokens, prompt, args[mode])
                     return s["decode_tokens_per_s"], [s]

@@ -168,6 +168,7 @@ spec)
   for mode in off auto ngram; do
     h=/tmp/home-spec-$mode-$RANDOM; daemon "$h" MLXBC_SPECULATE=$mode || exit 1; hs+=("$h")
   done
+  ONLY=${ONLY:-alone,batched,long,draft} DRAFT_TARGET=$1-4bit DRAFTS=qwen2.5-0.5b-4bit \
   CODE_MODEL=$1-4bit SMALL_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf timeout ${SPEC_TIMEOUT:-560} \
     $PY scripts/bench.d/speculative_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/spec-$1.txt"
   for h in "${hs[@]}"; do
