@@ -34,6 +34,9 @@ pub enum Op {
     },
     /// The logits of the last forward pass's last positions.
     Logits { slot: u32 },
+    /// The logits of every position of the last forward pass (a verify
+    /// pass of drafted tokens).
+    LogitsAll { slot: u32 },
     /// Make cache `cache` of the prefix `keys` (the prompt cache's encoding)
     /// names, `positions` long, from this rank's own prompt cache; every
     /// rank answers whether it holds all of it.

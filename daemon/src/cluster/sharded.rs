@@ -182,6 +182,20 @@ impl LanguageModel for ShardedLm {
         })
     }
 
+    fn verifies_drafts(&self) -> bool {
+        self.inner.verifies_drafts()
+    }
+
+    fn logits_all(&self, hidden: &Array) -> Result<Array> {
+        let journal = self.journal()?;
+        self.coordinator.call(None, |g| {
+            self.coordinator.send(g, vec![self.pending(&journal), Op::LogitsAll { slot: self.slot }])?;
+            let l = self.inner.logits_all(hidden)?;
+            l.eval()?;
+            Ok(l)
+        })
+    }
+
     fn media_attention(&self) -> MediaAttention {
         self.inner.media_attention()
     }

@@ -262,6 +262,11 @@ fn carry_out(
             let last = h.last.as_ref().ok_or_else(|| anyhow!("logits asked before any forward pass"))?;
             h.lm.logits(last)?.eval()?;
         }
+        Op::LogitsAll { slot } => {
+            let h = model(held, slot)?;
+            let last = h.last.as_ref().ok_or_else(|| anyhow!("logits asked before any forward pass"))?;
+            h.lm.logits_all(last)?.eval()?;
+        }
         Op::Restore { slot, cache, keys, positions } => {
             let h = model(held, slot)?;
             let r = match restore(h, &mut local.prompts, shard, &keys, positions) {
@@ -356,5 +361,6 @@ fn load(
     match loaded {
         crate::families::LoadedModel::Chat(m) => Ok(m.lm),
         crate::families::LoadedModel::Speech(_) => anyhow::bail!("{name} is a speech model and is not split"),
+        crate::families::LoadedModel::Embed(_) => anyhow::bail!("{name} is an embedding model and is not split"),
     }
 }

@@ -281,7 +281,7 @@ impl DecodeBatch {
     /// when no row drafted anything or the cache cannot be cut back (the
     /// caller then takes a plain step; the tokens ahead were handed over).
     fn verify_rows(&mut self, seqs: &mut [&mut Sequence]) -> Result<(Vec<RowOutcome>, bool), EngineError> {
-        let cache_fits = self.cache.as_ref().is_some_and(|c| !c.is_journaled() && !c.has_states());
+        let cache_fits = self.cache.as_ref().is_some_and(|c| !c.has_states());
         let wants: Vec<bool> = seqs.iter_mut().map(|s| s.wants_draft()).collect();
         let Some(ahead) = self.ahead.as_ref().filter(|_| cache_fits && wants.contains(&true)) else {
             return Ok((Vec::new(), false));

@@ -79,6 +79,12 @@ pub enum CacheOp {
         id: u64,
         keep: Vec<u32>,
     },
+    /// [`KvCache::trim_rows`]: the last `n[r]` positions of each row forgotten
+    /// (a verify pass's rejected drafts).
+    TrimRows {
+        id: u64,
+        n: Vec<i32>,
+    },
     Drop {
         id: u64,
     },
@@ -234,6 +240,10 @@ impl KvCache {
             CacheOp::KeepRows { id, keep } => {
                 let keep: Vec<usize> = keep.into_iter().map(|r| r as usize).collect();
                 caches.get_mut(&id).ok_or_else(|| anyhow::anyhow!("no cache {id} to filter"))?.keep_rows(&keep)?;
+            }
+            CacheOp::TrimRows { id, n } => {
+                let c = caches.get_mut(&id).ok_or_else(|| anyhow::anyhow!("no cache {id} to trim"))?;
+                anyhow::ensure!(c.trim_rows(&n)?, "cache {id} cannot forget {n:?} positions");
             }
             CacheOp::Drop { id } => {
                 caches.remove(&id);
@@ -540,18 +550,20 @@ impl KvCache {
     /// difference, which becomes padding before it. Its keys keep their
     /// rope positions (a row's positions count from its padding's end).
     /// The buffers keep their bytes past the end, which the next writes
-    /// overwrite and no attention reads. False, and nothing changed, where
-    /// that cannot be done: recurrent states (they cover every position),
-    /// a journaled (split) cache, or more positions than a row holds.
+    /// overwrite and no attention reads. A journaled (split) cache journals
+    /// it, for every rank to do the same to its shard. False, and nothing
+    /// changed, where that cannot be done: recurrent states (they cover
+    /// every position), or more positions than a row holds.
     pub fn trim_rows(&mut self, n: &[i32]) -> Result<bool> {
         use mlx_rs::ops::indexing::IndexOp;
         anyhow::ensure!(n.len() == self.rows(), "trimming {} rows of a batch of {}", n.len(), self.rows());
         let shared = n.iter().copied().min().unwrap_or(0);
         let pads = self.paddings();
         let fits = |(&k, &p): (&i32, &i32)| k >= 0 && p + k <= self.offset;
-        if self.has_states() || self.is_journaled() || !n.iter().zip(&pads).all(fits) {
+        if self.has_states() || !n.iter().zip(&pads).all(fits) {
             return Ok(false);
         }
+        self.journal(|id| CacheOp::TrimRows { id, n: n.to_vec() });
         let end = self.offset - shared;
         let moves: Vec<i32> = n.iter().map(|&k| k - shared).collect();
         if moves.iter().any(|&m| m > 0) {
@@ -776,6 +788,36 @@ mod kv_cache_tests {
         recurrent.set_state(0, vec![normal(1)]);
         recurrent.offset = 4;
         assert!(!recurrent.trim_rows(&[1]).unwrap(), "recurrent states cover every position");
+    }
+
+    /// A split model's cache journals its trim, and another rank replaying
+    /// the journal on its own copy forgets the same positions.
+    #[test]
+    fn a_journaled_trim_is_replayed_by_the_other_ranks() {
+        let normal = |n: i32| mlx_rs::random::normal::<f32>(&[1, 2, n, 4], None, None, None).unwrap();
+        let journal = Journal::default();
+        let mut mine = KvCache::new(1);
+        let id = mine.journaled(&journal).unwrap();
+        let mut theirs = std::collections::HashMap::new();
+        for op in journal.take() {
+            KvCache::replay(&mut theirs, 1, op).unwrap();
+        }
+        let written = normal(9);
+        for cache in [&mut mine, theirs.get_mut(&id).unwrap()] {
+            cache.update(0, written.clone(), written.clone()).unwrap();
+            cache.offset += 9;
+        }
+        assert!(mine.trim_rows(&[4]).unwrap());
+        let ops = journal.take();
+        assert_eq!(ops, vec![CacheOp::TrimRows { id, n: vec![4] }]);
+        for op in ops {
+            KvCache::replay(&mut theirs, 1, op).unwrap();
+        }
+        let next = normal(2);
+        let (a, _) = mine.update(0, next.clone(), next.clone()).unwrap();
+        let (b, _) = theirs.get_mut(&id).unwrap().update(0, next.clone(), next).unwrap();
+        assert_eq!(mine.offset, 5);
+        assert!(a.index((.., .., ..7, ..)).all_close(b.index((.., .., ..7, ..)), 0.0, 0.0, None).unwrap());
     }
 
     /// A padded batch whose rows forget different numbers of positions

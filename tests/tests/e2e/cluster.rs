@@ -192,6 +192,10 @@ async fn ids(socket: &Path, model: &str, prompts: &[String], max_tokens: u32) ->
     out
 }
 
+/// A request whose answer copies its prompt (drafts are accepted).
+const QUOTE: &str =
+    "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.";
+
 /// A prompt of more than 2000 tokens (mlx #4342's threshold for a
 /// corrupting tensor-parallel prefill over JACCL).
 fn long_prompt() -> String {
@@ -346,6 +350,9 @@ async fn smollm2_split_over_two_and_four_ranks_answers_as_one_daemon() {
     let one = Daemon::start();
     let want = ids(&one.socket, SMOLLM2, &prompts(), 16).await;
     let want_long = ids(&one.socket, SMOLLM2, &[long_prompt()], 4).await;
+    let mut quote = greedy(Some(SMOLLM2), QUOTE, 32);
+    quote.speculate = mlxbc_client::Speculation::Off;
+    let (_, want_quote) = ask(&one.socket, quote.clone()).await.unwrap();
     drop(one);
     // Four ranks on this machine's two cores spin in each other's way
     // inside MLX's collectives (~1 s a step): fewer tokens there.
@@ -360,6 +367,14 @@ async fn smollm2_split_over_two_and_four_ranks_answers_as_one_daemon() {
             assert_eq!(long, want_long, "2 ranks, a prompt over 2k tokens");
             let (_, stats) = ask(&g.rank0.socket, greedy(Some(SMOLLM2), &long_prompt(), 1)).await.unwrap();
             assert!(stats.prompt_tokens > 2000, "the long prompt is {} tokens", stats.prompt_tokens);
+            // Speculation on a split model: the verify pass is a sharded
+            // pass, and the cut back past rejected drafts is journaled.
+            quote.speculate = mlxbc_client::Speculation::Ngram;
+            let (_, drafted) = ask(&g.rank0.socket, quote.clone()).await.unwrap();
+            assert_eq!(drafted.token_ids, want_quote.token_ids, "2 ranks, drafting: the ids differ");
+            assert!(drafted.accepted_draft_tokens > 0, "a quotation's drafts are accepted: {drafted:?}");
+            let (_, again) = ask(&g.rank0.socket, quote.clone()).await.unwrap();
+            assert_eq!(again.token_ids, want_quote.token_ids, "2 ranks, drafting again on the trimmed caches");
         }
         let status = g.rank0.client().await.status().await.unwrap();
         let c = status.cluster.expect("rank 0 reports its group");

@@ -220,7 +220,8 @@ impl Transformer {
             Some(head) => head.forward(&x)?,
             None => self.embed_tokens.as_linear(&x)?,
         };
-        Ok(logits.reshape(&[b, l, -1])?)
+        // A head split by vocabulary gathers every rank's part.
+        Ok(self.split.gather_vocab(logits.reshape(&[b * l, -1])?)?.reshape(&[b, l, -1])?)
     }
 
     fn attention(
@@ -497,9 +498,9 @@ impl LanguageModel for Transformer {
     }
 
     fn verifies_drafts(&self) -> bool {
-        // A split model's verify pass would be an ordinary sharded pass,
-        // but its cache's trim is not journaled yet: it does not speculate.
-        self.split.ranks() == 1 && self.config.mrope_section.is_none()
+        // A split model's verify pass is an ordinary sharded pass, and its
+        // cache's trim is journaled for the other ranks.
+        self.config.mrope_section.is_none()
     }
 
     fn logits_all(&self, hidden: &Array) -> Result<Array> {
