@@ -110,6 +110,18 @@ pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> us
             Some(plain + (tb - plain) * (n - rows) as f64 / (b - rows) as f64)
         })
     };
+    let drafting_secs =
+        |width: usize| -> f64 { drafting.iter().map(|d| d.k.min(width - 1) as f64 * d.draft_secs).sum() };
+    // A revisit re-measures the pass; not where drafting alone costs more
+    // than it could gain even if the pass cost a plain step and every
+    // draft were accepted (a draft model as large as its target).
+    let could_pay = (2..=widest).any(|w| {
+        let best: f64 = drafting.iter().map(|d| d.k.min(w - 1) as f64).sum();
+        (rows as f64 + best) / (plain + drafting_secs(w)) > rows as f64 / plain
+    });
+    if !could_pay {
+        return 1;
+    }
     if costs.revisit() || estimate(rows * widest).is_none() {
         return widest;
     }
@@ -117,8 +129,7 @@ pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> us
     for width in 2..=widest {
         let Some(t) = estimate(rows * width) else { continue };
         let accepted: f64 = drafting.iter().map(|d| expected_accepted(d.k.min(width - 1), d.rate)).sum();
-        let drafting_secs: f64 = drafting.iter().map(|d| d.k.min(width - 1) as f64 * d.draft_secs).sum();
-        let rate = (rows as f64 + accepted) / (t + drafting_secs);
+        let rate = (rows as f64 + accepted) / (t + drafting_secs(width));
         if rate > best.0 {
             best = (rate, width);
         }
@@ -199,6 +210,14 @@ mod tests {
         assert!(choose_width(&c, 1, &drafting(0.0)) > 1);
         assert_eq!(choose_width(&c, 1, &drafting(0.006)), 1);
         assert!(choose_width(&c, 1, &drafting(0.0006)) > 1);
+        // Nor is such a draft tried again when a refusal is revisited, nor
+        // a pass never measured tried with it.
+        let mut c = c;
+        for _ in 0..REVISIT_AFTER {
+            c.plain_step(1, 0.006);
+        }
+        assert_eq!(choose_width(&c, 1, &drafting(0.012)), 1);
+        assert_eq!(choose_width(&costs(&[(1, 0.006)], &[]), 1, &drafting(0.012)), 1);
     }
 
     #[test]

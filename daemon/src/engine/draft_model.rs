@@ -42,7 +42,8 @@ pub struct DraftRun {
     /// embedding may not have such a row.
     vocab: u32,
     /// Seconds per drafted token (catch-up included), smoothed: what a
-    /// draft costs the step that verifies it (`draft_costs`).
+    /// draft costs the step that verifies it (`draft_costs`); starts from
+    /// the draft model's estimate over earlier sequences.
     secs_per_token: Option<f64>,
     /// Seconds the last draft took.
     pub last_secs: f64,
@@ -54,7 +55,8 @@ impl DraftRun {
         let cache = KvCache::new(model.lm.num_layers());
         let vocab = model.prompter.tokenizer.get_vocab_size(true) as u32;
         let mode = model.decode_mode(mode);
-        Self { model, mode, cache, fed: 0, drafted_at: 0, drafts_fed: 0, vocab, secs_per_token: None, last_secs: 0.0 }
+        let secs_per_token = model.draft_secs.get();
+        Self { model, mode, cache, fed: 0, drafted_at: 0, drafts_fed: 0, vocab, secs_per_token, last_secs: 0.0 }
     }
 
     /// The draft model (for its acceptance evidence).
@@ -107,6 +109,9 @@ impl DraftRun {
         let per = self.last_secs / k as f64;
         let slot = self.secs_per_token.get_or_insert(per);
         *slot += COST_WEIGHT * (per - *slot);
+        // The model's own estimate, for the sequences after this one.
+        let shared = self.model.draft_secs.get().map_or(per, |s| s + COST_WEIGHT * (per - s));
+        self.model.draft_secs.set(Some(shared));
         Ok(drafts)
     }
 

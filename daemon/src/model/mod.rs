@@ -327,6 +327,10 @@ pub struct Model {
     /// sequences, decayed per sequence: a new sequence's prior
     /// ([`Self::draft_prior`]).
     draft_evidence: std::cell::Cell<(f64, f64)>,
+    /// Seconds per token it drafts when it drafts for another model
+    /// (catching up included), smoothed over its sequences: a new
+    /// sequence's draft cost before it measures its own.
+    pub draft_secs: std::cell::Cell<Option<f64>>,
     /// The draft model loaded beside it (speculative decoding), if any:
     /// its memory is counted with this model's, and it goes when this does.
     pub draft: RefCell<Option<AttachedDraft>>,
@@ -383,6 +387,7 @@ impl Model {
             drafts: Default::default(),
             draft_evidence: Default::default(),
             draft: RefCell::default(),
+            draft_secs: Default::default(),
             constraints: Default::default(),
         }
     }
