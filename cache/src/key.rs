@@ -16,6 +16,9 @@ pub enum Modality {
     /// sampled frames (the group named in the preprocessing part), or the
     /// clip's group times.
     Video = 3,
+    /// Text: a sentence embedder's vector for one input (the content hash
+    /// is the text's; the preprocessing part, the embedder's settings).
+    Text = 4,
 }
 
 impl Modality {
@@ -24,6 +27,7 @@ impl Modality {
             1 => Some(Modality::Image),
             2 => Some(Modality::Audio),
             3 => Some(Modality::Video),
+            4 => Some(Modality::Text),
             _ => None,
         }
     }

@@ -7,6 +7,7 @@
 
 mod ask;
 mod chat;
+mod embed;
 mod manage;
 mod prefetch;
 mod progress;
@@ -38,6 +39,8 @@ pub(crate) enum Command {
     Chat(ChatArgs),
     /// Transcribe audio files with a speech model (Whisper): text, JSON, SRT or WebVTT.
     Transcribe(transcribe::TranscribeArgs),
+    /// Embed texts with an embedding model: a JSON array (or .npy row) per text.
+    Embed(embed::EmbedArgs),
     /// List the daemon's named conversations, show one, or forget one.
     Sessions {
         #[command(subcommand)]
@@ -429,6 +432,10 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Transcribe(args) => {
             let mut client = Client::connect_or_start(&settings).await?;
             transcribe::run(&mut client, &args).await
+        }
+        Command::Embed(args) => {
+            let mut client = Client::connect_or_start(&settings).await?;
+            embed::run(&mut client, &args).await
         }
         command => {
             let mut client = Client::connect_or_start(&settings).await?;

@@ -318,6 +318,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
         }
         Command::Ask(_)
         | Command::Transcribe(_)
+        | Command::Embed(_)
         | Command::Stop
         | Command::Service { .. }
         | Command::Completions { .. }

@@ -22,10 +22,10 @@ pub use spawn::{daemon_program, log_path};
 pub use error::ClientError;
 /// The wire types a caller builds requests from and reads events as.
 pub use mlxbc_shared::protocol::{
-    CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, ErrorKind, GenerateRequest,
-    GenerationStats, KeepAlive, LoadedModel, MediaKind, MediaRef, ModelInfo, PromptCacheReport, Request, Response,
-    Role, SamplingParams, SessionCommand, SessionInfo, ShedEvent, Speculation, StopReason, TranscribeRequest,
-    TranscribeStats, Transcript, TranscriptSegment, PROTOCOL_VERSION,
+    CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, EmbedRequest, Embeddings, ErrorKind,
+    GenerateRequest, GenerationStats, KeepAlive, LoadedModel, MediaKind, MediaRef, ModelInfo, PromptCacheReport,
+    Request, Response, Role, SamplingParams, SessionCommand, SessionInfo, ShedEvent, Speculation, StopReason,
+    TranscribeRequest, TranscribeStats, Transcript, TranscriptSegment, PROTOCOL_VERSION,
 };
 pub use mlxbc_shared::settings::Settings;
 /// Transcripts as SubRip and WebVTT subtitles.
@@ -247,6 +247,16 @@ impl Client {
     pub async fn status(&mut self) -> Result<DaemonStatus, ClientError> {
         match self.call(Request::Status).await? {
             Response::Status(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Embeds `request.inputs` with an embedding model: one vector per
+    /// input, in order (vectors the daemon has stored come back without
+    /// being computed again).
+    pub async fn embed(&mut self, request: EmbedRequest) -> Result<Embeddings, ClientError> {
+        match self.call(Request::Embed(request)).await? {
+            Response::Embedded(e) => Ok(e),
             other => Err(unexpected(other)),
         }
     }

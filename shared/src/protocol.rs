@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 18;
+pub const PROTOCOL_VERSION: u32 = 19;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -43,6 +43,8 @@ pub enum Request {
     /// Generate, may be answered with [`Response::NeedMedia`] first: the
     /// audio travels by hash until the daemon asks for its bytes.
     Transcribe(TranscribeRequest),
+    /// Embed texts with an embedding model; answered by [`Response::Embedded`].
+    Embed(EmbedRequest),
     /// Form the daemon's group again now (`mlxbc cluster restart`);
     /// answered with [`Response::Status`].
     ClusterRestart,
@@ -322,6 +324,44 @@ pub enum Response {
     Sessions(Vec<SessionInfo>),
     /// Answer to [`Request::Transcribe`].
     Transcribed(Transcript),
+    /// Answer to [`Request::Embed`].
+    Embedded(Embeddings),
+}
+
+/// The most texts one [`EmbedRequest`] may carry.
+pub const MAX_EMBED_INPUTS: usize = 8192;
+
+/// Texts to embed (`mlxbc embed`, `/v1/embeddings`, `/api/embed`). Each
+/// text's vector is kept in the daemon's store under the model's weights,
+/// its settings and the text's hash: a text is embedded once, ever.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EmbedRequest {
+    /// The embedding model (a name `mlxbc models` lists as embedding).
+    pub model: String,
+    /// The texts, each embedded on its own (at most [`MAX_EMBED_INPUTS`]).
+    pub inputs: Vec<String>,
+    /// A text longer than the model takes is cut to its first tokens
+    /// (true) or refused with an error naming it (false).
+    pub truncate: bool,
+    /// Keep each vector's first `dimensions` values, normalized again
+    /// (Matryoshka embeddings); `None`: all of them.
+    pub dimensions: Option<u32>,
+    pub keep_alive: Option<KeepAlive>,
+}
+
+/// The vectors of an [`EmbedRequest`], in its inputs' order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Embeddings {
+    /// The model's canonical name.
+    pub model: String,
+    pub vectors: Vec<Vec<f32>>,
+    /// Tokens of the inputs as embedded (after truncation), stored or not.
+    pub prompt_tokens: u64,
+    /// Inputs whose vectors came from the store (no computation).
+    pub cached: u32,
+    /// Milliseconds loading the model took (0 when resident), and the whole request.
+    pub load_ms: f64,
+    pub total_ms: f64,
 }
 
 /// One chat message.
@@ -720,7 +760,8 @@ pub struct ModelInfo {
     pub loaded: bool,
     /// Where it was found: "store" (the models directory), "hf-cache", "ollama", "lmstudio".
     pub source: String,
-    /// What it does: "chat", "vision" (chat with images) or "speech" (transcribes audio).
+    /// What it does: "chat", "vision" (chat with images), "speech"
+    /// (transcribes audio) or "embedding" (embeds text).
     pub capability: String,
 }
 

@@ -130,8 +130,8 @@ impl ModelRegistry {
 }
 
 /// What a model does, from its files: a directory whose family loads a
-/// speech recognizer transcribes ("speech"), one with a vision config sees
-/// ("vision"); the rest chat.
+/// speech recognizer transcribes ("speech"), an embedder's embeds
+/// ("embedding"), one with a vision config sees ("vision"); the rest chat.
 pub fn capability(path: &Path) -> &'static str {
     if !path.is_dir() {
         return "chat";
@@ -140,6 +140,8 @@ pub fn capability(path: &Path) -> &'static str {
     let family = crate::families::family_of(&raw);
     if family.is_some_and(|f| matches!(f.load_dir, crate::families::DirLoader::Speech(_))) {
         "speech"
+    } else if family.is_some_and(|f| matches!(f.load_dir, crate::families::DirLoader::Embed(_))) {
+        "embedding"
     } else if raw.get("vision_config").is_some() {
         "vision"
     } else {

@@ -58,6 +58,8 @@ pub enum Job {
     /// tier is cleared off the engine thread); replies with the blocks dropped.
     ClearPromptRam { reply: oneshot::Sender<u64> },
     /// Transcribe a recording (decoded off the engine thread) into `events`.
+    /// Texts to embed with an embedding model (`engine::embed`).
+    Embed { request: mlxbc_shared::EmbedRequest, received: Instant, reply: oneshot::Sender<Response> },
     Transcribe {
         request: mlxbc_shared::TranscribeRequest,
         audio: crate::audio::AudioInput,
@@ -137,7 +139,10 @@ pub(super) fn refuse(job: Job) {
         Job::Generate { events, .. } | Job::Transcribe { events, .. } => {
             let _ = events.send(err());
         }
-        Job::Load { reply, .. } | Job::Unload { reply, .. } | Job::Prefetch { reply, .. } => {
+        Job::Load { reply, .. }
+        | Job::Unload { reply, .. }
+        | Job::Prefetch { reply, .. }
+        | Job::Embed { reply, .. } => {
             let _ = reply.send(err());
         }
         Job::ClearPromptRam { .. } => {}

@@ -8,6 +8,7 @@ mod answer;
 mod batch;
 mod draft_costs;
 mod draft_model;
+mod embed;
 pub mod generate;
 mod handle;
 mod housekeeping;

@@ -6,7 +6,7 @@
 use super::keep_alive::{self, Clock, NoRoom};
 use crate::catalog::registry::ModelRegistry;
 use crate::error::EngineError;
-use crate::model::family::SpeechRecognizer;
+use crate::model::family::{Embedder, SpeechRecognizer};
 use crate::model::{weights::WeightForm, Model};
 use mlxbc_shared::{KeepAlive, LoadedModel};
 use std::collections::HashMap;
@@ -21,6 +21,7 @@ const MIB: u64 = 1 << 20;
 pub enum Servable {
     Chat(Rc<Model>),
     Speech(Rc<dyn SpeechRecognizer>),
+    Embed(Rc<dyn Embedder>),
 }
 
 impl Servable {
@@ -28,6 +29,7 @@ impl Servable {
         match self {
             Servable::Chat(m) => m.lm.architecture(),
             Servable::Speech(s) => s.architecture(),
+            Servable::Embed(e) => e.architecture(),
         }
     }
 }
@@ -276,6 +278,10 @@ impl Residency {
                 "{name} is a speech model: it transcribes audio (`mlxbc transcribe FILE -m {name}`, \
                  /v1/audio/transcriptions) and does not chat"
             ))),
+            Servable::Embed(_) => Err(EngineError::BadRequest(format!(
+                "{name} is an embedding model: it embeds text (`mlxbc embed -m {name} TEXT`, /v1/embeddings, \
+                 /api/embed) and does not chat"
+            ))),
         }
     }
 
@@ -291,9 +297,29 @@ impl Residency {
         let (name, model, load_ms) = self.ensure_any(registry, Some(name), form, keep_alive, fingerprints)?;
         match model {
             Servable::Speech(s) => Ok((name, s, load_ms)),
-            Servable::Chat(_) => Err(EngineError::BadMedia(format!(
+            Servable::Chat(_) | Servable::Embed(_) => Err(EngineError::BadMedia(format!(
                 "{name} is a language model and cannot take audio; transcribe with a Whisper model \
                  (`mlxbc models` lists them)"
+            ))),
+        }
+    }
+
+    /// The same for an embedding model (another kind is refused, saying
+    /// what it does instead).
+    pub fn ensure_embedder(
+        &mut self,
+        registry: &ModelRegistry,
+        name: &str,
+        form: crate::model::options::ModelOptions,
+        keep_alive: Option<KeepAlive>,
+        fingerprints: Option<&sled::Tree>,
+    ) -> Result<(String, Rc<dyn Embedder>, f64), EngineError> {
+        let (name, model, load_ms) = self.ensure_any(registry, Some(name), form, keep_alive, fingerprints)?;
+        match model {
+            Servable::Embed(e) => Ok((name, e, load_ms)),
+            Servable::Chat(_) | Servable::Speech(_) => Err(EngineError::BadRequest(format!(
+                "{name} is not an embedding model; embed with one (`mlxbc models` lists them as embedding), \
+                 e.g. all-MiniLM-L6-v2"
             ))),
         }
     }
@@ -365,6 +391,7 @@ impl Residency {
                 Servable::Chat(Rc::new(model))
             }
             crate::families::LoadedModel::Speech(s) => Servable::Speech(Rc::from(s)),
+            crate::families::LoadedModel::Embed(e) => Servable::Embed(Rc::from(e)),
         };
         let load_ms = t.elapsed().as_secs_f64() * 1000.0;
         let memory_bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
@@ -582,7 +609,7 @@ impl Residency {
     pub fn handle(&self, name: &str) -> Option<Rc<Model>> {
         match &self.models.get(name)?.model {
             Servable::Chat(m) => Some(m.clone()),
-            Servable::Speech(_) => None,
+            Servable::Speech(_) | Servable::Embed(_) => None,
         }
     }
 
@@ -590,7 +617,7 @@ impl Residency {
     pub fn get(&self, name: &str) -> Option<&Model> {
         match &self.models.get(name)?.model {
             Servable::Chat(m) => Some(m),
-            Servable::Speech(_) => None,
+            Servable::Speech(_) | Servable::Embed(_) => None,
         }
     }
 
@@ -651,7 +678,7 @@ impl Residency {
                 idle_s: now.duration_since(r.clock.last_used).as_secs(),
                 context_length: match &r.model {
                     Servable::Chat(m) => m.lm.context_length(),
-                    Servable::Speech(_) => 0,
+                    Servable::Speech(_) | Servable::Embed(_) => 0,
                 },
                 pinned: r.clock.pinned(),
                 batch_weights: match &r.model {
@@ -659,7 +686,7 @@ impl Residency {
                         format!("{} (warming batches)", m.batch_weights.describe())
                     }
                     Servable::Chat(m) => m.batch_weights.describe().to_string(),
-                    Servable::Speech(_) => "-".to_string(),
+                    Servable::Speech(_) | Servable::Embed(_) => "-".to_string(),
                 },
                 speculation: match &r.model {
                     Servable::Chat(m) if m.lm.verifies_drafts() => {
@@ -673,11 +700,11 @@ impl Residency {
                 },
                 draft_tokens: match &r.model {
                     Servable::Chat(m) => m.drafts.get().0,
-                    Servable::Speech(_) => 0,
+                    Servable::Speech(_) | Servable::Embed(_) => 0,
                 },
                 accepted_draft_tokens: match &r.model {
                     Servable::Chat(m) => m.drafts.get().1,
-                    Servable::Speech(_) => 0,
+                    Servable::Speech(_) | Servable::Embed(_) => 0,
                 },
             })
             .collect();

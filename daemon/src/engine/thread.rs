@@ -263,6 +263,23 @@ impl Engine {
                     }
                 }
             }
+            Job::Embed { request, received, reply } => {
+                let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
+                let loaded = self.residency.ensure_embedder(
+                    &self.registry,
+                    &request.model,
+                    self.form.clone(),
+                    request.keep_alive,
+                    memo.as_ref(),
+                );
+                let answer = loaded.and_then(|(name, model, load_ms)| {
+                    self.publish();
+                    let done = super::embed::run(&name, &*model, self.store.as_ref(), &request, load_ms, received);
+                    self.residency.touch(&name, request.keep_alive);
+                    done
+                });
+                let _ = reply.send(answer.map_or_else(|e| e.into_response(), Response::Embedded));
+            }
             Job::ClearPromptRam { reply } => {
                 let dropped = self.prompts.clear_ram() as u64;
                 self.publish();

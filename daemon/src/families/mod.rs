@@ -4,6 +4,7 @@
 //! `crate::model::family` and builds a `crate::model::Model`; nothing
 //! outside this folder names a family. Adding one: docs/adding-a-family.md.
 
+pub mod bert;
 pub mod gemma3;
 pub mod gemma4;
 pub mod gemma4_unified;
@@ -13,7 +14,7 @@ pub mod qwen3_5;
 pub mod qwen3_vl;
 pub mod whisper;
 
-use crate::model::family::SpeechRecognizer;
+use crate::model::family::{Embedder, SpeechRecognizer};
 use crate::model::gguf::{gguf_string, Gguf};
 use crate::model::options::ModelOptions;
 use crate::model::Model;
@@ -27,12 +28,17 @@ pub type ChatDirLoader = fn(&Path, &serde_json::Value, ModelOptions, Option<&sle
 pub type SpeechDirLoader =
     fn(&Path, &serde_json::Value, ModelOptions, Option<&sled::Tree>) -> Result<Box<dyn SpeechRecognizer>>;
 
+/// Loads a sentence embedder's directory, given the same.
+pub type EmbedDirLoader = fn(&Path, &serde_json::Value, ModelOptions, Option<&sled::Tree>) -> Result<Box<dyn Embedder>>;
+
 /// What a family's directories load as.
 pub enum DirLoader {
     /// A language model (text or vision-language), answering chats.
     Chat(ChatDirLoader),
     /// A speech recognizer, answering transcriptions.
     Speech(SpeechDirLoader),
+    /// A text embedder, answering embeddings.
+    Embed(EmbedDirLoader),
 }
 
 /// A loaded model of either kind.
@@ -43,6 +49,7 @@ pub enum DirLoader {
 pub enum LoadedModel {
     Chat(Model),
     Speech(Box<dyn SpeechRecognizer>),
+    Embed(Box<dyn Embedder>),
 }
 
 /// Loads an opened GGUF file.
@@ -111,6 +118,13 @@ pub const FAMILIES: &[Family] = &[
         load_gguf: None,
         tensor_parallel: true,
     },
+    Family {
+        model_types: &["bert"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Embed(bert::load_dir),
+        load_gguf: None,
+        tensor_parallel: false,
+    },
     // mlx-whisper's config.json has no model_type: see `model_type_of`.
     Family {
         model_types: &["whisper"],
@@ -151,6 +165,9 @@ pub fn load(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sled::T
         LoadedModel::Speech(s) => {
             bail!("{} is a speech model ({}): it transcribes audio and does not chat", path.display(), s.architecture())
         }
+        LoadedModel::Embed(e) => {
+            bail!("{} is an embedding model ({}): it embeds text and does not chat", path.display(), e.architecture())
+        }
     }
 }
 
@@ -171,6 +188,7 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
         match family.load_dir {
             DirLoader::Chat(load) => load(path, &raw, options, memo).map(LoadedModel::Chat),
             DirLoader::Speech(load) => load(path, &raw, options, memo).map(LoadedModel::Speech),
+            DirLoader::Embed(load) => load(path, &raw, options, memo).map(LoadedModel::Embed),
         }
     } else if path.is_file() {
         let file = Gguf::open(path).with_context(|| format!("reading GGUF at {}", path.display()))?;

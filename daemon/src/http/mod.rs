@@ -2,8 +2,9 @@
 //! (`mlxbcd --http 127.0.0.1:PORT`; off by default, loopback only), on the
 //! same engine as the socket: OpenAI's chat and text completions,
 //! `/v1/models` and `/v1/responses` ([`openai`], [`responses`]), ollama's
-//! native API ([`ollama`]), Anthropic's Messages API ([`anthropic`]) and
-//! OpenAI's speech-to-text ([`audio`]);
+//! native API ([`ollama`]), Anthropic's Messages API ([`anthropic`]),
+//! OpenAI's speech-to-text ([`audio`]) and both APIs' embeddings
+//! ([`embeddings`]);
 //! streams are server-sent events (NDJSON for ollama), images `data:`
 //! URLs or base64.
 //! Every request passes [`guard`] first; a model must be a plain name
@@ -12,6 +13,7 @@
 
 mod anthropic;
 mod audio;
+mod embeddings;
 mod guard;
 mod listener;
 mod ollama;
@@ -69,6 +71,9 @@ pub async fn serve(
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))
         .route("/api/pull", post(ollama_pull::pull))
+        .route("/v1/embeddings", post(embeddings::openai))
+        .route("/api/embed", post(embeddings::ollama_embed))
+        .route("/api/embeddings", post(embeddings::ollama_embeddings))
         .route("/v1/audio/transcriptions", post(audio::transcriptions))
         .route("/v1/audio/translations", post(audio::translations))
         // Bodies carry base64 images: the socket's frame cap, no more,

@@ -26,7 +26,7 @@ use std::sync::Arc;
 /// The ollama version this API follows (clients check it is recent enough).
 const OLLAMA_VERSION: &str = "0.12.6";
 
-fn error(kind: ErrorKind, message: String) -> Response {
+pub(super) fn error(kind: ErrorKind, message: String) -> Response {
     let status = match kind {
         ErrorKind::UnknownModel => StatusCode::NOT_FOUND,
         ErrorKind::BadRequest | ErrorKind::BadMedia | ErrorKind::ContextOverflow | ErrorKind::BadFrame => {
@@ -216,7 +216,7 @@ fn constraint(format: Option<Value>) -> Result<Option<Constraint>, String> {
     })
 }
 
-fn keep_alive(v: Option<Value>) -> Result<Option<KeepAlive>, String> {
+pub(super) fn keep_alive(v: Option<Value>) -> Result<Option<KeepAlive>, String> {
     Ok(match v {
         None | Some(Value::Null) => None,
         Some(Value::Number(n)) => match n.as_f64() {

@@ -289,3 +289,39 @@ pub trait SpeechTask {
     /// The transcript.
     fn finish(self: Box<Self>) -> Result<SpeechResult>;
 }
+
+/// A family's text embedder (sentence embeddings: BERT-style encoders as
+/// sentence-transformers ships them): texts in, one vector each. The
+/// engine looks every input up in the feature store first (its key: this
+/// model's [`Self::fingerprint`], [`Self::settings`] and the text's
+/// sha256) and embeds only the misses, a batch at a time.
+pub trait Embedder {
+    /// Architecture name for listings (`bert`).
+    fn architecture(&self) -> &'static str;
+
+    /// Length of its vectors.
+    fn dimensions(&self) -> usize;
+
+    /// The most tokens an input may have, special tokens included
+    /// (sentence-transformers' `max_seq_length`).
+    fn max_tokens(&self) -> usize;
+
+    /// Token ids of `text` with the model's special tokens, not truncated.
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>>;
+
+    /// `ids` cut to [`Self::max_tokens`] as the model's tokenizer truncates
+    /// (keeping its closing special token).
+    fn truncate(&self, ids: &[u32]) -> Vec<u32>;
+
+    /// Vectors of tokenized inputs (each at most [`Self::max_tokens`]),
+    /// pooled and normalized as the model's directory says, as one padded
+    /// batch.
+    fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>>;
+
+    /// Hash over its config and weights (feature-store key part).
+    fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint;
+
+    /// Everything besides the weights that changes a vector (pooling,
+    /// normalization, truncation): feature-store key part, and `mlxbc ps`.
+    fn settings(&self) -> String;
+}

@@ -293,6 +293,9 @@ async fn answer(state: &AppState, request: Request) -> Response {
                 .await
         }
         Request::Unload { model } => round_trip(state, |reply| Job::Unload { model, reply }).await,
+        Request::Embed(request) => {
+            round_trip(state, |reply| Job::Embed { request, received: std::time::Instant::now(), reply }).await
+        }
         Request::Prefetch { model, media } => match crate::requests::prepare::prefetch(&state.engine, &model, media)
             .await
         {

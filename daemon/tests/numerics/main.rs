@@ -8,6 +8,7 @@ mod common;
 
 mod batch_rows;
 mod dtype_dirs;
+mod embeddings;
 mod gemma4;
 mod gemma4_unified;
 mod gguf_reader;

@@ -21,7 +21,7 @@ use std::rc::Rc;
 fn whisper(dir: &str) -> Rc<dyn SpeechRecognizer> {
     match families::load_any(&fixture(dir), WeightForm::DenseF32, None).unwrap() {
         LoadedModel::Speech(s) => Rc::from(s),
-        LoadedModel::Chat(_) => panic!("{dir} loaded as a chat model"),
+        _ => panic!("{dir} did not load as a speech model"),
     }
 }
 

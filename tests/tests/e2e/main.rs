@@ -8,6 +8,7 @@ mod cli;
 mod clients;
 mod cluster;
 mod crash_soak;
+mod embeddings;
 mod faults;
 mod gemma4;
 mod generation;

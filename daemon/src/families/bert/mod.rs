@@ -1,0 +1,140 @@
+//! BERT-style sentence embedders as sentence-transformers ships them
+//! (all-MiniLM, BGE, E5, GTE and others of the `bert` architecture): the
+//! encoder (`model`), its shape (`config`), and how the directory says to
+//! pool and normalize (`pooling`).
+//!
+//! Checked against mlx-embeddings' `bert.py` on the same weights
+//! (tests/reference, `numerics::embeddings`).
+
+mod config;
+mod model;
+mod pooling;
+
+use crate::model::family::Embedder;
+use crate::model::options::ModelOptions;
+use crate::model::weights::TensorMap;
+use anyhow::{Context, Result};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+use pooling::{Pooling, SentenceSettings};
+use std::path::Path;
+
+/// A loaded sentence embedder.
+pub struct Bert {
+    encoder: model::BertEncoder,
+    settings: SentenceSettings,
+    tokenizer: tokenizers::Tokenizer,
+    fingerprint: mlxbc_cache::TowerFingerprint,
+    dimensions: usize,
+}
+
+/// Loads a sentence-transformers (or bare `BertModel`) directory.
+pub fn load_dir(
+    dir: &Path,
+    raw: &serde_json::Value,
+    options: ModelOptions,
+    memo: Option<&sled::Tree>,
+) -> Result<Box<dyn Embedder>> {
+    let config = config::BertConfig::from_json(raw)?;
+    let t = TensorMap::from_safetensors_dir(dir, crate::model::vlm_dir::quantization(raw), options.form)?;
+    let prefixed = t.has("bert.embeddings.word_embeddings.weight");
+    let t = if prefixed { t.strip_prefix("bert.") } else { t };
+    // Older checkpoints name LayerNorm's parameters gamma and beta.
+    let mut t =
+        t.renamed(|n| n.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"));
+    let dimensions = config.hidden_size as usize;
+    let encoder = model::BertEncoder::load(config.clone(), &mut t)?;
+    let settings = SentenceSettings::read(dir, encoder.positions())?;
+    let mut tokenizer = crate::model::tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    // Its own truncation and padding (tokenizer.json often fixes both at
+    // 128) would change what is embedded: the engine truncates, and pads
+    // per batch.
+    tokenizer.with_padding(None);
+    tokenizer.with_truncation(None).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+    let prefixes: &[&str] = if prefixed { &["bert."] } else { &["embeddings.", "encoder."] };
+    let fingerprint = crate::model::vlm_dir::weights_fingerprint(
+        dir,
+        prefixes,
+        &format!("bert {config:?} {}", settings.describe()),
+        memo,
+    )
+    .with_context(|| format!("fingerprinting {}", dir.display()))?;
+    Ok(Box::new(Bert { encoder, settings, tokenizer, fingerprint, dimensions }))
+}
+
+impl Embedder for Bert {
+    fn architecture(&self) -> &'static str {
+        "bert"
+    }
+
+    fn dimensions(&self) -> usize {
+        self.dimensions
+    }
+
+    fn max_tokens(&self) -> usize {
+        self.settings.max_tokens
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    fn truncate(&self, ids: &[u32]) -> Vec<u32> {
+        let max = self.max_tokens().max(2);
+        if ids.len() <= max {
+            return ids.to_vec();
+        }
+        // [CLS] and the first tokens, then the closing [SEP].
+        let mut out = ids[..max - 1].to_vec();
+        out.extend_from_slice(&ids[ids.len() - 1..]);
+        out
+    }
+
+    fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let (b, l) = (inputs.len() as i32, longest as i32);
+        let mut ids = Vec::with_capacity(inputs.len() * longest);
+        let mut keep = Vec::with_capacity(inputs.len() * longest);
+        for input in inputs {
+            ids.extend_from_slice(input);
+            ids.extend(std::iter::repeat_n(0, longest - input.len()));
+            keep.extend((0..longest).map(|i| i < input.len()));
+        }
+        let ids = Array::from_slice(&ids, &[b, l]);
+        let keep = Array::from_slice(&keep, &[b, l]);
+        let states = self.encoder.forward(&ids, &keep)?;
+        let pooled = match self.settings.pooling {
+            Pooling::Mean => {
+                let weights = keep.as_dtype(states.dtype())?.reshape(&[b, l, 1])?;
+                let sum = states.multiply(&weights)?.sum_axis(1, None)?;
+                let count = mlx_rs::ops::maximum(weights.sum_axis(1, None)?, Array::from_f32(1e-9))?;
+                sum.divide(&count)?
+            }
+            Pooling::Cls => states.index((.., 0, ..)),
+            Pooling::LastToken => {
+                let last: Vec<i32> = inputs.iter().map(|i| i.len().max(1) as i32 - 1).collect();
+                let at = Array::from_slice(&last, &[b, 1, 1]);
+                states.take_along_axis(&at, 1)?.reshape(&[b, -1])?
+            }
+        };
+        let pooled = if self.settings.normalize {
+            let norm = pooled.square()?.sum_axis(-1, true)?.sqrt()?;
+            pooled.divide(mlx_rs::ops::maximum(norm, Array::from_f32(1e-12))?)?
+        } else {
+            pooled
+        };
+        let pooled = pooled.as_dtype(mlx_rs::Dtype::Float32)?;
+        pooled.eval()?;
+        let flat = pooled.as_slice::<f32>();
+        Ok(flat.chunks(self.dimensions).map(<[f32]>::to_vec).collect())
+    }
+
+    fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint {
+        self.fingerprint
+    }
+
+    fn settings(&self) -> String {
+        self.settings.describe()
+    }
+}

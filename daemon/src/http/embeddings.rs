@@ -1,0 +1,190 @@
+//! Embeddings over HTTP: OpenAI's `POST /v1/embeddings` (a string or a list
+//! of them; `encoding_format` float or base64, which the `openai` SDK asks
+//! for by default; `dimensions`; an input longer than the model takes is
+//! an error, as OpenAI answers it) and ollama's `POST /api/embed` (`input`,
+//! `truncate`, default true) and older `POST /api/embeddings` (`prompt`,
+//! one vector). Every text goes through the engine's store first
+//! (`engine::embed`): a re-index of unchanged chunks computes nothing.
+
+use super::{error_response, ollama};
+use crate::state::AppState;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use mlxbc_shared::{EmbedRequest, Embeddings, ErrorKind, KeepAlive, Response as Wire};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// The longest an embedding request may wait for the engine.
+const EMBED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 * 60);
+
+/// Runs `request` on the engine.
+async fn embed(state: &AppState, request: EmbedRequest) -> Result<Embeddings, (ErrorKind, String)> {
+    if !crate::catalog::registry::is_plain_name(&request.model) {
+        return Err((ErrorKind::BadRequest, format!("model {:?}: a name, not a path", request.model)));
+    }
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let job = crate::engine::Job::Embed { request, received: std::time::Instant::now(), reply };
+    state.engine.submit(job).map_err(|e| match e.into_response() {
+        Wire::Error { kind, message } => (kind, message),
+        _ => (ErrorKind::Internal, "the engine refused the request".into()),
+    })?;
+    match tokio::time::timeout(EMBED_TIMEOUT, answer).await {
+        Ok(Ok(Wire::Embedded(e))) => Ok(e),
+        Ok(Ok(Wire::Error { kind, message })) => Err((kind, message)),
+        Ok(_) => Err((ErrorKind::Internal, "the engine dropped the request".into())),
+        Err(_) => Err((ErrorKind::Internal, "embedding took longer than 30 minutes".into())),
+    }
+}
+
+/// One text or several.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Input {
+    One(String),
+    Many(Vec<String>),
+    /// Token ids (one list, or a list of lists): recognized, to be refused.
+    Ids(#[expect(dead_code, reason = "only recognized")] Vec<u32>),
+    IdLists(#[expect(dead_code, reason = "only recognized")] Vec<Vec<u32>>),
+}
+
+impl Input {
+    fn texts(self) -> Result<Vec<String>, String> {
+        match self {
+            Input::One(t) => Ok(vec![t]),
+            Input::Many(t) => Ok(t),
+            Input::Ids(_) | Input::IdLists(_) => {
+                Err("token-id inputs are not supported: send the text (a string or a list of strings)".into())
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct OpenAiBody {
+    model: String,
+    input: Input,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    dimensions: Option<u32>,
+    #[serde(default)]
+    #[expect(dead_code, reason = "OpenAI's end-user id: accepted, not used")]
+    user: Option<String>,
+}
+
+/// `POST /v1/embeddings`.
+pub async fn openai(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let b: OpenAiBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return error_response(ErrorKind::BadRequest, format!("request body: {e}")),
+    };
+    let base64 = match b.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return error_response(ErrorKind::BadRequest, format!("encoding_format {other:?}: float or base64"))
+        }
+    };
+    let inputs = match b.input.texts() {
+        Ok(t) => t,
+        Err(e) => return error_response(ErrorKind::BadRequest, e),
+    };
+    let request = EmbedRequest { model: b.model, inputs, truncate: false, dimensions: b.dimensions, keep_alive: None };
+    let e = match embed(&state, request).await {
+        Ok(e) => e,
+        Err((kind, message)) => return error_response(kind, message),
+    };
+    let data: Vec<Value> = e
+        .vectors
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let embedding = if base64 {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Json(json!({
+        "object": "list",
+        "data": data,
+        "model": e.model,
+        "usage": {"prompt_tokens": e.prompt_tokens, "total_tokens": e.prompt_tokens},
+    }))
+    .into_response()
+}
+
+#[derive(Deserialize)]
+struct OllamaBody {
+    model: String,
+    #[serde(default)]
+    input: Option<Input>,
+    /// `/api/embeddings`' one text.
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    truncate: Option<bool>,
+    #[serde(default)]
+    dimensions: Option<u32>,
+    #[serde(default)]
+    keep_alive: Option<Value>,
+}
+
+fn ollama_request(b: OllamaBody, legacy: bool) -> Result<EmbedRequest, String> {
+    let inputs = match (legacy, b.input, b.prompt) {
+        (true, _, Some(p)) => vec![p],
+        (true, _, None) => return Err("prompt is required".into()),
+        (false, Some(i), _) => i.texts()?,
+        (false, None, _) => return Err("input is required".into()),
+    };
+    let keep_alive: Option<KeepAlive> = ollama::keep_alive(b.keep_alive)?;
+    Ok(EmbedRequest {
+        model: b.model,
+        inputs,
+        truncate: b.truncate.unwrap_or(true),
+        dimensions: b.dimensions,
+        keep_alive,
+    })
+}
+
+/// `POST /api/embed`.
+pub async fn ollama_embed(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    ollama_answer(&state, &body, false).await
+}
+
+/// `POST /api/embeddings` (ollama's older endpoint: one `prompt`, one `embedding`).
+pub async fn ollama_embeddings(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    ollama_answer(&state, &body, true).await
+}
+
+async fn ollama_answer(state: &AppState, body: &[u8], legacy: bool) -> Response {
+    let started = std::time::Instant::now();
+    let request = match serde_json::from_slice(body)
+        .map_err(|e| format!("request body: {e}"))
+        .and_then(|b| ollama_request(b, legacy))
+    {
+        Ok(r) => r,
+        Err(e) => return ollama::error(ErrorKind::BadRequest, e),
+    };
+    let e = match embed(state, request).await {
+        Ok(e) => e,
+        Err((kind, message)) => return ollama::error(kind, message),
+    };
+    if legacy {
+        return Json(json!({"embedding": e.vectors.into_iter().next().unwrap_or_default()})).into_response();
+    }
+    Json(json!({
+        "model": e.model,
+        "embeddings": e.vectors,
+        "total_duration": started.elapsed().as_nanos() as u64,
+        "load_duration": (e.load_ms * 1e6) as u64,
+        "prompt_eval_count": e.prompt_tokens,
+    }))
+    .into_response()
+}
