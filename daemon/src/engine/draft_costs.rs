@@ -27,6 +27,11 @@ pub struct PassCosts {
     plain: BTreeMap<usize, f64>,
     /// A verify pass (synchronous), by positions (rows × width).
     verify: BTreeMap<usize, f64>,
+    /// Pass sizes run once, whose first time was not recorded: a GPU
+    /// builds kernels for a new shape on its first run (an 8B model's
+    /// one-row pass of 9 positions took 23 ms the first time against a
+    /// 5.6 ms step on an H200), which is no measure of the pass.
+    warmed: std::collections::BTreeSet<usize>,
     /// Plain steps taken since the last verify pass.
     refused: u32,
 }
@@ -42,10 +47,14 @@ impl PassCosts {
         self.refused = self.refused.saturating_add(1);
     }
 
-    /// A verify pass of `positions` took `secs`.
+    /// A verify pass of `positions` took `secs` (the first of its size is
+    /// only noted: see `warmed`).
     pub fn verify_pass(&mut self, positions: usize, secs: f64) {
-        self.verify.entry(positions).and_modify(|t| blend(t, secs)).or_insert(secs);
         self.refused = 0;
+        if self.warmed.insert(positions) {
+            return;
+        }
+        self.verify.entry(positions).and_modify(|t| blend(t, secs)).or_insert(secs);
     }
 
     /// The plain step's cost for `rows`, if measured.
@@ -147,9 +156,23 @@ mod tests {
             c.plain_step(n, t);
         }
         for &(n, t) in verify {
+            c.verify_pass(n, t * 4.0); // the first run of a size: not recorded
             c.verify_pass(n, t);
         }
         c
+    }
+
+    #[test]
+    fn the_first_pass_of_a_size_is_not_its_cost() {
+        let mut c = PassCosts::default();
+        c.plain_step(1, 0.006);
+        let row = [Drafting { k: 8, rate: 0.9, draft_secs: 0.0 }];
+        c.verify_pass(9, 0.023); // kernels built for the new shape
+        assert_eq!(c.verify(9), None, "not measured yet");
+        assert_eq!(choose_width(&c, 1, &row), 9, "so it is tried again");
+        c.verify_pass(9, 0.0065);
+        assert_eq!(c.verify(9), Some(0.0065));
+        assert!(choose_width(&c, 1, &row) > 1);
     }
 
     #[test]
