@@ -146,11 +146,12 @@ def measure(name, run, rounds, by_mode=False):
 
 
 def main():
-    for home in homes.values():  # load both models in every daemon
-        for _, model, _, prompt in TASKS[::3]:
-            ask(home, model, 4, prompt)
-    rows = []
     only = os.environ.get("ONLY", "alone,batched,long").split(",")
+    for home in homes.values():  # load the models the rows use in every daemon
+        for _, model, _, prompt in TASKS[::3]:
+            if model == QWEN or "alone" in only:
+                ask(home, model, 4, prompt)
+    rows = []
     for name, model, max_tokens, prompt in TASKS if "alone" in only else []:
         def alone(home, model=model, max_tokens=max_tokens, prompt=prompt):
             s = ask(home, model, max_tokens, prompt)

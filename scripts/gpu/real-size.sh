@@ -163,7 +163,9 @@ sweep)
 spart)
   mkdir -p /tmp/smol; cp -r ".dev/rs/s$1/." /tmp/smol/; ls -la /tmp/smol ;;
 spec)
-  cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  # SmolLM2's rows need its parts (spart 0..2); ONLY=batched,long do not.
+  [[ -f /tmp/smol/smol.2 ]] && { cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 \
+    > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1; }
   hs=()
   for mode in off auto ngram; do
     h=/tmp/home-spec-$mode-$RANDOM; daemon "$h" MLXBC_SPECULATE=$mode || exit 1; hs+=("$h")
