@@ -25,7 +25,7 @@ pub const LAYERS: &[&[&str]] = &[
     &["model"],
     &["audio"],
     // Foundations (`distributed`: MLX's process groups and collectives).
-    &["error", "limits", "logging", "distributed"],
+    &["error", "limits", "logging", "distributed", "metrics"],
 ];
 
 /// Items of the crate root anyone may use (`lib.rs`).

@@ -16,6 +16,7 @@ mod layering;
 pub mod limits;
 pub mod logging;
 pub mod media;
+pub mod metrics;
 pub mod model;
 pub mod prompt_cache;
 pub mod requests;

@@ -32,6 +32,33 @@ use std::time::Instant;
 #[derive(Clone)]
 pub struct SharedStore(Arc<Mutex<FeatureStore>>);
 
+/// The store's state (`mlxbc cache stats`, `/metrics`), beside the prompt
+/// cache's (`prompts`).
+pub fn report(
+    store: &FeatureStore,
+    path: &std::path::Path,
+    prompts: mlxbc_shared::PromptCacheReport,
+) -> mlxbc_shared::CacheReport {
+    let s = store.stats();
+    mlxbc_shared::CacheReport {
+        path: path.display().to_string(),
+        entries: s.entries,
+        disk_bytes: s.disk_bytes,
+        disk_budget_bytes: store.config().disk_bytes,
+        ram_entries: s.ram_entries,
+        ram_bytes: s.ram_bytes,
+        ram_hits: s.ram_hits,
+        disk_hits: s.disk_hits,
+        misses: s.misses,
+        evictions: s.evictions,
+        corrupt: s.corrupt,
+        removed: 0,
+        skipped_for_space: s.skipped_for_space,
+        listing: Vec::new(),
+        prompts,
+    }
+}
+
 impl SharedStore {
     /// Shares an opened store.
     pub fn new(store: FeatureStore) -> Self {

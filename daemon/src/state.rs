@@ -42,6 +42,23 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The daemon's state as `mlxbc status` shows it: the engine's, with
+    /// the connection tables'.
+    pub fn status(&self) -> mlxbc_shared::DaemonStatus {
+        let (c, h) = (&self.connections, &self.http_connections);
+        mlxbc_shared::DaemonStatus {
+            connections_open: c.len() as u32,
+            connections_cap: c.cap() as u32,
+            connections_evicted: c.evicted_count(),
+            connections_refused: c.refused_count(),
+            http_connections_open: h.len() as u32,
+            http_connections_cap: if self.http_on { h.cap() as u32 } else { 0 },
+            http_connections_evicted: h.evicted_count(),
+            http_connections_refused: h.refused_count(),
+            ..self.engine.status(self.started)
+        }
+    }
+
     /// Queues a generation, prepared first as far as it can be off the
     /// engine thread (`requests::prepare`): its events, and the flag that
     /// cancels it. The one place a `Job::Generate` is built, for the socket

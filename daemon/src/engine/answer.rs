@@ -66,15 +66,18 @@ impl Engine {
                         stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));
                     }
                 }
+                self.metrics.generation(&stats.model.clone(), "done", Some(&stats));
                 let _ = events.send(Response::Done { stats });
             }
             Ok(generate::Finished::AskedForMedia) => {}
             Ok(generate::Finished::Abandoned) => {
                 self.cancelled.fetch_add(1, Ordering::SeqCst);
+                self.metrics.generation("", "cancelled", None);
                 tracing::info!("generation cancelled: the client went away");
             }
             Err(e) => {
                 tracing::warn!(kind = ?e.kind(), message = %crate::logging::peer(&e.to_string()), "generation failed");
+                self.metrics.generation("", &format!("{:?}", e.kind()), None);
                 let _ = events.send(e.into_response());
             }
         }

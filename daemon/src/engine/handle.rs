@@ -68,6 +68,8 @@ pub struct EngineHandle {
     pub prompt_path: std::path::PathBuf,
     /// The group this daemon leads as rank 0, if any.
     pub cluster: Option<crate::cluster::Coordinator>,
+    /// What `/metrics` reports; the engine and the gateway record into it.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl EngineHandle {

@@ -88,7 +88,9 @@ pub fn spawn(
         prompt_disk: prompt_cache::open_disk(settings),
         prompt_shared: Arc::default(),
         prompt_path: settings.prompt_cache_dir.clone(),
+        metrics: Arc::default(),
     };
+    let metrics = handle.metrics.clone();
     let form = crate::model::options::ModelOptions {
         form: WeightForm::for_device(&device, options.weights),
         fusion: options.fusion,
@@ -127,6 +129,7 @@ pub fn spawn(
         let mut engine = thread::Engine {
             store,
             prompts: prompt_cache::PromptCache::new(prompt_ram_bytes, prompt_disk, prompt_shared),
+            metrics,
             registry,
             residency: {
                 let mut r = Residency::new(settings.keep_alive, settings.max_loaded_models, memory_budget);

@@ -421,7 +421,8 @@ impl Residency {
     /// else the one config.toml names for it, loaded beside it unless it
     /// is already (its memory counted with the target's, and unloaded
     /// with it; another draft loaded for the target replaces the last).
-    /// `None` when neither names one. A draft that cannot serve its target
+    /// `None` when neither names one; with the milliseconds a load took now
+    /// (0 when it was resident). A draft that cannot serve its target
     /// (another tokenizer, a family whose cache cannot forget drafts, no
     /// room) is an error with the reason; a configured one that failed is
     /// not tried again until the daemon restarts.
@@ -432,13 +433,13 @@ impl Residency {
         asked: Option<&str>,
         form: crate::model::options::ModelOptions,
         fingerprints: Option<&sled::Tree>,
-    ) -> Result<Option<Rc<Model>>, EngineError> {
-        let Some(target) = self.handle(name) else { return Ok(None) };
+    ) -> Result<(Option<Rc<Model>>, f64), EngineError> {
+        let Some(target) = self.handle(name) else { return Ok((None, 0.0)) };
         let wanted = match asked {
             Some(a) => a.to_string(),
             None => match self.configured_draft(registry, name) {
                 Some(d) => d,
-                None => return Ok(None),
+                None => return Ok((None, 0.0)),
             },
         };
         let key = (name.to_string(), wanted.clone());
@@ -447,13 +448,14 @@ impl Residency {
         }
         let resolved = registry.resolve(Some(&wanted))?;
         if let Some(d) = target.draft.borrow().as_ref().filter(|d| d.name == resolved.name) {
-            return Ok(Some(d.model.clone()));
+            return Ok((Some(d.model.clone()), 0.0));
         }
+        let t = Instant::now();
         let loaded = self.load_draft(name, &target, &resolved, form, fingerprints);
         if let (Err(EngineError::BadRequest(why) | EngineError::ModelLoad(why)), None) = (&loaded, asked) {
             self.failed_drafts.insert(key, why.clone());
         }
-        loaded.map(Some)
+        loaded.map(|m| (Some(m), t.elapsed().as_secs_f64() * 1000.0))
     }
 
     /// The draft config.toml names for `name` (written under that name or

@@ -30,6 +30,8 @@ const PUBLISH_EVERY: Duration = Duration::from_millis(200);
 
 pub(super) struct Engine {
     pub(super) store: Option<media::SharedStore>,
+    /// Counters `/metrics` reports.
+    pub(super) metrics: std::sync::Arc<crate::metrics::Metrics>,
     pub(super) prompts: prompt_cache::PromptCache,
     pub(super) registry: Arc<ModelRegistry>,
     pub(super) residency: Residency,
@@ -274,8 +276,13 @@ impl Engine {
                 );
                 let answer = loaded.and_then(|(name, model, load_ms)| {
                     self.publish();
+                    if load_ms > 0.0 {
+                        self.metrics.load(&name, load_ms);
+                    }
                     let done = super::embed::run(&name, &*model, self.store.as_ref(), &request, load_ms, received);
                     self.residency.touch(&name, request.keep_alive);
+                    let outcome = done.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
+                    self.metrics.embedding(&name, &outcome, done.as_ref().ok());
                     done
                 });
                 let _ = reply.send(answer.map_or_else(|e| e.into_response(), Response::Embedded));
@@ -382,6 +389,9 @@ impl Engine {
         let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
         let loaded =
             self.residency.ensure_loaded(&self.registry, model, self.form.clone(), keep_alive, memo.as_ref())?;
+        if loaded.load_ms > 0.0 {
+            self.metrics.load(&loaded.name, loaded.load_ms);
+        }
         if self.routes.len() >= MAX_ROUTES {
             // Many spellings of paths can name one model: keep the table small.
             self.routes.clear();
@@ -404,13 +414,12 @@ impl Engine {
         if matches!(request.speculate, Speculation::Off | Speculation::Ngram) {
             return Ok((None, 0.0));
         }
-        let t = Instant::now();
         let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
         let found =
             self.residency.draft_for(&self.registry, name, request.draft.as_deref(), self.form.clone(), memo.as_ref());
         let insists = request.draft.is_some() || request.speculate == Speculation::Draft;
         match found {
-            Ok(d) => Ok((d, t.elapsed().as_secs_f64() * 1000.0)),
+            Ok(found) => Ok(found),
             Err(e) if insists => Err(e),
             Err(e) => {
                 tracing::warn!(model = %name, error = %e, "its configured draft model is left out");

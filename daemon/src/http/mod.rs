@@ -71,11 +71,13 @@ pub async fn serve(
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))
         .route("/api/pull", post(ollama_pull::pull))
+        .route("/metrics", get(metrics))
         .route("/v1/embeddings", post(embeddings::openai))
         .route("/api/embed", post(embeddings::ollama_embed))
         .route("/api/embeddings", post(embeddings::ollama_embeddings))
         .route("/v1/audio/transcriptions", post(audio::transcriptions))
         .route("/v1/audio/translations", post(audio::translations))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
         // Bodies carry base64 images: the socket's frame cap, no more,
         // read whole under a deadline before a handler runs; and before
         // that, the guard.
@@ -113,6 +115,33 @@ fn error_response(kind: ErrorKind, message: String) -> Response {
     };
     (status, Json(json!({"error": {"message": message, "type": kind_name, "code": format!("{kind:?}")}})))
         .into_response()
+}
+
+/// `GET /metrics`: counters and the daemon's state in Prometheus' text
+/// format (`crate::metrics`; docs/http-api.md lists the series).
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let status = state.status();
+    let prompts = state.engine.prompt_report();
+    let (store, path) = (state.engine.store.clone(), state.engine.store_path.clone());
+    // The store's stats take its lock: off the async threads.
+    let report = tokio::task::spawn_blocking(move || store.map(|s| crate::media::report(&s.lock(), &path, prompts)))
+        .await
+        .ok()
+        .flatten();
+    let body = crate::metrics::render(&state.engine.metrics, &status, report.as_ref());
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}
+
+/// Counts each request by its route and the status it was answered with.
+async fn count_requests(
+    State(state): State<Arc<AppState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = request.extensions().get::<axum::extract::MatchedPath>().map_or("", |p| p.as_str()).to_string();
+    let response = next.run(request).await;
+    state.engine.metrics.http(&route, response.status().as_u16());
+    response
 }
 
 /// The chat page (`GET /`): one file written in this repo, no build step,

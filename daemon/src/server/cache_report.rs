@@ -49,22 +49,5 @@ pub fn run(
         CacheCommand::Verify => {}
         CacheCommand::ClearPrompts => removed = removed_prompts,
     }
-    let s = store.stats();
-    Response::Cache(CacheReport {
-        path: path.display().to_string(),
-        entries: s.entries,
-        disk_bytes: s.disk_bytes,
-        disk_budget_bytes: store.config().disk_bytes,
-        ram_entries: s.ram_entries,
-        ram_bytes: s.ram_bytes,
-        ram_hits: s.ram_hits,
-        disk_hits: s.disk_hits,
-        misses: s.misses,
-        evictions: s.evictions,
-        corrupt: s.corrupt,
-        removed,
-        skipped_for_space: s.skipped_for_space,
-        listing,
-        prompts,
-    })
+    Response::Cache(CacheReport { removed, listing, ..crate::media::report(&store, path, prompts) })
 }

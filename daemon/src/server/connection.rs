@@ -345,18 +345,7 @@ async fn answer(state: &AppState, request: Request) -> Response {
 }
 
 fn status(state: &AppState) -> Response {
-    let (c, h) = (&state.connections, &state.http_connections);
-    Response::Status(mlxbc_shared::DaemonStatus {
-        connections_open: c.len() as u32,
-        connections_cap: c.cap() as u32,
-        connections_evicted: c.evicted_count(),
-        connections_refused: c.refused_count(),
-        http_connections_open: h.len() as u32,
-        http_connections_cap: if state.http_on { h.cap() as u32 } else { 0 },
-        http_connections_evicted: h.evicted_count(),
-        http_connections_refused: h.refused_count(),
-        ..state.engine.status(state.started)
-    })
+    Response::Status(state.status())
 }
 
 async fn round_trip(state: &AppState, job: impl FnOnce(oneshot::Sender<Response>) -> Job) -> Response {

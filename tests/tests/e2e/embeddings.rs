@@ -86,3 +86,12 @@ fn openai_sdk_and_ollama_client_embed() {
     let _d = Daemon::start_with(options(vec!["--http".into(), format!("127.0.0.1:{port}")]));
     crate::http::run_client_script("embeddings.py", &[&format!("http://127.0.0.1:{port}"), MINILM, SMOLLM2]);
 }
+
+/// `GET /metrics` parses with prometheus_client's parser and its counters
+/// move as requests are served (tests/clients/metrics.py).
+#[test]
+fn metrics_parse_and_move_as_requests_are_served() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _d = Daemon::start_with(options(vec!["--http".into(), format!("127.0.0.1:{port}")]));
+    crate::http::run_client_script("metrics.py", &[&format!("http://127.0.0.1:{port}"), SMOLLM2, MINILM]);
+}
