@@ -67,6 +67,7 @@ try:
     raise AssertionError("truncate=False should refuse a long input")
 except ollama.ResponseError as e:
     assert e.status_code == 400 and "tokens" in e.error, e
+assert "embedding" in (o.show(model).capabilities or []), o.show(model)
 legacy = o.embeddings(model=model, prompt=texts[0])
 assert cosine(legacy.embedding, vectors[0]) > 0.99999
 print("OK")

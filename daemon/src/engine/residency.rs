@@ -591,6 +591,12 @@ impl Residency {
             match warmed {
                 Ok(()) => {
                     m.warm_pending.borrow_mut().remove(0);
+                    if m.warm_pending.borrow().is_empty() {
+                        // The warming's buffers are garbage now: give them
+                        // back rather than keep them in MLX's cache (three
+                        // daemons on one H200 ran out of memory with them).
+                        let _ = mlx_rs::memory::clear_cache();
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(model = %name, rows, error = %format!("{e:#}"), "warming batched paths failed");

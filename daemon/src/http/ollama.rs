@@ -104,6 +104,17 @@ pub async fn show(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -
     let Some(info) = state.registry.list().into_iter().find(|m| m.name == name || m.aliases.contains(&name)) else {
         return error(ErrorKind::UnknownModel, format!("model {name:?} not found"));
     };
+    if info.capability == "embedding" {
+        // An embedder has no chat route to load: its files say what it is.
+        return Json(json!({
+            "modelfile": "", "parameters": "", "template": "", "license": "",
+            "details": details(&info.format),
+            "model_info": {"general.architecture": ""},
+            "capabilities": ["embedding"],
+            "modified_at": now_rfc3339(),
+        }))
+        .into_response();
+    }
     let model = Some(name.clone());
     let request = GenerateRequest { model: model.clone(), ..GenerateRequest::ask("") };
     crate::requests::prepare::load(&state.engine, &request).await;
