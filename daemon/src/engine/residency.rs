@@ -593,8 +593,10 @@ impl Residency {
                     m.warm_pending.borrow_mut().remove(0);
                     if m.warm_pending.borrow().is_empty() {
                         // The warming's buffers are garbage now: give them
-                        // back rather than keep them in MLX's cache (three
-                        // daemons on one H200 ran out of memory with them).
+                        // back rather than keep them in MLX's cache, where
+                        // other processes on the GPU cannot have them
+                        // (suspected in an out-of-memory of three daemons on
+                        // one H200: docs/measurements/h200-2026-12-05-speculation.md).
                         let _ = mlx_rs::memory::clear_cache();
                     }
                 }
