@@ -1,15 +1,18 @@
 //! Embedding requests: each input is looked up in the feature store first
 //! (keyed by the embedder's weights, its settings and the text's sha256),
-//! and only the misses are computed, a padded batch at a time, shortest
-//! first so a batch's rows are about as long as each other. A re-index of
-//! unchanged chunks is answered from the store, after a restart too.
+//! and only the misses are computed, a padded batch per engine pass
+//! (between decode steps and transcription windows), shortest first so a
+//! batch's rows are about as long as each other. A re-index of unchanged
+//! chunks is answered from the store, after a restart too.
 
 use crate::error::EngineError;
 use crate::media::SharedStore;
 use crate::model::family::Embedder;
 use mlxbc_cache::{content_hash, FeatureKey, Features, Modality};
-use mlxbc_shared::{EmbedRequest, Embeddings, MAX_EMBED_INPUTS};
+use mlxbc_shared::{EmbedRequest, Embeddings, Response, MAX_EMBED_INPUTS};
+use std::rc::Rc;
 use std::time::Instant;
+use tokio::sync::oneshot;
 
 /// Tokens (padding included) one batch may hold: bounds the attention's
 /// memory (`rows × length²` per head) whatever the inputs.
@@ -18,15 +21,163 @@ const BATCH_TOKENS: usize = 16 * 1024;
 /// The most inputs one batch may hold.
 const BATCH_ROWS: usize = 64;
 
-/// Embeds `request.inputs` with `model` (resident as `name`).
-pub fn run(
-    name: &str,
-    model: &dyn Embedder,
-    store: Option<&SharedStore>,
-    request: &EmbedRequest,
+/// An embedding request in progress: its inputs looked up in the store,
+/// the misses computed one batch per engine pass ([`Self::step`]), so a
+/// request of thousands of texts does not stall the streams of others.
+pub struct EmbedJob {
+    name: String,
+    model: Rc<dyn Embedder>,
+    inputs: Vec<String>,
+    ids: Vec<Vec<u32>>,
+    vectors: Vec<Option<Vec<f32>>>,
+    /// The misses to compute, shortest first; `at` is the next.
+    misses: Vec<usize>,
+    at: usize,
+    keys: Vec<FeatureKey>,
+    dimensions: usize,
+    cached: u32,
     load_ms: f64,
     received: Instant,
-) -> Result<Embeddings, EngineError> {
+    keep_alive: Option<mlxbc_shared::KeepAlive>,
+    reply: Option<oneshot::Sender<Response>>,
+}
+
+impl EmbedJob {
+    /// Checks and tokenizes `request.inputs` for `model` (resident as
+    /// `name`) and takes what the store has; the rest is for [`Self::step`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin(
+        name: &str,
+        model: Rc<dyn Embedder>,
+        store: Option<&SharedStore>,
+        request: EmbedRequest,
+        load_ms: f64,
+        received: Instant,
+        reply: oneshot::Sender<Response>,
+    ) -> Result<Self, (EngineError, oneshot::Sender<Response>)> {
+        let checked = check(name, &*model, &request);
+        let (dimensions, ids) = match checked {
+            Ok(c) => c,
+            Err(e) => return Err((e, reply)),
+        };
+        let fingerprint = model.fingerprint();
+        let settings = FeatureKey::preprocess_hash(&model.settings());
+        let keys: Vec<FeatureKey> = request
+            .inputs
+            .iter()
+            .map(|text| FeatureKey {
+                modality: Modality::Text,
+                tower: fingerprint.0,
+                preprocess: settings,
+                content: content_hash(text.as_bytes()),
+            })
+            .collect();
+        let full = model.dimensions();
+        let vectors: Vec<Option<Vec<f32>>> = match store {
+            Some(s) => {
+                let mut s = s.lock();
+                keys.iter().map(|k| s.get(k).map(|(f, _)| f.to_f32()).filter(|v| v.len() == full)).collect()
+            }
+            None => vec![None; keys.len()],
+        };
+        let cached = vectors.iter().filter(|v| v.is_some()).count() as u32;
+        // The misses, shortest first; an input repeated within the request
+        // is computed once.
+        let inputs = request.inputs;
+        let mut misses: Vec<usize> = (0..inputs.len()).filter(|&i| vectors[i].is_none()).collect();
+        misses.sort_by_key(|&i| ids[i].len());
+        misses.dedup_by(|a, b| inputs[*a] == inputs[*b]);
+        Ok(Self {
+            name: name.to_string(),
+            model,
+            inputs,
+            ids,
+            vectors,
+            misses,
+            at: 0,
+            keys,
+            dimensions,
+            cached,
+            load_ms,
+            received,
+            keep_alive: request.keep_alive,
+            reply: Some(reply),
+        })
+    }
+
+    /// Embeds the next batch of misses (bounded by rows and tokens) and
+    /// stores their vectors; true when none are left.
+    pub fn step(&mut self, store: Option<&SharedStore>) -> Result<bool, EngineError> {
+        if self.at >= self.misses.len() {
+            return Ok(true);
+        }
+        let (at, misses) = (self.at, &self.misses);
+        let mut end = at + 1;
+        while end < misses.len()
+            && end - at < BATCH_ROWS
+            && self.ids[misses[end]].len() * (end + 1 - at) <= BATCH_TOKENS
+        {
+            end += 1;
+        }
+        let batch: Vec<Vec<u32>> = misses[at..end].iter().map(|&i| self.ids[i].clone()).collect();
+        let out = self.model.embed(&batch).map_err(EngineError::inference)?;
+        let full = self.model.dimensions() as u32;
+        for (&i, v) in misses[at..end].iter().zip(out) {
+            if let Some(s) = store {
+                if let Err(e) = s.lock().put(&self.keys[i], &Features::from_f32(vec![full], &v)) {
+                    tracing::warn!(error = %e, "an embedding was not stored");
+                }
+            }
+            self.vectors[i] = Some(v);
+        }
+        self.at = end;
+        Ok(self.at >= self.misses.len())
+    }
+
+    /// The model's canonical name, and how long it stays loaded afterwards.
+    pub fn model(&self) -> (&str, Option<mlxbc_shared::KeepAlive>) {
+        (&self.name, self.keep_alive)
+    }
+
+    /// The answer, once every batch is done.
+    fn finish(&mut self) -> Result<Embeddings, EngineError> {
+        // Repeats of an input take its vector.
+        for i in 0..self.inputs.len() {
+            if self.vectors[i].is_none() {
+                let first = (0..i).find(|&j| self.inputs[j] == self.inputs[i] && self.vectors[j].is_some());
+                self.vectors[i] = first.and_then(|j| self.vectors[j].clone());
+            }
+        }
+        let dimensions = self.dimensions;
+        let vectors = std::mem::take(&mut self.vectors)
+            .into_iter()
+            .map(|v| v.map(|v| shortened(v, dimensions)))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| EngineError::Internal("an input was left without a vector".into()))?;
+        Ok(Embeddings {
+            model: self.name.clone(),
+            vectors,
+            prompt_tokens: self.ids.iter().map(|t| t.len() as u64).sum(),
+            cached: self.cached,
+            load_ms: self.load_ms,
+            total_ms: self.received.elapsed().as_secs_f64() * 1000.0,
+        })
+    }
+
+    /// Answers the client: the vectors, or why not.
+    fn answer(&mut self, outcome: &Result<Embeddings, EngineError>) {
+        if let Some(r) = self.reply.take() {
+            let _ = r.send(match outcome {
+                Ok(e) => Response::Embedded(e.clone()),
+                Err(e) => e.clone().into_response(),
+            });
+        }
+    }
+}
+
+/// The request's output dimensions and its inputs' token ids (truncated
+/// where it allows), or why it is refused.
+fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<(usize, Vec<Vec<u32>>), EngineError> {
     let inputs = &request.inputs;
     if inputs.is_empty() {
         return Err(EngineError::BadRequest("nothing to embed: give at least one input".into()));
@@ -55,66 +206,46 @@ pub fn run(
         }
         ids.push(model.truncate(&t));
     }
-    let prompt_tokens = ids.iter().map(|t| t.len() as u64).sum();
-    let fingerprint = model.fingerprint();
-    let settings = FeatureKey::preprocess_hash(&model.settings());
-    let key = |text: &str| FeatureKey {
-        modality: Modality::Text,
-        tower: fingerprint.0,
-        preprocess: settings,
-        content: content_hash(text.as_bytes()),
-    };
-    let mut vectors: Vec<Option<Vec<f32>>> = match store {
-        Some(s) => {
-            let mut s = s.lock();
-            inputs.iter().map(|t| s.get(&key(t)).map(|(f, _)| f.to_f32()).filter(|v| v.len() == full)).collect()
-        }
-        None => vec![None; inputs.len()],
-    };
-    let cached = vectors.iter().filter(|v| v.is_some()).count() as u32;
-    // The misses, shortest first, in batches bounded by rows and tokens;
-    // an input repeated within the request is embedded once.
-    let mut misses: Vec<usize> = (0..inputs.len()).filter(|&i| vectors[i].is_none()).collect();
-    misses.sort_by_key(|&i| ids[i].len());
-    misses.dedup_by(|a, b| inputs[*a] == inputs[*b]);
-    let mut at = 0;
-    while at < misses.len() {
-        let mut end = at + 1;
-        while end < misses.len() && end - at < BATCH_ROWS && ids[misses[end]].len() * (end + 1 - at) <= BATCH_TOKENS {
-            end += 1;
-        }
-        let batch: Vec<Vec<u32>> = misses[at..end].iter().map(|&i| ids[i].clone()).collect();
-        let out = model.embed(&batch).map_err(EngineError::inference)?;
-        for (&i, v) in misses[at..end].iter().zip(out) {
-            if let Some(s) = store {
-                if let Err(e) = s.lock().put(&key(&inputs[i]), &Features::from_f32(vec![full as u32], &v)) {
-                    tracing::warn!(error = %e, "an embedding was not stored");
-                }
+    Ok((dimensions, ids))
+}
+
+/// The embedding requests in progress, served one batch per engine pass
+/// in turn.
+#[derive(Default)]
+pub struct EmbedJobs(std::collections::VecDeque<EmbedJob>);
+
+impl EmbedJobs {
+    pub fn add(&mut self, job: EmbedJob) {
+        self.0.push_back(job);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// One batch of the first job; a job that is done (or failed) is
+    /// answered and leaves. Returns what ended: the job, and its outcome
+    /// (for the metrics), if one did.
+    pub fn step(&mut self, store: Option<&SharedStore>) -> Option<(EmbedJob, Result<Embeddings, EngineError>)> {
+        let mut job = self.0.pop_front()?;
+        let outcome = match job.step(store) {
+            Ok(false) => {
+                self.0.push_back(job);
+                return None;
             }
-            vectors[i] = Some(v);
-        }
-        at = end;
+            Ok(true) => job.finish(),
+            Err(e) => Err(e),
+        };
+        job.answer(&outcome);
+        Some((job, outcome))
     }
-    // Repeats of an input take its vector.
-    for i in 0..inputs.len() {
-        if vectors[i].is_none() {
-            let first = (0..i).find(|&j| inputs[j] == inputs[i] && vectors[j].is_some());
-            vectors[i] = first.and_then(|j| vectors[j].clone());
+
+    /// Answers every job with `why` (the daemon is stopping).
+    pub fn clear(&mut self, why: impl Fn() -> EngineError) {
+        for mut job in self.0.drain(..) {
+            job.answer(&Err(why()));
         }
     }
-    let vectors = vectors
-        .into_iter()
-        .map(|v| v.map(|v| shortened(v, dimensions)))
-        .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| EngineError::Internal("an input was left without a vector".into()))?;
-    Ok(Embeddings {
-        model: name.to_string(),
-        vectors,
-        prompt_tokens,
-        cached,
-        load_ms,
-        total_ms: received.elapsed().as_secs_f64() * 1000.0,
-    })
 }
 
 /// `v`'s first `dimensions` values, normalized again when cut (Matryoshka
@@ -131,7 +262,68 @@ fn shortened(mut v: Vec<f32>, dimensions: usize) -> Vec<f32> {
 
 #[cfg(test)]
 mod tests {
-    use super::shortened;
+    use super::*;
+
+    /// Counts its batches; a text's vector is its length, then zeros.
+    struct Lengths(std::cell::Cell<usize>);
+
+    impl Embedder for Lengths {
+        fn architecture(&self) -> &'static str {
+            "lengths"
+        }
+        fn dimensions(&self) -> usize {
+            2
+        }
+        fn max_tokens(&self) -> usize {
+            512
+        }
+        fn tokenize(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+        fn truncate(&self, ids: &[u32]) -> Vec<u32> {
+            ids.to_vec()
+        }
+        fn embed(&self, inputs: &[Vec<u32>]) -> anyhow::Result<Vec<Vec<f32>>> {
+            self.0.set(self.0.get() + 1);
+            Ok(inputs.iter().map(|i| vec![i.len() as f32, 0.0]).collect())
+        }
+        fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint {
+            mlxbc_cache::TowerFingerprint([7; 32])
+        }
+        fn settings(&self) -> String {
+            "test".into()
+        }
+    }
+
+    /// A request of 100 texts (one repeated) is computed a batch per step
+    /// (64 rows at most), answered once, in its inputs' order: the engine
+    /// runs one step per pass, between other requests' decode steps.
+    #[test]
+    fn a_job_is_computed_a_batch_per_step_and_answered_once_in_order() {
+        let model = Rc::new(Lengths(Default::default()));
+        let mut inputs: Vec<String> = (0..99).map(|i| format!("text {i}")).collect();
+        inputs.push(inputs[3].clone());
+        let request = EmbedRequest {
+            model: "m".into(),
+            inputs: inputs.clone(),
+            truncate: true,
+            dimensions: None,
+            keep_alive: None,
+        };
+        let (reply, mut answer) = oneshot::channel();
+        let job = EmbedJob::begin("m", model.clone(), None, request, 0.0, Instant::now(), reply).ok().unwrap();
+        let mut jobs = EmbedJobs::default();
+        jobs.add(job);
+        assert!(jobs.step(None).is_none(), "the first batch leaves misses");
+        assert!(answer.try_recv().is_err(), "not answered yet");
+        let (_, outcome) = jobs.step(None).expect("the second batch ends it");
+        assert!(jobs.is_empty());
+        assert_eq!(model.0.get(), 2);
+        let Ok(Response::Embedded(e)) = answer.try_recv() else { panic!("no answer") };
+        assert_eq!(e.vectors, outcome.unwrap().vectors);
+        let want: Vec<Vec<f32>> = inputs.iter().map(|t| vec![t.len() as f32, 0.0]).collect();
+        assert_eq!(e.vectors, want);
+    }
 
     #[test]
     fn a_shortened_vector_is_normalized_again() {

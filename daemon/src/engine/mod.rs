@@ -154,6 +154,7 @@ pub fn spawn(
                 prefill_budget: prefill_chunk,
             }),
             transcriptions: Default::default(),
+            embeddings: Default::default(),
             last_publish: Instant::now(),
             last_housekeeping: Instant::now(),
             max_tokens_limit: settings.max_tokens_limit,

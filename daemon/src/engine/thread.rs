@@ -45,6 +45,8 @@ pub(super) struct Engine {
     pub(super) scheduler: scheduler::Scheduler,
     /// Transcriptions in flight, advanced one window at a time in turn.
     pub(super) transcriptions: speech::Transcriptions,
+    /// Embedding requests in progress, a batch per pass.
+    pub(super) embeddings: super::embed::EmbedJobs,
     pub(super) last_publish: Instant,
     pub(super) last_housekeeping: Instant,
     pub(super) max_tokens_limit: Option<u32>,
@@ -71,7 +73,8 @@ impl Engine {
             // a piece of warming runs between looks at the jobs (unless a
             // request is on its way: then it waits for it, as when idle).
             let warming = !awaiting && self.residency.warming();
-            let mut first = if self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped && !warming {
+            let busy = !self.scheduler.is_empty() || !self.transcriptions.is_empty() || !self.embeddings.is_empty();
+            let mut first = if !busy && !stopped && !warming {
                 let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
                 match rx.recv_timeout(wait) {
                     Ok(c) => Some(c),
@@ -112,6 +115,7 @@ impl Engine {
                             refuse(job);
                         }
                         self.transcriptions.clear();
+                        self.embeddings.clear(|| EngineError::ShuttingDown("mlxbcd is shutting down".into()));
                         for ended in self.scheduler.refuse_waiting() {
                             self.answer(ended);
                         }
@@ -122,6 +126,13 @@ impl Engine {
             if let Some((model, keep_alive)) = self.transcriptions.step(self.store.as_ref()) {
                 self.residency.touch(&model, keep_alive);
                 self.publish();
+            }
+            // One batch of one embedding request per pass, likewise.
+            if let Some((job, outcome)) = self.embeddings.step(self.store.as_ref()) {
+                let (model, keep_alive) = job.model();
+                self.residency.touch(model, keep_alive);
+                let kind = outcome.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
+                self.metrics.embedding(model, &kind, outcome.as_ref().ok());
             }
             if !self.scheduler.is_empty() {
                 // The prompt cache's RAM tier counts in the budget.
@@ -141,10 +152,11 @@ impl Engine {
                     continue;
                 }
             }
-            if !self.transcriptions.is_empty() && self.last_housekeeping.elapsed() < PRESSURE_POLL {
+            let side_work = !self.transcriptions.is_empty() || !self.embeddings.is_empty();
+            if side_work && self.last_housekeeping.elapsed() < PRESSURE_POLL {
                 continue;
             }
-            if stopped && self.scheduler.is_empty() && self.transcriptions.is_empty() {
+            if stopped && self.scheduler.is_empty() && !side_work {
                 break;
             }
             awaiting = pending;
@@ -154,7 +166,7 @@ impl Engine {
                 continue;
             }
             // Idle: warm one batch size of a newly loaded model (never ahead of a request).
-            if warming && self.scheduler.is_empty() && self.transcriptions.is_empty() && !stopped {
+            if warming && self.scheduler.is_empty() && !side_work && !stopped {
                 self.residency.warm_next();
                 self.publish();
                 if self.residency.warming() {
@@ -274,18 +286,34 @@ impl Engine {
                     request.keep_alive,
                     memo.as_ref(),
                 );
-                let answer = loaded.and_then(|(name, model, load_ms)| {
-                    self.publish();
-                    if load_ms > 0.0 {
-                        self.metrics.load(&name, load_ms);
+                match loaded {
+                    Ok((name, model, load_ms)) => {
+                        self.publish();
+                        if load_ms > 0.0 {
+                            self.metrics.load(&name, load_ms);
+                        }
+                        self.residency.touch(&name, request.keep_alive);
+                        let begun = super::embed::EmbedJob::begin(
+                            &name,
+                            model,
+                            self.store.as_ref(),
+                            request,
+                            load_ms,
+                            received,
+                            reply,
+                        );
+                        match begun {
+                            Ok(job) => self.embeddings.add(job),
+                            Err((e, reply)) => {
+                                self.metrics.embedding(&name, &format!("{:?}", e.kind()), None);
+                                let _ = reply.send(e.into_response());
+                            }
+                        }
                     }
-                    let done = super::embed::run(&name, &*model, self.store.as_ref(), &request, load_ms, received);
-                    self.residency.touch(&name, request.keep_alive);
-                    let outcome = done.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
-                    self.metrics.embedding(&name, &outcome, done.as_ref().ok());
-                    done
-                });
-                let _ = reply.send(answer.map_or_else(|e| e.into_response(), Response::Embedded));
+                    Err(e) => {
+                        let _ = reply.send(e.into_response());
+                    }
+                }
             }
             Job::ClearPromptRam { reply } => {
                 let dropped = self.prompts.clear_ram() as u64;
