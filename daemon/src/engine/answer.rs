@@ -66,7 +66,7 @@ impl Engine {
                         stats.warnings.push(format!("this turn was answered but not saved to session {name}: {e}"));
                     }
                 }
-                self.metrics.generation(&stats.model.clone(), "done", Some(&stats));
+                self.metrics.generation(&stats.model, "done", Some(&stats));
                 let _ = events.send(Response::Done { stats });
             }
             Ok(generate::Finished::AskedForMedia) => {}
