@@ -20,6 +20,10 @@ import json, os, statistics, subprocess, sys, threading, time
 mlxbc = sys.argv[1]
 homes = dict(zip(["off", "auto", "ngram"], sys.argv[2:5]))
 rounds = int(sys.argv[5])
+# One daemon for every mode (the same home given three times, as on a GPU
+# where three daemons' memory would not fit an 8k prompt): the mode is then
+# chosen per request (`--speculate`), which is what the daemon's setting does.
+ONE_DAEMON = len(set(homes.values())) == 1
 QWEN = os.environ.get("CODE_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 SMOL = os.environ.get("SMALL_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf")
 QWEN_NAME = "Qwen2.5-Coder 0.5B" if "CODE_MODEL" not in os.environ else QWEN
@@ -91,6 +95,9 @@ def agent_prompt():
 
 
 def ask(home, model, max_tokens, prompt, extra=()):
+    if ONE_DAEMON and home in homes and not extra:
+        extra = ["--speculate", home]
+        home = homes[home]
     cmd = [mlxbc, "ask", "--json", "-m", model, "--temperature", "0", "--max-tokens", str(max_tokens), *extra, prompt]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, MLXBC_HOME=home), timeout=600)
     for line in out.stdout.splitlines():
@@ -134,7 +141,7 @@ def measure(name, run, rounds, by_mode=False):
     last, same = {}, True
     for r in range(rounds):
         for m in MODES[r % 3:] + MODES[:r % 3]:
-            tps, stats = run(m if by_mode else homes[m])
+            tps, stats = run(m if by_mode or ONE_DAEMON else homes[m])
             speed[m].append(tps)
             last[m] = stats
         same &= all([s["token_ids"] for s in last[m]] == [s["token_ids"] for s in last["off"]] for m in MODES)
@@ -147,7 +154,7 @@ def measure(name, run, rounds, by_mode=False):
 
 def main():
     only = os.environ.get("ONLY", "alone,batched,long").split(",")
-    for home in homes.values():  # load the models the rows use in every daemon
+    for home in set(homes.values()):  # load the models the rows use in every daemon
         for _, model, _, prompt in TASKS[::3]:
             if model == QWEN or "alone" in only:
                 ask(home, model, 4, prompt)
@@ -161,13 +168,13 @@ def main():
              f"\n\n{FUNCTION}" for old, new in [("total", "acc"), ("count", "n"), ("smallest", "low"),
                                                ("largest", "high")]] * 4
     if "batched" in only:
-        for home in homes.values():  # a first burst warms the batch's shapes
+        for home in set(homes.values()):  # a first burst warms the batch's shapes
             burst(home, QWEN, 8, edits)
         rows.append(measure(f"16 clients at once, code edits ({QWEN_NAME}), total decode tok/s",
                             lambda home: burst(home, QWEN, 96, edits), max(1, rounds - 1)))
     if "long" in only:
         long = agent_prompt()
-        for home in homes.values():  # its prefix in every daemon's prompt cache: rounds time the decode
+        for home in set(homes.values()):  # its prefix in every daemon's prompt cache: rounds time the decode
             ask(home, QWEN, 1, long)
 
         def agent(home):

@@ -28,7 +28,8 @@
 #                 (SWEEP="label:VAR=1,VAR2=2 label2:..."; "base:" for none):
 #                 interleaved rounds at LEVELS (scripts/gpu/real/env_sweep.py)
 #   spart N       copy SmolLM2 Q4_1 (real weights) part N (0, 1, 2) for `spec`
-#   spec MODEL    speculation off / auto / ngram: three warm daemons,
+#   spec MODEL    speculation off / auto / ngram: three warm daemons
+#                 (SPEC_DAEMONS=one: one, the mode per request),
 #                 scripts/bench.d/speculative_bench.py with MODEL for the
 #                 code rows and SmolLM2 for the quotation and chat rows
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
@@ -167,13 +168,17 @@ spec)
   [[ -f /tmp/smol/smol.2 ]] && { cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 \
     > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1; }
   hs=()
-  for mode in off auto ngram; do
-    h=/tmp/home-spec-$mode-$RANDOM; daemon "$h" MLXBC_SPECULATE=$mode || exit 1; hs+=("$h")
-  done
+  if [[ ${SPEC_DAEMONS:-three} == one ]]; then # one daemon, the mode per request (memory for 8k prompts)
+    h=/tmp/home-spec-one-$RANDOM; daemon "$h" || exit 1; hs=("$h" "$h" "$h")
+  else
+    for mode in off auto ngram; do
+      h=/tmp/home-spec-$mode-$RANDOM; daemon "$h" MLXBC_SPECULATE=$mode || exit 1; hs+=("$h")
+    done
+  fi
   ONLY=${ONLY:-alone,batched,long,draft} DRAFT_TARGET=$1-4bit DRAFTS=qwen2.5-0.5b-4bit \
   CODE_MODEL=$1-4bit SMALL_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf timeout ${SPEC_TIMEOUT:-560} \
     $PY scripts/bench.d/speculative_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/spec-$1.txt"
-  for h in "${hs[@]}"; do
+  for h in $(printf '%s\n' "${hs[@]}" | sort -u); do
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
     MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec-$(basename "$h").log"
   done ;;
