@@ -3,6 +3,8 @@
 //! Linux: /proc/meminfo (MemTotal, MemAvailable). macOS: hw.memsize, and the
 //! kernel's pressure level (kern.memorystatus_vm_pressure_level) mapped to
 //! "available" = 0 when it says warn or critical.
+//! A discrete GPU (CUDA) has memory of its own: MLX's device info gives its
+//! total and what was free when first asked (other processes' share).
 
 /// Physical memory in bytes (0 if unknown).
 pub fn total_bytes() -> u64 {
@@ -27,6 +29,45 @@ pub fn available_bytes() -> Option<u64> {
     #[cfg(not(target_os = "macos"))]
     {
         meminfo("MemAvailable:")
+    }
+}
+
+/// A discrete GPU's memory as MLX's CUDA backend reports it: (total, free
+/// when first asked), in bytes. None on the CPU, on Apple silicon (unified
+/// memory: the machine's own numbers apply) or when MLX cannot say.
+pub fn discrete_gpu_bytes() -> Option<(u64, u64)> {
+    // SAFETY: the device and info objects are created, read and freed here;
+    // mlx_device_info_get fills `info` for a valid device; the keys are
+    // NUL-terminated literals.
+    unsafe {
+        let device = mlx_sys::mlx_device_new_type(mlx_sys::mlx_device_type__MLX_GPU, 0);
+        let mut info = mlx_sys::mlx_device_info_new();
+        let mut sizes = None;
+        if mlx_sys::mlx_device_info_get(&mut info, device) == 0 {
+            let (mut total, mut free) = (0usize, 0usize);
+            // total_memory and free_memory are CUDA's keys (Metal says memory_size).
+            if mlx_sys::mlx_device_info_get_size(&mut total, info, c"total_memory".as_ptr()) == 0
+                && mlx_sys::mlx_device_info_get_size(&mut free, info, c"free_memory".as_ptr()) == 0
+            {
+                sizes = Some((total as u64, free as u64));
+            }
+        }
+        mlx_sys::mlx_device_info_free(info);
+        mlx_sys::mlx_device_free(device);
+        sizes
+    }
+}
+
+/// The default memory budget: three quarters of the machine's memory (what
+/// Metal recommends as a working set on Apple silicon), or on a discrete GPU
+/// 90% of what was free on it when the daemon started, so another process
+/// already on the card (a second daemon, a training job) is not counted as
+/// ours to fill.
+pub fn default_budget_bytes(on_gpu: bool) -> u64 {
+    let host = total_bytes() / 4 * 3;
+    match on_gpu.then(discrete_gpu_bytes).flatten() {
+        Some((_, free)) if free > 0 => free / 10 * 9,
+        _ => host,
     }
 }
 

@@ -99,7 +99,8 @@ pub fn spawn(
     };
     let decode = crate::model::decode_step::DecodeMode::for_device(device_name == "gpu", options.decode);
     let on_gpu = device_name == "gpu";
-    let memory_budget = settings.memory_budget_bytes.unwrap_or(memory::total_bytes() / 4 * 3);
+    let memory_budget = settings.memory_budget_bytes.unwrap_or_else(|| memory::default_budget_bytes(on_gpu));
+    tracing::info!(device = device_name, budget_mib = memory_budget >> 20, "memory budget");
     let max_batch = settings.max_batch.unwrap_or_else(|| max_batch_for(on_gpu));
     {
         // The limits are known now: status before the first model load
