@@ -583,11 +583,21 @@ impl PromptCache {
         let mut pieces = Vec::with_capacity(chain.len());
         let (mut ram_tokens, mut disk_tokens) = (0, 0);
         let converting = std::time::Instant::now();
-        for (hash, in_ram, positions) in chain {
+        // The RAM links' arrays, taken before any disk block is brought into
+        // RAM: making room for one may evict another link of this chain (an
+        // 8k-token prompt on an 8B model, on the H200, panicked here).
+        let held: Vec<Option<(Array, usize)>> = chain
+            .iter()
+            .map(|(hash, in_ram, _)| {
+                in_ram.then(|| self.ram.get(hash).map(|b| (b.data.clone(), b.positions))).flatten()
+            })
+            .collect();
+        for ((hash, in_ram, positions), held) in chain.into_iter().zip(held) {
             if in_ram {
-                let b = self.ram.get(&hash).expect("checked above");
-                ram_tokens += b.positions;
-                pieces.push(b.data.clone());
+                // Gone (evicted for a recurrent state above): the prefix ends here.
+                let Some((data, held_positions)) = held else { break };
+                ram_tokens += held_positions;
+                pieces.push(data);
             } else {
                 // A block from disk must have this model's layout (a file
                 // that passed its checksum may still be someone else's).
@@ -796,6 +806,31 @@ fn to_array(f: &Features) -> Option<Array> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// RAM holds two blocks; a prompt of three finds the first on disk and
+    /// the next two in RAM. Bringing the disk block into RAM evicts one of
+    /// them, which the lookup must still use (it panicked on the H200 with
+    /// an 8k-token prompt on an 8B model).
+    #[test]
+    fn a_disk_block_brought_into_ram_does_not_lose_a_link_the_lookup_found() {
+        let block = |v: f32| Array::full::<f32>(&[2, 1, 1, BLOCK_TOKENS as i32, 2], Array::from_f32(v)).unwrap();
+        let bytes = block(0.0).nbytes() as u64;
+        let mut cache = PromptCache::new(2 * bytes, None, Arc::default());
+        let ids: Vec<u32> = (0..3 * BLOCK_TOKENS as u32 + 1).collect();
+        let keys = PromptKeys::of(&[1; 32], &ids, &[]);
+        assert_eq!(keys.blocks.len(), 3);
+        cache.put_ram(keys.blocks[1], block(1.0), BLOCK_TOKENS);
+        cache.put_ram(keys.blocks[2], block(2.0), BLOCK_TOKENS);
+        let stored = StoredBlocks {
+            blocks: HashMap::from([(keys.blocks[0], to_features(&block(0.0)).unwrap())]),
+            bytes,
+            read_s: 0.0,
+        };
+        let per_position = bytes / BLOCK_TOKENS as u64;
+        let reuse = cache.lookup(&keys, stored, &[(1, 2)], per_position, &Vec::new()).expect("all three blocks");
+        assert_eq!((reuse.ram_tokens, reuse.disk_tokens), (2 * BLOCK_TOKENS, BLOCK_TOKENS));
+        assert_eq!(reuse.cache.offset, 3 * BLOCK_TOKENS as i32);
+    }
 
     #[test]
     fn a_model_whose_weights_change_gets_a_new_root() {
