@@ -63,8 +63,39 @@ impl EngineError {
         if let Some(stopped) = e.chain().find_map(|c| c.downcast_ref::<RankStoppedError>()) {
             return EngineError::RankStopped(stopped.0.clone());
         }
-        EngineError::Inference(format!("{e:#}"))
+        let message = format!("{e:#}");
+        if let Some(why) = sticky_device_error(&message) {
+            tracing::error!(why, "the GPU reported an error that leaves its context unusable");
+            DEVICE_LOST.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        EngineError::Inference(message)
     }
+}
+
+/// Set once the GPU has reported a sticky error: the engine then exits the
+/// process (its service manager starts it again) instead of failing every
+/// later request.
+pub static DEVICE_LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The exit status of a daemon whose GPU context was lost (EX_SOFTWARE):
+/// not 0, so launchd's KeepAlive and systemd's Restart=on-failure restart it.
+pub const DEVICE_LOST_EXIT: i32 = 70;
+
+/// CUDA errors after which the context can no longer be used: every later
+/// call fails the same way until the process exits (CUDA's "sticky"
+/// errors). Seen on the H200: an out-of-memory inside a CUDA graph's
+/// launch followed by "an illegal memory access was encountered" for every
+/// later step. An out-of-memory error itself is not one.
+pub fn sticky_device_error(message: &str) -> Option<&'static str> {
+    const STICKY: [&str; 6] = [
+        "an illegal memory access was encountered",
+        "unspecified launch failure",
+        "misaligned address",
+        "an illegal instruction was encountered",
+        "device-side assert triggered",
+        "uncorrectable ECC error",
+    ];
+    STICKY.into_iter().find(|s| message.contains(s))
 }
 
 /// A sharded model's call failed because a rank of its group stopped
@@ -77,4 +108,19 @@ pub struct RankStoppedError(pub String);
 /// What a caught panic said (its `String` or `&str` payload), for the log.
 pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
     panic.downcast_ref::<String>().map(String::as_str).or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("?")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sticky_device_error;
+
+    /// The messages MLX gave on the H200 (docs/measurements/h200-2026-12-05-sweep.md).
+    #[test]
+    fn an_illegal_memory_access_is_sticky_and_an_out_of_memory_is_not() {
+        let illegal = "cuGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: an illegal memory access was \
+                       encountered at mlx/c/array.cpp:352";
+        let oom = "cudaMallocAsync(&data, size, stream) failed: out of memory at mlx/c/transforms.cpp:15";
+        assert!(sticky_device_error(illegal).is_some());
+        assert_eq!(sticky_device_error(oom), None);
+    }
 }

@@ -101,6 +101,13 @@ pub fn spawn(
     let on_gpu = device_name == "gpu";
     let memory_budget = settings.memory_budget_bytes.unwrap_or_else(|| memory::default_budget_bytes(on_gpu));
     tracing::info!(device = device_name, budget_mib = memory_budget >> 20, "memory budget");
+    if on_gpu && memory::discrete_gpu_bytes().is_some() {
+        // MLX's CUDA allocator would otherwise hold up to 80% of the card
+        // in use and cached, whatever else runs on it: bound both by the
+        // budget, and what an idle daemon keeps cached to a quarter of it.
+        let _ = mlx_rs::memory::set_memory_limit(memory_budget as usize);
+        let _ = mlx_rs::memory::set_cache_limit((memory_budget / 4) as usize);
+    }
     let max_batch = settings.max_batch.unwrap_or_else(|| max_batch_for(on_gpu));
     {
         // The limits are known now: status before the first model load

@@ -65,6 +65,15 @@ impl Engine {
         // The last pass found a request on its way (see `pending` below).
         let mut awaiting = false;
         loop {
+            if crate::error::DEVICE_LOST.load(Ordering::SeqCst) {
+                // Every later step would fail the same way: exit so the
+                // service manager (or the next client) starts a fresh daemon.
+                tracing::error!(
+                    status = crate::error::DEVICE_LOST_EXIT,
+                    "the GPU's context is lost: mlxbcd exits to be started again"
+                );
+                std::process::exit(crate::error::DEVICE_LOST_EXIT);
+            }
             // Jobs are taken between ticks; the engine blocks for one only
             // when nothing is generating (waking at least every
             // PRESSURE_POLL to look at the machine's memory).
@@ -132,7 +141,7 @@ impl Engine {
                 let (model, keep_alive) = job.model();
                 self.residency.touch(model, keep_alive);
                 let kind = outcome.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
-                self.metrics.embedding(model, &kind, outcome.as_ref().ok());
+                self.metrics.embedding(job.api(), model, &kind, outcome.as_ref().ok());
             }
             if !self.scheduler.is_empty() {
                 // The prompt cache's RAM tier counts in the budget.
@@ -278,42 +287,16 @@ impl Engine {
                 }
             }
             Job::Embed { request, received, reply } => {
-                let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
-                let loaded = self.residency.ensure_embedder(
-                    &self.registry,
-                    &request.model,
-                    self.form.clone(),
-                    request.keep_alive,
-                    memo.as_ref(),
-                );
-                match loaded {
-                    Ok((name, model, load_ms)) => {
-                        self.publish();
-                        if load_ms > 0.0 {
-                            self.metrics.load(&name, load_ms);
-                        }
-                        self.residency.touch(&name, request.keep_alive);
-                        let begun = super::embed::EmbedJob::begin(
-                            &name,
-                            model,
-                            self.store.as_ref(),
-                            request,
-                            load_ms,
-                            received,
-                            reply,
-                        );
-                        match begun {
-                            Ok(job) => self.embeddings.add(job),
-                            Err((e, reply)) => {
-                                self.metrics.embedding(&name, &format!("{:?}", e.kind()), None);
-                                let _ = reply.send(e.into_response());
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        let _ = reply.send(e.into_response());
-                    }
-                }
+                let (model, keep_alive) = (request.model.clone(), request.keep_alive);
+                self.begin_embedding(&model, keep_alive, received, reply, "embed", |name, m, store, arrival| {
+                    super::embed::EmbedJob::begin(name, m, store, request, arrival)
+                });
+            }
+            Job::Rerank { request, received, reply } => {
+                let (model, keep_alive) = (request.model.clone(), request.keep_alive);
+                self.begin_embedding(&model, keep_alive, received, reply, "rerank", |name, m, store, arrival| {
+                    super::embed::EmbedJob::begin_rerank(name, m, store, request, arrival)
+                });
             }
             Job::ClearPromptRam { reply } => {
                 let dropped = self.prompts.clear_ram() as u64;
@@ -383,6 +366,49 @@ impl Engine {
 
     /// Marks `model` to be split over the group when it loads (`mlxbc load
     /// --sharded`); refused where there is no group.
+    /// Loads the embedder (or reranker) `model` and begins the job `begin`
+    /// makes of it; a refusal is answered at once.
+    fn begin_embedding(
+        &mut self,
+        model: &str,
+        keep_alive: Option<KeepAlive>,
+        received: std::time::Instant,
+        reply: tokio::sync::oneshot::Sender<mlxbc_shared::Response>,
+        api: &str,
+        begin: impl FnOnce(
+            &str,
+            std::rc::Rc<dyn crate::model::family::Embedder>,
+            Option<&crate::media::SharedStore>,
+            super::embed::Arrival,
+        ) -> Result<
+            super::embed::EmbedJob,
+            (EngineError, tokio::sync::oneshot::Sender<mlxbc_shared::Response>),
+        >,
+    ) {
+        let memo = self.store.as_ref().and_then(|s| s.lock().tree("tower-fingerprints").ok());
+        let loaded =
+            self.residency.ensure_embedder(&self.registry, model, self.form.clone(), keep_alive, memo.as_ref());
+        match loaded {
+            Ok((name, m, load_ms)) => {
+                self.publish();
+                if load_ms > 0.0 {
+                    self.metrics.load(&name, load_ms);
+                }
+                self.residency.touch(&name, keep_alive);
+                match begin(&name, m, self.store.as_ref(), super::embed::Arrival { load_ms, received, reply }) {
+                    Ok(job) => self.embeddings.add(job),
+                    Err((e, reply)) => {
+                        self.metrics.embedding(api, &name, &format!("{:?}", e.kind()), None);
+                        let _ = reply.send(e.into_response());
+                    }
+                }
+            }
+            Err(e) => {
+                let _ = reply.send(e.into_response());
+            }
+        }
+    }
+
     fn split_next(&mut self, model: Option<&str>) -> Result<(), EngineError> {
         if self.residency.cluster.is_none() {
             return Err(EngineError::BadRequest(
