@@ -12,6 +12,7 @@ mod manage;
 mod prefetch;
 mod progress;
 mod pull;
+mod rerank;
 mod service;
 mod transcribe;
 
@@ -41,6 +42,8 @@ pub(crate) enum Command {
     Transcribe(transcribe::TranscribeArgs),
     /// Embed texts with an embedding model: a JSON array (or .npy row) per text.
     Embed(embed::EmbedArgs),
+    /// Order documents by a reranker's relevance to a query, most relevant first.
+    Rerank(rerank::RerankArgs),
     /// List the daemon's named conversations, show one, or forget one.
     Sessions {
         #[command(subcommand)]
@@ -436,6 +439,10 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Embed(args) => {
             let mut client = Client::connect_or_start(&settings).await?;
             embed::run(&mut client, &args).await
+        }
+        Command::Rerank(args) => {
+            let mut client = Client::connect_or_start(&settings).await?;
+            rerank::run(&mut client, &args).await
         }
         command => {
             let mut client = Client::connect_or_start(&settings).await?;

@@ -319,6 +319,7 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
         Command::Ask(_)
         | Command::Transcribe(_)
         | Command::Embed(_)
+        | Command::Rerank(_)
         | Command::Stop
         | Command::Service { .. }
         | Command::Completions { .. }

@@ -24,8 +24,9 @@ pub use error::ClientError;
 pub use mlxbc_shared::protocol::{
     CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, DaemonStatus, EmbedRequest, Embeddings, ErrorKind,
     GenerateRequest, GenerationStats, KeepAlive, LoadedModel, MediaKind, MediaRef, ModelInfo, PromptCacheReport,
-    Request, Response, Role, SamplingParams, SessionCommand, SessionInfo, ShedEvent, Speculation, StopReason,
-    TranscribeRequest, TranscribeStats, Transcript, TranscriptSegment, PROTOCOL_VERSION,
+    Request, RerankRequest, RerankResult, Reranking, Response, Role, SamplingParams, SessionCommand, SessionInfo,
+    ShedEvent, Speculation, StopReason, TranscribeRequest, TranscribeStats, Transcript, TranscriptSegment,
+    PROTOCOL_VERSION,
 };
 pub use mlxbc_shared::settings::Settings;
 /// Transcripts as SubRip and WebVTT subtitles.
@@ -257,6 +258,15 @@ impl Client {
     pub async fn embed(&mut self, request: EmbedRequest) -> Result<Embeddings, ClientError> {
         match self.call(Request::Embed(request)).await? {
             Response::Embedded(e) => Ok(e),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Orders documents by relevance to a query with a reranker (a pair
+    /// the daemon scored before comes from its store).
+    pub async fn rerank(&mut self, request: RerankRequest) -> Result<Reranking, ClientError> {
+        match self.call(Request::Rerank(request)).await? {
+            Response::Reranked(r) => Ok(r),
             other => Err(unexpected(other)),
         }
     }

@@ -86,9 +86,10 @@ impl Metrics {
     }
 
     /// An embedding request ended.
-    pub fn embedding(&self, model: &str, outcome: &str, done: Option<&mlxbc_shared::Embeddings>) {
+    pub fn embedding(&self, api: &str, model: &str, outcome: &str, done: Option<&mlxbc_shared::Embeddings>) {
         let mut m = lock(&self.0);
-        *m.requests.entry(("embed", model.to_string(), outcome.to_string())).or_default() += 1;
+        let kind = if api == "rerank" { "rerank" } else { "embed" };
+        *m.requests.entry((kind, model.to_string(), outcome.to_string())).or_default() += 1;
         if let Some(e) = done {
             let c = m.models.entry(model.to_string()).or_default();
             c.embedded_inputs += e.vectors.len() as u64;

@@ -155,7 +155,14 @@ pub fn arbitrary_request(rng: &mut Rng, allow_shutdown: bool) -> Request {
         5 => Request::Load { model: rng.string(), keep_alive: keep_alive(rng), sharded: false },
         6 => Request::Unload { model: rng.string() },
         7 => Request::Prefetch { model: name(rng), media: (0..rng.below(3)).map(|_| media(rng)).collect() },
-        8 => match rng.below(6) {
+        8 => match rng.below(7) {
+            6 => Request::Rerank(RerankRequest {
+                model: rng.string(),
+                query: rng.string(),
+                documents: (0..rng.below(4)).map(|_| rng.string()).collect(),
+                top_n: rng.one_in(3).then(|| rng.edgy_u64() as u32),
+                keep_alive: keep_alive(rng),
+            }),
             5 => Request::Embed(EmbedRequest {
                 model: rng.string(),
                 inputs: (0..rng.below(4)).map(|_| rng.string()).collect(),

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 19;
+pub const PROTOCOL_VERSION: u32 = 20;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,6 +45,9 @@ pub enum Request {
     Transcribe(TranscribeRequest),
     /// Embed texts with an embedding model; answered by [`Response::Embedded`].
     Embed(EmbedRequest),
+    /// Order documents by relevance to a query with a reranker; answered
+    /// by [`Response::Reranked`].
+    Rerank(RerankRequest),
     /// Form the daemon's group again now (`mlxbc cluster restart`);
     /// answered with [`Response::Status`].
     ClusterRestart,
@@ -326,6 +329,8 @@ pub enum Response {
     Transcribed(Transcript),
     /// Answer to [`Request::Embed`].
     Embedded(Embeddings),
+    /// Answer to [`Request::Rerank`].
+    Reranked(Reranking),
 }
 
 /// The most texts one [`EmbedRequest`] may carry.
@@ -362,6 +367,45 @@ pub struct Embeddings {
     /// Milliseconds loading the model took (0 when resident), and the whole request.
     pub load_ms: f64,
     pub total_ms: f64,
+}
+
+/// A query and the documents to order by relevance to it (`mlxbc rerank`,
+/// `/v1/rerank`). Each pair's score is kept in the daemon's store under the
+/// reranker's weights and the pair's hash: a pair is scored once, ever.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RerankRequest {
+    /// The reranker (a name `mlxbc models` lists as rerank).
+    pub model: String,
+    pub query: String,
+    /// At most [`MAX_EMBED_INPUTS`]; a pair longer than the model takes is
+    /// cut, the longer text first (as cross-encoders truncate).
+    pub documents: Vec<String>,
+    /// Answer only the `top_n` most relevant; `None`: all, ordered.
+    pub top_n: Option<u32>,
+    pub keep_alive: Option<KeepAlive>,
+}
+
+/// A [`RerankRequest`]'s documents, most relevant first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reranking {
+    /// The model's canonical name.
+    pub model: String,
+    pub results: Vec<RerankResult>,
+    /// Tokens of the (query, document) pairs as scored, stored or not.
+    pub prompt_tokens: u64,
+    /// Pairs whose scores came from the store (no computation).
+    pub cached: u32,
+    pub load_ms: f64,
+    pub total_ms: f64,
+}
+
+/// One document's place in a [`Reranking`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RerankResult {
+    /// Its index in [`RerankRequest::documents`].
+    pub index: u32,
+    /// Relevance, 0 to 1 (the cross-encoder's sigmoid).
+    pub score: f32,
 }
 
 /// One chat message.
@@ -761,7 +805,8 @@ pub struct ModelInfo {
     /// Where it was found: "store" (the models directory), "hf-cache", "ollama", "lmstudio".
     pub source: String,
     /// What it does: "chat", "vision" (chat with images), "speech"
-    /// (transcribes audio) or "embedding" (embeds text).
+    /// (transcribes audio), "embedding" (embeds text) or "rerank" (orders
+    /// documents by relevance to a query).
     pub capability: String,
 }
 

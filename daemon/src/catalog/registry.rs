@@ -131,7 +131,8 @@ impl ModelRegistry {
 
 /// What a model does, from its files: a directory whose family loads a
 /// speech recognizer transcribes ("speech"), an embedder's embeds
-/// ("embedding"), one with a vision config sees ("vision"); the rest chat.
+/// ("embedding") or, a cross-encoder, reranks ("rerank"), one with a vision
+/// config sees ("vision"); the rest chat.
 pub fn capability(path: &Path) -> &'static str {
     if !path.is_dir() {
         return "chat";
@@ -141,7 +142,16 @@ pub fn capability(path: &Path) -> &'static str {
     if family.is_some_and(|f| matches!(f.load_dir, crate::families::DirLoader::Speech(_))) {
         "speech"
     } else if family.is_some_and(|f| matches!(f.load_dir, crate::families::DirLoader::Embed(_))) {
-        "embedding"
+        // A cross-encoder (a classifier over pairs) reranks.
+        let classifies = raw
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .is_some_and(|a| a.iter().any(|x| x.as_str().is_some_and(|x| x.ends_with("ForSequenceClassification"))));
+        if classifies {
+            "rerank"
+        } else {
+            "embedding"
+        }
     } else if raw.get("vision_config").is_some() {
         "vision"
     } else {

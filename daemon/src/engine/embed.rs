@@ -9,7 +9,7 @@ use crate::error::EngineError;
 use crate::media::SharedStore;
 use crate::model::family::Embedder;
 use mlxbc_cache::{content_hash, FeatureKey, Features, Modality};
-use mlxbc_shared::{EmbedRequest, Embeddings, Response, MAX_EMBED_INPUTS};
+use mlxbc_shared::{EmbedRequest, Embeddings, RerankRequest, RerankResult, Reranking, Response, MAX_EMBED_INPUTS};
 use std::rc::Rc;
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -21,12 +21,25 @@ const BATCH_TOKENS: usize = 16 * 1024;
 /// The most inputs one batch may hold.
 const BATCH_ROWS: usize = 64;
 
-/// An embedding request in progress: its inputs looked up in the store,
-/// the misses computed one batch per engine pass ([`Self::step`]), so a
-/// request of thousands of texts does not stall the streams of others.
+/// What a job's vectors are for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// Vectors, cut to `dimensions`.
+    Embed { dimensions: usize },
+    /// A reranker's scores (one per document), most relevant `top_n` first.
+    Rerank { top_n: usize },
+}
+
+/// An embedding (or reranking) request in progress: its inputs looked up
+/// in the store, the misses computed one batch per engine pass
+/// ([`Self::step`]), so a request of thousands of texts does not stall the
+/// streams of others.
 pub struct EmbedJob {
     name: String,
     model: Rc<dyn Embedder>,
+    purpose: Purpose,
+    /// Each input's identity (a repeat is computed once): the text, or a
+    /// reranked document.
     inputs: Vec<String>,
     ids: Vec<Vec<u32>>,
     vectors: Vec<Option<Vec<f32>>>,
@@ -34,7 +47,6 @@ pub struct EmbedJob {
     misses: Vec<usize>,
     at: usize,
     keys: Vec<FeatureKey>,
-    dimensions: usize,
     cached: u32,
     load_ms: f64,
     received: Instant,
@@ -42,35 +54,74 @@ pub struct EmbedJob {
     reply: Option<oneshot::Sender<Response>>,
 }
 
+/// Where a job's answer goes, and when it began.
+pub struct Arrival {
+    pub load_ms: f64,
+    pub received: Instant,
+    pub reply: oneshot::Sender<Response>,
+}
+
 impl EmbedJob {
     /// Checks and tokenizes `request.inputs` for `model` (resident as
     /// `name`) and takes what the store has; the rest is for [`Self::step`].
-    #[allow(clippy::too_many_arguments)]
     pub fn begin(
         name: &str,
         model: Rc<dyn Embedder>,
         store: Option<&SharedStore>,
         request: EmbedRequest,
-        load_ms: f64,
-        received: Instant,
-        reply: oneshot::Sender<Response>,
+        arrival: Arrival,
     ) -> Result<Self, (EngineError, oneshot::Sender<Response>)> {
-        let checked = check(name, &*model, &request);
-        let (dimensions, ids) = match checked {
+        let (dimensions, ids) = match check(name, &*model, &request) {
             Ok(c) => c,
-            Err(e) => return Err((e, reply)),
+            Err(e) => return Err((e, arrival.reply)),
         };
+        let contents = request.inputs.iter().map(|t| content_hash(t.as_bytes())).collect();
+        let purpose = Purpose::Embed { dimensions };
+        Ok(Self::start(name, model, store, request.inputs, ids, contents, purpose, request.keep_alive, arrival))
+    }
+
+    /// The same for a reranking: each (query, document) pair is an input,
+    /// its score kept under the pair's hash.
+    pub fn begin_rerank(
+        name: &str,
+        model: Rc<dyn Embedder>,
+        store: Option<&SharedStore>,
+        request: RerankRequest,
+        arrival: Arrival,
+    ) -> Result<Self, (EngineError, oneshot::Sender<Response>)> {
+        let (top_n, ids) = match check_rerank(name, &*model, &request) {
+            Ok(c) => c,
+            Err(e) => return Err((e, arrival.reply)),
+        };
+        // The query's length first, so no other (query, document) split
+        // of the same bytes has the same key.
+        let query = request.query.as_bytes();
+        let contents = request
+            .documents
+            .iter()
+            .map(|d| content_hash(&[&(query.len() as u64).to_le_bytes()[..], query, d.as_bytes()].concat()))
+            .collect();
+        let purpose = Purpose::Rerank { top_n };
+        Ok(Self::start(name, model, store, request.documents, ids, contents, purpose, request.keep_alive, arrival))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        name: &str,
+        model: Rc<dyn Embedder>,
+        store: Option<&SharedStore>,
+        inputs: Vec<String>,
+        ids: Vec<Vec<u32>>,
+        contents: Vec<[u8; 32]>,
+        purpose: Purpose,
+        keep_alive: Option<mlxbc_shared::KeepAlive>,
+        arrival: Arrival,
+    ) -> Self {
         let fingerprint = model.fingerprint();
         let settings = FeatureKey::preprocess_hash(&model.settings());
-        let keys: Vec<FeatureKey> = request
-            .inputs
-            .iter()
-            .map(|text| FeatureKey {
-                modality: Modality::Text,
-                tower: fingerprint.0,
-                preprocess: settings,
-                content: content_hash(text.as_bytes()),
-            })
+        let keys: Vec<FeatureKey> = contents
+            .into_iter()
+            .map(|content| FeatureKey { modality: Modality::Text, tower: fingerprint.0, preprocess: settings, content })
             .collect();
         let full = model.dimensions();
         let vectors: Vec<Option<Vec<f32>>> = match store {
@@ -83,26 +134,25 @@ impl EmbedJob {
         let cached = vectors.iter().filter(|v| v.is_some()).count() as u32;
         // The misses, shortest first; an input repeated within the request
         // is computed once.
-        let inputs = request.inputs;
         let mut misses: Vec<usize> = (0..inputs.len()).filter(|&i| vectors[i].is_none()).collect();
         misses.sort_by_key(|&i| ids[i].len());
         misses.dedup_by(|a, b| inputs[*a] == inputs[*b]);
-        Ok(Self {
+        Self {
             name: name.to_string(),
             model,
+            purpose,
             inputs,
             ids,
             vectors,
             misses,
             at: 0,
             keys,
-            dimensions,
             cached,
-            load_ms,
-            received,
-            keep_alive: request.keep_alive,
-            reply: Some(reply),
-        })
+            load_ms: arrival.load_ms,
+            received: arrival.received,
+            keep_alive,
+            reply: Some(arrival.reply),
+        }
     }
 
     /// Embeds the next batch of misses (bounded by rows and tokens) and
@@ -139,6 +189,14 @@ impl EmbedJob {
         (&self.name, self.keep_alive)
     }
 
+    /// The API it serves, for the metrics: "embed" or "rerank".
+    pub fn api(&self) -> &'static str {
+        match self.purpose {
+            Purpose::Embed { .. } => "embed",
+            Purpose::Rerank { .. } => "rerank",
+        }
+    }
+
     /// The answer, once every batch is done.
     fn finish(&mut self) -> Result<Embeddings, EngineError> {
         // Repeats of an input take its vector.
@@ -148,7 +206,10 @@ impl EmbedJob {
                 self.vectors[i] = first.and_then(|j| self.vectors[j].clone());
             }
         }
-        let dimensions = self.dimensions;
+        let dimensions = match self.purpose {
+            Purpose::Embed { dimensions } => dimensions,
+            Purpose::Rerank { .. } => 1,
+        };
         let vectors = std::mem::take(&mut self.vectors)
             .into_iter()
             .map(|v| v.map(|v| shortened(v, dimensions)))
@@ -164,20 +225,84 @@ impl EmbedJob {
         })
     }
 
-    /// Answers the client: the vectors, or why not.
+    /// Answers the client: the vectors (or the documents' order), or why not.
     fn answer(&mut self, outcome: &Result<Embeddings, EngineError>) {
         if let Some(r) = self.reply.take() {
-            let _ = r.send(match outcome {
-                Ok(e) => Response::Embedded(e.clone()),
-                Err(e) => e.clone().into_response(),
+            let _ = r.send(match (outcome, self.purpose) {
+                (Ok(e), Purpose::Embed { .. }) => Response::Embedded(e.clone()),
+                (Ok(e), Purpose::Rerank { top_n }) => Response::Reranked(ranked(e, top_n)),
+                (Err(e), _) => e.clone().into_response(),
             });
         }
     }
 }
 
+/// A reranker's scores (one-value vectors, in the documents' order) as
+/// the documents' order by relevance, the best `top_n`.
+fn ranked(e: &Embeddings, top_n: usize) -> Reranking {
+    let mut results: Vec<RerankResult> = e
+        .vectors
+        .iter()
+        .enumerate()
+        .map(|(i, v)| RerankResult { index: i as u32, score: v.first().copied().unwrap_or(f32::NAN) })
+        .collect();
+    // Most relevant first; equal scores keep the documents' order.
+    results.sort_by(|a, b| b.score.total_cmp(&a.score));
+    results.truncate(top_n);
+    Reranking {
+        model: e.model.clone(),
+        results,
+        prompt_tokens: e.prompt_tokens,
+        cached: e.cached,
+        load_ms: e.load_ms,
+        total_ms: e.total_ms,
+    }
+}
+
+/// A reranking's `top_n` and its pairs' token ids, or why it is refused.
+fn check_rerank(
+    name: &str,
+    model: &dyn Embedder,
+    request: &RerankRequest,
+) -> Result<(usize, Vec<Vec<u32>>), EngineError> {
+    if !model.reranks() {
+        return Err(EngineError::BadRequest(format!(
+            "{name} is an embedding model, not a reranker; rerank with a cross-encoder (`mlxbc models` lists \
+             them as rerank), or compare embeddings"
+        )));
+    }
+    let documents = &request.documents;
+    if documents.is_empty() {
+        return Err(EngineError::BadRequest("no documents to rerank: give at least one".into()));
+    }
+    if documents.len() > MAX_EMBED_INPUTS {
+        return Err(EngineError::BadRequest(format!(
+            "{} documents in one request; at most {MAX_EMBED_INPUTS} (send them in several)",
+            documents.len()
+        )));
+    }
+    let top_n = match request.top_n {
+        None => documents.len(),
+        Some(0) => return Err(EngineError::BadRequest("top_n must be at least 1".into())),
+        Some(n) => (n as usize).min(documents.len()),
+    };
+    let ids = documents
+        .iter()
+        .map(|d| model.tokenize_pair(&request.query, d))
+        .collect::<anyhow::Result<Vec<_>>>()
+        .map_err(EngineError::inference)?;
+    Ok((top_n, ids))
+}
+
 /// The request's output dimensions and its inputs' token ids (truncated
 /// where it allows), or why it is refused.
 fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<(usize, Vec<Vec<u32>>), EngineError> {
+    if model.reranks() {
+        return Err(EngineError::BadRequest(format!(
+            "{name} is a reranker: it scores documents against a query (`mlxbc rerank`, /v1/rerank) and does not \
+             embed; embed with an embedding model, e.g. all-MiniLM-L6-v2"
+        )));
+    }
     let inputs = &request.inputs;
     if inputs.is_empty() {
         return Err(EngineError::BadRequest("nothing to embed: give at least one input".into()));
@@ -311,7 +436,8 @@ mod tests {
             keep_alive: None,
         };
         let (reply, mut answer) = oneshot::channel();
-        let job = EmbedJob::begin("m", model.clone(), None, request, 0.0, Instant::now(), reply).ok().unwrap();
+        let arrival = Arrival { load_ms: 0.0, received: Instant::now(), reply };
+        let job = EmbedJob::begin("m", model.clone(), None, request, arrival).ok().unwrap();
         let mut jobs = EmbedJobs::default();
         jobs.add(job);
         assert!(jobs.step(None).is_none(), "the first batch leaves misses");

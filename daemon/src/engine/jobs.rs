@@ -60,6 +60,8 @@ pub enum Job {
     /// Transcribe a recording (decoded off the engine thread) into `events`.
     /// Texts to embed with an embedding model (`engine::embed`).
     Embed { request: mlxbc_shared::EmbedRequest, received: Instant, reply: oneshot::Sender<Response> },
+    /// Documents to order by relevance with a reranker (`engine::embed`).
+    Rerank { request: mlxbc_shared::RerankRequest, received: Instant, reply: oneshot::Sender<Response> },
     Transcribe {
         request: mlxbc_shared::TranscribeRequest,
         audio: crate::audio::AudioInput,
@@ -142,7 +144,8 @@ pub(super) fn refuse(job: Job) {
         Job::Load { reply, .. }
         | Job::Unload { reply, .. }
         | Job::Prefetch { reply, .. }
-        | Job::Embed { reply, .. } => {
+        | Job::Embed { reply, .. }
+        | Job::Rerank { reply, .. } => {
             let _ = reply.send(err());
         }
         Job::ClearPromptRam { .. } => {}

@@ -318,8 +318,8 @@ impl Residency {
         match model {
             Servable::Embed(e) => Ok((name, e, load_ms)),
             Servable::Chat(_) | Servable::Speech(_) => Err(EngineError::BadRequest(format!(
-                "{name} is not an embedding model; embed with one (`mlxbc models` lists them as embedding), \
-                 e.g. all-MiniLM-L6-v2"
+                "{name} is not an embedding model or a reranker; embed (or rerank) with one (`mlxbc models` \
+                 lists them as embedding and rerank), e.g. all-MiniLM-L6-v2"
             ))),
         }
     }

@@ -3,8 +3,8 @@
 //! same engine as the socket: OpenAI's chat and text completions,
 //! `/v1/models` and `/v1/responses` ([`openai`], [`responses`]), ollama's
 //! native API ([`ollama`]), Anthropic's Messages API ([`anthropic`]),
-//! OpenAI's speech-to-text ([`audio`]) and both APIs' embeddings
-//! ([`embeddings`]);
+//! OpenAI's speech-to-text ([`audio`]), both APIs' embeddings
+//! ([`embeddings`]) and the Jina/Cohere reranking API ([`rerank`]);
 //! streams are server-sent events (NDJSON for ollama), images `data:`
 //! URLs or base64.
 //! Every request passes [`guard`] first; a model must be a plain name
@@ -19,6 +19,7 @@ mod listener;
 mod ollama;
 mod ollama_pull;
 mod openai;
+mod rerank;
 mod responses;
 
 use crate::state::AppState;
@@ -75,6 +76,10 @@ pub async fn serve(
         .route("/v1/embeddings", post(embeddings::openai))
         .route("/api/embed", post(embeddings::ollama_embed))
         .route("/api/embeddings", post(embeddings::ollama_embeddings))
+        .route("/v1/rerank", post(rerank::rerank))
+        .route("/rerank", post(rerank::rerank))
+        .route("/v1/reranking", post(rerank::rerank))
+        .route("/reranking", post(rerank::rerank))
         .route("/v1/audio/transcriptions", post(audio::transcriptions))
         .route("/v1/audio/translations", post(audio::translations))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
@@ -167,7 +172,7 @@ async fn page() -> Response {
 }
 
 /// `GET /v1/models`: every model the daemon can serve, with what it does
-/// (`capability`: chat, vision, speech); a resident one also says its
+/// (`capability`: chat, vision, speech, embedding, rerank); a resident one also says its
 /// context length (others would have to be loaded to know it).
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let data: Vec<_> = state

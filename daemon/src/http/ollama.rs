@@ -104,13 +104,14 @@ pub async fn show(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -
     let Some(info) = state.registry.list().into_iter().find(|m| m.name == name || m.aliases.contains(&name)) else {
         return error(ErrorKind::UnknownModel, format!("model {name:?} not found"));
     };
-    if info.capability == "embedding" {
-        // An embedder has no chat route to load: its files say what it is.
+    if info.capability == "embedding" || info.capability == "rerank" {
+        // An embedder (or reranker) has no chat route to load: its files
+        // say what it is.
         return Json(json!({
             "modelfile": "", "parameters": "", "template": "", "license": "",
             "details": details(&info.format),
             "model_info": {"general.architecture": ""},
-            "capabilities": ["embedding"],
+            "capabilities": [info.capability],
             "modified_at": now_rfc3339(),
         }))
         .into_response();

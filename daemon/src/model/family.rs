@@ -315,8 +315,20 @@ pub trait Embedder {
 
     /// Vectors of tokenized inputs (each at most [`Self::max_tokens`]),
     /// pooled and normalized as the model's directory says, as one padded
-    /// batch.
+    /// batch. A reranker's "vector" is one relevance score per pair.
     fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>>;
+
+    /// True for a reranker (a cross-encoder): its inputs are (query,
+    /// document) pairs ([`Self::tokenize_pair`]) and its output a score.
+    fn reranks(&self) -> bool {
+        false
+    }
+
+    /// Token ids of a (query, document) pair as a reranker reads them,
+    /// truncated to [`Self::max_tokens`] (the longer text first).
+    fn tokenize_pair(&self, _query: &str, _document: &str) -> Result<Vec<u32>> {
+        anyhow::bail!("an embedding model does not read pairs")
+    }
 
     /// Hash over its config and weights (feature-store key part).
     fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint;

@@ -296,6 +296,9 @@ async fn answer(state: &AppState, request: Request) -> Response {
         Request::Embed(request) => {
             round_trip(state, |reply| Job::Embed { request, received: std::time::Instant::now(), reply }).await
         }
+        Request::Rerank(request) => {
+            round_trip(state, |reply| Job::Rerank { request, received: std::time::Instant::now(), reply }).await
+        }
         Request::Prefetch { model, media } => match crate::requests::prepare::prefetch(&state.engine, &model, media)
             .await
         {

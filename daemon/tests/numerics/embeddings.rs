@@ -58,3 +58,39 @@ fn minilm_matches_mlx_embeddings_batched_against_alone() {
     // 0.7553 in sentence-transformers' documentation for this model.
     assert!((cosine(&got[0], &got[1]) - 0.7553).abs() < 1e-3, "{}", cosine(&got[0], &got[1]));
 }
+
+/// A cross-encoder (tiny random weights, MiniLM's real tokenizer; no real
+/// reranker ships on PyPI) against mlx-embeddings' BERT with the pooler,
+/// classifier and sigmoid after it on the same weights
+/// (scripts/fixtures/rerank_reference.py): every (query, document) pair
+/// scored in one padded batch here and alone there, within 1e-4, with the
+/// same token counts (a pair truncated longest first), and the same order.
+#[test]
+fn a_cross_encoder_matches_the_reference_batched_against_alone() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("rerank/reference.json")).unwrap()).unwrap();
+    let query = reference["query"].as_str().unwrap();
+    let pairs = reference["pairs"].as_array().unwrap();
+    let r = match families::load_any(&fixture("rerank/tiny-cross-encoder"), WeightForm::DenseF32, None).unwrap() {
+        LoadedModel::Embed(e) => e,
+        _ => panic!("the cross-encoder did not load as a reranker"),
+    };
+    assert!(r.reranks());
+    assert_eq!((r.dimensions(), r.max_tokens()), (1, 96));
+    let ids: Vec<Vec<u32>> =
+        pairs.iter().map(|p| r.tokenize_pair(query, p["document"].as_str().unwrap()).unwrap()).collect();
+    let got = r.embed(&ids).unwrap();
+    let mut order_got: Vec<usize> = (0..pairs.len()).collect();
+    let mut order_want = order_got.clone();
+    for (i, p) in pairs.iter().enumerate() {
+        assert_eq!(ids[i].len() as u64, p["tokens"].as_u64().unwrap(), "pair {i}: token count");
+        let want = p["score"].as_f64().unwrap();
+        let score = f64::from(got[i][0]);
+        assert!((score - want).abs() < 1e-4, "pair {i} ({:?}): {score} against {want}", p["document"]);
+    }
+    order_got.sort_by(|&a, &b| got[b][0].total_cmp(&got[a][0]));
+    order_want.sort_by(|&a, &b| pairs[b]["score"].as_f64().unwrap().total_cmp(&pairs[a]["score"].as_f64().unwrap()));
+    assert_eq!(order_got, order_want);
+    // An embedding model does not read pairs.
+    assert!(minilm().tokenize_pair("q", "d").is_err());
+}

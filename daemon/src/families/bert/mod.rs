@@ -1,10 +1,15 @@
 //! BERT-style sentence embedders as sentence-transformers ships them
 //! (all-MiniLM, BGE, E5, GTE and others of the `bert` architecture): the
 //! encoder (`model`), its shape (`config`), and how the directory says to
-//! pool and normalize (`pooling`).
+//! pool and normalize (`pooling`). A directory whose checkpoint has a
+//! classifier (`BertForSequenceClassification`, as sentence-transformers'
+//! `CrossEncoder` rerankers ship: ms-marco-MiniLM, BGE-reranker-base) is a
+//! reranker: it reads a (query, document) pair and says how relevant the
+//! document is.
 //!
 //! Checked against mlx-embeddings' `bert.py` on the same weights
-//! (tests/reference, `numerics::embeddings`).
+//! (tests/reference, `numerics::embeddings`; the classifier head there as
+//! Hugging Face's `BertForSequenceClassification` computes it).
 
 mod config;
 mod model;
@@ -19,13 +24,18 @@ use mlx_rs::Array;
 use pooling::{Pooling, SentenceSettings};
 use std::path::Path;
 
-/// A loaded sentence embedder.
+/// A loaded sentence embedder, or a cross-encoder reranker.
 pub struct Bert {
     encoder: model::BertEncoder,
     settings: SentenceSettings,
     tokenizer: tokenizers::Tokenizer,
     fingerprint: mlxbc_cache::TowerFingerprint,
     dimensions: usize,
+    /// A reranker's head, and its pair tokenizer (truncating the longer
+    /// of the two texts first, as `CrossEncoder` does); `None`: an embedder.
+    reranker: Option<(model::ClassifierHead, tokenizers::Tokenizer)>,
+    /// `[SEP]`: where a pair's second segment starts.
+    separator: u32,
 }
 
 /// Loads a sentence-transformers (or bare `BertModel`) directory.
@@ -38,20 +48,60 @@ pub fn load_dir(
     let config = config::BertConfig::from_json(raw)?;
     let t = TensorMap::from_safetensors_dir(dir, crate::model::vlm_dir::quantization(raw), options.form)?;
     let prefixed = t.has("bert.embeddings.word_embeddings.weight");
-    let t = if prefixed { t.strip_prefix("bert.") } else { t };
+    let classifies = t.has("classifier.weight");
+    let t = match (prefixed, classifies) {
+        // The head's tensors (`classifier.*`) sit beside `bert.*`.
+        (true, true) => t.renamed(|n| n.strip_prefix("bert.").unwrap_or(n).to_string()),
+        (true, false) => t.strip_prefix("bert."),
+        (false, _) => t,
+    };
     // Older checkpoints name LayerNorm's parameters gamma and beta.
     let mut t =
         t.renamed(|n| n.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"));
-    let dimensions = config.hidden_size as usize;
     let encoder = model::BertEncoder::load(config.clone(), &mut t)?;
-    let settings = SentenceSettings::read(dir, encoder.positions())?;
+    let head = if classifies { Some(model::ClassifierHead::load(&mut t)?) } else { None };
+    if let Some(h) = head.as_ref().filter(|h| !(1..=2).contains(&h.labels)) {
+        anyhow::bail!(
+            "{}: a classifier of {} labels is not a relevance score (a reranker has one, or two: no and yes)",
+            dir.display(),
+            h.labels
+        );
+    }
+    let settings = if head.is_some() {
+        // A cross-encoder's directory has no sentence-transformers files:
+        // its length is the tokenizer's (or the positions').
+        SentenceSettings::for_pairs(dir, encoder.positions())?
+    } else {
+        SentenceSettings::read(dir, encoder.positions())?
+    };
+    let dimensions = if head.is_some() { 1 } else { config.hidden_size as usize };
     let mut tokenizer = crate::model::tokenizer::from_file(&dir.join("tokenizer.json"))?;
     // Its own truncation and padding (tokenizer.json often fixes both at
     // 128) would change what is embedded: the engine truncates, and pads
     // per batch.
     tokenizer.with_padding(None);
     tokenizer.with_truncation(None).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
-    let prefixes: &[&str] = if prefixed { &["bert."] } else { &["embeddings.", "encoder."] };
+    let separator = tokenizer.token_to_id("[SEP]").unwrap_or(102);
+    let reranker = match head {
+        None => None,
+        Some(head) => {
+            let mut pairs = tokenizer.clone();
+            pairs
+                .with_truncation(Some(tokenizers::TruncationParams {
+                    max_length: settings.max_tokens,
+                    strategy: tokenizers::TruncationStrategy::LongestFirst,
+                    ..Default::default()
+                }))
+                .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+            Some((head, pairs))
+        }
+    };
+    let prefixes: &[&str] = match (prefixed, classifies) {
+        (true, false) => &["bert."],
+        (true, true) => &["bert.", "classifier."],
+        (false, false) => &["embeddings.", "encoder."],
+        (false, true) => &["embeddings.", "encoder.", "pooler.", "classifier."],
+    };
     let fingerprint = crate::model::vlm_dir::weights_fingerprint(
         dir,
         prefixes,
@@ -59,12 +109,41 @@ pub fn load_dir(
         memo,
     )
     .with_context(|| format!("fingerprinting {}", dir.display()))?;
-    Ok(Box::new(Bert { encoder, settings, tokenizer, fingerprint, dimensions }))
+    Ok(Box::new(Bert { encoder, settings, tokenizer, fingerprint, dimensions, reranker, separator }))
+}
+
+impl Bert {
+    /// Each token's segment: the first up to and with the first `[SEP]`,
+    /// the second after it (padding's does not matter: it is masked).
+    fn segments(&self, inputs: &[Vec<u32>], longest: usize) -> Array {
+        let mut types = Vec::with_capacity(inputs.len() * longest);
+        for input in inputs {
+            let first = input.iter().position(|&t| t == self.separator).map_or(longest, |p| p + 1);
+            types.extend((0..longest).map(|i| i32::from(i >= first)));
+        }
+        Array::from_slice(&types, &[inputs.len() as i32, longest as i32])
+    }
+
+    /// Relevance scores `[B]` of pairs' token states: the classifier's
+    /// logit through a sigmoid (one label, as `CrossEncoder` scores), or
+    /// the second label's probability (two).
+    fn scores(&self, head: &model::ClassifierHead, states: &Array) -> Result<Array> {
+        let logits = head.forward(states)?.as_dtype(mlx_rs::Dtype::Float32)?;
+        Ok(if head.labels == 1 {
+            mlx_rs::ops::sigmoid(&logits)?
+        } else {
+            mlx_rs::ops::softmax_axis(&logits, -1, None)?.index((.., 1..2))
+        })
+    }
 }
 
 impl Embedder for Bert {
     fn architecture(&self) -> &'static str {
-        "bert"
+        if self.reranker.is_some() {
+            "bert cross-encoder"
+        } else {
+            "bert"
+        }
     }
 
     fn dimensions(&self) -> usize {
@@ -91,6 +170,16 @@ impl Embedder for Bert {
         out
     }
 
+    fn reranks(&self) -> bool {
+        self.reranker.is_some()
+    }
+
+    fn tokenize_pair(&self, query: &str, document: &str) -> Result<Vec<u32>> {
+        let Some((_, pairs)) = &self.reranker else { anyhow::bail!("an embedding model does not read pairs") };
+        let enc = pairs.encode((query, document), true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         let longest = inputs.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let (b, l) = (inputs.len() as i32, longest as i32);
@@ -103,7 +192,14 @@ impl Embedder for Bert {
         }
         let ids = Array::from_slice(&ids, &[b, l]);
         let keep = Array::from_slice(&keep, &[b, l]);
-        let states = self.encoder.forward(&ids, &keep)?;
+        if let Some((head, _)) = &self.reranker {
+            let types = self.segments(inputs, longest);
+            let states = self.encoder.forward(&ids, &keep, Some(&types))?;
+            let scores = self.scores(head, &states)?;
+            scores.eval()?;
+            return Ok(scores.as_slice::<f32>().iter().map(|&s| vec![s]).collect());
+        }
+        let states = self.encoder.forward(&ids, &keep, None)?;
         let pooled = match self.settings.pooling {
             Pooling::Mean => {
                 let weights = keep.as_dtype(states.dtype())?.reshape(&[b, l, 1])?;

@@ -4,7 +4,7 @@
 use super::config::BertConfig;
 use crate::model::layers::{from_heads, to_heads, Embedding, LayerNorm, Linear};
 use crate::model::weights::TensorMap;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{nn, Array};
@@ -25,8 +25,8 @@ pub struct BertEncoder {
     config: BertConfig,
     words: Embedding,
     positions: Array,
-    /// Token type 0's row (single-sequence inputs).
-    token_type: Array,
+    /// One row per token type (segment A, B of a pair).
+    token_types: Array,
     embeddings_norm: LayerNorm,
     layers: Vec<Layer>,
 }
@@ -37,7 +37,7 @@ impl BertEncoder {
         let eps = config.layer_norm_eps;
         let words = t.embedding("embeddings.word_embeddings")?;
         let positions = t.float("embeddings.position_embeddings.weight")?;
-        let token_type = t.float("embeddings.token_type_embeddings.weight")?.index(0);
+        let token_types = t.float("embeddings.token_type_embeddings.weight")?;
         let embeddings_norm = LayerNorm::load(t, "embeddings.LayerNorm", eps)?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
@@ -53,7 +53,7 @@ impl BertEncoder {
                 output_norm: LayerNorm::load(t, &format!("{p}.output.LayerNorm"), eps)?,
             });
         }
-        Ok(Self { config, words, positions, token_type, embeddings_norm, layers })
+        Ok(Self { config, words, positions, token_types, embeddings_norm, layers })
     }
 
     /// Positions the model was trained for.
@@ -63,12 +63,17 @@ impl BertEncoder {
 
     /// Token states `[B, L, hidden]` of right-padded `ids` `[B, L]`, where
     /// `keep` (`[B, L]`, bool) marks the real tokens: padding is never
-    /// attended to.
-    pub fn forward(&self, ids: &Array, keep: &Array) -> Result<Array> {
+    /// attended to. `types` (`[B, L]`, int32) says each token's segment of
+    /// a pair; `None`: all of the first (a single text).
+    pub fn forward(&self, ids: &Array, keep: &Array, types: Option<&Array>) -> Result<Array> {
         let (b, l) = (ids.shape()[0], ids.shape()[1]);
         let n = self.config.num_attention_heads;
         let scale = 1.0 / (self.config.head_dim() as f32).sqrt();
-        let x = self.words.lookup(ids)?.add(self.positions.index(..l))?.add(&self.token_type)?;
+        let segments = match types {
+            Some(t) => self.token_types.take_axis(t, 0)?,
+            None => self.token_types.index(0),
+        };
+        let x = self.words.lookup(ids)?.add(self.positions.index(..l))?.add(&segments)?;
         let mut x = self.embeddings_norm.forward(&x)?;
         let mask = keep.reshape(&[b, 1, 1, l])?;
         for layer in &self.layers {
@@ -89,5 +94,30 @@ impl BertEncoder {
             x = layer.output_norm.forward(&layer.output.forward(&h)?.add(&x)?)?;
         }
         Ok(x)
+    }
+}
+
+/// A cross-encoder's head (`BertForSequenceClassification`): the pooler
+/// (a dense layer and tanh over `[CLS]`'s state) and the classifier.
+pub struct ClassifierHead {
+    pooler: Linear,
+    classifier: Linear,
+    /// Outputs of the classifier (1 for a relevance score).
+    pub labels: usize,
+}
+
+impl ClassifierHead {
+    /// Loads `pooler.dense` and `classifier` from `t`.
+    pub fn load(t: &mut TensorMap) -> Result<Self> {
+        let pooler = t.linear("pooler.dense")?;
+        let labels = t.rows("classifier.weight").context("missing tensor classifier.weight")? as usize;
+        let classifier = t.linear("classifier")?;
+        Ok(Self { pooler, classifier, labels })
+    }
+
+    /// Logits `[B, labels]` of token states `[B, L, hidden]`.
+    pub fn forward(&self, states: &Array) -> Result<Array> {
+        let pooled = mlx_rs::ops::tanh(&self.pooler.forward(&states.index((.., 0, ..)))?)?;
+        Ok(self.classifier.forward(&pooled)?)
     }
 }

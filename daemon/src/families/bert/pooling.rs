@@ -69,6 +69,16 @@ impl SentenceSettings {
         Ok(Self { pooling, normalize, max_tokens })
     }
 
+    /// A cross-encoder's (a reranker of pairs, no pooling of its own: its
+    /// head reads `[CLS]`): `model_max_length` from tokenizer_config.json
+    /// within `positions`, as `CrossEncoder` truncates.
+    pub fn for_pairs(dir: &Path, positions: usize) -> Result<Self> {
+        let config = crate::model::read_json(&dir.join("tokenizer_config.json"))?;
+        let max_tokens =
+            config.and_then(|c| c.get("model_max_length")?.as_u64()).map_or(positions, |m| (m as usize).min(positions));
+        Ok(Self { pooling: Pooling::Cls, normalize: false, max_tokens })
+    }
+
     /// The settings as the feature store's key and `mlxbc ps` show them.
     pub fn describe(&self) -> String {
         format!("{:?} pooling, normalize {}, max {} tokens", self.pooling, self.normalize, self.max_tokens)
