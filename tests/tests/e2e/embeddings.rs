@@ -3,7 +3,8 @@
 //! embedded once, ever (a second request, and one after a restart, are
 //! answered from the store with the same vectors); the `openai` SDK and the
 //! `ollama` client through the gateway (tests/clients/embeddings.py); bad
-//! requests refused with a sentence while the daemon keeps serving.
+//! requests refused with a sentence while the daemon keeps serving. And a
+//! reranker (a tiny cross-encoder) through the socket, the CLI and HTTP.
 
 use crate::helper::{fixture, Daemon, DaemonOptions, SMOLLM2};
 use mlxbc_client::EmbedRequest;
@@ -94,4 +95,123 @@ fn metrics_parse_and_move_as_requests_are_served() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let _d = Daemon::start_with(options(vec!["--http".into(), format!("127.0.0.1:{port}")]));
     crate::http::run_client_script("metrics.py", &[&format!("http://127.0.0.1:{port}"), SMOLLM2, MINILM]);
+}
+
+const RERANKER: &str = "tiny-cross-encoder";
+
+fn rerank_request(query: &str, documents: &[String], top_n: Option<u32>) -> mlxbc_client::RerankRequest {
+    mlxbc_client::RerankRequest {
+        model: RERANKER.into(),
+        query: query.into(),
+        documents: documents.to_vec(),
+        top_n,
+        keep_alive: None,
+    }
+}
+
+/// A reranker (a tiny random-weight cross-encoder with MiniLM's tokenizer:
+/// no real one ships on PyPI; its scores are checked against the reference
+/// in numerics) through the client library, `mlxbc rerank` and plain HTTP
+/// (`/v1/rerank`, `/rerank`): documents ordered by the reference's scores,
+/// each pair scored once, ever (the second request from the store), and
+/// refusals with a sentence (an embedder asked to rerank, a reranker asked
+/// to embed, a chat model, no documents, `top_n` 0) while the daemon
+/// keeps serving.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reranker_orders_documents_once_ever_through_the_socket_cli_and_http() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("rerank/reference.json")).unwrap()).unwrap();
+    let query = reference["query"].as_str().unwrap().to_string();
+    let pairs = reference["pairs"].as_array().unwrap();
+    let documents: Vec<String> = pairs.iter().map(|p| p["document"].as_str().unwrap().to_string()).collect();
+    let want: Vec<f32> = pairs.iter().map(|p| p["score"].as_f64().unwrap() as f32).collect();
+    let mut order: Vec<usize> = (0..want.len()).collect();
+    order.sort_by(|&a, &b| want[b].total_cmp(&want[a]));
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut opts = options(vec!["--http".into(), format!("127.0.0.1:{port}")]);
+    opts.models.push((RERANKER, fixture("rerank/tiny-cross-encoder")));
+    let d = Daemon::start_with(opts);
+    let mut c = d.client().await;
+    let first = c.rerank(rerank_request(&query, &documents, None)).await.unwrap();
+    assert_eq!(first.cached, 0);
+    let got: Vec<usize> = first.results.iter().map(|r| r.index as usize).collect();
+    assert_eq!(got, order, "most relevant first, as the reference scores them");
+    for r in &first.results {
+        assert!((r.score - want[r.index as usize]).abs() < 1e-4, "document {}: {}", r.index, r.score);
+    }
+    let again = c.rerank(rerank_request(&query, &documents, Some(3))).await.unwrap();
+    assert_eq!(again.cached, documents.len() as u32, "the second request should come from the store");
+    assert_eq!(again.results, first.results[..3]);
+    // Another query over the same documents is another pair: computed.
+    let other = c.rerank(rerank_request("the lighthouse keeper", &documents, None)).await.unwrap();
+    assert_eq!(other.cached, 0);
+
+    for (result, says) in [
+        (c.rerank(rerank_request(&query, &[], None)).await.map(|_| ()), "no documents"),
+        (c.rerank(rerank_request(&query, &documents, Some(0))).await.map(|_| ()), "top_n"),
+        (
+            c.rerank(mlxbc_client::RerankRequest { model: MINILM.into(), ..rerank_request(&query, &documents, None) })
+                .await
+                .map(|_| ()),
+            "not a reranker",
+        ),
+        (
+            c.rerank(mlxbc_client::RerankRequest { model: SMOLLM2.into(), ..rerank_request(&query, &documents, None) })
+                .await
+                .map(|_| ()),
+            "not an embedding model or a reranker",
+        ),
+        (c.embed(EmbedRequest { model: RERANKER.into(), ..request(&["x"]) }).await.map(|_| ()), "is a reranker"),
+    ] {
+        let e = result.expect_err("refused");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    drop(c);
+
+    // The CLI: a line per document, most relevant first; `mlxbc models`.
+    let mut args =
+        vec!["rerank".to_string(), "-m".into(), RERANKER.into(), "--top-n".into(), "2".into(), query.clone()];
+    args.extend(documents.iter().filter(|d| !d.is_empty()).cloned());
+    let out = d.cli().args(&args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let first_line: Vec<&str> = text.lines().next().unwrap().splitn(3, '\t').collect();
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert_eq!(first_line[2], documents[order[0]], "{text}");
+    let models = String::from_utf8(d.cli().arg("models").output().unwrap().stdout).unwrap();
+    assert!(models.lines().any(|l| l.contains(RERANKER) && l.contains("rerank")), "{models}");
+
+    // Plain HTTP: Jina/Cohere's shape, documents as strings or objects.
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let objects: Vec<serde_json::Value> = documents.iter().map(|d| serde_json::json!({"text": d})).collect();
+    let body = serde_json::json!({"model": RERANKER, "query": query, "documents": objects, "top_n": 2,
+                                  "return_documents": true});
+    let r: serde_json::Value =
+        http.post(format!("{base}/v1/rerank")).json(&body).send().await.unwrap().json().await.unwrap();
+    let results = r["results"].as_array().unwrap_or_else(|| panic!("{r}"));
+    assert_eq!(results.len(), 2, "{r}");
+    assert_eq!(results[0]["index"], order[0], "{r}");
+    assert_eq!(results[0]["document"]["text"], documents[order[0]].as_str(), "{r}");
+    assert!((results[0]["relevance_score"].as_f64().unwrap() as f32 - want[order[0]]).abs() < 1e-4);
+    assert!(r["usage"]["total_tokens"].as_u64().unwrap() > 0, "{r}");
+    // No model: the daemon's reranker; TEI's `texts`.
+    let body = serde_json::json!({"query": query, "texts": documents});
+    let r: serde_json::Value =
+        http.post(format!("{base}/rerank")).json(&body).send().await.unwrap().json().await.unwrap();
+    assert_eq!(r["model"], RERANKER, "{r}");
+    assert_eq!(r["results"].as_array().unwrap().len(), documents.len());
+    for (body, says) in [
+        (serde_json::json!({"model": RERANKER, "query": query}), "documents is required"),
+        (serde_json::json!({"model": RERANKER, "query": query, "documents": []}), "no documents"),
+        (serde_json::json!({"model": MINILM, "query": query, "documents": ["a"]}), "not a reranker"),
+    ] {
+        let resp = http.post(format!("{base}/v1/rerank")).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 400, "{body}");
+        let e: serde_json::Value = resp.json().await.unwrap();
+        assert!(e["error"]["message"].as_str().unwrap().contains(says), "{e}");
+    }
+    let (text, _) = crate::helper::ask(&d.socket, crate::helper::greedy(Some(SMOLLM2), "Say hi.", 4)).await.unwrap();
+    assert!(!text.is_empty());
 }

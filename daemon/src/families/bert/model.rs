@@ -118,6 +118,6 @@ impl ClassifierHead {
     /// Logits `[B, labels]` of token states `[B, L, hidden]`.
     pub fn forward(&self, states: &Array) -> Result<Array> {
         let pooled = mlx_rs::ops::tanh(&self.pooler.forward(&states.index((.., 0, ..)))?)?;
-        Ok(self.classifier.forward(&pooled)?)
+        self.classifier.forward(&pooled)
     }
 }
