@@ -27,6 +27,10 @@ pub struct EmbedArgs {
     /// Keep each vector's first N values, normalized again (Matryoshka models).
     #[arg(long)]
     dimensions: Option<u32>,
+    /// The model's instruction to put before each text, by name (`query`
+    /// for Qwen3-Embedding's and E5's queries, `document`).
+    #[arg(long)]
+    prompt: Option<String>,
     /// Refuse a text longer than the model takes instead of cutting it.
     #[arg(long)]
     no_truncate: bool,
@@ -70,6 +74,7 @@ pub async fn run(client: &mut Client, args: &EmbedArgs) -> Result<()> {
         truncate: !args.no_truncate,
         dimensions: args.dimensions,
         keep_alive: crate::keep_alive(&args.keep_alive)?,
+        prompt: args.prompt.clone(),
     };
     let e = client.embed(request).await?;
     let mut out = std::io::stdout().lock();

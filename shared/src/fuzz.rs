@@ -169,6 +169,7 @@ pub fn arbitrary_request(rng: &mut Rng, allow_shutdown: bool) -> Request {
                 truncate: rng.one_in(2),
                 dimensions: rng.one_in(3).then(|| rng.edgy_u64() as u32),
                 keep_alive: keep_alive(rng),
+                prompt: rng.one_in(3).then(|| rng.string()),
             }),
             0 => Request::Cache([CacheCommand::Stats, CacheCommand::List, CacheCommand::Verify][rng.below(3) as usize]),
             1 => Request::Sessions(SessionCommand::List),

@@ -352,6 +352,11 @@ pub struct EmbedRequest {
     /// (Matryoshka embeddings); `None`: all of them.
     pub dimensions: Option<u32>,
     pub keep_alive: Option<KeepAlive>,
+    /// The model's instruction to put before each input, by name (its
+    /// `config_sentence_transformers.json` `prompts`: `query` for
+    /// Qwen3-Embedding's and E5's queries, `document`); `None`: its
+    /// default (usually none).
+    pub prompt: Option<String>,
 }
 
 /// The vectors of an [`EmbedRequest`], in its inputs' order.

@@ -141,6 +141,9 @@ pub fn capability(path: &Path) -> &'static str {
     let family = crate::families::family_of(&raw);
     if family.is_some_and(|f| matches!(f.load_dir, crate::families::DirLoader::Speech(_))) {
         "speech"
+    } else if crate::model::sentence::SentenceSettings::is_sentence_dir(path) {
+        // A decoder with sentence-transformers' files (Qwen3-Embedding).
+        "embedding"
     } else if family.is_some_and(|f| matches!(f.load_dir, crate::families::DirLoader::Embed(_))) {
         // A cross-encoder (a classifier over pairs) reranks.
         let classifies = raw

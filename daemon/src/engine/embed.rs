@@ -71,13 +71,14 @@ impl EmbedJob {
         request: EmbedRequest,
         arrival: Arrival,
     ) -> Result<Self, (EngineError, oneshot::Sender<Response>)> {
-        let (dimensions, ids) = match check(name, &*model, &request) {
+        let (dimensions, texts, ids) = match check(name, &*model, &request) {
             Ok(c) => c,
             Err(e) => return Err((e, arrival.reply)),
         };
-        let contents = request.inputs.iter().map(|t| content_hash(t.as_bytes())).collect();
+        // The hash is of the text as embedded, its instruction included.
+        let contents = texts.iter().map(|t| content_hash(t.as_bytes())).collect();
         let purpose = Purpose::Embed { dimensions };
-        Ok(Self::start(name, model, store, request.inputs, ids, contents, purpose, request.keep_alive, arrival))
+        Ok(Self::start(name, model, store, texts, ids, contents, purpose, request.keep_alive, arrival))
     }
 
     /// The same for a reranking: each (query, document) pair is an input,
@@ -294,9 +295,13 @@ fn check_rerank(
     Ok((top_n, ids))
 }
 
-/// The request's output dimensions and its inputs' token ids (truncated
-/// where it allows), or why it is refused.
-fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<(usize, Vec<Vec<u32>>), EngineError> {
+/// A checked embedding request: its output dimensions, its inputs as
+/// embedded (after the instruction its prompt names) and their token ids.
+type Checked = (usize, Vec<String>, Vec<Vec<u32>>);
+
+/// The request checked (its inputs truncated where it allows), or why it
+/// is refused.
+fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<Checked, EngineError> {
     if model.reranks() {
         return Err(EngineError::BadRequest(format!(
             "{name} is a reranker: it scores documents against a query (`mlxbc rerank`, /v1/rerank) and does not \
@@ -319,9 +324,12 @@ fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<(us
         Some(d) if d >= 1 && (d as usize) <= full => d as usize,
         Some(d) => return Err(EngineError::BadRequest(format!("dimensions {d} is not between 1 and {name}'s {full}"))),
     };
+    let instruction =
+        model.prompt(request.prompt.as_deref()).map_err(|e| EngineError::BadRequest(format!("{name}: {e:#}")))?;
+    let texts: Vec<String> = inputs.iter().map(|t| format!("{instruction}{t}")).collect();
     let max = model.max_tokens();
     let mut ids = Vec::with_capacity(inputs.len());
-    for (i, text) in inputs.iter().enumerate() {
+    for (i, text) in texts.iter().enumerate() {
         let t = model.tokenize(text).map_err(EngineError::inference)?;
         if t.len() > max && !request.truncate {
             return Err(EngineError::BadRequest(format!(
@@ -331,7 +339,7 @@ fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<(us
         }
         ids.push(model.truncate(&t));
     }
-    Ok((dimensions, ids))
+    Ok((dimensions, texts, ids))
 }
 
 /// The embedding requests in progress, served one batch per engine pass
@@ -434,6 +442,7 @@ mod tests {
             truncate: true,
             dimensions: None,
             keep_alive: None,
+            prompt: None,
         };
         let (reply, mut answer) = oneshot::channel();
         let arrival = Arrival { load_ms: 0.0, received: Instant::now(), reply };

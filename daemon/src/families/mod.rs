@@ -186,6 +186,12 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
         };
         refuse_unsplittable(family, model_type, &options)?;
         match family.load_dir {
+            // A chat family's decoder in a sentence-transformers directory
+            // (Qwen3-Embedding) embeds.
+            DirLoader::Chat(load) if crate::model::sentence::SentenceSettings::is_sentence_dir(path) => {
+                let model = load(path, &raw, options, memo)?;
+                crate::model::decoder_embedder::from_decoder(path, &raw, model.lm, memo).map(LoadedModel::Embed)
+            }
             DirLoader::Chat(load) => load(path, &raw, options, memo).map(LoadedModel::Chat),
             DirLoader::Speech(load) => load(path, &raw, options, memo).map(LoadedModel::Speech),
             DirLoader::Embed(load) => load(path, &raw, options, memo).map(LoadedModel::Embed),

@@ -73,6 +73,10 @@ struct OpenAiBody {
     #[serde(default)]
     #[expect(dead_code, reason = "OpenAI's end-user id: accepted, not used")]
     user: Option<String>,
+    /// An extension (Cohere's and Voyage's name): `query` or `document`,
+    /// or any prompt the model's directory names.
+    #[serde(default)]
+    input_type: Option<String>,
 }
 
 /// `POST /v1/embeddings`.
@@ -92,7 +96,14 @@ pub async fn openai(State(state): State<Arc<AppState>>, body: axum::body::Bytes)
         Ok(t) => t,
         Err(e) => return error_response(ErrorKind::BadRequest, e),
     };
-    let request = EmbedRequest { model: b.model, inputs, truncate: false, dimensions: b.dimensions, keep_alive: None };
+    let request = EmbedRequest {
+        model: b.model,
+        inputs,
+        truncate: false,
+        dimensions: b.dimensions,
+        keep_alive: None,
+        prompt: b.input_type,
+    };
     let e = match embed(&state, request).await {
         Ok(e) => e,
         Err((kind, message)) => return error_response(kind, message),
@@ -134,6 +145,9 @@ struct OllamaBody {
     dimensions: Option<u32>,
     #[serde(default)]
     keep_alive: Option<Value>,
+    /// As for `/v1/embeddings`: the model's prompt to put before each input.
+    #[serde(default)]
+    input_type: Option<String>,
 }
 
 fn ollama_request(b: OllamaBody, legacy: bool) -> Result<EmbedRequest, String> {
@@ -150,6 +164,7 @@ fn ollama_request(b: OllamaBody, legacy: bool) -> Result<EmbedRequest, String> {
         truncate: b.truncate.unwrap_or(true),
         dimensions: b.dimensions,
         keep_alive,
+        prompt: b.input_type,
     })
 }
 

@@ -61,6 +61,13 @@ pub trait LanguageModel {
     /// Logits `[B, vocab]` of each row's last position of `hidden`.
     fn logits(&self, hidden: &Array) -> Result<Array>;
 
+    /// The final norm's output `[B, width]` at each row's last position of
+    /// `hidden` (what [`Self::logits`] reads before its head): a decoder
+    /// read as a sentence embedder pools this (last-token pooling).
+    fn last_states(&self, _hidden: &Array) -> Result<Array> {
+        anyhow::bail!("{} cannot be read as an embedding model", self.architecture())
+    }
+
     /// True when [`Self::logits_all`] gives every position's logits and
     /// the model's cache can be cut back: its sequences may speculate.
     fn verifies_drafts(&self) -> bool {
@@ -322,6 +329,16 @@ pub trait Embedder {
     /// document) pairs ([`Self::tokenize_pair`]) and its output a score.
     fn reranks(&self) -> bool {
         false
+    }
+
+    /// The instruction put before each input for the prompt `name` (its
+    /// directory's `prompts`: `query`, `document`, ...; `None`: its
+    /// default), or why there is none of that name.
+    fn prompt(&self, name: Option<&str>) -> Result<String> {
+        match name {
+            None | Some("query" | "document" | "search_query" | "search_document") => Ok(String::new()),
+            Some(other) => anyhow::bail!("this model has no prompt {other:?}"),
+        }
     }
 
     /// Token ids of a (query, document) pair as a reranker reads them,

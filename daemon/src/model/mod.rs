@@ -5,6 +5,7 @@
 pub mod batch_attention;
 pub mod chat_template;
 pub mod decode_step;
+pub mod decoder_embedder;
 pub mod family;
 pub mod gguf;
 pub mod image;
@@ -14,6 +15,7 @@ pub mod options;
 pub mod positions;
 pub mod prompt;
 pub mod raw_prompt;
+pub mod sentence;
 pub mod sharding;
 pub mod splice;
 pub mod tokenizer;

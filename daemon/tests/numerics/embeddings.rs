@@ -94,3 +94,43 @@ fn a_cross_encoder_matches_the_reference_batched_against_alone() {
     // An embedding model does not read pairs.
     assert!(minilm().tokenize_pair("q", "d").is_err());
 }
+
+/// A decoder embedder laid out as sentence-transformers ships
+/// Qwen3-Embedding (tiny random Qwen3 weights, a real Qwen tokenizer ending
+/// each input with `<|endoftext|>`) against mlx-embeddings' `qwen3.py` on
+/// the same weights (scripts/fixtures/decoder_embed_reference.py): the
+/// corpus as documents and two queries after the directory's query
+/// instruction, all in one left-padded batch here and each alone there,
+/// cosine ≥ 0.9999, the same token counts (the long text cut to the first
+/// 47 tokens and `<|endoftext|>`).
+#[test]
+fn a_qwen3_embedding_model_matches_mlx_embeddings_batched_against_alone() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("decoder-embed/reference.json")).unwrap()).unwrap();
+    let reference = reference.as_array().unwrap();
+    let e =
+        match families::load_any(&fixture("decoder-embed/tiny-qwen3-embedding"), WeightForm::DenseF32, None).unwrap() {
+            LoadedModel::Embed(e) => e,
+            _ => panic!("the Qwen3 embedding directory did not load as an embedder"),
+        };
+    assert_eq!((e.dimensions(), e.max_tokens(), e.reranks()), (64, 48, false));
+    let query = e.prompt(Some("query")).unwrap();
+    assert!(query.starts_with("Instruct: "), "{query:?}");
+    assert_eq!(e.prompt(Some("document")).unwrap(), "");
+    assert!(e.prompt(Some("passage")).is_err(), "a prompt the directory does not name");
+    let ids: Vec<Vec<u32>> = reference
+        .iter()
+        .map(|r| {
+            let prefix = if r["prompt"] == "query" { query.as_str() } else { "" };
+            e.truncate(&e.tokenize(&format!("{prefix}{}", r["text"].as_str().unwrap())).unwrap())
+        })
+        .collect();
+    let got = e.embed(&ids).unwrap();
+    for (i, r) in reference.iter().enumerate() {
+        assert_eq!(ids[i].len() as u64, r["tokens"].as_u64().unwrap(), "text {i}: token count");
+        assert_eq!(*ids[i].last().unwrap(), 151643, "text {i} ends with <|endoftext|>");
+        let want: Vec<f32> = r["vector"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        let c = cosine(&got[i], &want);
+        assert!(c >= 0.9999, "text {i} ({:?}): cosine {c} to mlx-embeddings", r["text"]);
+    }
+}

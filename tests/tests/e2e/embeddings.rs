@@ -25,6 +25,7 @@ fn request(inputs: &[&str]) -> EmbedRequest {
         truncate: true,
         dimensions: None,
         keep_alive: None,
+        prompt: None,
     }
 }
 

@@ -1,7 +1,7 @@
 //! BERT-style sentence embedders as sentence-transformers ships them
 //! (all-MiniLM, BGE, E5, GTE and others of the `bert` architecture): the
 //! encoder (`model`), its shape (`config`), and how the directory says to
-//! pool and normalize (`pooling`). A directory whose checkpoint has a
+//! pool and normalize (`model::sentence`). A directory whose checkpoint has a
 //! classifier (`BertForSequenceClassification`, as sentence-transformers'
 //! `CrossEncoder` rerankers ship: ms-marco-MiniLM, BGE-reranker-base) is a
 //! reranker: it reads a (query, document) pair and says how relevant the
@@ -13,15 +13,14 @@
 
 mod config;
 mod model;
-mod pooling;
 
 use crate::model::family::Embedder;
 use crate::model::options::ModelOptions;
+use crate::model::sentence::{Pooling, SentenceSettings};
 use crate::model::weights::TensorMap;
 use anyhow::{Context, Result};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
-use pooling::{Pooling, SentenceSettings};
 use std::path::Path;
 
 /// A loaded sentence embedder, or a cross-encoder reranker.
@@ -168,6 +167,10 @@ impl Embedder for Bert {
         let mut out = ids[..max - 1].to_vec();
         out.extend_from_slice(&ids[ids.len() - 1..]);
         out
+    }
+
+    fn prompt(&self, name: Option<&str>) -> Result<String> {
+        self.settings.prompt(name).map(String::from)
     }
 
     fn reranks(&self) -> bool {

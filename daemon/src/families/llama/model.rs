@@ -212,6 +212,14 @@ impl Transformer {
         self.split.gather_vocab(logits.reshape(&[b, -1])?)
     }
 
+    /// The final norm's output `[B, width]` at each row's last position:
+    /// what a decoder embedder pools (last-token pooling).
+    pub fn states_last(&self, hidden: &Array) -> Result<Array> {
+        let (b, l) = (hidden.shape()[0], hidden.shape()[1]);
+        let last = if l == 1 { hidden.clone() } else { hidden.take_axis(Array::from_slice(&[l - 1], &[1]), 1)? };
+        Ok(fast::rms_norm(&last, Some(&self.norm), self.config.rms_norm_eps)?.reshape(&[b, -1])?)
+    }
+
     /// Logits `[B, L, vocab]` of every position of `hidden`.
     fn logits_every(&self, hidden: &Array) -> Result<Array> {
         let (b, l) = (hidden.shape()[0], hidden.shape()[1]);
@@ -495,6 +503,10 @@ impl LanguageModel for Transformer {
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
         self.logits_last(hidden)
+    }
+
+    fn last_states(&self, hidden: &Array) -> Result<Array> {
+        self.states_last(hidden)
     }
 
     fn verifies_drafts(&self) -> bool {
