@@ -90,7 +90,10 @@ impl Embedder for DecoderEmbedder {
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        // sentence-transformers strips each text (its instruction
+        // included) before tokenizing; a byte-level tokenizer would
+        // otherwise read the whitespace.
+        let enc = self.tokenizer.encode(text.trim(), true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
 

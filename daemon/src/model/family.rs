@@ -313,7 +313,9 @@ pub trait Embedder {
     /// (sentence-transformers' `max_seq_length`).
     fn max_tokens(&self) -> usize;
 
-    /// Token ids of `text` with the model's special tokens, not truncated.
+    /// Token ids of `text` with the model's special tokens, not truncated
+    /// (stripped of surrounding whitespace first, as sentence-transformers
+    /// strips its inputs).
     fn tokenize(&self, text: &str) -> Result<Vec<u32>>;
 
     /// `ids` cut to [`Self::max_tokens`] as the model's tokenizer truncates

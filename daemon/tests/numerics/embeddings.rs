@@ -3,7 +3,9 @@
 //! of a varied corpus (prose, code, CJK, German, emoji, empty and blank
 //! strings, a text past the model's 256 tokens) embedded in one padded
 //! batch here and alone there, cosine ≥ 0.9999 each, the same token
-//! counts, and the same nearest neighbour for every text. Fixtures from
+//! counts, and the same nearest neighbour for every text; and against
+//! sentence-transformers' own answers on the same weights, recorded in
+//! tests/fixtures/embed/sentence_transformers.json. Fixtures from
 //! scripts/test-fixtures.
 
 use crate::common::fixture;
@@ -16,6 +18,36 @@ fn minilm() -> Box<dyn Embedder> {
         LoadedModel::Embed(e) => e,
         _ => panic!("all-MiniLM-L6-v2 did not load as an embedder"),
     }
+}
+
+/// sentence-transformers' own answers on the same fixtures, recorded by
+/// scripts/fixtures/sentence_transformers_reference.py (torch is too big
+/// for every CI run): `section`'s entry, after checking it was recorded on
+/// the weights of `model_dir`.
+fn sentence_transformers(section: &str, model_dir: &str) -> serde_json::Value {
+    use sha2::Digest;
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/embed/sentence_transformers.json");
+    let all: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let entry = all[section].clone();
+    let weights = std::fs::read(fixture(model_dir).join("model.safetensors")).unwrap();
+    let sha = format!("{:x}", sha2::Sha256::digest(&weights));
+    assert_eq!(
+        entry["weights_sha256"].as_str(),
+        Some(sha.as_str()),
+        "{} was recorded on other weights than {model_dir}'s: record it again (`scripts/bench embed` makes the \
+         sentence-transformers venv; then scripts/fixtures/sentence_transformers_reference.py)",
+        path.display()
+    );
+    entry
+}
+
+fn vectors(v: &serde_json::Value) -> Vec<Vec<f32>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+        .collect()
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
@@ -54,6 +86,13 @@ fn minilm_matches_mlx_embeddings_batched_against_alone() {
         assert!((norm - 1.0).abs() < 1e-4, "text {i}: normalized, not {norm}");
         assert_eq!(nearest(&got, i), nearest(&want, i), "text {i}: a different nearest neighbour");
     }
+    // sentence-transformers itself (SentenceTransformer.encode, recorded).
+    let st = vectors(&sentence_transformers("minilm", "models/all-MiniLM-L6-v2")["vectors"]);
+    assert_eq!(st.len(), got.len());
+    for (i, v) in st.iter().enumerate() {
+        let c = cosine(&got[i], v);
+        assert!(c >= 0.9999, "text {i}: cosine {c} to sentence-transformers");
+    }
     // "A man is eating food." against "A man is eating a piece of bread.":
     // 0.7553 in sentence-transformers' documentation for this model.
     assert!((cosine(&got[0], &got[1]) - 0.7553).abs() < 1e-3, "{}", cosine(&got[0], &got[1]));
@@ -87,6 +126,12 @@ fn a_cross_encoder_matches_the_reference_batched_against_alone() {
         let want = p["score"].as_f64().unwrap();
         let score = f64::from(got[i][0]);
         assert!((score - want).abs() < 1e-4, "pair {i} ({:?}): {score} against {want}", p["document"]);
+    }
+    // sentence-transformers' CrossEncoder.predict (recorded).
+    let st = sentence_transformers("cross_encoder", "rerank/tiny-cross-encoder");
+    for (i, s) in st["scores"].as_array().unwrap().iter().enumerate() {
+        let (score, want) = (f64::from(got[i][0]), s.as_f64().unwrap());
+        assert!((score - want).abs() < 1e-4, "pair {i}: {score} against CrossEncoder's {want}");
     }
     order_got.sort_by(|&a, &b| got[b][0].total_cmp(&got[a][0]));
     order_want.sort_by(|&a, &b| pairs[b]["score"].as_f64().unwrap().total_cmp(&pairs[a]["score"].as_f64().unwrap()));
@@ -132,5 +177,13 @@ fn a_qwen3_embedding_model_matches_mlx_embeddings_batched_against_alone() {
         let want: Vec<f32> = r["vector"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
         let c = cosine(&got[i], &want);
         assert!(c >= 0.9999, "text {i} ({:?}): cosine {c} to mlx-embeddings", r["text"]);
+    }
+    // sentence-transformers (encode, and prompt_name="query"; recorded):
+    // it strips each text, which a byte-level tokenizer would otherwise read.
+    let st = vectors(&sentence_transformers("qwen3_embedding", "decoder-embed/tiny-qwen3-embedding")["vectors"]);
+    assert_eq!(st.len(), got.len());
+    for (i, v) in st.iter().enumerate() {
+        let c = cosine(&got[i], v);
+        assert!(c >= 0.9999, "text {i}: cosine {c} to sentence-transformers");
     }
 }

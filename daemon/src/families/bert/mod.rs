@@ -154,7 +154,8 @@ impl Embedder for Bert {
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        // As sentence-transformers, which strips each text first.
+        let enc = self.tokenizer.encode(text.trim(), true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
 
