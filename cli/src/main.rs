@@ -70,7 +70,12 @@ pub(crate) enum Command {
     /// Show loaded models.
     Ps,
     /// Show the daemon's status.
-    Status,
+    Status {
+        /// Everything as one JSON object: the status, the counters
+        /// `/metrics` exports, and the stores' statistics.
+        #[arg(long)]
+        json: bool,
+    },
     /// Load a model now.
     Load {
         model: String,

@@ -105,7 +105,16 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                 )?;
             }
         }
-        Command::Status => {
+        Command::Status { json: true } => {
+            let status = client.status().await?;
+            let stores = client.cache(mlxbc_client::CacheCommand::Stats).await?;
+            writeln!(
+                out,
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({"status": status, "stores": stores}))?
+            )?;
+        }
+        Command::Status { json: false } => {
             let s = client.status().await?;
             writeln!(out, "mlxbcd {} (protocol {}), pid {}, up {}s", s.daemon_version, s.protocol, s.pid, s.uptime_s)?;
             writeln!(out, "socket:   {}", client.socket().display())?;

@@ -110,6 +110,51 @@ impl Metrics {
     pub fn http(&self, route: &str, status: u16) {
         *lock(&self.0).http.entry((route.to_string(), status)).or_default() += 1;
     }
+
+    /// Every counter, as `mlxbc status --json` shows them.
+    pub fn counters(&self) -> mlxbc_shared::Counters {
+        use mlxbc_shared::{HttpCount, Latencies, ModelCounters as Counted, RequestCount};
+        let latencies = |bounds: &[f64], h: &Histogram| Latencies {
+            count: h.count,
+            sum_s: h.sum,
+            buckets: bounds.iter().copied().zip(h.counts.iter().copied().chain(std::iter::repeat(0))).collect(),
+        };
+        let m = lock(&self.0);
+        mlxbc_shared::Counters {
+            requests: m
+                .requests
+                .iter()
+                .map(|((kind, model, outcome), &count)| RequestCount {
+                    kind: kind.to_string(),
+                    model: model.clone(),
+                    outcome: outcome.clone(),
+                    count,
+                })
+                .collect(),
+            models: m
+                .models
+                .iter()
+                .map(|(model, c)| Counted {
+                    model: model.clone(),
+                    prompt_tokens: c.prompt_tokens,
+                    cached_prompt_tokens: c.cached_prompt_tokens,
+                    generated_tokens: c.generated_tokens,
+                    embedded_inputs: c.embedded_inputs,
+                    embedded_from_store: c.embedded_from_store,
+                    embedded_tokens: c.embedded_tokens,
+                    loads: c.loads,
+                    load_seconds: c.load_seconds,
+                    time_to_first_token: latencies(TTFT_BUCKETS, &c.ttft),
+                    per_token: latencies(TOKEN_BUCKETS, &c.per_token),
+                })
+                .collect(),
+            http: m
+                .http
+                .iter()
+                .map(|((route, status), &count)| HttpCount { route: route.clone(), status: *status, count })
+                .collect(),
+        }
+    }
 }
 
 /// A per-model counter: its name, help, and how to read it.

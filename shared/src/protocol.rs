@@ -908,6 +908,63 @@ pub struct DaemonStatus {
     pub http_connections_refused: u64,
     /// The group this daemon leads, when it is rank 0 of one.
     pub cluster: Option<ClusterStatus>,
+    /// Counters since the daemon started: what `GET /metrics` exports,
+    /// for `mlxbc status --json` (boxed: the status is one of the
+    /// responses, which should stay small).
+    pub counters: Box<Counters>,
+}
+
+/// Requests, tokens, latencies and loads since the daemon started.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Counters {
+    pub requests: Vec<RequestCount>,
+    pub models: Vec<ModelCounters>,
+    pub http: Vec<HttpCount>,
+}
+
+/// Requests of one kind (`generate`, `embed`, `rerank`) for one model that
+/// ended one way (`done`, `cancelled`, or an error kind).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestCount {
+    pub kind: String,
+    pub model: String,
+    pub outcome: String,
+    pub count: u64,
+}
+
+/// One model's tokens, latencies and loads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ModelCounters {
+    pub model: String,
+    pub prompt_tokens: u64,
+    /// Prompt positions reused from the prompt cache.
+    pub cached_prompt_tokens: u64,
+    pub generated_tokens: u64,
+    /// Texts embedded (and pairs reranked), of them from the store, and their tokens.
+    pub embedded_inputs: u64,
+    pub embedded_from_store: u64,
+    pub embedded_tokens: u64,
+    pub loads: u64,
+    pub load_seconds: f64,
+    pub time_to_first_token: Latencies,
+    pub per_token: Latencies,
+}
+
+/// A latency histogram (seconds): cumulative counts per upper bound.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Latencies {
+    pub count: u64,
+    pub sum_s: f64,
+    /// (upper bound in seconds, observations at or below it).
+    pub buckets: Vec<(f64, u64)>,
+}
+
+/// HTTP requests to one route answered with one status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HttpCount {
+    pub route: String,
+    pub status: u16,
+    pub count: u64,
 }
 
 /// A group of daemons splitting models between them, as rank 0 sees it.

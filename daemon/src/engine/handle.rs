@@ -182,6 +182,7 @@ impl EngineHandle {
             reserved_kv_bytes: snap.reserved_kv_bytes,
             max_batch: snap.max_batch,
             max_queue: snap.max_queue,
+            counters: Box::new(self.metrics.counters()),
         }
     }
 

@@ -79,6 +79,22 @@ async fn texts_are_embedded_once_ever_and_the_daemon_keeps_serving_after_bad_req
     assert_eq!(v.len(), 384);
     let models = String::from_utf8(d.cli().arg("models").output().unwrap().stdout).unwrap();
     assert!(models.lines().any(|l| l.contains(MINILM) && l.contains("embedding")), "{models}");
+
+    // `mlxbc status --json`: the counters /metrics exports, and the stores.
+    let out = d.cli().args(["status", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let counters = &j["status"]["counters"];
+    let done = counters["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["kind"] == "embed" && r["model"] == MINILM && r["outcome"] == "done")
+        .unwrap_or_else(|| panic!("{counters}"));
+    assert!(done["count"].as_u64().unwrap() >= 2, "this daemon's embed requests since the restart: {done}");
+    let m = counters["models"].as_array().unwrap().iter().find(|m| m["model"] == MINILM).unwrap();
+    assert!(m["embedded_from_store"].as_u64().unwrap() >= 40, "{m}");
+    assert!(j["stores"]["entries"].as_u64().unwrap() >= 41, "{}", j["stores"]);
 }
 
 /// The `openai` SDK and the `ollama` client.

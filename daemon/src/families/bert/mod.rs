@@ -35,6 +35,9 @@ pub struct Bert {
     reranker: Option<(model::ClassifierHead, tokenizers::Tokenizer)>,
     /// `[SEP]`: where a pair's second segment starts.
     separator: u32,
+    /// On the CPU, one stream per core (at most 8) that parts of a batch
+    /// run on; empty on a GPU.
+    streams: Vec<mlx_rs::Stream>,
 }
 
 /// Loads a sentence-transformers (or bare `BertModel`) directory.
@@ -108,10 +111,64 @@ pub fn load_dir(
         memo,
     )
     .with_context(|| format!("fingerprinting {}", dir.display()))?;
-    Ok(Box::new(Bert { encoder, settings, tokenizer, fingerprint, dimensions, reranker, separator }))
+    let on_cpu = matches!(mlx_rs::Device::default().get_type(), Ok(mlx_rs::DeviceType::Cpu));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    let cpu = mlx_rs::Device::cpu();
+    let streams = if on_cpu && cores > 1 {
+        (0..cores).map(|_| mlx_rs::Stream::new_with_device(&cpu)).collect()
+    } else {
+        Vec::new()
+    };
+    Ok(Box::new(Bert { encoder, settings, tokenizer, fingerprint, dimensions, reranker, separator, streams }))
 }
 
+/// The fewest rows a part of a batch gets its own stream for.
+const MIN_ROWS_PER_PART: usize = 4;
+
 impl Bert {
+    /// Vectors `[B, dimensions]` (a reranker's scores `[B, 1]`) of one
+    /// padded batch, f32, not yet evaluated.
+    fn embed_part(&self, inputs: &[Vec<u32>]) -> Result<Array> {
+        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let (b, l) = (inputs.len() as i32, longest as i32);
+        let mut ids = Vec::with_capacity(inputs.len() * longest);
+        let mut keep = Vec::with_capacity(inputs.len() * longest);
+        for input in inputs {
+            ids.extend_from_slice(input);
+            ids.extend(std::iter::repeat_n(0, longest - input.len()));
+            keep.extend((0..longest).map(|i| i < input.len()));
+        }
+        let ids = Array::from_slice(&ids, &[b, l]);
+        let keep = Array::from_slice(&keep, &[b, l]);
+        if let Some((head, _)) = &self.reranker {
+            let types = self.segments(inputs, longest);
+            let states = self.encoder.forward(&ids, &keep, Some(&types))?;
+            return self.scores(head, &states);
+        }
+        let states = self.encoder.forward(&ids, &keep, None)?;
+        let pooled = match self.settings.pooling {
+            Pooling::Mean => {
+                let weights = keep.as_dtype(states.dtype())?.reshape(&[b, l, 1])?;
+                let sum = states.multiply(&weights)?.sum_axis(1, None)?;
+                let count = mlx_rs::ops::maximum(weights.sum_axis(1, None)?, Array::from_f32(1e-9))?;
+                sum.divide(&count)?
+            }
+            Pooling::Cls => states.index((.., 0, ..)),
+            Pooling::LastToken => {
+                let last: Vec<i32> = inputs.iter().map(|i| i.len().max(1) as i32 - 1).collect();
+                let at = Array::from_slice(&last, &[b, 1, 1]);
+                states.take_along_axis(&at, 1)?.reshape(&[b, -1])?
+            }
+        };
+        let pooled = if self.settings.normalize {
+            let norm = pooled.square()?.sum_axis(-1, true)?.sqrt()?;
+            pooled.divide(mlx_rs::ops::maximum(norm, Array::from_f32(1e-12))?)?
+        } else {
+            pooled
+        };
+        Ok(pooled.as_dtype(mlx_rs::Dtype::Float32)?)
+    }
+
     /// Each token's segment: the first up to and with the first `[SEP]`,
     /// the second after it (padding's does not matter: it is masked).
     fn segments(&self, inputs: &[Vec<u32>], longest: usize) -> Array {
@@ -185,49 +242,26 @@ impl Embedder for Bert {
     }
 
     fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
-        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let (b, l) = (inputs.len() as i32, longest as i32);
-        let mut ids = Vec::with_capacity(inputs.len() * longest);
-        let mut keep = Vec::with_capacity(inputs.len() * longest);
-        for input in inputs {
-            ids.extend_from_slice(input);
-            ids.extend(std::iter::repeat_n(0, longest - input.len()));
-            keep.extend((0..longest).map(|i| i < input.len()));
+        // On the CPU, MLX runs a stream's element-wise work (GELU's erf,
+        // attention's softmax: three quarters of a BERT layer) on one
+        // thread: parts of the batch on streams of their own use every
+        // core (2x for 2 streams on 2 cores, measured); matrix products
+        // are multithreaded by BLAS either way.
+        let parts = self.streams.len().min(inputs.len().div_ceil(MIN_ROWS_PER_PART)).max(1);
+        let per = inputs.len().div_ceil(parts);
+        let mut outs = Vec::with_capacity(parts);
+        for (i, part) in inputs.chunks(per.max(1)).enumerate() {
+            outs.push(match self.streams.get(i).filter(|_| parts > 1) {
+                Some(stream) => mlx_rs::with_stream(stream, || self.embed_part(part))?,
+                None => self.embed_part(part)?,
+            });
         }
-        let ids = Array::from_slice(&ids, &[b, l]);
-        let keep = Array::from_slice(&keep, &[b, l]);
-        if let Some((head, _)) = &self.reranker {
-            let types = self.segments(inputs, longest);
-            let states = self.encoder.forward(&ids, &keep, Some(&types))?;
-            let scores = self.scores(head, &states)?;
-            scores.eval()?;
-            return Ok(scores.as_slice::<f32>().iter().map(|&s| vec![s]).collect());
-        }
-        let states = self.encoder.forward(&ids, &keep, None)?;
-        let pooled = match self.settings.pooling {
-            Pooling::Mean => {
-                let weights = keep.as_dtype(states.dtype())?.reshape(&[b, l, 1])?;
-                let sum = states.multiply(&weights)?.sum_axis(1, None)?;
-                let count = mlx_rs::ops::maximum(weights.sum_axis(1, None)?, Array::from_f32(1e-9))?;
-                sum.divide(&count)?
-            }
-            Pooling::Cls => states.index((.., 0, ..)),
-            Pooling::LastToken => {
-                let last: Vec<i32> = inputs.iter().map(|i| i.len().max(1) as i32 - 1).collect();
-                let at = Array::from_slice(&last, &[b, 1, 1]);
-                states.take_along_axis(&at, 1)?.reshape(&[b, -1])?
-            }
-        };
-        let pooled = if self.settings.normalize {
-            let norm = pooled.square()?.sum_axis(-1, true)?.sqrt()?;
-            pooled.divide(mlx_rs::ops::maximum(norm, Array::from_f32(1e-12))?)?
-        } else {
-            pooled
-        };
-        let pooled = pooled.as_dtype(mlx_rs::Dtype::Float32)?;
-        pooled.eval()?;
-        let flat = pooled.as_slice::<f32>();
-        Ok(flat.chunks(self.dimensions).map(<[f32]>::to_vec).collect())
+        mlx_rs::transforms::eval(outs.iter())?;
+        let width = if self.reranker.is_some() { 1 } else { self.dimensions };
+        Ok(outs
+            .iter()
+            .flat_map(|o| o.as_slice::<f32>().chunks(width).map(<[f32]>::to_vec).collect::<Vec<_>>())
+            .collect())
     }
 
     fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint {

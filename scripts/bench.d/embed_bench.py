@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Embeddings and reranking side by side on the same weights, in one run:
+mlxbcd (a warm daemon, through its gateway's /api/embed, which truncates
+as sentence-transformers does, and /v1/rerank)
+beside sentence-transformers (torch, CPU, the same machine's cores) on
+all-MiniLM-L6-v2 (real weights). Rounds interleaved (each starts with the
+other engine than the last), medians:
+- 1,000 chunks of this repository's source (~200 tokens each; cut at the
+  model's 256): texts per second computing them (each round's chunks are
+  new to the daemon's store: a round tag leads each), and the same 1,000
+  again from the daemon's store (time as a share of computing them);
+- reranking 100 of the chunks for a query: latency (a new query each
+  round, so nothing comes from the store), on a cross-encoder of
+  ms-marco-MiniLM-L-6-v2's shape (MiniLM's encoder weights and a random
+  one-label head: no real reranker ships on PyPI; the cost is the shape's).
+Also the smallest cosine between the two engines' vectors (a check, not a
+speed). fastembed is not measured: it downloads its ONNX models from the
+Hugging Face hub, which this machine cannot reach.
+    embed_bench.py BASE_URL ROUNDS MINILM_DIR CROSS_ENCODER_DIR"""
+import json, statistics, subprocess, sys, time, urllib.request
+
+import numpy as np
+import torch
+from sentence_transformers import CrossEncoder, SentenceTransformer, __version__ as st_version
+
+base, rounds, minilm, cross = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+CHUNKS, WORDS = 1000, 90
+
+
+def post(path, body):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        return json.loads(r.read())
+
+
+def chunks():
+    files = subprocess.run(["git", "ls-files", "*.rs", "*.md", "*.py"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    words = []
+    for f in sorted(files):
+        words += open(f, encoding="utf-8", errors="replace").read().split()
+        if len(words) > CHUNKS * WORDS:
+            break
+    return [" ".join(words[i * WORDS:(i + 1) * WORDS]) for i in range(CHUNKS)]
+
+
+texts = chunks()
+st = SentenceTransformer(minilm, device="cpu")
+ce = CrossEncoder(cross, device="cpu", max_length=512)
+tokens = [min(len(st.tokenizer(t)["input_ids"]), 256) for t in texts]
+print(f"{len(texts)} chunks, {statistics.mean(tokens):.0f} tokens on average (cut at 256); "
+      f"sentence-transformers {st_version}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+
+post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": ["warm"]})
+post("/v1/rerank", {"model": "minilm-cross-encoder", "query": "warm", "documents": ["up"]})
+st.encode(["warm"]), ce.predict([("warm", "up")])
+rows = {k: [] for k in ["mlxbcd", "mlxbcd store", "st", "rerank mlxbcd", "rerank st"]}
+worst = 1.0
+for r in range(rounds):
+    batch = [f"[round {r}] {t}" for t in texts]
+    query = f"round {r}: how does the daemon keep a model resident and stream tokens back?"
+    docs = texts[:100]
+    order = ["mlxbcd", "st"] if r % 2 == 0 else ["st", "mlxbcd"]
+    for who in order:
+        if who == "mlxbcd":
+            t = time.monotonic()
+            mine = post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": batch})
+            rows["mlxbcd"].append(len(batch) / (time.monotonic() - t))
+            t = time.monotonic()
+            post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": batch})
+            rows["mlxbcd store"].append(time.monotonic() - t)
+            t = time.monotonic()
+            post("/v1/rerank", {"model": "minilm-cross-encoder", "query": query, "documents": docs})
+            rows["rerank mlxbcd"].append(time.monotonic() - t)
+        else:
+            t = time.monotonic()
+            theirs = st.encode(batch, batch_size=32)
+            rows["st"].append(len(batch) / (time.monotonic() - t))
+            t = time.monotonic()
+            ce.predict([(query, d) for d in docs], batch_size=32)
+            rows["rerank st"].append(time.monotonic() - t)
+    a = np.array(mine["embeddings"])
+    worst = min(worst, float(np.min(np.sum(a * theirs, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(theirs, axis=1))))
+    print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in rows.items()), flush=True)
+
+med = {k: statistics.median(v) for k, v in rows.items()}
+compute_s = CHUNKS / med["mlxbcd"]
+print(f"\n| all-MiniLM-L6-v2, {CHUNKS} chunks of ~{statistics.mean(tokens):.0f} tokens | mlxbcd | sentence-transformers | mlxbcd speed / st |")
+print("|---|---:|---:|---:|")
+print(f"| texts/s, computed | {med['mlxbcd']:.1f} | {med['st']:.1f} | {med['mlxbcd'] / med['st']:.2f}x |")
+print(f"| the same {CHUNKS} again, from the store | {med['mlxbcd store'] * 1000:.0f} ms "
+      f"({100 * med['mlxbcd store'] / compute_s:.1f}% of computing them) | - | - |")
+print(f"| rerank 100 chunks for a query (MiniLM-L6 cross-encoder shape), latency | "
+      f"{med['rerank mlxbcd'] * 1000:.0f} ms | {med['rerank st'] * 1000:.0f} ms | "
+      f"{med['rerank st'] / med['rerank mlxbcd']:.2f}x |")
+print(f"\nrounds: {rounds}; smallest cosine between the engines' vectors: {worst:.6f}")
