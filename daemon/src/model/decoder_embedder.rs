@@ -90,21 +90,11 @@ impl Embedder for DecoderEmbedder {
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
-        // sentence-transformers strips each text (its instruction
-        // included) before tokenizing; a byte-level tokenizer would
-        // otherwise read the whitespace.
-        let enc = self.tokenizer.encode(text.trim(), true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        crate::model::sentence::encode(&self.tokenizer, text)
     }
 
     fn truncate(&self, ids: &[u32]) -> Vec<u32> {
-        let max = self.max_tokens().max(self.trailing + 1);
-        if ids.len() <= max {
-            return ids.to_vec();
-        }
-        let mut out = ids[..max - self.trailing].to_vec();
-        out.extend_from_slice(&ids[ids.len() - self.trailing..]);
-        out
+        crate::model::sentence::truncate(ids, self.max_tokens(), self.trailing)
     }
 
     fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {

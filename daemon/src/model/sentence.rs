@@ -137,6 +137,27 @@ impl SentenceSettings {
     }
 }
 
+/// Token ids of `text` with the tokenizer's special tokens, stripped of
+/// surrounding whitespace first, as sentence-transformers strips each text
+/// (its instruction included; a byte-level tokenizer would read it).
+pub fn encode(tokenizer: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let enc = tokenizer.encode(text.trim(), true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// `ids` cut to `max` tokens as a tokenizer truncates before it adds its
+/// special tokens: the first ones, then the `trailing` special tokens it
+/// ends every input with (BERT's `[SEP]`, Qwen3-Embedding's `<|endoftext|>`).
+pub fn truncate(ids: &[u32], max: usize, trailing: usize) -> Vec<u32> {
+    let max = max.max(trailing + 1);
+    if ids.len() <= max {
+        return ids.to_vec();
+    }
+    let mut out = ids[..max - trailing].to_vec();
+    out.extend_from_slice(&ids[ids.len() - trailing..]);
+    out
+}
+
 /// `config_sentence_transformers.json`'s `prompts` and `default_prompt_name`.
 fn read_prompts(dir: &Path) -> Result<(std::collections::BTreeMap<String, String>, Option<String>)> {
     let Some(c) = crate::model::read_json(&dir.join("config_sentence_transformers.json"))? else {
@@ -149,4 +170,17 @@ fn read_prompts(dir: &Path) -> Result<(std::collections::BTreeMap<String, String
         .unwrap_or_default();
     let default = c.get("default_prompt_name").and_then(|d| d.as_str()).map(String::from);
     Ok((prompts, default))
+}
+
+#[cfg(test)]
+mod tests {
+    /// The first tokens, then the special tokens every input ends with.
+    #[test]
+    fn truncation_keeps_the_closing_special_tokens() {
+        let ids = [101, 1, 2, 3, 4, 5, 102];
+        assert_eq!(super::truncate(&ids, 4, 1), vec![101, 1, 2, 102]);
+        assert_eq!(super::truncate(&ids, 4, 2), vec![101, 1, 5, 102]);
+        assert_eq!(super::truncate(&ids, 7, 1), ids.to_vec());
+        assert_eq!(super::truncate(&ids, 0, 1), vec![101, 102], "never fewer than one token and the closing one");
+    }
 }

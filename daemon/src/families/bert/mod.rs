@@ -211,20 +211,12 @@ impl Embedder for Bert {
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
-        // As sentence-transformers, which strips each text first.
-        let enc = self.tokenizer.encode(text.trim(), true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        crate::model::sentence::encode(&self.tokenizer, text)
     }
 
     fn truncate(&self, ids: &[u32]) -> Vec<u32> {
-        let max = self.max_tokens().max(2);
-        if ids.len() <= max {
-            return ids.to_vec();
-        }
         // [CLS] and the first tokens, then the closing [SEP].
-        let mut out = ids[..max - 1].to_vec();
-        out.extend_from_slice(&ids[ids.len() - 1..]);
-        out
+        crate::model::sentence::truncate(ids, self.max_tokens(), 1)
     }
 
     fn prompt(&self, name: Option<&str>) -> Result<String> {
