@@ -86,10 +86,10 @@ impl Metrics {
     }
 
     /// An embedding request ended.
-    pub fn embedding(&self, api: &str, model: &str, outcome: &str, done: Option<&mlxbc_shared::Embeddings>) {
+    /// `api` is "embed" or "rerank".
+    pub fn embedding(&self, api: &'static str, model: &str, outcome: &str, done: Option<&mlxbc_shared::Embeddings>) {
         let mut m = lock(&self.0);
-        let kind = if api == "rerank" { "rerank" } else { "embed" };
-        *m.requests.entry((kind, model.to_string(), outcome.to_string())).or_default() += 1;
+        *m.requests.entry((api, model.to_string(), outcome.to_string())).or_default() += 1;
         if let Some(e) = done {
             let c = m.models.entry(model.to_string()).or_default();
             c.embedded_inputs += e.vectors.len() as u64;

@@ -41,6 +41,8 @@ pub struct EmbedJob {
     /// Each input's identity (a repeat is computed once): the text, or a
     /// reranked document.
     inputs: Vec<String>,
+    /// Per input, the index of its first occurrence in the request.
+    first: Vec<usize>,
     ids: Vec<Vec<u32>>,
     vectors: Vec<Option<Vec<f32>>>,
     /// The misses to compute, shortest first; `at` is the next.
@@ -133,16 +135,20 @@ impl EmbedJob {
             None => vec![None; keys.len()],
         };
         let cached = vectors.iter().filter(|v| v.is_some()).count() as u32;
-        // The misses, shortest first; an input repeated within the request
-        // is computed once.
-        let mut misses: Vec<usize> = (0..inputs.len()).filter(|&i| vectors[i].is_none()).collect();
+        // An input repeated within the request is computed once (its first
+        // occurrence), and takes that one's vector in `finish`.
+        let mut seen = std::collections::HashMap::with_capacity(inputs.len());
+        let first: Vec<usize> = inputs.iter().enumerate().map(|(i, t)| *seen.entry(t.as_str()).or_insert(i)).collect();
+        drop(seen);
+        // The misses, shortest first.
+        let mut misses: Vec<usize> = (0..inputs.len()).filter(|&i| vectors[i].is_none() && first[i] == i).collect();
         misses.sort_by_key(|&i| ids[i].len());
-        misses.dedup_by(|a, b| inputs[*a] == inputs[*b]);
         Self {
             name: name.to_string(),
             model,
             purpose,
             inputs,
+            first,
             ids,
             vectors,
             misses,
@@ -200,11 +206,10 @@ impl EmbedJob {
 
     /// The answer, once every batch is done.
     fn finish(&mut self) -> Result<Embeddings, EngineError> {
-        // Repeats of an input take its vector.
+        // Repeats of an input take its first occurrence's vector.
         for i in 0..self.inputs.len() {
             if self.vectors[i].is_none() {
-                let first = (0..i).find(|&j| self.inputs[j] == self.inputs[i] && self.vectors[j].is_some());
-                self.vectors[i] = first.and_then(|j| self.vectors[j].clone());
+                self.vectors[i] = self.vectors[self.first[i]].clone();
             }
         }
         let dimensions = match self.purpose {
@@ -280,6 +285,16 @@ fn check_rerank(
         return Err(EngineError::BadRequest(format!(
             "{} documents in one request; at most {MAX_EMBED_INPUTS} (send them in several)",
             documents.len()
+        )));
+    }
+    // The query is read with every document: one longer than the model
+    // reads would be cut anyway, and tokenizing it once per document is
+    // work a peer could multiply (a huge query, thousands of documents).
+    let query_tokens = model.tokenize(&request.query).map_err(EngineError::inference)?.len();
+    if query_tokens > model.max_tokens() {
+        return Err(EngineError::BadRequest(format!(
+            "the query is {query_tokens} tokens, more than the {} {name} reads with a document; shorten it",
+            model.max_tokens()
         )));
     }
     let top_n = match request.top_n {
@@ -397,8 +412,8 @@ fn shortened(mut v: Vec<f32>, dimensions: usize) -> Vec<f32> {
 mod tests {
     use super::*;
 
-    /// Counts its batches; a text's vector is its length, then zeros.
-    struct Lengths(std::cell::Cell<usize>);
+    /// Counts its batches and rows; a text's vector is its length, then zeros.
+    struct Lengths(std::cell::Cell<usize>, std::cell::Cell<usize>);
 
     impl Embedder for Lengths {
         fn architecture(&self) -> &'static str {
@@ -418,6 +433,7 @@ mod tests {
         }
         fn embed(&self, inputs: &[Vec<u32>]) -> anyhow::Result<Vec<Vec<f32>>> {
             self.0.set(self.0.get() + 1);
+            self.1.set(self.1.get() + inputs.len());
             Ok(inputs.iter().map(|i| vec![i.len() as f32, 0.0]).collect())
         }
         fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint {
@@ -433,7 +449,7 @@ mod tests {
     /// runs one step per pass, between other requests' decode steps.
     #[test]
     fn a_job_is_computed_a_batch_per_step_and_answered_once_in_order() {
-        let model = Rc::new(Lengths(Default::default()));
+        let model = Rc::new(Lengths(Default::default(), Default::default()));
         let mut inputs: Vec<String> = (0..99).map(|i| format!("text {i}")).collect();
         inputs.push(inputs[3].clone());
         let request = EmbedRequest {
@@ -454,6 +470,7 @@ mod tests {
         let (_, outcome) = jobs.step(None).expect("the second batch ends it");
         assert!(jobs.is_empty());
         assert_eq!(model.0.get(), 2);
+        assert_eq!(model.1.get(), 99, "the repeat (not next to its twin once sorted) is computed once");
         let Ok(Response::Embedded(e)) = answer.try_recv() else { panic!("no answer") };
         assert_eq!(e.vectors, outcome.unwrap().vectors);
         let want: Vec<Vec<f32>> = inputs.iter().map(|t| vec![t.len() as f32, 0.0]).collect();

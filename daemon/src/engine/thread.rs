@@ -364,8 +364,6 @@ impl Engine {
         false
     }
 
-    /// Marks `model` to be split over the group when it loads (`mlxbc load
-    /// --sharded`); refused where there is no group.
     /// Loads the embedder (or reranker) `model` and begins the job `begin`
     /// makes of it; a refusal is answered at once.
     fn begin_embedding(
@@ -374,7 +372,7 @@ impl Engine {
         keep_alive: Option<KeepAlive>,
         received: std::time::Instant,
         reply: tokio::sync::oneshot::Sender<mlxbc_shared::Response>,
-        api: &str,
+        api: &'static str,
         begin: impl FnOnce(
             &str,
             std::rc::Rc<dyn crate::model::family::Embedder>,
@@ -409,6 +407,8 @@ impl Engine {
         }
     }
 
+    /// Marks `model` to be split over the group when it loads (`mlxbc load
+    /// --sharded`); refused where there is no group.
     fn split_next(&mut self, model: Option<&str>) -> Result<(), EngineError> {
         if self.residency.cluster.is_none() {
             return Err(EngineError::BadRequest(

@@ -132,7 +132,8 @@ fn rerank_request(query: &str, documents: &[String], top_n: Option<u32>) -> mlxb
 /// (`/v1/rerank`, `/rerank`): documents ordered by the reference's scores,
 /// each pair scored once, ever (the second request from the store), and
 /// refusals with a sentence (an embedder asked to rerank, a reranker asked
-/// to embed, a chat model, no documents, `top_n` 0) while the daemon
+/// to embed, a chat model, no documents, `top_n` 0, a query longer than the
+/// model reads) while the daemon
 /// keeps serving.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reranker_orders_documents_once_ever_through_the_socket_cli_and_http() {
@@ -167,6 +168,7 @@ async fn a_reranker_orders_documents_once_ever_through_the_socket_cli_and_http()
     for (result, says) in [
         (c.rerank(rerank_request(&query, &[], None)).await.map(|_| ()), "no documents"),
         (c.rerank(rerank_request(&query, &documents, Some(0))).await.map(|_| ()), "top_n"),
+        (c.rerank(rerank_request(&"word ".repeat(600), &documents, None)).await.map(|_| ()), "the query is"),
         (
             c.rerank(mlxbc_client::RerankRequest { model: MINILM.into(), ..rerank_request(&query, &documents, None) })
                 .await
