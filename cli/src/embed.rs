@@ -75,6 +75,7 @@ pub async fn run(client: &mut Client, args: &EmbedArgs) -> Result<()> {
         dimensions: args.dimensions,
         keep_alive: crate::keep_alive(&args.keep_alive)?,
         prompt: args.prompt.clone(),
+        token_inputs: Vec::new(),
     };
     let e = client.embed(request).await?;
     let mut out = std::io::stdout().lock();

@@ -20,6 +20,11 @@ pub struct RerankArgs {
     /// Print only the N most relevant.
     #[arg(long)]
     top_n: Option<u32>,
+    /// What relevance means, for a decoder reranker (Qwen3-Reranker's
+    /// instruction; default: "Given a web search query, retrieve relevant
+    /// passages that answer the query").
+    #[arg(long)]
+    instruction: Option<String>,
     /// One JSON object per document: index, score, document.
     #[arg(long)]
     json: bool,
@@ -50,8 +55,8 @@ pub async fn run(client: &mut Client, args: &RerankArgs) -> Result<()> {
         None => match client.list_models().await?.into_iter().find(|m| m.capability == "rerank") {
             Some(m) => m.name,
             None => bail!(
-                "no reranker is installed: put a cross-encoder directory (e.g. ms-marco-MiniLM-L-6-v2) in the \
-                 models directory, or name one with -m"
+                "no reranker is installed: put a cross-encoder (e.g. ms-marco-MiniLM-L-6-v2) or a Qwen3-Reranker \
+                 directory in the models directory, or name one with -m"
             ),
         },
     };
@@ -61,6 +66,7 @@ pub async fn run(client: &mut Client, args: &RerankArgs) -> Result<()> {
         documents: documents.clone(),
         top_n: args.top_n,
         keep_alive: crate::keep_alive(&args.keep_alive)?,
+        instruction: args.instruction.clone(),
     };
     let r = client.rerank(request).await?;
     let mut out = std::io::stdout().lock();

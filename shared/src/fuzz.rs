@@ -162,8 +162,12 @@ pub fn arbitrary_request(rng: &mut Rng, allow_shutdown: bool) -> Request {
                 documents: (0..rng.below(4)).map(|_| rng.string()).collect(),
                 top_n: rng.one_in(3).then(|| rng.edgy_u64() as u32),
                 keep_alive: keep_alive(rng),
+                instruction: rng.one_in(3).then(|| rng.string()),
             }),
             5 => Request::Embed(EmbedRequest {
+                token_inputs: (0..rng.below(3))
+                    .map(|_| (0..rng.below(5)).map(|_| rng.edgy_u64() as u32).collect())
+                    .collect(),
                 model: rng.string(),
                 inputs: (0..rng.below(4)).map(|_| rng.string()).collect(),
                 truncate: rng.one_in(2),

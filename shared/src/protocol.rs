@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 20;
+pub const PROTOCOL_VERSION: u32 = 21;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -357,6 +357,11 @@ pub struct EmbedRequest {
     /// Qwen3-Embedding's and E5's queries, `document`); `None`: its
     /// default (usually none).
     pub prompt: Option<String>,
+    /// Inputs given as token ids of the model's own tokenizer instead of
+    /// texts (OpenAI's token-array inputs), embedded as given: no special
+    /// tokens added, no instruction put before them. Either these or
+    /// [`Self::inputs`], not both.
+    pub token_inputs: Vec<Vec<u32>>,
 }
 
 /// The vectors of an [`EmbedRequest`], in its inputs' order.
@@ -388,6 +393,10 @@ pub struct RerankRequest {
     /// Answer only the `top_n` most relevant; `None`: all, ordered.
     pub top_n: Option<u32>,
     pub keep_alive: Option<KeepAlive>,
+    /// What relevance means, for a decoder reranker that reads it
+    /// (Qwen3-Reranker's `<Instruct>`; `None`: the model's default); a
+    /// cross-encoder refuses one.
+    pub instruction: Option<String>,
 }
 
 /// A [`RerankRequest`]'s documents, most relevant first.

@@ -1,7 +1,8 @@
 """The official `openai` SDK's `embeddings.create` (float, and base64, which
 the SDK asks for by default) and the `ollama` client's `embed` against
 mlxbcd's gateway: the same vectors through both, normalized, in input
-order; `dimensions` cuts and normalizes again; a too-long input is an
+order; token ids of the model's tokenizer embed as its text does;
+`dimensions` cuts and normalizes again; a too-long input is an
 OpenAI 400 and is truncated by ollama (its default); bad requests get each
 API's error shape.
     embeddings.py BASE_URL EMBEDDING_MODEL CHAT_MODEL"""
@@ -40,6 +41,20 @@ short = client.embeddings.create(model=model, input=texts[0], dimensions=64)
 v = short.data[0].embedding
 assert len(v) == 64 and abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-4
 assert cosine(v, vectors[0][:64]) > 0.99999
+
+# Token ids of the model's own tokenizer ([CLS] a man is eating food . [SEP]
+# in MiniLM's vocabulary), embedded as given: the text's vector; a list of
+# them; an id past the vocabulary refused with a sentence.
+ids = [101, 1037, 2158, 2003, 5983, 2833, 1012, 102]
+by_ids = client.embeddings.create(model=model, input=[ids, ids[:-1]], encoding_format="float")
+assert len(by_ids.data) == 2 and cosine(by_ids.data[0].embedding, vectors[0]) > 0.99999, by_ids
+assert by_ids.usage.prompt_tokens == 15, by_ids.usage
+assert cosine(by_ids.data[1].embedding, vectors[0]) < 0.99999
+try:
+    client.embeddings.create(model=model, input=[[101, 99999, 102]])
+    raise AssertionError("an id past the vocabulary should be refused")
+except openai.BadRequestError as e:
+    assert "vocabulary" in str(e), e
 
 long_text = "word " * 2000
 try:

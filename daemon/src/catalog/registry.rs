@@ -131,7 +131,8 @@ impl ModelRegistry {
 
 /// What a model does, from its files: a directory whose family loads a
 /// speech recognizer transcribes ("speech"), an embedder's embeds
-/// ("embedding") or, a cross-encoder, reranks ("rerank"), one with a vision
+/// ("embedding") or, a cross-encoder or a decoder named as a reranker
+/// (Qwen3-Reranker), reranks ("rerank"), one with a vision
 /// config sees ("vision"); the rest chat.
 pub fn capability(path: &Path) -> &'static str {
     if !path.is_dir() {
@@ -155,6 +156,8 @@ pub fn capability(path: &Path) -> &'static str {
         } else {
             "embedding"
         }
+    } else if crate::model::lm_reranker::is_reranker_dir(path, &raw) {
+        "rerank"
     } else if raw.get("vision_config").is_some() {
         "vision"
     } else {

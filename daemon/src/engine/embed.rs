@@ -56,6 +56,13 @@ pub struct EmbedJob {
     reply: Option<oneshot::Sender<Response>>,
 }
 
+/// What a job's inputs are: texts, or token ids (told apart in the key).
+#[derive(Clone, Copy)]
+enum Form {
+    Text,
+    TokenIds,
+}
+
 /// Where a job's answer goes, and when it began.
 pub struct Arrival {
     pub load_ms: f64,
@@ -77,10 +84,17 @@ impl EmbedJob {
             Ok(c) => c,
             Err(e) => return Err((e, arrival.reply)),
         };
-        // The hash is of the text as embedded, its instruction included.
-        let contents = texts.iter().map(|t| content_hash(t.as_bytes())).collect();
         let purpose = Purpose::Embed { dimensions };
-        Ok(Self::start(name, model, store, texts, ids, contents, purpose, request.keep_alive, arrival))
+        let (contents, form) = if request.token_inputs.is_empty() {
+            // The hash is of the text as embedded, its instruction included.
+            (texts.iter().map(|t| content_hash(t.as_bytes())).collect(), Form::Text)
+        } else {
+            // Of the ids' bytes; the key's settings part tells them from a
+            // text of the same bytes.
+            let bytes = |ids: &[u32]| ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>();
+            (ids.iter().map(|i| content_hash(&bytes(i))).collect(), Form::TokenIds)
+        };
+        Ok(Self::start(name, model, store, texts, ids, contents, form, purpose, request.keep_alive, arrival))
     }
 
     /// The same for a reranking: each (query, document) pair is an input,
@@ -97,15 +111,23 @@ impl EmbedJob {
             Err(e) => return Err((e, arrival.reply)),
         };
         // The query's length first, so no other (query, document) split
-        // of the same bytes has the same key.
+        // of the same bytes has the same key; an instruction before it, its
+        // length first too (a pair without one keeps its earlier key).
         let query = request.query.as_bytes();
+        let instruction = match &request.instruction {
+            Some(i) => [&(i.len() as u64).to_le_bytes()[..], b"instruction", i.as_bytes()].concat(),
+            None => Vec::new(),
+        };
         let contents = request
             .documents
             .iter()
-            .map(|d| content_hash(&[&(query.len() as u64).to_le_bytes()[..], query, d.as_bytes()].concat()))
+            .map(|d| {
+                content_hash(&[&instruction[..], &(query.len() as u64).to_le_bytes()[..], query, d.as_bytes()].concat())
+            })
             .collect();
         let purpose = Purpose::Rerank { top_n };
-        Ok(Self::start(name, model, store, request.documents, ids, contents, purpose, request.keep_alive, arrival))
+        let keep_alive = request.keep_alive;
+        Ok(Self::start(name, model, store, request.documents, ids, contents, Form::Text, purpose, keep_alive, arrival))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -116,12 +138,16 @@ impl EmbedJob {
         inputs: Vec<String>,
         ids: Vec<Vec<u32>>,
         contents: Vec<[u8; 32]>,
+        form: Form,
         purpose: Purpose,
         keep_alive: Option<mlxbc_shared::KeepAlive>,
         arrival: Arrival,
     ) -> Self {
         let fingerprint = model.fingerprint();
-        let settings = FeatureKey::preprocess_hash(&model.settings());
+        let settings = match form {
+            Form::Text => FeatureKey::preprocess_hash(&model.settings()),
+            Form::TokenIds => FeatureKey::preprocess_hash(&format!("{}, token ids", model.settings())),
+        };
         let keys: Vec<FeatureKey> = contents
             .into_iter()
             .map(|content| FeatureKey { modality: Modality::Text, tower: fingerprint.0, preprocess: settings, content })
@@ -297,6 +323,12 @@ fn check_rerank(
             model.max_tokens()
         )));
     }
+    if request.instruction.is_some() && !model.takes_instruction() {
+        return Err(EngineError::BadRequest(format!(
+            "{name} is a cross-encoder: it reads no instruction (a decoder reranker such as Qwen3-Reranker does); \
+             leave instruction out"
+        )));
+    }
     let top_n = match request.top_n {
         None => documents.len(),
         Some(0) => return Err(EngineError::BadRequest("top_n must be at least 1".into())),
@@ -304,7 +336,7 @@ fn check_rerank(
     };
     let ids = documents
         .iter()
-        .map(|d| model.tokenize_pair(&request.query, d))
+        .map(|d| model.tokenize_pair(&request.query, d, request.instruction.as_deref()))
         .collect::<anyhow::Result<Vec<_>>>()
         .map_err(EngineError::inference)?;
     Ok((top_n, ids))
@@ -324,13 +356,13 @@ fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<Che
         )));
     }
     let inputs = &request.inputs;
-    if inputs.is_empty() {
+    let count = inputs.len() + request.token_inputs.len();
+    if count == 0 {
         return Err(EngineError::BadRequest("nothing to embed: give at least one input".into()));
     }
-    if inputs.len() > MAX_EMBED_INPUTS {
+    if count > MAX_EMBED_INPUTS {
         return Err(EngineError::BadRequest(format!(
-            "{} inputs in one request; at most {MAX_EMBED_INPUTS} (send them in several)",
-            inputs.len()
+            "{count} inputs in one request; at most {MAX_EMBED_INPUTS} (send them in several)"
         )));
     }
     let full = model.dimensions();
@@ -341,6 +373,19 @@ fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<Che
     };
     let instruction =
         model.prompt(request.prompt.as_deref()).map_err(|e| EngineError::BadRequest(format!("{name}: {e:#}")))?;
+    if !request.token_inputs.is_empty() {
+        if !inputs.is_empty() {
+            return Err(EngineError::BadRequest("give texts or token ids, not both in one request".into()));
+        }
+        if !instruction.is_empty() {
+            return Err(EngineError::BadRequest(format!(
+                "{name} puts an instruction before this prompt's inputs, which token ids cannot carry: send text"
+            )));
+        }
+        let ids = check_token_inputs(name, model, &request.token_inputs, request.truncate)?;
+        let identities = ids.iter().map(|i| format!("{i:?}")).collect();
+        return Ok((dimensions, identities, ids));
+    }
     let texts: Vec<String> = inputs.iter().map(|t| format!("{instruction}{t}")).collect();
     let max = model.max_tokens();
     let mut ids = Vec::with_capacity(inputs.len());
@@ -355,6 +400,38 @@ fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<Che
         ids.push(model.truncate(&t));
     }
     Ok((dimensions, texts, ids))
+}
+
+/// Token-id inputs checked against the model's vocabulary and length (cut
+/// to the first [`Embedder::max_tokens`] where `truncate`).
+fn check_token_inputs(
+    name: &str,
+    model: &dyn Embedder,
+    inputs: &[Vec<u32>],
+    truncate: bool,
+) -> Result<Vec<Vec<u32>>, EngineError> {
+    let (vocabulary, max) = (model.vocabulary(), model.max_tokens());
+    let mut out = Vec::with_capacity(inputs.len());
+    for (i, ids) in inputs.iter().enumerate() {
+        if ids.is_empty() {
+            return Err(EngineError::BadRequest(format!("input {i} is an empty list of token ids")));
+        }
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocabulary) {
+            return Err(EngineError::BadRequest(format!(
+                "input {i}: token id {bad} is not in {name}'s vocabulary of {vocabulary}; token ids are the \
+                 model's own tokenizer's (LangChain's OpenAIEmbeddings sends tiktoken's unless \
+                 check_embedding_ctx_length=False): send the text"
+            )));
+        }
+        if ids.len() > max && !truncate {
+            return Err(EngineError::BadRequest(format!(
+                "input {i} is {} tokens, more than the {max} {name} takes; shorten it",
+                ids.len()
+            )));
+        }
+        out.push(ids[..ids.len().min(max)].to_vec());
+    }
+    Ok(out)
 }
 
 /// The embedding requests in progress, served one batch per engine pass
@@ -439,6 +516,10 @@ mod tests {
         fn fingerprint(&self) -> mlxbc_cache::TowerFingerprint {
             mlxbc_cache::TowerFingerprint([7; 32])
         }
+        fn vocabulary(&self) -> usize {
+            1000
+        }
+
         fn settings(&self) -> String {
             "test".into()
         }
@@ -459,6 +540,7 @@ mod tests {
             dimensions: None,
             keep_alive: None,
             prompt: None,
+            token_inputs: Vec::new(),
         };
         let (reply, mut answer) = oneshot::channel();
         let arrival = Arrival { load_ms: 0.0, received: Instant::now(), reply };

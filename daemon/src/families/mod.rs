@@ -192,6 +192,11 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
                 let model = load(path, &raw, options, memo)?;
                 crate::model::decoder_embedder::from_decoder(path, &raw, model.lm, memo).map(LoadedModel::Embed)
             }
+            // One named as a reranker (Qwen3-Reranker) reranks.
+            DirLoader::Chat(load) if crate::model::lm_reranker::is_reranker_dir(path, &raw) => {
+                let model = load(path, &raw, options, memo)?;
+                crate::model::lm_reranker::from_decoder(path, &raw, model.lm, memo).map(LoadedModel::Embed)
+            }
             DirLoader::Chat(load) => load(path, &raw, options, memo).map(LoadedModel::Chat),
             DirLoader::Speech(load) => load(path, &raw, options, memo).map(LoadedModel::Speech),
             DirLoader::Embed(load) => load(path, &raw, options, memo).map(LoadedModel::Embed),

@@ -1,5 +1,5 @@
 //! Embeddings over HTTP: OpenAI's `POST /v1/embeddings` (a string or a list
-//! of them; `encoding_format` float or base64, which the `openai` SDK asks
+//! of them, or token ids of the model's tokenizer; `encoding_format` float or base64, which the `openai` SDK asks
 //! for by default; `dimensions`; an input longer than the model takes is
 //! an error, as OpenAI answers it) and ollama's `POST /api/embed` (`input`,
 //! `truncate`, default true) and older `POST /api/embeddings` (`prompt`,
@@ -45,19 +45,19 @@ async fn embed(state: &AppState, request: EmbedRequest) -> Result<Embeddings, (E
 enum Input {
     One(String),
     Many(Vec<String>),
-    /// Token ids (one list, or a list of lists): recognized, to be refused.
-    Ids(#[expect(dead_code, reason = "only recognized")] Vec<u32>),
-    IdLists(#[expect(dead_code, reason = "only recognized")] Vec<Vec<u32>>),
+    /// Token ids of the model's tokenizer: one input, or a list of them.
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
 }
 
 impl Input {
-    fn texts(self) -> Result<Vec<String>, String> {
+    /// The texts, and the token-id inputs (one of the two is empty).
+    fn split(self) -> (Vec<String>, Vec<Vec<u32>>) {
         match self {
-            Input::One(t) => Ok(vec![t]),
-            Input::Many(t) => Ok(t),
-            Input::Ids(_) | Input::IdLists(_) => {
-                Err("token-id inputs are not supported: send the text (a string or a list of strings)".into())
-            }
+            Input::One(t) => (vec![t], Vec::new()),
+            Input::Many(t) => (t, Vec::new()),
+            Input::Ids(ids) => (Vec::new(), vec![ids]),
+            Input::IdLists(ids) => (Vec::new(), ids),
         }
     }
 }
@@ -92,13 +92,11 @@ pub async fn openai(State(state): State<Arc<AppState>>, body: axum::body::Bytes)
             return error_response(ErrorKind::BadRequest, format!("encoding_format {other:?}: float or base64"))
         }
     };
-    let inputs = match b.input.texts() {
-        Ok(t) => t,
-        Err(e) => return error_response(ErrorKind::BadRequest, e),
-    };
+    let (inputs, token_inputs) = b.input.split();
     let request = EmbedRequest {
         model: b.model,
         inputs,
+        token_inputs,
         truncate: false,
         dimensions: b.dimensions,
         keep_alive: None,
@@ -151,16 +149,17 @@ struct OllamaBody {
 }
 
 fn ollama_request(b: OllamaBody, legacy: bool) -> Result<EmbedRequest, String> {
-    let inputs = match (legacy, b.input, b.prompt) {
-        (true, _, Some(p)) => vec![p],
+    let (inputs, token_inputs) = match (legacy, b.input, b.prompt) {
+        (true, _, Some(p)) => (vec![p], Vec::new()),
         (true, _, None) => return Err("prompt is required".into()),
-        (false, Some(i), _) => i.texts()?,
+        (false, Some(i), _) => i.split(),
         (false, None, _) => return Err("input is required".into()),
     };
     let keep_alive: Option<KeepAlive> = ollama::keep_alive(b.keep_alive)?;
     Ok(EmbedRequest {
         model: b.model,
         inputs,
+        token_inputs,
         truncate: b.truncate.unwrap_or(true),
         dimensions: b.dimensions,
         keep_alive,

@@ -4,7 +4,8 @@
 //! `query`, `documents` (strings, or objects with `text`; TEI's `texts` is
 //! taken too), `top_n`, `return_documents`; answered with `results`, most
 //! relevant first, each `index` and `relevance_score` (0 to 1), and
-//! `usage`. Every pair's score goes through the engine's store first
+//! `usage`. `instruction` (an extension) tells a decoder reranker
+//! (Qwen3-Reranker) what relevance means. Every pair's score goes through the engine's store first
 //! (`engine::embed`): a query asked again over the same documents computes
 //! nothing.
 
@@ -49,6 +50,9 @@ struct Body {
     top_n: Option<u32>,
     #[serde(default)]
     return_documents: bool,
+    /// An extension: a decoder reranker's instruction.
+    #[serde(default)]
+    instruction: Option<String>,
 }
 
 /// `POST /v1/rerank` (and its other names).
@@ -74,7 +78,14 @@ pub async fn rerank(State(state): State<Arc<AppState>>, body: axum::body::Bytes)
             }
         },
     };
-    let request = RerankRequest { model, query: b.query, documents, top_n: b.top_n, keep_alive: None };
+    let request = RerankRequest {
+        model,
+        query: b.query,
+        documents,
+        top_n: b.top_n,
+        keep_alive: None,
+        instruction: b.instruction,
+    };
     let texts = b.return_documents.then(|| request.documents.clone());
     let r = match run(&state, request).await {
         Ok(r) => r,

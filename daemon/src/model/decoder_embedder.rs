@@ -91,6 +91,10 @@ impl Embedder for DecoderEmbedder {
         crate::model::sentence::encode(&self.tokenizer, text)
     }
 
+    fn vocabulary(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
     fn truncate(&self, ids: &[u32]) -> Vec<u32> {
         crate::model::sentence::truncate(ids, self.max_tokens(), self.trailing)
     }

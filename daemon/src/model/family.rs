@@ -318,6 +318,10 @@ pub trait Embedder {
     /// strips its inputs).
     fn tokenize(&self, text: &str) -> Result<Vec<u32>>;
 
+    /// Token ids its tokenizer knows (ids from a peer are checked against
+    /// it: an id past the embedding table is refused, never looked up).
+    fn vocabulary(&self) -> usize;
+
     /// `ids` cut to [`Self::max_tokens`] as the model's tokenizer truncates
     /// (keeping its closing special token).
     fn truncate(&self, ids: &[u32]) -> Vec<u32>;
@@ -343,9 +347,19 @@ pub trait Embedder {
         }
     }
 
+    /// True for a reranker that reads an instruction with each pair (a
+    /// decoder reranker: Qwen3-Reranker's `<Instruct>`); a cross-encoder
+    /// reads none.
+    fn takes_instruction(&self) -> bool {
+        false
+    }
+
     /// Token ids of a (query, document) pair as a reranker reads them,
-    /// truncated to [`Self::max_tokens`] (the longer text first).
-    fn tokenize_pair(&self, _query: &str, _document: &str) -> Result<Vec<u32>> {
+    /// truncated to [`Self::max_tokens`] (a cross-encoder cuts the longer
+    /// text first, a decoder reranker the document's tail), after the
+    /// `instruction` where [`Self::takes_instruction`] (`None`: its
+    /// default).
+    fn tokenize_pair(&self, _query: &str, _document: &str, _instruction: Option<&str>) -> Result<Vec<u32>> {
         anyhow::bail!("an embedding model does not read pairs")
     }
 

@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod image;
 pub mod kv_cache;
 pub mod layers;
+pub mod lm_reranker;
 pub mod options;
 pub mod positions;
 pub mod prompt;

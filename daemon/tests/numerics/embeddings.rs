@@ -117,7 +117,7 @@ fn a_cross_encoder_matches_the_reference_batched_against_alone() {
     assert!(r.reranks());
     assert_eq!((r.dimensions(), r.max_tokens()), (1, 96));
     let ids: Vec<Vec<u32>> =
-        pairs.iter().map(|p| r.tokenize_pair(query, p["document"].as_str().unwrap()).unwrap()).collect();
+        pairs.iter().map(|p| r.tokenize_pair(query, p["document"].as_str().unwrap(), None).unwrap()).collect();
     let got = r.embed(&ids).unwrap();
     let mut order_got: Vec<usize> = (0..pairs.len()).collect();
     let mut order_want = order_got.clone();
@@ -137,7 +137,7 @@ fn a_cross_encoder_matches_the_reference_batched_against_alone() {
     order_want.sort_by(|&a, &b| pairs[b]["score"].as_f64().unwrap().total_cmp(&pairs[a]["score"].as_f64().unwrap()));
     assert_eq!(order_got, order_want);
     // An embedding model does not read pairs.
-    assert!(minilm().tokenize_pair("q", "d").is_err());
+    assert!(minilm().tokenize_pair("q", "d", None).is_err());
 }
 
 /// A decoder embedder laid out as sentence-transformers ships
@@ -186,4 +186,55 @@ fn a_qwen3_embedding_model_matches_mlx_embeddings_batched_against_alone() {
         let c = cosine(&got[i], v);
         assert!(c >= 0.9999, "text {i}: cosine {c} to sentence-transformers");
     }
+}
+
+/// A decoder reranker laid out as Qwen3-Reranker ships (tiny random Qwen3
+/// weights in a directory named as a reranker, a real Qwen tokenizer)
+/// against mlx-lm's `qwen3.py` in the model card's prompt on the same
+/// weights (scripts/fixtures/lm_rerank_reference.py), each pair alone
+/// there and all in one left-padded batch here, and against the model
+/// card's own transformers code (recorded): scores within 1e-4, the same
+/// token counts (a long document cut to the context, the prompt's end
+/// kept), an instruction read where given, and the same order.
+#[test]
+fn a_qwen3_reranker_matches_mlx_lm_and_the_model_card_batched_against_alone() {
+    let dir = fixture("lm-rerank/tiny-qwen3-reranker");
+    let raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert!(mlxbc_daemon::model::lm_reranker::is_reranker_dir(&dir, &raw));
+    assert!(!mlxbc_daemon::model::lm_reranker::is_reranker_dir(&fixture("decoder-embed/tiny-qwen3-embedding"), &raw));
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("lm-rerank/reference.json")).unwrap()).unwrap();
+    let cases = cases.as_array().unwrap();
+    let r = match families::load_any(&dir, WeightForm::DenseF32, None).unwrap() {
+        LoadedModel::Embed(e) => e,
+        _ => panic!("the Qwen3-Reranker directory did not load as a reranker"),
+    };
+    assert!(r.reranks() && r.takes_instruction());
+    assert_eq!((r.dimensions(), r.max_tokens()), (1, 256));
+    let ids: Vec<Vec<u32>> = cases
+        .iter()
+        .map(|c| {
+            let (q, d) = (c["query"].as_str().unwrap(), c["document"].as_str().unwrap());
+            r.tokenize_pair(q, d, c["instruction"].as_str()).unwrap()
+        })
+        .collect();
+    let got = r.embed(&ids).unwrap();
+    let card = sentence_transformers("qwen3_reranker", "lm-rerank/tiny-qwen3-reranker");
+    let card = card["scores"].as_array().unwrap();
+    for (i, c) in cases.iter().enumerate() {
+        assert_eq!(ids[i].len() as u64, c["tokens"].as_u64().unwrap(), "pair {i}: token count");
+        let score = f64::from(got[i][0]);
+        let want = c["score"].as_f64().unwrap();
+        assert!((score - want).abs() < 1e-4, "pair {i}: {score} against mlx-lm's {want}");
+        let want = card[i].as_f64().unwrap();
+        assert!((score - want).abs() < 1e-4, "pair {i}: {score} against the model card's {want}");
+    }
+    // The instruction is read: the same pair scores otherwise under another.
+    assert_ne!(got[0][0], got[7][0]);
+    let mut order_got: Vec<usize> = (0..cases.len()).collect();
+    let mut order_want = order_got.clone();
+    order_got.sort_by(|&a, &b| got[b][0].total_cmp(&got[a][0]));
+    order_want.sort_by(|&a, &b| cases[b]["score"].as_f64().unwrap().total_cmp(&cases[a]["score"].as_f64().unwrap()));
+    assert_eq!(order_got, order_want);
 }

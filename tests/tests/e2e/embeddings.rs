@@ -26,6 +26,7 @@ fn request(inputs: &[&str]) -> EmbedRequest {
         dimensions: None,
         keep_alive: None,
         prompt: None,
+        token_inputs: Vec::new(),
     }
 }
 
@@ -123,6 +124,7 @@ fn rerank_request(query: &str, documents: &[String], top_n: Option<u32>) -> mlxb
         documents: documents.to_vec(),
         top_n,
         keep_alive: None,
+        instruction: None,
     }
 }
 
@@ -233,4 +235,84 @@ async fn a_reranker_orders_documents_once_ever_through_the_socket_cli_and_http()
     }
     let (text, _) = crate::helper::ask(&d.socket, crate::helper::greedy(Some(SMOLLM2), "Say hi.", 4)).await.unwrap();
     assert!(!text.is_empty());
+}
+
+/// A decoder reranker (a tiny random-weight Qwen3 laid out as
+/// Qwen3-Reranker ships, in a directory named as a reranker; its scores
+/// against mlx-lm and the model card in numerics) over plain HTTP: listed
+/// as rerank, documents ordered by the reference's scores, the default
+/// instruction and one given (`instruction`, an extension) each scored
+/// once, ever, and a cross-encoder refusing an instruction with a sentence.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_qwen3_reranker_orders_documents_by_its_yes_and_reads_an_instruction() {
+    const LM_RERANKER: &str = "tiny-qwen3-reranker";
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("lm-rerank/reference.json")).unwrap()).unwrap();
+    let cases = cases.as_array().unwrap();
+    let plain: Vec<&serde_json::Value> = cases.iter().filter(|c| c["instruction"].is_null()).collect();
+    let documents: Vec<&str> = plain.iter().map(|c| c["document"].as_str().unwrap()).collect();
+    let mut order: Vec<usize> = (0..plain.len()).collect();
+    order.sort_by(|&a, &b| plain[b]["score"].as_f64().unwrap().total_cmp(&plain[a]["score"].as_f64().unwrap()));
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut opts = options(vec!["--http".into(), format!("127.0.0.1:{port}")]);
+    opts.models.push((LM_RERANKER, fixture("lm-rerank/tiny-qwen3-reranker")));
+    opts.models.push((RERANKER, fixture("rerank/tiny-cross-encoder")));
+    let d = Daemon::start_with(opts);
+    let models = String::from_utf8(d.cli().arg("models").output().unwrap().stdout).unwrap();
+    assert!(models.lines().any(|l| l.contains(LM_RERANKER) && l.contains("rerank")), "{models}");
+
+    let http = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{port}/v1/rerank");
+    let query = plain[0]["query"].as_str().unwrap();
+    let body = serde_json::json!({"model": LM_RERANKER, "query": query, "documents": documents});
+    for round in 0..2 {
+        let r: serde_json::Value = http.post(&url).json(&body).send().await.unwrap().json().await.unwrap();
+        let results = r["results"].as_array().unwrap_or_else(|| panic!("{r}"));
+        let got: Vec<usize> = results.iter().map(|x| x["index"].as_u64().unwrap() as usize).collect();
+        assert_eq!(got, order, "round {round}: most relevant first, as mlx-lm scores them: {r}");
+        for x in results {
+            let want = plain[x["index"].as_u64().unwrap() as usize]["score"].as_f64().unwrap();
+            assert!((x["relevance_score"].as_f64().unwrap() - want).abs() < 1e-4, "{x} against {want}");
+        }
+    }
+
+    // An instruction: another key, the reference's score under it.
+    let with: Vec<&serde_json::Value> = cases.iter().filter(|c| !c["instruction"].is_null()).collect();
+    let instruction = with[0]["instruction"].as_str().unwrap();
+    let docs: Vec<&str> = with.iter().map(|c| c["document"].as_str().unwrap()).collect();
+    let body = serde_json::json!({"model": LM_RERANKER, "query": query, "documents": docs,
+                                  "instruction": instruction});
+    let r: serde_json::Value = http.post(&url).json(&body).send().await.unwrap().json().await.unwrap();
+    for x in r["results"].as_array().unwrap_or_else(|| panic!("{r}")) {
+        let want = with[x["index"].as_u64().unwrap() as usize]["score"].as_f64().unwrap();
+        assert!((x["relevance_score"].as_f64().unwrap() - want).abs() < 1e-4, "{x} against {want}");
+    }
+    // The socket says how many came from the store: the default
+    // instruction's pairs are stored, this instruction's are too now.
+    let mut c = d.client().await;
+    let again = c
+        .rerank(mlxbc_client::RerankRequest {
+            model: LM_RERANKER.into(),
+            instruction: Some(instruction.into()),
+            ..rerank_request(query, &docs.iter().map(|s| s.to_string()).collect::<Vec<_>>(), None)
+        })
+        .await
+        .unwrap();
+    assert_eq!(again.cached, docs.len() as u32);
+    let other = c
+        .rerank(mlxbc_client::RerankRequest {
+            model: LM_RERANKER.into(),
+            instruction: Some("Find poems.".into()),
+            ..rerank_request(query, &docs.iter().map(|s| s.to_string()).collect::<Vec<_>>(), None)
+        })
+        .await
+        .unwrap();
+    assert_eq!(other.cached, 0, "another instruction is another pair");
+
+    let body = serde_json::json!({"model": RERANKER, "query": query, "documents": ["a"], "instruction": "x"});
+    let resp = http.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let e: serde_json::Value = resp.json().await.unwrap();
+    assert!(e["error"]["message"].as_str().unwrap().contains("reads no instruction"), "{e}");
 }

@@ -214,6 +214,10 @@ impl Embedder for Bert {
         crate::model::sentence::encode(&self.tokenizer, text)
     }
 
+    fn vocabulary(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
     fn truncate(&self, ids: &[u32]) -> Vec<u32> {
         // [CLS] and the first tokens, then the closing [SEP].
         crate::model::sentence::truncate(ids, self.max_tokens(), 1)
@@ -227,7 +231,7 @@ impl Embedder for Bert {
         self.reranker.is_some()
     }
 
-    fn tokenize_pair(&self, query: &str, document: &str) -> Result<Vec<u32>> {
+    fn tokenize_pair(&self, query: &str, document: &str, _instruction: Option<&str>) -> Result<Vec<u32>> {
         let Some((_, pairs)) = &self.reranker else { anyhow::bail!("an embedding model does not read pairs") };
         let enc = pairs.encode((query, document), true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         Ok(enc.get_ids().to_vec())
