@@ -35,7 +35,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 pub(crate) enum Command {
     /// Ask a question; the answer streams to stdout. Piped stdin is appended to the prompt.
-    Ask(AskArgs),
+    Ask(Box<AskArgs>),
     /// A conversation: interactive with line editing, or one turn per line of piped stdin.
     Chat(ChatArgs),
     /// Transcribe audio files with a speech model (Whisper): text, JSON, SRT or WebVTT.
@@ -269,6 +269,16 @@ pub(crate) struct AskArgs {
     /// same tokenizer, loaded beside the model.
     #[arg(long, value_name = "MODEL")]
     draft: Option<String>,
+    /// Keep the KV cache quantized to 8 or 4 bits (longer contexts in the
+    /// same memory); 16: full precision. Default: the model's setting.
+    #[arg(long, value_name = "BITS")]
+    kv_bits: Option<u8>,
+    /// Values per quantization group of the KV cache (32, 64, 128).
+    #[arg(long, value_name = "N")]
+    kv_group_size: Option<u16>,
+    /// Positions kept in full precision before the KV cache is quantized.
+    #[arg(long, value_name = "N")]
+    quantized_kv_start: Option<u32>,
     /// Continue (or start) a conversation the daemon keeps under this name.
     #[arg(long)]
     session: Option<String>,

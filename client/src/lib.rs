@@ -23,7 +23,7 @@ pub use error::ClientError;
 /// The wire types a caller builds requests from and reads events as.
 pub use mlxbc_shared::protocol::{
     CacheCommand, CacheEntry, CacheReport, ChatMessage, Constraint, Counters, DaemonStatus, EmbedRequest, Embeddings,
-    ErrorKind, GenerateRequest, GenerationStats, KeepAlive, LoadedModel, MediaKind, MediaRef, ModelInfo,
+    ErrorKind, GenerateRequest, GenerationStats, KeepAlive, KvCacheSpec, LoadedModel, MediaKind, MediaRef, ModelInfo,
     PromptCacheReport, Request, RerankRequest, RerankResult, Reranking, Response, Role, SamplingParams, SessionCommand,
     SessionInfo, ShedEvent, Speculation, StopReason, TranscribeRequest, TranscribeStats, Transcript, TranscriptSegment,
     PROTOCOL_VERSION,

@@ -15,8 +15,10 @@ other engine than the last), medians:
   one-label head: no real reranker ships on PyPI; the cost is the shape's).
 Also the smallest cosine between the two engines' vectors (a check, not a
 speed). fastembed is not measured: it downloads its ONNX models from the
-Hugging Face hub, which this machine cannot reach.
-    embed_bench.py BASE_URL ROUNDS MINILM_DIR CROSS_ENCODER_DIR"""
+Hugging Face hub, which this machine cannot reach. With BASELINE_URL, a
+second daemon (the same build with MLXBC_CPU_MATH=mlx: MLX's own erf and
+exp on the CPU) is measured in the same rounds as "mlxbcd mlx-math".
+    embed_bench.py BASE_URL ROUNDS MINILM_DIR CROSS_ENCODER_DIR [BASELINE_URL]"""
 import json, statistics, subprocess, sys, time, urllib.request
 
 import numpy as np
@@ -24,10 +26,13 @@ import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer, __version__ as st_version
 
 base, rounds, minilm, cross = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+daemons = {"mlxbcd": base}
+if len(sys.argv) > 5:
+    daemons["mlxbcd mlx-math"] = sys.argv[5]
 CHUNKS, WORDS = 1000, 90
 
 
-def post(path, body):
+def post(path, body, base=base):
     req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=1800) as r:
         return json.loads(r.read())
@@ -51,27 +56,34 @@ tokens = [min(len(st.tokenizer(t)["input_ids"]), 256) for t in texts]
 print(f"{len(texts)} chunks, {statistics.mean(tokens):.0f} tokens on average (cut at 256); "
       f"sentence-transformers {st_version}, torch {torch.__version__} with {torch.get_num_threads()} threads")
 
-post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": ["warm"]})
-post("/v1/rerank", {"model": "minilm-cross-encoder", "query": "warm", "documents": ["up"]})
+for url in daemons.values():
+    post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": ["warm"]}, url)
+    post("/v1/rerank", {"model": "minilm-cross-encoder", "query": "warm", "documents": ["up"]}, url)
 st.encode(["warm"]), ce.predict([("warm", "up")])
-rows = {k: [] for k in ["mlxbcd", "mlxbcd store", "st", "rerank mlxbcd", "rerank st"]}
+rows = {k: [] for k in ["st", "rerank st"]}
+for name in daemons:
+    rows.update({name: [], f"{name} store": [], f"rerank {name}": []})
 worst = 1.0
 for r in range(rounds):
     batch = [f"[round {r}] {t}" for t in texts]
     query = f"round {r}: how does the daemon keep a model resident and stream tokens back?"
     docs = texts[:100]
-    order = ["mlxbcd", "st"] if r % 2 == 0 else ["st", "mlxbcd"]
+    order = [*daemons, "st"]
+    order = order[r % len(order):] + order[:r % len(order)]
     for who in order:
-        if who == "mlxbcd":
+        if who in daemons:
+            url = daemons[who]
             t = time.monotonic()
-            mine = post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": batch})
-            rows["mlxbcd"].append(len(batch) / (time.monotonic() - t))
+            got = post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": batch}, url)
+            rows[who].append(len(batch) / (time.monotonic() - t))
+            if who == "mlxbcd":
+                mine = got
             t = time.monotonic()
-            post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": batch})
-            rows["mlxbcd store"].append(time.monotonic() - t)
+            post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": batch}, url)
+            rows[f"{who} store"].append(time.monotonic() - t)
             t = time.monotonic()
-            post("/v1/rerank", {"model": "minilm-cross-encoder", "query": query, "documents": docs})
-            rows["rerank mlxbcd"].append(time.monotonic() - t)
+            post("/v1/rerank", {"model": "minilm-cross-encoder", "query": query, "documents": docs}, url)
+            rows[f"rerank {who}"].append(time.monotonic() - t)
         else:
             t = time.monotonic()
             theirs = st.encode(batch, batch_size=32)
@@ -93,4 +105,9 @@ print(f"| the same {CHUNKS} again, from the store | {med['mlxbcd store'] * 1000:
 print(f"| rerank 100 chunks for a query (MiniLM-L6 cross-encoder shape), latency | "
       f"{med['rerank mlxbcd'] * 1000:.0f} ms | {med['rerank st'] * 1000:.0f} ms | "
       f"{med['rerank st'] / med['rerank mlxbcd']:.2f}x |")
+if "mlxbcd mlx-math" in daemons:
+    print(f"| the same with MLX's erf and exp (MLXBC_CPU_MATH=mlx): texts/s | {med['mlxbcd mlx-math']:.1f} | - | "
+          f"{med['mlxbcd mlx-math'] / med['st']:.2f}x |")
+    print(f"| the same with MLX's erf and exp: rerank latency | {med['rerank mlxbcd mlx-math'] * 1000:.0f} ms | - | "
+          f"{med['rerank st'] / med['rerank mlxbcd mlx-math']:.2f}x |")
 print(f"\nrounds: {rounds}; smallest cosine between the engines' vectors: {worst:.6f}")

@@ -521,6 +521,24 @@ pub struct GenerateRequest {
     /// for this request, in place of the one config.toml names for the
     /// model (`[models."NAME"] draft`); loaded beside it.
     pub draft: Option<String>,
+    /// How this request's keys and values are kept (quantized KV cache);
+    /// each field left out takes the model's setting (`[models."NAME"]` in
+    /// config.toml), else full precision.
+    pub kv: KvCacheSpec,
+}
+
+/// A quantized KV cache, as mlx-lm's `kv_bits`, `kv_group_size` and
+/// `quantized_kv_start` set it: affine quantization of every cached key
+/// and value, per group of `group_size` values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheSpec {
+    /// 8 or 4 (also 2, 3, 5, 6); 0 or 16: full precision.
+    pub bits: Option<u8>,
+    /// 32, 64 (the default) or 128; it must divide the model's head size.
+    pub group_size: Option<u16>,
+    /// Positions kept in full precision before the cache is quantized
+    /// (default 0: from the first prefill chunk on).
+    pub start: Option<u32>,
 }
 
 /// Speculative decoding for one request: drafted tokens verified in one
@@ -641,6 +659,7 @@ impl GenerateRequest {
             logprobs: None,
             speculate: Speculation::Auto,
             draft: None,
+            kv: KvCacheSpec::default(),
         }
     }
 }

@@ -133,6 +133,14 @@ pub struct ModelSettings {
     /// A small model with the same tokenizer that drafts tokens for this
     /// one (speculative decoding), loaded beside it.
     pub draft: Option<String>,
+    /// Its sequences' KV cache kept quantized to this many bits (8 or 4;
+    /// mlx-lm's `kv_bits`); a request may ask otherwise.
+    pub kv_bits: Option<u8>,
+    /// Values per quantization group (default 64).
+    pub kv_group_size: Option<u16>,
+    /// Positions kept in full precision before the cache is quantized
+    /// (default 0).
+    pub quantized_kv_start: Option<u32>,
 }
 
 /// config.toml's `[cluster]`: the same as `mlxbcd --hostfile --rank

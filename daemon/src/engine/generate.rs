@@ -10,7 +10,7 @@ use crate::error::EngineError;
 use crate::media::{self, Encoded, MediaStats, PreparedMedia, Resolved, SharedStore};
 use crate::model::decode_step::DecodeMode;
 use crate::model::family::MediaAttention;
-use crate::model::kv_cache::KvCache;
+use crate::model::kv_cache::{KvCache, KvQuantization};
 use crate::model::options::Speculate;
 use crate::model::Model;
 use crate::prompt_cache::{self, PromptCache, PromptKeys};
@@ -42,6 +42,52 @@ pub struct GenerationContext<'a> {
     pub media: Option<PreparedMedia>,
     /// The draft model loaded beside the model for this request, if any.
     pub draft: Option<Rc<Model>>,
+    /// The model's KV cache setting (config.toml), which the request's
+    /// own fields override.
+    pub kv_default: mlxbc_shared::KvCacheSpec,
+}
+
+/// The quantization a request's KV cache is kept in (its fields, else the
+/// model's), or why it cannot be: bits MLX does not quantize to, a group
+/// that does not divide the model's head size, a family whose attention
+/// reads only full precision.
+pub fn kv_quantization(
+    model: &Model,
+    name: &str,
+    asked: mlxbc_shared::KvCacheSpec,
+    default: mlxbc_shared::KvCacheSpec,
+) -> Result<Option<KvQuantization>, EngineError> {
+    let bits = asked.bits.or(default.bits);
+    let Some(bits) = bits.filter(|&b| b != 0 && b != 16) else { return Ok(None) };
+    if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+        return Err(EngineError::BadRequest(format!(
+            "kv_bits {bits}: the KV cache quantizes to 8, 6, 5, 4, 3 or 2 bits (16: full precision)"
+        )));
+    }
+    let group_size = asked.group_size.or(default.group_size).unwrap_or(64);
+    if ![32, 64, 128].contains(&group_size) {
+        return Err(EngineError::BadRequest(format!("kv_group_size {group_size}: 32, 64 or 128")));
+    }
+    if model.lm.recurrent() {
+        return Err(EngineError::BadRequest(format!(
+            "{name} keeps a recurrent state in its Gated DeltaNet layers, which stays in full precision, and its \
+             attention layers do not read a quantized KV cache yet; leave kv_bits out"
+        )));
+    }
+    if !model.lm.reads_quantized_kv() {
+        return Err(EngineError::BadRequest(format!(
+            "{name} ({}) does not read a quantized KV cache{}; leave kv_bits out",
+            model.lm.architecture(),
+            if model.lm.split_description().is_some() { " while split over a group" } else { " yet" }
+        )));
+    }
+    if let Some(&(_, dims)) = model.kv_shapes.iter().find(|&&(_, d)| d % i32::from(group_size) != 0) {
+        return Err(EngineError::BadRequest(format!(
+            "kv_group_size {group_size} does not divide {name}'s head size of {dims}; use 32"
+        )));
+    }
+    let start = asked.start.or(default.start).unwrap_or(0).min(i32::MAX as u32) as i32;
+    Ok(Some(KvQuantization { bits: i32::from(bits), group_size: i32::from(group_size), start }))
 }
 
 /// No tokenizer here averages more than this many bytes of text per token,
@@ -245,7 +291,13 @@ pub fn begin(
         Some(v) => prompt_cache::media_spans(&ids, &v.media_tokens(), &span_hashes),
         None => Vec::new(),
     };
-    let keys = model.kv_root.map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
+    let kv = kv_quantization(&model, ctx.model_name, request.kv, ctx.kv_default)?;
+    // A quantized cache's blocks are not kept in the prompt cache (whose
+    // blocks are full precision): its prompt is computed.
+    let keys = model
+        .kv_root
+        .filter(|_| kv.is_none())
+        .map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
     let reuse = keys.as_ref().and_then(|k| {
         let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
         ctx.prompts.lookup(k, stored, &model.kv_shapes, model.kv_block_bytes_per_position, &model.state_layout)
@@ -260,10 +312,11 @@ pub fn begin(
         },
         _ => None,
     };
-    let (cache, reused, from_disk, disk_cost) = match reuse {
+    let (mut cache, reused, from_disk, disk_cost) = match reuse {
         Some(r) => (r.cache, r.ram_tokens + r.disk_tokens, r.disk_tokens, r.disk_cost),
         None => (KvCache::new(model.lm.num_layers()), 0, 0, None),
     };
+    cache.quantization = kv;
     let (mrope, deepstack) = match &model.media_tower {
         Some(v) => (
             v.tower.rope_positions(&ids, &features),
@@ -289,6 +342,7 @@ pub fn begin(
         ids,
         embeds,
         cache,
+        kv,
         blocks,
         mrope,
         deepstack,
@@ -308,7 +362,8 @@ pub fn begin(
         draft,
         limit: asked.min(room),
         asked,
-        mode: model.decode_mode(ctx.decode),
+        // A compiled step writes full-precision buffers.
+        mode: if kv.is_some() { DecodeMode::Eager } else { model.decode_mode(ctx.decode) },
         prefill_chunk: ctx.prefill_chunk,
         events: events.clone(),
         cancel,

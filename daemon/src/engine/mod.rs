@@ -166,6 +166,18 @@ pub fn spawn(
             last_publish: Instant::now(),
             last_housekeeping: Instant::now(),
             max_tokens_limit: settings.max_tokens_limit,
+            kv_settings: settings
+                .models
+                .iter()
+                .map(|(m, s)| {
+                    let spec = mlxbc_shared::KvCacheSpec {
+                        bits: s.kv_bits,
+                        group_size: s.kv_group_size,
+                        start: s.quantized_kv_start,
+                    };
+                    (m.clone(), spec)
+                })
+                .collect(),
             routes: HashMap::new(),
             snapshot,
             queued,

@@ -20,7 +20,7 @@ use crate::decoding::tools::ToolCallFilter;
 use crate::error::EngineError;
 use crate::media::MediaStats;
 use crate::model::decode_step::DecodeMode;
-use crate::model::kv_cache::KvCache;
+use crate::model::kv_cache::{KvCache, KvQuantization};
 use crate::model::options::Speculate;
 use crate::model::positions::{Deepstack, MediaPositions, MropePositions};
 use crate::model::Model;
@@ -60,6 +60,9 @@ pub struct Setup {
     pub ids: Vec<u32>,
     pub embeds: Array,
     pub cache: KvCache,
+    /// Its keys and values kept quantized (also set on `cache`): it decodes
+    /// in a batch of sequences quantized alike.
+    pub kv: Option<KvQuantization>,
     pub blocks: Option<Vec<i32>>,
     /// Multimodal rope positions of the prompt (models whose rope follows
     /// an image's grid), from the tower's `rope_positions`.
@@ -214,6 +217,16 @@ impl Sequence {
     /// it may generate (what admission reserves).
     pub fn max_positions(&self) -> usize {
         self.setup.ids.len() + self.setup.limit
+    }
+
+    /// How its keys and values are kept quantized, if they are.
+    pub fn kv_quantization(&self) -> Option<KvQuantization> {
+        self.setup.kv
+    }
+
+    /// KV bytes one of its positions takes (quantized or not).
+    pub fn kv_bytes_per_position(&self) -> u64 {
+        self.setup.model.kv_bytes_per_position_as(self.setup.kv)
     }
 
     /// How decode steps are built for it.
@@ -388,6 +401,7 @@ impl Sequence {
             && self.setup.mrope.is_none()
             && self.setup.reused == 0
             && self.setup.cache.offset == 0
+            && self.setup.kv.is_none()
     }
 
     /// Its prompt has multimodal rope positions: it decodes in a batch of its own.

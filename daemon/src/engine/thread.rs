@@ -50,6 +50,8 @@ pub(super) struct Engine {
     pub(super) last_publish: Instant,
     pub(super) last_housekeeping: Instant,
     pub(super) max_tokens_limit: Option<u32>,
+    /// Each model's KV cache setting (`[models."NAME"]`), by name.
+    pub(super) kv_settings: std::collections::BTreeMap<String, mlxbc_shared::KvCacheSpec>,
     /// Requested model names (None: the default) and what they resolved to.
     pub(super) routes: HashMap<Option<String>, String>,
     pub(super) snapshot: Arc<Mutex<EngineSnapshot>>,
@@ -233,6 +235,7 @@ impl Engine {
                             prepared,
                             media,
                             draft,
+                            kv_default: self.kv_settings.get(&name).copied().unwrap_or_default(),
                         };
                         let begun = generate::begin(model, &mut ctx, &request, events.clone(), cancel);
                         self.residency.touch(&name, keep_alive);

@@ -151,6 +151,10 @@ struct Options {
     seed: Option<i64>,
     num_predict: Option<i64>,
     stop: Option<Vec<String>>,
+    /// Extensions (mlx-lm's names): the KV cache kept quantized.
+    kv_bits: Option<u8>,
+    kv_group_size: Option<u16>,
+    quantized_kv_start: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -276,6 +280,7 @@ fn request(
         logprobs: None,
         speculate: Default::default(),
         draft: None,
+        kv: mlxbc_shared::KvCacheSpec { bits: o.kv_bits, group_size: o.kv_group_size, start: o.quantized_kv_start },
     })
 }
 

@@ -34,6 +34,10 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u8>,
+    /// Extensions (mlx-lm's names): the KV cache kept quantized.
+    pub kv_bits: Option<u8>,
+    pub kv_group_size: Option<u16>,
+    pub quantized_kv_start: Option<u32>,
 }
 
 /// `POST /v1/completions` body: a prompt, and with `suffix` the gap
@@ -443,6 +447,11 @@ impl ChatCompletionRequest {
             },
             speculate: Default::default(),
             draft: None,
+            kv: mlxbc_shared::KvCacheSpec {
+                bits: self.kv_bits,
+                group_size: self.kv_group_size,
+                start: self.quantized_kv_start,
+            },
         })
     }
 }

@@ -102,6 +102,13 @@ pub trait LanguageModel {
         false
     }
 
+    /// True when its attention reads quantized keys and values
+    /// (`KvCache::update_view`): its sequences may keep their KV cache
+    /// quantized (`kv_bits`).
+    fn reads_quantized_kv(&self) -> bool {
+        false
+    }
+
     /// How the model is split over a group, when it is (for the status).
     fn split_description(&self) -> Option<String> {
         None

@@ -23,7 +23,15 @@ const KV_STEP: i32 = 256;
 /// update copies a buffer that is still referenced elsewhere).
 #[derive(Clone)]
 pub struct KvCache {
-    layers: Vec<Option<(Array, Array)>>,
+    /// Per layer, its buffers: `[keys, values]`, or once quantized
+    /// ([`KvQuantization`]) `[keys, key scales, key biases, values, value
+    /// scales, value biases]`, every one with the rows on axis 0 and the
+    /// positions on axis 2, so what cuts, pads, joins and filters rows and
+    /// positions does the same to each.
+    layers: Vec<Option<Vec<Array>>>,
+    /// Keys and values kept quantized, once the cache holds at least
+    /// `start` positions (set per sequence; `None`: full precision).
+    pub quantization: Option<KvQuantization>,
     /// Number of positions cached.
     pub offset: i32,
     /// Per row (the batch axis), how many positions at the start are
@@ -166,6 +174,7 @@ impl KvCache {
         Self {
             layers: (0..layers).map(|_| None).collect(),
             offset: 0,
+            quantization: None,
             left_padding: Vec::new(),
             masks: Vec::new(),
             starts: Vec::new(),
@@ -314,15 +323,31 @@ impl KvCache {
             }
             _ => (k, v),
         };
-        let layers = layers.into_iter().enumerate().map(|(i, kv)| Some(cut(kv, shapes.get(i)))).collect();
+        let layers = layers
+            .into_iter()
+            .enumerate()
+            .map(|(i, kv)| {
+                let (k, v) = cut(kv, shapes.get(i));
+                Some(vec![k, v])
+            })
+            .collect();
         Self { layers, offset: positions, ..Self::new(0) }
     }
 
     /// Per layer, its keys' `(heads, head_dim)`; empty until every layer
     /// holds some (Gemma 4's full layers are wider than its sliding ones).
     pub fn kv_shapes(&self) -> KvShapes {
-        let shapes: Option<KvShapes> =
-            self.layers.iter().map(|s| s.as_ref().map(|(k, _)| (k.shape()[1], k.shape()[3]))).collect();
+        let q = self.quantization;
+        let shape = |parts: &Vec<Array>| {
+            let k = &parts[0];
+            // A packed row of `bits`-bit values holds 32 / bits per word.
+            let width = match (parts.len(), q) {
+                (6, Some(q)) => k.shape()[3] * 32 / q.bits,
+                _ => k.shape()[3],
+            };
+            (k.shape()[1], width)
+        };
+        let shapes: Option<KvShapes> = self.layers.iter().map(|s| s.as_ref().map(shape)).collect();
         shapes.unwrap_or_default()
     }
 
@@ -340,9 +365,10 @@ impl KvCache {
         let (r, a, b) = (row as i32, pad + from, pad + to);
         let mut parts = Vec::with_capacity(2 * self.layers.len());
         for slot in &self.layers {
-            let (k, v) = slot.as_ref().ok_or_else(|| anyhow::anyhow!("a layer holds nothing"))?;
-            parts.push(k.index((r..r + 1, .., a..b, ..)));
-            parts.push(v.index((r..r + 1, .., a..b, ..)));
+            let kv = slot.as_ref().ok_or_else(|| anyhow::anyhow!("a layer holds nothing"))?;
+            anyhow::ensure!(kv.len() == 2, "quantized keys and values are not stored as blocks");
+            parts.push(kv[0].index((r..r + 1, .., a..b, ..)));
+            parts.push(kv[1].index((r..r + 1, .., a..b, ..)));
         }
         let heads = parts.iter().map(|p| p.shape()[1]).max().unwrap_or(0);
         let dims = parts.iter().map(|p| p.shape()[3]).max().unwrap_or(0);
@@ -423,7 +449,7 @@ impl KvCache {
             return self.left_padding.len();
         }
         let from_states = || self.states.iter().flatten().next().map_or(1, |s| s[0].shape()[0] as usize);
-        self.layers.iter().flatten().next().map_or_else(from_states, |(k, _)| k.shape()[0] as usize)
+        self.layers.iter().flatten().next().map_or_else(from_states, |parts| parts[0].shape()[0] as usize)
     }
 
     /// Each row's padding (zeros when unpadded).
@@ -441,13 +467,43 @@ impl KvCache {
         self.left_padding = if pads.iter().any(|&p| p > 0) { pads } else { Vec::new() };
     }
 
-    /// Every layer's buffers replaced by `f(keys, values)`.
-    fn map_buffers(&mut self, mut f: impl FnMut(Array, Array) -> Result<(Array, Array)>) -> Result<()> {
+    /// Every layer's buffers (each part of them) replaced by `f(buffer)`.
+    fn map_buffers(&mut self, mut f: impl FnMut(Array) -> Result<Array>) -> Result<()> {
         for slot in &mut self.layers {
-            if let Some((k, v)) = slot.take() {
-                *slot = Some(f(k, v)?);
+            if let Some(parts) = slot.take() {
+                *slot = Some(parts.into_iter().map(&mut f).collect::<Result<_>>()?);
             }
         }
+        Ok(())
+    }
+
+    /// True when some layer holds quantized keys and values.
+    pub fn is_quantized(&self) -> bool {
+        self.layers.iter().flatten().any(|parts| parts.len() == 6)
+    }
+
+    /// Quantizes layer slot `parts` (full precision) as `q` says: the
+    /// positions so far as mlx-lm's `KVCache.to_quantized` does.
+    fn quantized(parts: Vec<Array>, end: i32, q: KvQuantization) -> Result<Vec<Array>> {
+        use mlx_rs::ops::indexing::IndexOp;
+        let mut out = Vec::with_capacity(6);
+        for part in &parts {
+            let (w, s, b) = mlx_rs::ops::quantize(part.index((.., .., ..end, ..)), q.group_size, q.bits)?;
+            out.extend([w, s, b]);
+        }
+        Ok(out)
+    }
+
+    /// Every full-precision layer quantized (a row joining a batch whose
+    /// rows are quantized).
+    fn quantize_all(&mut self, q: KvQuantization) -> Result<()> {
+        let end = self.offset;
+        for slot in &mut self.layers {
+            if let Some(parts) = slot.take_if(|p| p.len() == 2) {
+                *slot = Some(Self::quantized(parts, end, q)?);
+            }
+        }
+        self.quantization = Some(q);
         Ok(())
     }
 
@@ -464,7 +520,7 @@ impl KvCache {
             let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], n, s[3]], b.dtype())?;
             Ok(mlx_rs::ops::concatenate(&[zeros, b.index((.., .., ..end, ..))], 2)?)
         };
-        self.map_buffers(|k, v| Ok((pad(k)?, pad(v)?)))?;
+        self.map_buffers(pad)?;
         self.offset += n;
         let pads = self.paddings().into_iter().map(|p| p + n).collect();
         self.set_paddings(pads);
@@ -478,6 +534,15 @@ impl KvCache {
     pub fn join(&mut self, mut other: KvCache) -> Result<()> {
         use mlx_rs::ops::indexing::IndexOp;
         anyhow::ensure!(self.layers.len() == other.layers.len(), "caches of different models");
+        // Rows of one batch share a form: a full-precision side joining a
+        // quantized one is quantized (the scheduler batches sequences of
+        // one quantization setting together, so only the start differs).
+        match (self.is_quantized(), other.is_quantized()) {
+            (true, false) => other.quantize_all(self.quantization.or(other.quantization).expect("quantized"))?,
+            (false, true) => self.quantize_all(other.quantization.or(self.quantization).expect("quantized"))?,
+            _ => {}
+        }
+        self.quantization = self.quantization.or(other.quantization);
         let end = self.offset.max(other.offset);
         self.pad_left(end - self.offset)?;
         other.pad_left(end - other.offset)?;
@@ -493,13 +558,13 @@ impl KvCache {
             _ => anyhow::bail!("joining a sharded model's cache with one made outside its group"),
         }
         for (mine, theirs) in self.layers.iter_mut().zip(other.layers) {
-            let (Some((k, v)), Some((ok, ov))) = (mine.take(), theirs) else {
+            let (Some(a), Some(b)) = (mine.take(), theirs) else {
                 anyhow::bail!("joining a cache that holds nothing");
             };
-            let cat = |a: Array, b: Array| -> Result<Array> {
+            let cat = |(a, b): (Array, Array)| -> Result<Array> {
                 Ok(mlx_rs::ops::concatenate(&[a.index((.., .., ..end, ..)), b.index((.., .., ..end, ..))], 0)?)
             };
-            *mine = Some((cat(k, ok)?, cat(v, ov)?));
+            *mine = Some(a.into_iter().zip(b).map(cat).collect::<Result<_>>()?);
         }
         // A recurrent state holds no positions: rows are just stacked.
         anyhow::ensure!(self.states.len() == other.states.len(), "caches of different models");
@@ -532,7 +597,7 @@ impl KvCache {
         let idx = Array::from_slice(&idx, &[idx.len() as i32]);
         let end = self.offset;
         let rows = |b: Array| -> Result<Array> { Ok(b.index((.., .., shared..end, ..)).take_axis(&idx, 0)?) };
-        self.map_buffers(|k, v| Ok((rows(k)?, rows(v)?)))?;
+        self.map_buffers(rows)?;
         for arrays in self.states.iter_mut().flatten() {
             for a in arrays.iter_mut() {
                 *a = a.take_axis(&idx, 0)?;
@@ -576,7 +641,7 @@ impl KvCache {
             }
             let idx = Array::from_slice(&idx, &[rows, 1, end, 1]);
             let shift = |b: Array| -> Result<Array> { Ok(b.index((.., .., ..end, ..)).take_along_axis(&idx, 2)?) };
-            self.map_buffers(|k, v| Ok((shift(k)?, shift(v)?)))?;
+            self.map_buffers(shift)?;
             self.set_paddings(pads.iter().zip(&moves).map(|(p, m)| p + m).collect());
         }
         self.offset = end;
@@ -588,8 +653,8 @@ impl KvCache {
     pub fn reserve(&mut self, n: i32) -> Result<()> {
         let end = self.offset + n;
         for slot in &mut self.layers {
-            if let Some((k, v)) = slot.take() {
-                *slot = Some((grown(k, self.offset, end)?, grown(v, self.offset, end)?));
+            if let Some(parts) = slot.take() {
+                *slot = Some(parts.into_iter().map(|p| grown(p, self.offset, end)).collect::<Result<_>>()?);
             }
         }
         Ok(())
@@ -597,28 +662,72 @@ impl KvCache {
 
     /// Writes `n` new positions' keys and values (`[batch, heads, n, head_dim]`)
     /// after the `offset` cached ones; returns every cached position's.
+    /// (A family whose attention reads only full precision calls this;
+    /// the engine does not quantize its caches.)
     pub fn update(&mut self, layer: usize, k: Array, v: Array) -> Result<(Array, Array)> {
-        use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-        let (prev, n) = (self.offset, k.shape()[2]);
-        let end = prev + n;
-        let (mut keys, mut values) = match self.layers[layer].take() {
-            Some((bk, bv)) => (grown(bk, prev, end)?, grown(bv, prev, end)?),
-            None => (empty_buffer(&k, end)?, empty_buffer(&v, end)?),
+        match self.write(layer, vec![k, v])?.as_slice() {
+            [k, v] => Ok((k.clone(), v.clone())),
+            _ => anyhow::bail!("this family's attention reads full-precision keys and values only"),
+        }
+    }
+
+    /// As [`Self::update`], for an attention that also reads quantized keys
+    /// and values: once the cache holds [`KvQuantization::start`] positions
+    /// they are quantized (those so far first, as mlx-lm's
+    /// `maybe_quantize_kv_cache` does after a prefill chunk or step), and
+    /// the new ones are written quantized.
+    pub fn update_view(&mut self, layer: usize, k: Array, v: Array) -> Result<KvView> {
+        let q = self.quantization;
+        let due = q.filter(|q| self.offset > 0 && self.offset >= q.start);
+        if let Some(q) = due {
+            if let Some(parts) = self.layers[layer].take_if(|p| p.len() == 2) {
+                self.layers[layer] = Some(Self::quantized(parts, self.offset, q)?);
+            }
+        }
+        let new = match (self.layers[layer].as_ref().map(Vec::len), q) {
+            (Some(6), Some(q)) => {
+                let (kw, ks, kb) = mlx_rs::ops::quantize(&k, q.group_size, q.bits)?;
+                let (vw, vs, vb) = mlx_rs::ops::quantize(&v, q.group_size, q.bits)?;
+                vec![kw, ks, kb, vw, vs, vb]
+            }
+            _ => vec![k, v],
         };
-        keys.try_index_mut((.., .., prev..end, ..), &k)?;
-        values.try_index_mut((.., .., prev..end, ..), &v)?;
-        let view = (keys.index((.., .., ..end, ..)), values.index((.., .., ..end, ..)));
-        self.layers[layer] = Some((keys, values));
+        let mut view = self.write(layer, new)?.into_iter();
+        let mut next = || view.next().expect("a part");
+        Ok(match q.filter(|_| self.layers[layer].as_ref().is_some_and(|p| p.len() == 6)) {
+            Some(q) => KvView::Quantized { keys: [next(), next(), next()], values: [next(), next(), next()], q },
+            None => KvView::Full(next(), next()),
+        })
+    }
+
+    /// Writes `new` (a slot's parts for the next positions) after the
+    /// `offset` cached ones of layer `layer`; returns every cached
+    /// position's parts.
+    fn write(&mut self, layer: usize, new: Vec<Array>) -> Result<Vec<Array>> {
+        use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+        let (prev, n) = (self.offset, new[0].shape()[2]);
+        let end = prev + n;
+        let mut buffers: Vec<Array> = match self.layers[layer].take() {
+            Some(parts) => parts.into_iter().map(|p| grown(p, prev, end)).collect::<Result<_>>()?,
+            None => new.iter().map(|p| empty_buffer(p, end)).collect::<Result<_>>()?,
+        };
+        anyhow::ensure!(buffers.len() == new.len(), "a layer's keys and values changed form");
+        let mut view = Vec::with_capacity(new.len());
+        for (buffer, part) in buffers.iter_mut().zip(&new) {
+            buffer.try_index_mut((.., .., prev..end, ..), part)?;
+            view.push(buffer.index((.., .., ..end, ..)));
+        }
+        self.layers[layer] = Some(buffers);
         Ok(view)
     }
 
     /// Every layer's key and value buffers, in order (k0, v0, k1, ...), taken
     /// out of the cache; `None` unless every layer has them.
     pub fn take_buffers(&mut self) -> Option<Vec<Array>> {
-        if self.layers.iter().any(Option::is_none) {
+        if self.layers.iter().any(|s| s.as_ref().is_none_or(|p| p.len() != 2)) {
             return None;
         }
-        Some(self.layers.iter_mut().flat_map(|slot| <[Array; 2]>::from(slot.take().unwrap())).collect())
+        Some(self.layers.iter_mut().flat_map(|slot| slot.take().unwrap()).collect())
     }
 
     /// Puts back buffers from `take_buffers` (or their successors) holding
@@ -626,27 +735,55 @@ impl KvCache {
     pub fn put_buffers(&mut self, buffers: Vec<Array>, added: i32) {
         let mut it = buffers.into_iter();
         for slot in &mut self.layers {
-            *slot = Some((it.next().expect("a key buffer"), it.next().expect("a value buffer")));
+            *slot = Some(vec![it.next().expect("a key buffer"), it.next().expect("a value buffer")]);
         }
         self.offset += added;
     }
 
     /// Positions the buffers have room for (0 before the first write).
     pub fn capacity(&self) -> i32 {
-        self.layers.iter().flatten().next().map_or(0, |(k, _)| k.shape()[2])
+        self.layers.iter().flatten().next().map_or(0, |parts| parts[0].shape()[2])
     }
 
     /// Bytes the cached keys and values take (recurrent states, whose
     /// size does not grow with the positions, not counted).
     pub fn nbytes(&self) -> u64 {
-        self.layers.iter().flatten().map(|(k, v)| (k.nbytes() + v.nbytes()) as u64).sum()
+        self.layers.iter().flatten().flatten().map(|p| p.nbytes() as u64).sum()
     }
 
     /// Arrays to evaluate so the cache is materialized (states included).
     pub fn arrays(&self) -> Vec<&Array> {
-        let kv = self.layers.iter().flatten().flat_map(|(k, v)| [k, v]);
+        let kv = self.layers.iter().flatten().flatten();
         kv.chain(self.states.iter().flatten().flatten()).collect()
     }
+}
+
+/// How a sequence's keys and values are kept quantized: mlx-lm's
+/// `kv_bits`, `kv_group_size` and `quantized_kv_start` (affine, MLX's
+/// `quantize` over each head's values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvQuantization {
+    /// 4 or 8.
+    pub bits: i32,
+    /// Values per scale and bias (32, 64 or 128; it divides the head size).
+    pub group_size: i32,
+    /// Positions kept in full precision before the cache is quantized.
+    pub start: i32,
+}
+
+impl KvQuantization {
+    /// Bytes one cached value takes quantized, against `full` bytes.
+    pub fn bytes_per_value(&self, full: f64) -> f64 {
+        f64::from(self.bits) / 8.0 + 2.0 * full / f64::from(self.group_size)
+    }
+}
+
+/// A layer's keys and values as its attention reads them.
+pub enum KvView {
+    /// `[batch, heads, positions, head_dim]` each.
+    Full(Array, Array),
+    /// MLX's `quantize` output (packed values, scales, biases) of each.
+    Quantized { keys: [Array; 3], values: [Array; 3], q: KvQuantization },
 }
 
 /// A buffer of `KV_STEP`-rounded capacity for `end` positions shaped like `like`.
@@ -753,7 +890,7 @@ mod kv_cache_tests {
             all = Some(want);
         }
         let (old, want) = snapshot.unwrap();
-        let (k, _) = old.layers[0].clone().unwrap();
+        let k = old.layers[0].clone().unwrap()[0].clone();
         let seen = k.index((.., .., ..old.offset, ..));
         assert!(seen.all_close(&want, 0.0, 0.0, None).unwrap(), "the clone kept its state");
     }
@@ -882,5 +1019,65 @@ mod kv_cache_tests {
         }
         cache.set_paddings(vec![5, 0, 0]);
         assert_eq!(cache.row_starts(12, None).unwrap().as_slice::<i32>(), [5, 0, 0]);
+    }
+
+    fn quantized_view(cache: &mut KvCache, x: &Array) -> [Array; 3] {
+        match cache.update_view(0, x.clone(), x.clone()).unwrap() {
+            KvView::Quantized { keys, .. } => keys,
+            KvView::Full(..) => panic!("full precision past the start"),
+        }
+    }
+
+    /// A quantized cache stays full precision until it holds `start`
+    /// positions, then quantizes those and every later write (its bytes a
+    /// quarter of f32's at 8 bits, and under an eighth at 4); two joined
+    /// and split again give each row back exactly; a trim forgets the last
+    /// positions as in full precision.
+    #[test]
+    fn a_quantized_cache_quantizes_at_its_start_and_joins_filters_and_trims_as_a_full_one() {
+        let q = KvQuantization { bits: 8, group_size: 32, start: 3 };
+        let step = |seed: f32, n: i32| {
+            let v: Vec<f32> = (0..2 * n * 64).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
+            Array::from_slice(&v, &[1, 2, n, 64])
+        };
+        let mut a = KvCache::new(1);
+        a.quantization = Some(q);
+        assert!(matches!(a.update_view(0, step(0.0, 2), step(0.0, 2)).unwrap(), KvView::Full(..)));
+        a.offset += 2;
+        assert!(matches!(a.update_view(0, step(1.0, 1), step(1.0, 1)).unwrap(), KvView::Full(..)), "2 < start 3");
+        a.offset += 1;
+        let keys = quantized_view(&mut a, &step(2.0, 1));
+        a.offset += 1;
+        assert_eq!(keys[0].shape(), &[1, 2, 4, 64 * 8 / 32]);
+        assert!(a.is_quantized());
+        // 256 positions of room: k and v, 2 heads of 64 values each, at 8
+        // bits plus an f32 scale and bias per 32 values (0.31 of f32's).
+        let per_position = 2.0 * 2.0 * 64.0 * q.bytes_per_value(4.0);
+        assert_eq!(a.nbytes(), (256.0 * per_position) as u64);
+        assert_eq!(a.nbytes() * 16, 2 * 2 * 256 * 64 * 4 * 5);
+        let mut b = KvCache::new(1);
+        b.quantization = Some(q);
+        for i in 0..6 {
+            let _ = b.update_view(0, step(10.0 + i as f32, 1), step(10.0 + i as f32, 1)).unwrap();
+            b.offset += 1;
+        }
+        let (a_keys, b_keys) =
+            (quantized_view(&mut a.clone(), &step(3.0, 1)), quantized_view(&mut b.clone(), &step(3.0, 1)));
+        let mut both = a.clone();
+        both.join(b.clone()).unwrap();
+        assert_eq!((both.rows(), both.paddings()), (2, vec![2, 0]));
+        let mut second = both.clone();
+        second.keep_rows(&[1]).unwrap();
+        let again = quantized_view(&mut second, &step(3.0, 1));
+        assert!(again.iter().zip(&b_keys).all(|(x, y)| x.eq_values(y).unwrap()));
+        let mut first = both.clone();
+        first.keep_rows(&[0]).unwrap();
+        let again = quantized_view(&mut first, &step(3.0, 1));
+        assert!(again.iter().zip(&a_keys).all(|(x, y)| x.eq_values(y).unwrap()));
+        // Trimming two positions of row 1 and none of row 0.
+        assert!(both.trim_rows(&[0, 2]).unwrap());
+        let mut trimmed = both.clone();
+        trimmed.keep_rows(&[1]).unwrap();
+        assert_eq!(trimmed.offset, 4);
     }
 }

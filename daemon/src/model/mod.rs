@@ -4,6 +4,7 @@
 
 pub mod batch_attention;
 pub mod chat_template;
+pub mod cpu_math;
 pub mod decode_step;
 pub mod decoder_embedder;
 pub mod family;
@@ -15,6 +16,7 @@ pub mod lm_reranker;
 pub mod options;
 pub mod positions;
 pub mod prompt;
+pub mod quantized_attention;
 pub mod raw_prompt;
 pub mod sentence;
 pub mod sharding;
@@ -29,7 +31,7 @@ use anyhow::{Context, Result};
 use chat_template::ChatTemplate;
 use decode_step::{CompiledDecode, DecodeMode};
 use family::{LanguageModel, MediaPreprocessor, VisionTower};
-use kv_cache::KvCache;
+use kv_cache::{KvCache, KvQuantization};
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -437,6 +439,19 @@ impl Model {
             Some(compiled) if mode == DecodeMode::Compiled => compiled.borrow_mut().step(ids, cache),
             _ => self.lm.logits(&self.lm.forward(&self.lm.embed(ids)?, cache, media)?),
         }
+    }
+
+    /// KV bytes one position takes, its keys and values kept as `q` says:
+    /// quantized, each value's bits plus its group's scale and bias in the
+    /// cache's own dtype.
+    pub fn kv_bytes_per_position_as(&self, q: Option<KvQuantization>) -> u64 {
+        let Some(q) = q else { return self.kv_bytes_per_position };
+        let values: u64 = self.kv_shapes.iter().map(|&(h, d)| 2 * (h * d) as u64).sum();
+        if values == 0 {
+            return self.kv_bytes_per_position;
+        }
+        let full = self.kv_bytes_per_position as f64 / values as f64;
+        (values as f64 * q.bytes_per_value(full)).ceil() as u64
     }
 
     /// Runs one token through the model: materializes the (lazily

@@ -16,6 +16,7 @@ mod helper;
 mod hostile;
 mod hostile_gateway;
 mod http;
+mod kv_quantized;
 mod lifecycle;
 mod neighbour;
 mod prompt_cache;

@@ -27,6 +27,7 @@ use super::generate::Finished;
 use super::sequence::{Prefilled, Sequence};
 use super::SessionTurn;
 use crate::error::EngineError;
+use crate::model::kv_cache::KvQuantization;
 use crate::model::Model;
 use crate::prompt_cache::PromptCache;
 use mlxbc_shared::{KeepAlive, SequenceInfo};
@@ -59,6 +60,8 @@ pub type Ended = (Active, Result<Finished, EngineError>);
 struct BatchKey {
     model: usize,
     alone: Option<SeqId>,
+    /// Rows of one batch keep their keys and values alike.
+    kv: Option<KvQuantization>,
 }
 
 /// Every sequence in flight.
@@ -267,8 +270,13 @@ impl Scheduler {
             Ok(Prefilled::Chunk { .. }) => true,
             Ok(Prefilled::Ready) => {
                 let (model, mode, alone) = (a.seq.model().clone(), a.seq.decode_mode(), a.seq.has_mrope());
+                let kv = a.seq.kv_quantization();
+                // A row quantizes when it holds `start` positions of its own,
+                // but a batch's rows quantize together: a later start decodes
+                // in a batch of its own.
+                let alone = alone || kv.is_some_and(|q| q.start > 0);
                 let Some((cache, first)) = a.seq.take_for_batch() else { return false };
-                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id) };
+                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id), kv };
                 self.changed = true;
                 self.queues.start_decoding(id, key.model);
                 let costs = self.costs_of(&model);
@@ -339,7 +347,8 @@ impl Scheduler {
                     .take_axis(mlx_rs::Array::from_slice(&idx, &[idx.len() as i32]), 0)
                     .map_err(EngineError::inference)?;
             }
-            let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None };
+            // Quantized prompts are prefilled alone (`can_prefill_together`).
+            let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None, kv: None };
             for &id in &joined {
                 self.queues.start_decoding(id, key.model);
             }
@@ -423,7 +432,7 @@ fn refusal_error(r: &Refusal, seq: &Sequence) -> EngineError {
 
 /// KV bytes a sequence may come to hold.
 fn kv_need(seq: &Sequence) -> u64 {
-    seq.max_positions() as u64 * seq.model().kv_bytes_per_position
+    seq.max_positions() as u64 * seq.kv_bytes_per_position()
 }
 
 /// Runs a step; a panic in it (a bug a hostile model file reached) becomes

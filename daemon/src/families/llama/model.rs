@@ -6,9 +6,10 @@ use super::config::{Architecture, TextConfig};
 use crate::distributed::Shard;
 use crate::model::batch_attention;
 use crate::model::family::{DecodeGraph, LanguageModel};
-use crate::model::kv_cache::KvCache;
+use crate::model::kv_cache::{KvCache, KvView};
 use crate::model::layers::{from_heads, to_heads, Embedding, FusedLinear, Linear};
 use crate::model::positions::{MediaPositions, MropePositions};
+use crate::model::quantized_attention;
 use crate::model::sharding::Split;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
@@ -251,12 +252,23 @@ impl Transformer {
             }
             None => self.project(a, x, at, true)?,
         };
-        let (k, v) = cache.update(layer, k, v)?;
-        let o = match batch_attention::padded(&q, &k, &v, self.scale, cache, offset, None)? {
-            Some(o) => o,
-            None => {
-                let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
-                fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?
+        let o = match cache.update_view(layer, k, v)? {
+            KvView::Full(k, v) => match batch_attention::padded(&q, &k, &v, self.scale, cache, offset, None)? {
+                Some(o) => o,
+                None => {
+                    let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+                    fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?
+                }
+            },
+            KvView::Quantized { keys, values, q: quantization } => {
+                let total = keys[0].shape()[2];
+                let rows = cache.padding_mask(offset, l, total, None)?;
+                let mask = match &rows {
+                    Some(m) => quantized_attention::Mask::Rows(m),
+                    None if l > 1 => quantized_attention::Mask::Causal,
+                    None => quantized_attention::Mask::None,
+                };
+                quantized_attention::attend(&q, &keys, &values, quantization, self.scale, mask)?
             }
         };
         self.output(a, o)
@@ -517,6 +529,12 @@ impl LanguageModel for Transformer {
 
     fn logits_all(&self, hidden: &Array) -> Result<Array> {
         self.logits_every(hidden)
+    }
+
+    /// A split model's other ranks replay rank 0's cache journal, which
+    /// does not carry a quantization yet: split models keep full precision.
+    fn reads_quantized_kv(&self) -> bool {
+        self.split.shard.is_none()
     }
 
     fn split_description(&self) -> Option<String> {
