@@ -78,10 +78,12 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         logprobs: None,
         speculate: args.speculate.into(),
         draft: args.draft.clone(),
+        adapter: args.adapter.clone(),
         kv: mlxbc_client::KvCacheSpec {
             bits: args.kv_bits,
             group_size: args.kv_group_size,
             start: args.quantized_kv_start,
+            rotate: args.kv_rotate,
         },
     })
 }

@@ -119,6 +119,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             logprobs: None,
             speculate: Default::default(),
             draft: None,
+            adapter: None,
             kv: Default::default(),
         };
         let mut stream = client.generate(request).await?;

@@ -269,6 +269,10 @@ pub(crate) struct AskArgs {
     /// same tokenizer, loaded beside the model.
     #[arg(long, value_name = "MODEL")]
     draft: Option<String>,
+    /// Answer under this LoRA adapter (a directory `mlx_lm lora` wrote, in
+    /// the models directory or a path), loaded beside the model.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<String>,
     /// Keep the KV cache quantized to 8 or 4 bits (longer contexts in the
     /// same memory); 16: full precision. Default: the model's setting.
     #[arg(long, value_name = "BITS")]
@@ -279,6 +283,10 @@ pub(crate) struct AskArgs {
     /// Positions kept in full precision before the KV cache is quantized.
     #[arg(long, value_name = "N")]
     quantized_kv_start: Option<u32>,
+    /// Rotate keys and values by a Hadamard matrix before quantizing them
+    /// (true/false; false: mlx-lm's arithmetic exactly).
+    #[arg(long, value_name = "BOOL")]
+    kv_rotate: Option<bool>,
     /// Continue (or start) a conversation the daemon keeps under this name.
     #[arg(long)]
     session: Option<String>,

@@ -62,6 +62,9 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     speculation(m),
                     m.batch_weights
                 )?;
+                for (name, rank, bytes) in &m.adapters {
+                    writeln!(out, "  + adapter {name} (LoRA rank {rank}, {})", mib(*bytes))?;
+                }
             }
             if !s.sequences.is_empty() {
                 writeln!(

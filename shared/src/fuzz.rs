@@ -137,10 +137,12 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
             _ => Speculation::Ngram,
         },
         draft: rng.one_in(4).then(|| rng.string()),
+        adapter: rng.one_in(4).then(|| rng.string()),
         kv: KvCacheSpec {
             bits: rng.one_in(3).then(|| rng.edgy_u64() as u8),
             group_size: rng.one_in(3).then(|| rng.edgy_u64() as u16),
             start: rng.one_in(3).then(|| rng.edgy_u64() as u32),
+            rotate: rng.one_in(3).then(|| rng.one_in(2)),
         },
     }
 }

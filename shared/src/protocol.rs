@@ -525,6 +525,10 @@ pub struct GenerateRequest {
     /// each field left out takes the model's setting (`[models."NAME"]` in
     /// config.toml), else full precision.
     pub kv: KvCacheSpec,
+    /// A LoRA adapter to answer under (a directory mlx-lm's trainer wrote,
+    /// by its name in the models directory; on the socket also a path):
+    /// loaded beside its base on first use.
+    pub adapter: Option<String>,
 }
 
 /// A quantized KV cache, as mlx-lm's `kv_bits`, `kv_group_size` and
@@ -539,6 +543,10 @@ pub struct KvCacheSpec {
     /// Positions kept in full precision before the cache is quantized
     /// (default 0: from the first prefill chunk on).
     pub start: Option<u32>,
+    /// Rotate keys and values by a Hadamard matrix before quantizing them
+    /// (outlier channels spread over all; the attention is unchanged);
+    /// false: mlx-lm's arithmetic exactly.
+    pub rotate: Option<bool>,
 }
 
 /// Speculative decoding for one request: drafted tokens verified in one
@@ -660,6 +668,7 @@ impl GenerateRequest {
             speculate: Speculation::Auto,
             draft: None,
             kv: KvCacheSpec::default(),
+            adapter: None,
         }
     }
 }
@@ -867,6 +876,8 @@ pub struct LoadedModel {
     /// of those the ones the model accepted.
     pub draft_tokens: u64,
     pub accepted_draft_tokens: u64,
+    /// LoRA adapters loaded on it: name, rank and bytes.
+    pub adapters: Vec<(String, u32, u64)>,
 }
 
 /// One thing the daemon let go of under memory pressure.

@@ -141,6 +141,8 @@ pub struct ModelSettings {
     /// Positions kept in full precision before the cache is quantized
     /// (default 0).
     pub quantized_kv_start: Option<u32>,
+    /// Keys and values rotated by a Hadamard matrix before quantizing.
+    pub kv_rotate: Option<bool>,
 }
 
 /// config.toml's `[cluster]`: the same as `mlxbcd --hostfile --rank

@@ -79,19 +79,40 @@ impl ModelRegistry {
         }
     }
 
+    /// The LoRA adapter directory `name` names: in the models directory
+    /// (or, given by the socket's owner, a path).
+    pub fn resolve_adapter(&self, name: &str) -> Result<PathBuf, EngineError> {
+        let candidate = Path::new(name);
+        let path = if candidate.is_absolute() { candidate.to_path_buf() } else { self.models_dir.join(name) };
+        if crate::model::lora::is_adapter_dir(&path) {
+            return Ok(path);
+        }
+        let known: Vec<String> =
+            self.list().into_iter().filter(|m| m.capability == "adapter").map(|m| m.name).collect();
+        Err(EngineError::UnknownModel(format!(
+            "unknown adapter {name:?}: no adapter_config.json and adapters.safetensors there (adapters in {}: {})",
+            self.models_dir.display(),
+            if known.is_empty() { "none".to_string() } else { known.join(", ") }
+        )))
+    }
+
     /// Every model in the store, with its aliases.
     pub fn list(&self) -> Vec<ModelInfo> {
         let mut out = Vec::new();
         let Ok(entries) = std::fs::read_dir(&self.models_dir) else {
             return out;
         };
-        let mut paths: Vec<PathBuf> =
-            entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| is_model(p)).collect();
+        let mut paths: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| is_model(p) || crate::model::lora::is_adapter_dir(p))
+            .collect();
         paths.sort();
         for path in paths {
             let name = file_name(&path);
             let aliases = self.aliases.iter().filter(|(_, t)| **t == name).map(|(a, _)| a.clone()).collect();
-            let (format, size_bytes) = if path.is_dir() {
+            let (format, size_bytes) = if crate::model::lora::is_adapter_dir(&path) {
+                ("lora", dir_size(&path))
+            } else if path.is_dir() {
                 ("mlx", dir_size(&path))
             } else {
                 ("gguf", path.metadata().map(|m| m.len()).unwrap_or(0))
@@ -137,6 +158,10 @@ impl ModelRegistry {
 pub fn capability(path: &Path) -> &'static str {
     if !path.is_dir() {
         return "chat";
+    }
+    if crate::model::lora::is_adapter_dir(path) {
+        // A LoRA adapter: served on its base (`--adapter`), not alone.
+        return "adapter";
     }
     let Ok(Some(raw)) = crate::model::read_json(&path.join("config.json")) else { return "chat" };
     let family = crate::families::family_of(&raw);

@@ -45,6 +45,8 @@ pub struct GenerationContext<'a> {
     /// The model's KV cache setting (config.toml), which the request's
     /// own fields override.
     pub kv_default: mlxbc_shared::KvCacheSpec,
+    /// The LoRA adapter the request answers under, loaded on the model.
+    pub adapter: Option<Rc<crate::model::lora::LoraAdapter>>,
 }
 
 /// The quantization a request's KV cache is kept in (its fields, else the
@@ -87,7 +89,8 @@ pub fn kv_quantization(
         )));
     }
     let start = asked.start.or(default.start).unwrap_or(0).min(i32::MAX as u32) as i32;
-    Ok(Some(KvQuantization { bits: i32::from(bits), group_size: i32::from(group_size), start }))
+    let rotate = asked.rotate.or(default.rotate).unwrap_or(false);
+    Ok(Some(KvQuantization { bits: i32::from(bits), group_size: i32::from(group_size), start, rotate }))
 }
 
 /// No tokenizer here averages more than this many bytes of text per token,
@@ -294,8 +297,13 @@ pub fn begin(
     let kv = kv_quantization(&model, ctx.model_name, request.kv, ctx.kv_default)?;
     // A quantized cache's blocks are not kept in the prompt cache (whose
     // blocks are full precision): its prompt is computed.
-    let keys = model
-        .kv_root
+    let adapter = ctx.adapter.take();
+    // Under an adapter, prefixes are its own (its fingerprint in the root).
+    let root = model.kv_root.map(|root| match &adapter {
+        Some(a) => prompt_cache::adapted_root(&root, &a.fingerprint),
+        None => root,
+    });
+    let keys = root
         .filter(|_| kv.is_none())
         .map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
     let reuse = keys.as_ref().and_then(|k| {
@@ -317,6 +325,7 @@ pub fn begin(
         None => (KvCache::new(model.lm.num_layers()), 0, 0, None),
     };
     cache.quantization = kv;
+    cache.adapter = adapter.clone();
     let (mrope, deepstack) = match &model.media_tower {
         Some(v) => (
             v.tower.rope_positions(&ids, &features),
@@ -363,7 +372,8 @@ pub fn begin(
         limit: asked.min(room),
         asked,
         // A compiled step writes full-precision buffers.
-        mode: if kv.is_some() { DecodeMode::Eager } else { model.decode_mode(ctx.decode) },
+        // A compiled step writes full-precision buffers through the bare base.
+        mode: if kv.is_some() || adapter.is_some() { DecodeMode::Eager } else { model.decode_mode(ctx.decode) },
         prefill_chunk: ctx.prefill_chunk,
         events: events.clone(),
         cancel,

@@ -174,6 +174,7 @@ pub fn spawn(
                         bits: s.kv_bits,
                         group_size: s.kv_group_size,
                         start: s.quantized_kv_start,
+                        rotate: s.kv_rotate,
                     };
                     (m.clone(), spec)
                 })

@@ -673,6 +673,13 @@ impl Residency {
         gone
     }
 
+    /// Counts `bytes` more (a LoRA adapter loaded on it) in `name`'s memory.
+    pub fn add_memory(&mut self, name: &str, bytes: u64) {
+        if let Some(r) = self.models.get_mut(name) {
+            r.clock.memory_bytes += bytes;
+        }
+    }
+
     /// Wire descriptions of the resident models.
     pub fn describe(&self) -> Vec<LoadedModel> {
         let now = Instant::now();
@@ -715,6 +722,12 @@ impl Residency {
                 accepted_draft_tokens: match &r.model {
                     Servable::Chat(m) => m.drafts.get().1,
                     Servable::Speech(_) | Servable::Embed(_) => 0,
+                },
+                adapters: match &r.model {
+                    Servable::Chat(m) => {
+                        m.adapters.borrow().values().map(|a| (a.name.clone(), a.rank as u32, a.bytes)).collect()
+                    }
+                    Servable::Speech(_) | Servable::Embed(_) => Vec::new(),
                 },
             })
             .collect();

@@ -223,6 +223,21 @@ impl Engine {
                                 return false;
                             }
                         };
+                        let adapter_bytes = model.adapter_bytes();
+                        let adapter = match request.adapter.as_deref() {
+                            None => None,
+                            Some(a) => match self.registry.resolve_adapter(a).and_then(|dir| {
+                                model.adapter(a, &dir).map_err(|e| EngineError::BadRequest(format!("{e:#}")))
+                            }) {
+                                Ok(adapter) => Some(adapter),
+                                Err(e) => {
+                                    self.finish(Err(e), &events, &request.stop, turn);
+                                    return false;
+                                }
+                            },
+                        };
+                        // A newly loaded adapter counts in its base's memory.
+                        self.residency.add_memory(&name, model.adapter_bytes() - adapter_bytes);
                         let mut ctx = generate::GenerationContext {
                             model_name: &name,
                             load_ms: load_ms.max(loaded_ms) + draft_ms,
@@ -236,6 +251,7 @@ impl Engine {
                             media,
                             draft,
                             kv_default: self.kv_settings.get(&name).copied().unwrap_or_default(),
+                            adapter,
                         };
                         let begun = generate::begin(model, &mut ctx, &request, events.clone(), cancel);
                         self.residency.touch(&name, keep_alive);

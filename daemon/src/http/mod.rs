@@ -222,6 +222,12 @@ async fn begin(state: &AppState, request: mlxbc_shared::GenerateRequest) -> Resu
             ));
         }
     }
+    if let Some(name) = request.adapter.as_deref().filter(|a| !crate::catalog::registry::is_plain_name(a)) {
+        return Err((
+            ErrorKind::UnknownModel,
+            format!("adapter {name:?} is a path; over HTTP name an adapter that the model list shows"),
+        ));
+    }
     let (mut rx, cancel) = state.start_generation(request).await.map_err(|e| (e.kind(), e.to_string()))?;
     let guard = CancelOnDrop(cancel);
     // The first event decides the status: an error before any output is an HTTP error.

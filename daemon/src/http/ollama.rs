@@ -151,10 +151,13 @@ struct Options {
     seed: Option<i64>,
     num_predict: Option<i64>,
     stop: Option<Vec<String>>,
+    /// An extension: the LoRA adapter to answer under (its name).
+    adapter: Option<String>,
     /// Extensions (mlx-lm's names): the KV cache kept quantized.
     kv_bits: Option<u8>,
     kv_group_size: Option<u16>,
     quantized_kv_start: Option<u32>,
+    kv_rotate: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -280,7 +283,13 @@ fn request(
         logprobs: None,
         speculate: Default::default(),
         draft: None,
-        kv: mlxbc_shared::KvCacheSpec { bits: o.kv_bits, group_size: o.kv_group_size, start: o.quantized_kv_start },
+        adapter: o.adapter,
+        kv: mlxbc_shared::KvCacheSpec {
+            bits: o.kv_bits,
+            group_size: o.kv_group_size,
+            start: o.quantized_kv_start,
+            rotate: o.kv_rotate,
+        },
     })
 }
 

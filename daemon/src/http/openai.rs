@@ -34,10 +34,13 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u8>,
+    /// An extension: the LoRA adapter to answer under (its name).
+    pub adapter: Option<String>,
     /// Extensions (mlx-lm's names): the KV cache kept quantized.
     pub kv_bits: Option<u8>,
     pub kv_group_size: Option<u16>,
     pub quantized_kv_start: Option<u32>,
+    pub kv_rotate: Option<bool>,
 }
 
 /// `POST /v1/completions` body: a prompt, and with `suffix` the gap
@@ -447,10 +450,12 @@ impl ChatCompletionRequest {
             },
             speculate: Default::default(),
             draft: None,
+            adapter: self.adapter.clone(),
             kv: mlxbc_shared::KvCacheSpec {
                 bits: self.kv_bits,
                 group_size: self.kv_group_size,
                 start: self.quantized_kv_start,
+                rotate: self.kv_rotate,
             },
         })
     }

@@ -102,6 +102,13 @@ pub trait LanguageModel {
         false
     }
 
+    /// The shapes `(in, out)` of each decoder layer's projections, in
+    /// `model::lora::PROJECTIONS` order, when it serves LoRA adapters
+    /// (`KvCache::adapter`); `None` when it does not.
+    fn projection_shapes(&self) -> Option<crate::model::lora::ProjectionShapes> {
+        None
+    }
+
     /// True when its attention reads quantized keys and values
     /// (`KvCache::update_view`): its sequences may keep their KV cache
     /// quantized (`kv_bits`).

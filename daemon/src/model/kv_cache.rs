@@ -32,6 +32,9 @@ pub struct KvCache {
     /// Keys and values kept quantized, once the cache holds at least
     /// `start` positions (set per sequence; `None`: full precision).
     pub quantization: Option<KvQuantization>,
+    /// The LoRA adapter the cache's rows run under (set per sequence; a
+    /// batch's rows share one): the family's projections add its update.
+    pub adapter: Option<std::rc::Rc<crate::model::lora::LoraAdapter>>,
     /// Number of positions cached.
     pub offset: i32,
     /// Per row (the batch axis), how many positions at the start are
@@ -175,6 +178,7 @@ impl KvCache {
             layers: (0..layers).map(|_| None).collect(),
             offset: 0,
             quantization: None,
+            adapter: None,
             left_padding: Vec::new(),
             masks: Vec::new(),
             starts: Vec::new(),
@@ -488,7 +492,8 @@ impl KvCache {
         use mlx_rs::ops::indexing::IndexOp;
         let mut out = Vec::with_capacity(6);
         for part in &parts {
-            let (w, s, b) = mlx_rs::ops::quantize(part.index((.., .., ..end, ..)), q.group_size, q.bits)?;
+            let part = crate::model::quantized_attention::rotated(&part.index((.., .., ..end, ..)), q)?;
+            let (w, s, b) = mlx_rs::ops::quantize(part, q.group_size, q.bits)?;
             out.extend([w, s, b]);
         }
         Ok(out)
@@ -543,6 +548,10 @@ impl KvCache {
             _ => {}
         }
         self.quantization = self.quantization.or(other.quantization);
+        anyhow::ensure!(
+            self.adapter.as_ref().map(|a| a.fingerprint) == other.adapter.as_ref().map(|a| a.fingerprint),
+            "joining rows of different adapters"
+        );
         let end = self.offset.max(other.offset);
         self.pad_left(end - self.offset)?;
         other.pad_left(end - other.offset)?;
@@ -686,8 +695,9 @@ impl KvCache {
         }
         let new = match (self.layers[layer].as_ref().map(Vec::len), q) {
             (Some(6), Some(q)) => {
-                let (kw, ks, kb) = mlx_rs::ops::quantize(&k, q.group_size, q.bits)?;
-                let (vw, vs, vb) = mlx_rs::ops::quantize(&v, q.group_size, q.bits)?;
+                use crate::model::quantized_attention::rotated;
+                let (kw, ks, kb) = mlx_rs::ops::quantize(rotated(&k, q)?, q.group_size, q.bits)?;
+                let (vw, vs, vb) = mlx_rs::ops::quantize(rotated(&v, q)?, q.group_size, q.bits)?;
                 vec![kw, ks, kb, vw, vs, vb]
             }
             _ => vec![k, v],
@@ -769,6 +779,12 @@ pub struct KvQuantization {
     pub group_size: i32,
     /// Positions kept in full precision before the cache is quantized.
     pub start: i32,
+    /// Keys and values rotated by a Hadamard matrix before they are
+    /// quantized (queries alike, the output rotated back): the scores and
+    /// outputs are unchanged, but a channel of outliers (Qwen2.5's keys)
+    /// is spread over every channel instead of stretching its group's
+    /// scale. Off: mlx-lm's arithmetic exactly.
+    pub rotate: bool,
 }
 
 impl KvQuantization {
@@ -1035,7 +1051,7 @@ mod kv_cache_tests {
     /// positions as in full precision.
     #[test]
     fn a_quantized_cache_quantizes_at_its_start_and_joins_filters_and_trims_as_a_full_one() {
-        let q = KvQuantization { bits: 8, group_size: 32, start: 3 };
+        let q = KvQuantization { bits: 8, group_size: 32, start: 3, rotate: false };
         let step = |seed: f32, n: i32| {
             let v: Vec<f32> = (0..2 * n * 64).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
             Array::from_slice(&v, &[1, 2, n, 64])

@@ -13,6 +13,7 @@ pub mod image;
 pub mod kv_cache;
 pub mod layers;
 pub mod lm_reranker;
+pub mod lora;
 pub mod options;
 pub mod positions;
 pub mod prompt;
@@ -339,6 +340,9 @@ pub struct Model {
     /// The draft model loaded beside it (speculative decoding), if any:
     /// its memory is counted with this model's, and it goes when this does.
     pub draft: RefCell<Option<AttachedDraft>>,
+    /// LoRA adapters loaded on it, by directory (loaded on first use, kept
+    /// while it stays loaded).
+    pub adapters: RefCell<std::collections::BTreeMap<std::path::PathBuf, std::rc::Rc<lora::LoraAdapter>>>,
     /// llguidance's view of the tokenizer, for constrained requests (built
     /// on the first one: a trie of every token's bytes).
     constraints: std::cell::OnceCell<Result<Arc<llguidance::ParserFactory>, String>>,
@@ -389,6 +393,7 @@ impl Model {
             kv_root: None,
             batch_weights: layers::BatchWeights::Packed,
             warm_pending: RefCell::default(),
+            adapters: Default::default(),
             drafts: Default::default(),
             draft_evidence: Default::default(),
             draft: RefCell::default(),
@@ -439,6 +444,30 @@ impl Model {
             Some(compiled) if mode == DecodeMode::Compiled => compiled.borrow_mut().step(ids, cache),
             _ => self.lm.logits(&self.lm.forward(&self.lm.embed(ids)?, cache, media)?),
         }
+    }
+
+    /// The adapter in `dir` (served as `name`) on this model, loaded now
+    /// if it is not yet; refused with a sentence when it does not fit.
+    pub fn adapter(&self, name: &str, dir: &std::path::Path) -> anyhow::Result<std::rc::Rc<lora::LoraAdapter>> {
+        if let Some(a) = self.adapters.borrow().get(dir) {
+            return Ok(a.clone());
+        }
+        let Some(shapes) = self.lm.projection_shapes() else {
+            anyhow::bail!(
+                "this model ({}{}) does not serve LoRA adapters; fuse the adapter (`mlx_lm fuse`) and serve the fused model",
+                self.lm.architecture(),
+                if self.lm.split_description().is_some() { ", split over a group" } else { "" }
+            );
+        };
+        let adapter = std::rc::Rc::new(lora::LoraAdapter::load(name, dir, &shapes)?);
+        tracing::info!(adapter = %name, rank = adapter.rank, bytes = adapter.bytes, "LoRA adapter loaded");
+        self.adapters.borrow_mut().insert(dir.to_path_buf(), adapter.clone());
+        Ok(adapter)
+    }
+
+    /// Bytes of the adapters loaded on it.
+    pub fn adapter_bytes(&self) -> u64 {
+        self.adapters.borrow().values().map(|a| a.bytes).sum()
     }
 
     /// KV bytes one position takes, its keys and values kept as `q` says:

@@ -161,6 +161,16 @@ pub struct PromptKeys {
     pub recurrent: bool,
 }
 
+/// A model's prompt-cache root under a LoRA adapter (its fingerprint):
+/// the base model's prefixes are not the adapter's.
+pub fn adapted_root(root: &[u8; 32], adapter: &[u8; 32]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(root);
+    h.update(b"lora adapter");
+    h.update(adapter);
+    h.finalize().into()
+}
+
 /// The name a recurrent model's states after the prefix `link` ends are
 /// stored under (beside that prefix's last block).
 pub fn state_name(link: &BlockHash) -> BlockHash {

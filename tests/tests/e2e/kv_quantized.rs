@@ -31,6 +31,8 @@ fn request(model: &str, case: &serde_json::Value, max_tokens: u32) -> GenerateRe
             bits: Some(kv["bits"].as_u64().unwrap() as u8),
             group_size: Some(kv["group_size"].as_u64().unwrap() as u16),
             start: Some(kv["start"].as_u64().unwrap() as u32),
+            // mlx-lm's arithmetic (no rotation).
+            rotate: Some(false),
         };
     }
     req.logprobs = Some(0);

@@ -18,6 +18,7 @@ mod hostile_gateway;
 mod http;
 mod kv_quantized;
 mod lifecycle;
+mod lora;
 mod neighbour;
 mod prompt_cache;
 mod pull;

@@ -62,6 +62,8 @@ struct BatchKey {
     alone: Option<SeqId>,
     /// Rows of one batch keep their keys and values alike.
     kv: Option<KvQuantization>,
+    /// And run under the same LoRA adapter (its fingerprint).
+    adapter: Option<[u8; 32]>,
 }
 
 /// Every sequence in flight.
@@ -276,7 +278,8 @@ impl Scheduler {
                 // in a batch of its own.
                 let alone = alone || kv.is_some_and(|q| q.start > 0);
                 let Some((cache, first)) = a.seq.take_for_batch() else { return false };
-                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id), kv };
+                let adapter = cache.adapter.as_ref().map(|a| a.fingerprint);
+                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id), kv, adapter };
                 self.changed = true;
                 self.queues.start_decoding(id, key.model);
                 let costs = self.costs_of(&model);
@@ -348,7 +351,7 @@ impl Scheduler {
                     .map_err(EngineError::inference)?;
             }
             // Quantized prompts are prefilled alone (`can_prefill_together`).
-            let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None, kv: None };
+            let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None, kv: None, adapter: None };
             for &id in &joined {
                 self.queues.start_decoding(id, key.model);
             }

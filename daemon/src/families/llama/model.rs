@@ -176,7 +176,10 @@ impl Transformer {
             Some(rows) => Position::Rows(rows),
             None => Position::Fixed(offset),
         };
+        // A LoRA adapter the sequence (or batch) runs under, if any.
+        let adapter = cache.adapter.clone();
         for (i, layer) in self.layers.iter().enumerate() {
+            let lora = adapter.as_deref().filter(|a| a.adapts(i)).map(|a| (a, i));
             let r = self.attention(
                 &layer.attn,
                 &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?,
@@ -184,11 +187,13 @@ impl Transformer {
                 media.mrope,
                 i,
                 at,
+                lora,
             )?;
             let h2 = h.add(&r)?;
             let r = self.mlp(
                 &layer.mlp,
                 &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
+                lora,
             )?;
             h = h2.add(&r)?;
             if let Some(deepstack) = media.deepstack {
@@ -233,6 +238,7 @@ impl Transformer {
         Ok(self.split.gather_vocab(logits.reshape(&[b * l, -1])?)?.reshape(&[b, l, -1])?)
     }
 
+    #[expect(clippy::too_many_arguments, reason = "a layer's inputs, each used once; a struct would only rename them")]
     fn attention(
         &self,
         a: &Attention,
@@ -241,16 +247,17 @@ impl Transformer {
         mrope: Option<&MropePositions>,
         layer: usize,
         at: Position,
+        lora: Lora,
     ) -> Result<Array> {
         let l = x.shape()[1];
         let offset = cache.offset;
         let (q, k, v) = match &self.config.mrope_section {
             Some(section) => {
-                let (q, k, v) = self.project(a, x, at, false)?;
+                let (q, k, v) = self.project(a, x, at, false, lora)?;
                 let (cos, sin) = mrope_cos_sin(&self.config, section, mrope, offset, l)?;
                 (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?, v)
             }
-            None => self.project(a, x, at, true)?,
+            None => self.project(a, x, at, true, lora)?,
         };
         let o = match cache.update_view(layer, k, v)? {
             KvView::Full(k, v) => match batch_attention::padded(&q, &k, &v, self.scale, cache, offset, None)? {
@@ -271,12 +278,12 @@ impl Transformer {
                 quantized_attention::attend(&q, &keys, &values, quantization, self.scale, mask)?
             }
         };
-        self.output(a, o)
+        self.output(a, o, lora)
     }
 
     /// q, k, v `[batch, heads, L, head_dim]` of `x`, with rope applied to q
     /// and k when `rope` (the multimodal rope is applied by the caller).
-    fn project(&self, a: &Attention, x: &Array, at: Position, rope: bool) -> Result<(Array, Array, Array)> {
+    fn project(&self, a: &Attention, x: &Array, at: Position, rope: bool, lora: Lora) -> Result<(Array, Array, Array)> {
         let c = &self.config;
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
@@ -287,6 +294,10 @@ impl Transformer {
             })
         };
         let [q, k, v]: [Array; 3] = a.qkv.forward(x)?.try_into().expect("three projections");
+        let (q, k, v) = match lora {
+            Some((adapter, i)) => (adapter.apply(i, 0, x, q)?, adapter.apply(i, 1, x, k)?, adapter.apply(i, 2, x, v)?),
+            None => (q, k, v),
+        };
         let q = heads(q, self.heads, &a.q_norm)?;
         let k = heads(k, self.kv_heads, &a.k_norm)?;
         let v = heads(v, self.kv_heads, &None)?;
@@ -297,9 +308,14 @@ impl Transformer {
     }
 
     /// Attention output `[batch, heads, L, head_dim]` → `[batch, L, hidden]` through o_proj.
-    fn output(&self, a: &Attention, o: Array) -> Result<Array> {
+    fn output(&self, a: &Attention, o: Array, lora: Lora) -> Result<Array> {
         let o = from_heads(&o)?;
-        self.split.sum(a.o_proj.forward(&o)?, self.split.attention)
+        let y = a.o_proj.forward(&o)?;
+        let y = match lora {
+            Some((adapter, i)) => adapter.apply(i, 3, &o, y)?,
+            None => y,
+        };
+        self.split.sum(y, self.split.attention)
     }
 
     fn rope(&self, x: &Array, at: Position) -> Result<Array> {
@@ -330,7 +346,7 @@ impl Transformer {
         let mut h = self.embed(ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?;
-            let (q, k, v) = self.project(&layer.attn, &x, Position::Dynamic(offset), true)?;
+            let (q, k, v) = self.project(&layer.attn, &x, Position::Dynamic(offset), true, None)?;
             let keys = slice_update_dynamic(&buffers[2 * i], &k, offset, 2)?;
             let values = slice_update_dynamic(&buffers[2 * i + 1], &v, offset, 2)?;
             // On CUDA the positions up to `offset` as data (our kernel);
@@ -342,10 +358,11 @@ impl Transformer {
                     fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask, None)?
                 }
             };
-            let h2 = h.add(&self.output(&layer.attn, o)?)?;
+            let h2 = h.add(&self.output(&layer.attn, o, None)?)?;
             let r = self.mlp(
                 &layer.mlp,
                 &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
+                None,
             )?;
             h = h2.add(&r)?;
             outputs.extend([keys, values]);
@@ -354,12 +371,24 @@ impl Transformer {
         Ok(outputs)
     }
 
-    fn mlp(&self, m: &Mlp, x: &Array) -> Result<Array> {
+    fn mlp(&self, m: &Mlp, x: &Array, lora: Lora) -> Result<Array> {
         let [gate, up]: [Array; 2] = m.gate_up.forward(x)?.try_into().expect("two projections");
+        let (gate, up) = match lora {
+            Some((adapter, i)) => (adapter.apply(i, 4, x, gate)?, adapter.apply(i, 5, x, up)?),
+            None => (gate, up),
+        };
         let h = swiglu(&gate, &up)?;
-        self.split.sum(m.down_proj.forward(&h)?, self.split.mlp)
+        let y = m.down_proj.forward(&h)?;
+        let y = match lora {
+            Some((adapter, i)) => adapter.apply(i, 6, &h, y)?,
+            None => y,
+        };
+        self.split.sum(y, self.split.mlp)
     }
 }
+
+/// A layer's LoRA adapter and the layer's index, when it runs under one.
+type Lora<'a> = Option<(&'a crate::model::lora::LoraAdapter, usize)>;
 
 /// Where new positions start: a number fixed in the graph, an array so
 /// that one compiled graph serves every position, or one offset per row
@@ -529,6 +558,18 @@ impl LanguageModel for Transformer {
 
     fn logits_all(&self, hidden: &Array) -> Result<Array> {
         self.logits_every(hidden)
+    }
+
+    /// Its projections' shapes, for checking a LoRA adapter against it
+    /// (a split model serves none: its ranks hold parts of each).
+    fn projection_shapes(&self) -> Option<crate::model::lora::ProjectionShapes> {
+        if self.split.shard.is_some() {
+            return None;
+        }
+        let c = &self.config;
+        let (h, q, kv, ff) =
+            (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+        Some(vec![[(h, q), (h, kv), (h, kv), (q, h), (h, ff), (h, ff), (ff, h)]; self.layers.len()])
     }
 
     /// A split model's other ranks replay rank 0's cache journal, which
