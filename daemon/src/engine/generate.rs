@@ -325,7 +325,7 @@ pub fn begin(
         None => (KvCache::new(model.lm.num_layers()), 0, 0, None),
     };
     cache.quantization = kv;
-    cache.adapter = adapter.clone();
+    cache.adapters = adapter.iter().map(|a| Some(a.clone())).collect();
     let (mrope, deepstack) = match &model.media_tower {
         Some(v) => (
             v.tower.rope_positions(&ids, &features),

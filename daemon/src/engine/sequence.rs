@@ -402,7 +402,7 @@ impl Sequence {
             && self.setup.reused == 0
             && self.setup.cache.offset == 0
             && self.setup.kv.is_none()
-            && self.setup.cache.adapter.is_none()
+            && self.setup.cache.adapters.is_empty()
     }
 
     /// Its prompt has multimodal rope positions: it decodes in a batch of its own.

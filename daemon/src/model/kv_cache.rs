@@ -32,9 +32,13 @@ pub struct KvCache {
     /// Keys and values kept quantized, once the cache holds at least
     /// `start` positions (set per sequence; `None`: full precision).
     pub quantization: Option<KvQuantization>,
-    /// The LoRA adapter the cache's rows run under (set per sequence; a
-    /// batch's rows share one): the family's projections add its update.
-    pub adapter: Option<std::rc::Rc<crate::model::lora::LoraAdapter>>,
+    /// Per row, the LoRA adapter it runs under (set per sequence; a batch
+    /// holds rows of several): the family's projections add each row's
+    /// update. Empty: no row has one.
+    pub adapters: Vec<Option<std::rc::Rc<crate::model::lora::LoraAdapter>>>,
+    /// The rows' adapters stacked for one batched product per projection,
+    /// made for the rows as they are (`crate::model::lora::RowAdapters`).
+    lora_rows: Option<std::rc::Rc<crate::model::lora::RowAdapters>>,
     /// Number of positions cached.
     pub offset: i32,
     /// Per row (the batch axis), how many positions at the start are
@@ -178,7 +182,8 @@ impl KvCache {
             layers: (0..layers).map(|_| None).collect(),
             offset: 0,
             quantization: None,
-            adapter: None,
+            adapters: Vec::new(),
+            lora_rows: None,
             left_padding: Vec::new(),
             masks: Vec::new(),
             starts: Vec::new(),
@@ -481,6 +486,27 @@ impl KvCache {
         Ok(())
     }
 
+    /// The rows' LoRA adapters as the family's projections apply them:
+    /// none, one shared by every row, or per row (stacked once for these
+    /// rows and kept until they change).
+    pub fn lora(&mut self) -> Result<crate::model::lora::Lora> {
+        use crate::model::lora::{Lora, RowAdapters};
+        let Some(first) = self.adapters.first() else { return Ok(Lora::None) };
+        let rows = self.rows();
+        let same = |a: &Option<std::rc::Rc<crate::model::lora::LoraAdapter>>| {
+            a.as_ref().map(|a| a.fingerprint) == first.as_ref().map(|f| f.fingerprint)
+        };
+        if self.adapters.len() == rows && self.adapters.iter().all(same) {
+            return Ok(first.clone().map_or(Lora::None, Lora::One));
+        }
+        if self.lora_rows.is_none() {
+            let mut adapters = self.adapters.clone();
+            adapters.resize(rows, None);
+            self.lora_rows = Some(std::rc::Rc::new(RowAdapters::stack(&adapters)?));
+        }
+        Ok(Lora::Rows(self.lora_rows.clone().expect("just made")))
+    }
+
     /// True when some layer holds quantized keys and values.
     pub fn is_quantized(&self) -> bool {
         self.layers.iter().flatten().any(|parts| parts.len() == 6)
@@ -548,10 +574,14 @@ impl KvCache {
             _ => {}
         }
         self.quantization = self.quantization.or(other.quantization);
-        anyhow::ensure!(
-            self.adapter.as_ref().map(|a| a.fingerprint) == other.adapter.as_ref().map(|a| a.fingerprint),
-            "joining rows of different adapters"
-        );
+        if !self.adapters.is_empty() || !other.adapters.is_empty() {
+            let (mine, theirs) = (self.rows(), other.rows());
+            self.adapters.resize(mine, None);
+            let mut more = std::mem::take(&mut other.adapters);
+            more.resize(theirs, None);
+            self.adapters.extend(more);
+            self.lora_rows = None;
+        }
         let end = self.offset.max(other.offset);
         self.pad_left(end - self.offset)?;
         other.pad_left(end - other.offset)?;
@@ -602,6 +632,13 @@ impl KvCache {
         let pads = self.paddings();
         let kept: Vec<i32> = keep.iter().map(|&r| pads[r]).collect();
         let shared = kept.iter().copied().min().unwrap_or(0);
+        if !self.adapters.is_empty() {
+            self.adapters = keep.iter().map(|&r| self.adapters.get(r).cloned().flatten()).collect();
+            if self.adapters.iter().all(Option::is_none) {
+                self.adapters.clear();
+            }
+            self.lora_rows = None;
+        }
         let idx: Vec<i32> = keep.iter().map(|&r| r as i32).collect();
         let idx = Array::from_slice(&idx, &[idx.len() as i32]);
         let end = self.offset;

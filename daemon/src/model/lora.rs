@@ -5,7 +5,7 @@
 //! `num_layers` and `keys`), served on a resident base model: a projection
 //! `y = x Wᵀ` of an adapted module becomes `y + scale · (x A) B`, as
 //! mlx-lm's `LoRALinear` computes it, so one base model serves many
-//! fine-tunes. A fused adapter (`mlx_lm fuse` output) is a plain model
+//! fine-tunes, rows of several in one batch ([`RowAdapters`]). A fused adapter (`mlx_lm fuse` output) is a plain model
 //! directory and needs none of this.
 
 use anyhow::{bail, Context, Result};
@@ -145,8 +145,103 @@ impl LoraAdapter {
         y.add(scale.multiply(&z)?.as_dtype(x.dtype())?)
     }
 
+    /// Its scale (every projection's).
+    fn layers_scale(&self) -> f32 {
+        self.layers.iter().flatten().flatten().next().map_or(0.0, |lr| lr.scale)
+    }
+
     /// True when it adapts some projection of layer `layer`.
     pub fn adapts(&self, layer: usize) -> bool {
         self.layers.get(layer).is_some_and(|l| l.iter().any(Option::is_some))
+    }
+}
+
+/// The adapters of a forward pass's rows, as a family applies them.
+#[derive(Clone)]
+pub enum Lora {
+    /// No row runs under one.
+    None,
+    /// Every row under the same one.
+    One(std::rc::Rc<LoraAdapter>),
+    /// Rows under different ones (or some under none).
+    Rows(std::rc::Rc<RowAdapters>),
+}
+
+impl Lora {
+    /// True when some row's adapter adapts layer `layer`.
+    pub fn adapts(&self, layer: usize) -> bool {
+        match self {
+            Lora::None => false,
+            Lora::One(a) => a.adapts(layer),
+            Lora::Rows(r) => r.layers.get(layer).is_some_and(|l| l.iter().any(Option::is_some)),
+        }
+    }
+
+    /// `y` (projection `which` of layer `layer` on `x`, `[rows, L, in]`)
+    /// with each row's adapter update added.
+    pub fn apply(&self, layer: usize, which: usize, x: &Array, y: Array) -> Result<Array, mlx_rs::error::Exception> {
+        match self {
+            Lora::None => Ok(y),
+            Lora::One(a) => a.apply(layer, which, x, y),
+            Lora::Rows(r) => r.apply(layer, which, x, y),
+        }
+    }
+}
+
+/// Several rows' adapters stacked, per projection, into `A` `[rows, in,
+/// rank]` and `B` `[rows, rank, out]` (zeros for a row without one, and
+/// past an adapter's own rank), so every row's update is one batched
+/// product pair whatever the number of adapters; each row's scale apart
+/// (`[rows, 1, 1]`), multiplied after as `LoRALinear` does.
+pub struct RowAdapters {
+    layers: Vec<[Option<(Array, Array)>; 7]>,
+    scales: Array,
+}
+
+impl RowAdapters {
+    /// Stacks `adapters` (one per row; `None`: the bare base).
+    pub fn stack(adapters: &[Option<std::rc::Rc<LoraAdapter>>]) -> Result<Self> {
+        let layers = adapters.iter().flatten().map(|a| a.layers.len()).max().unwrap_or(0);
+        let rank = adapters.iter().flatten().map(|a| a.rank).max().unwrap_or(0) as i32;
+        let mut out: Vec<[Option<(Array, Array)>; 7]> = (0..layers).map(|_| Default::default()).collect();
+        for (layer, slots) in out.iter_mut().enumerate() {
+            for (which, slot) in slots.iter_mut().enumerate() {
+                let parts: Vec<Option<&LowRank>> = adapters
+                    .iter()
+                    .map(|a| a.as_ref().and_then(|a| a.layers.get(layer)).and_then(|l| l[which].as_ref()))
+                    .collect();
+                let Some(like) = parts.iter().flatten().next() else { continue };
+                let (inputs, outputs) = (like.a.shape()[0], like.b.shape()[1]);
+                let dtype = like.a.dtype();
+                let mut a_rows = Vec::with_capacity(parts.len());
+                let mut b_rows = Vec::with_capacity(parts.len());
+                for p in &parts {
+                    let (a, b) = match p {
+                        Some(lr) => {
+                            let r = lr.a.shape()[1];
+                            let pad_a: &[(i32, i32)] = &[(0, 0), (0, rank - r)];
+                            let pad_b: &[(i32, i32)] = &[(0, rank - r), (0, 0)];
+                            (mlx_rs::ops::pad(&lr.a, pad_a, None, None)?, mlx_rs::ops::pad(&lr.b, pad_b, None, None)?)
+                        }
+                        None => (
+                            mlx_rs::ops::zeros_dtype(&[inputs, rank], dtype)?,
+                            mlx_rs::ops::zeros_dtype(&[rank, outputs], dtype)?,
+                        ),
+                    };
+                    a_rows.push(a);
+                    b_rows.push(b);
+                }
+                *slot = Some((mlx_rs::ops::stack(&a_rows, 0)?, mlx_rs::ops::stack(&b_rows, 0)?));
+            }
+        }
+        let scales: Vec<f32> = adapters.iter().map(|a| a.as_ref().map_or(0.0, |a| a.layers_scale())).collect();
+        let scales = Array::from_slice(&scales, &[scales.len() as i32, 1, 1]);
+        Ok(Self { layers: out, scales })
+    }
+
+    fn apply(&self, layer: usize, which: usize, x: &Array, y: Array) -> Result<Array, mlx_rs::error::Exception> {
+        let Some(Some((a, b))) = self.layers.get(layer).map(|l| &l[which]) else { return Ok(y) };
+        let z = x.matmul(a)?.matmul(b)?;
+        y.add(self.scales.as_dtype(z.dtype())?.multiply(&z)?.as_dtype(x.dtype())?)
     }
 }

@@ -2,8 +2,8 @@
 //! SmolLM2 (f32; scripts/fixtures/lora_reference.py: a parrot's and a
 //! pirate's answers, 30 steps each) served on the resident base: greedy ids
 //! exactly mlx-lm's with `adapter_path` (and the fused model's, served as a
-//! model), each alone and all at once (rows of each adapter batched
-//! together, beside the bare base's), the adapters listed and shown in
+//! model), each alone and all at once (rows of both adapters and the bare
+//! base in one batch), the adapters listed and shown in
 //! `mlxbc ps`, and refusals with a sentence: DoRA, another base, a broken
 //! file, an unknown adapter (a 404 in OpenAI's and ollama's shapes).
 
@@ -65,6 +65,13 @@ async fn adapters_answer_as_mlx_lm_alone_and_batched_with_each_other_and_the_bas
     for (key, i, answer) in futures::future::join_all(asks).await {
         assert_eq!(answer.unwrap().1.token_ids, ids(&g["ids"][key][i]), "{key}, prompt {i}, batched");
     }
+    // They decoded in one batch (rows of the three under one step).
+    let most = d
+        .log_text()
+        .lines()
+        .filter_map(|l| l.split(" rows on average").next()?.rsplit(", ").next()?.parse::<f64>().ok())
+        .fold(0.0, f64::max);
+    assert!(most >= 3.0, "no step batched rows of several adapters (at most {most} rows on average)");
     // The fused adapter is a plain model.
     for (i, p) in prompts.iter().enumerate() {
         let (_, stats) = ask(&d.socket, request("parrot-fused", None, p, max)).await.unwrap();

@@ -60,10 +60,9 @@ pub type Ended = (Active, Result<Finished, EngineError>);
 struct BatchKey {
     model: usize,
     alone: Option<SeqId>,
-    /// Rows of one batch keep their keys and values alike.
+    /// Rows of one batch keep their keys and values alike (their LoRA
+    /// adapters may differ: `KvCache::adapters`).
     kv: Option<KvQuantization>,
-    /// And run under the same LoRA adapter (its fingerprint).
-    adapter: Option<[u8; 32]>,
 }
 
 /// Every sequence in flight.
@@ -278,8 +277,7 @@ impl Scheduler {
                 // in a batch of its own.
                 let alone = alone || kv.is_some_and(|q| q.start > 0);
                 let Some((cache, first)) = a.seq.take_for_batch() else { return false };
-                let adapter = cache.adapter.as_ref().map(|a| a.fingerprint);
-                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id), kv, adapter };
+                let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: alone.then_some(id), kv };
                 self.changed = true;
                 self.queues.start_decoding(id, key.model);
                 let costs = self.costs_of(&model);
@@ -351,7 +349,7 @@ impl Scheduler {
                     .map_err(EngineError::inference)?;
             }
             // Quantized prompts are prefilled alone (`can_prefill_together`).
-            let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None, kv: None, adapter: None };
+            let key = BatchKey { model: Rc::as_ptr(&model) as usize, alone: None, kv: None };
             for &id in &joined {
                 self.queues.start_decoding(id, key.model);
             }

@@ -176,10 +176,10 @@ impl Transformer {
             Some(rows) => Position::Rows(rows),
             None => Position::Fixed(offset),
         };
-        // A LoRA adapter the sequence (or batch) runs under, if any.
-        let adapter = cache.adapter.clone();
+        // The LoRA adapters the rows run under, if any.
+        let adapters = cache.lora()?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let lora = adapter.as_deref().filter(|a| a.adapts(i)).map(|a| (a, i));
+            let lora = Some((&adapters, i)).filter(|_| adapters.adapts(i));
             let r = self.attention(
                 &layer.attn,
                 &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?,
@@ -388,7 +388,7 @@ impl Transformer {
 }
 
 /// A layer's LoRA adapter and the layer's index, when it runs under one.
-type Lora<'a> = Option<(&'a crate::model::lora::LoraAdapter, usize)>;
+type Lora<'a> = Option<(&'a crate::model::lora::Lora, usize)>;
 
 /// Where new positions start: a number fixed in the graph, an array so
 /// that one compiled graph serves every position, or one offset per row
