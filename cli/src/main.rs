@@ -284,7 +284,7 @@ pub(crate) struct AskArgs {
     #[arg(long, value_name = "N")]
     quantized_kv_start: Option<u32>,
     /// Rotate keys and values by a Hadamard matrix before quantizing them
-    /// (true/false; false: mlx-lm's arithmetic exactly).
+    /// (default true; false: mlx-lm's arithmetic exactly).
     #[arg(long, value_name = "BOOL")]
     kv_rotate: Option<bool>,
     /// Continue (or start) a conversation the daemon keeps under this name.

@@ -545,7 +545,7 @@ pub struct KvCacheSpec {
     pub start: Option<u32>,
     /// Rotate keys and values by a Hadamard matrix before quantizing them
     /// (outlier channels spread over all; the attention is unchanged);
-    /// false: mlx-lm's arithmetic exactly.
+    /// default true; false: mlx-lm's arithmetic exactly.
     pub rotate: Option<bool>,
 }
 

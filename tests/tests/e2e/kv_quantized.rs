@@ -104,7 +104,8 @@ async fn quantized_kv_caches_match_mlx_lm_alone_and_batched() {
     let case = &cases[0];
     let out = d
         .cli()
-        .args(["ask", "-m", "smollm2-mlx", "--temperature", "0", "--max-tokens", "32", "--kv-bits", "8", "--json"])
+        .args(["ask", "-m", "smollm2-mlx", "--temperature", "0", "--max-tokens", "32", "--kv-bits", "8"])
+        .args(["--kv-rotate", "false", "--json"])
         .arg(case["messages"][0]["content"].as_str().unwrap())
         .output()
         .unwrap();
@@ -113,6 +114,13 @@ async fn quantized_kv_caches_match_mlx_lm_alone_and_batched() {
     let ids: Vec<u32> = serde_json::from_value(case["generated_ids"].clone()).unwrap();
     let want = serde_json::to_string(&ids).unwrap();
     assert!(text.replace(' ', "").contains(&want), "{text}");
+
+    // The default (rotated before quantizing) answers the first prompt as
+    // full precision does.
+    let mut req = request("smollm2-mlx", &cases[3], 32);
+    req.kv = KvCacheSpec { bits: Some(8), ..Default::default() };
+    let (_, stats) = ask(&d.socket, req).await.unwrap();
+    assert_eq!(stats.token_ids, serde_json::from_value::<Vec<u32>>(cases[3]["generated_ids"].clone()).unwrap());
 
     // Refusals, each with a sentence; the daemon keeps serving.
     for (kv, says) in [
