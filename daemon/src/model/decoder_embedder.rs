@@ -18,6 +18,25 @@ use anyhow::{bail, Context, Result};
 use mlx_rs::Array;
 use std::path::Path;
 
+/// Hidden states of `inputs` (token ids of any lengths) through `lm` as
+/// one batch, left-padded as the engine's batched prefill pads: every row's
+/// last token is the batch's last position, and the cache's padding keeps
+/// the padding out of attention (an empty input reads as one token 0).
+pub fn left_padded(lm: &dyn LanguageModel, inputs: &[Vec<u32>]) -> Result<Array> {
+    let longest = inputs.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut ids = Vec::with_capacity(inputs.len() * longest);
+    let mut pads = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        let pad = longest - input.len().max(1);
+        pads.push(pad as i32);
+        ids.extend(std::iter::repeat_n(0, pad));
+        ids.extend_from_slice(if input.is_empty() { &[0] } else { input });
+    }
+    let ids = Array::from_slice(&ids, &[inputs.len() as i32, longest as i32]);
+    let mut cache = KvCache::batch(lm.num_layers(), pads);
+    lm.forward(&lm.embed(&ids)?, &mut cache, &MediaPositions::default())
+}
+
 /// A loaded decoder embedder.
 pub struct DecoderEmbedder {
     lm: Box<dyn LanguageModel>,
@@ -100,21 +119,7 @@ impl Embedder for DecoderEmbedder {
     }
 
     fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
-        // Left-padded, as the engine's batched prefill pads: every row's
-        // last token is the batch's last position, and the cache's padding
-        // keeps the padding out of attention.
-        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let mut ids = Vec::with_capacity(inputs.len() * longest);
-        let mut pads = Vec::with_capacity(inputs.len());
-        for input in inputs {
-            let pad = longest - input.len().max(1);
-            pads.push(pad as i32);
-            ids.extend(std::iter::repeat_n(0, pad));
-            ids.extend_from_slice(if input.is_empty() { &[0] } else { input });
-        }
-        let ids = Array::from_slice(&ids, &[inputs.len() as i32, longest as i32]);
-        let mut cache = KvCache::batch(self.lm.num_layers(), pads);
-        let hidden = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &MediaPositions::default())?;
+        let hidden = left_padded(&*self.lm, inputs)?;
         let states = self.lm.last_states(&hidden)?.as_dtype(mlx_rs::Dtype::Float32)?;
         let states = if self.settings.normalize {
             let norm = states.square()?.sum_axis(-1, true)?.sqrt()?;

@@ -18,8 +18,6 @@
 //! code on the same weights (`numerics::embeddings`).
 
 use crate::model::family::{Embedder, LanguageModel};
-use crate::model::kv_cache::KvCache;
-use crate::model::positions::MediaPositions;
 use anyhow::{bail, Context, Result};
 use mlx_rs::Array;
 use std::path::Path;
@@ -139,20 +137,7 @@ impl Embedder for LmReranker {
     }
 
     fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
-        // Left-padded, as the decoder embedder: every row's last token is
-        // the batch's last position, the cache's padding masks the rest.
-        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let mut ids = Vec::with_capacity(inputs.len() * longest);
-        let mut pads = Vec::with_capacity(inputs.len());
-        for input in inputs {
-            let pad = longest - input.len().max(1);
-            pads.push(pad as i32);
-            ids.extend(std::iter::repeat_n(0, pad));
-            ids.extend_from_slice(if input.is_empty() { &[0] } else { input });
-        }
-        let ids = Array::from_slice(&ids, &[inputs.len() as i32, longest as i32]);
-        let mut cache = KvCache::batch(self.lm.num_layers(), pads);
-        let hidden = self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &MediaPositions::default())?;
+        let hidden = crate::model::decoder_embedder::left_padded(&*self.lm, inputs)?;
         let logits = self.lm.logits(&hidden)?.as_dtype(mlx_rs::Dtype::Float32)?;
         let pick = Array::from_slice(&[self.no as i32, self.yes as i32], &[2]);
         let no_yes = logits.take_axis(&pick, -1)?;

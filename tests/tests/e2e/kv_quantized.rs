@@ -9,22 +9,11 @@
 
 use crate::helper::*;
 use crate::reference::{check_weights, golden};
-use mlxbc_client::{ChatMessage, GenerateRequest, KvCacheSpec, Role};
+use mlxbc_client::{GenerateRequest, KvCacheSpec};
 
 fn request(model: &str, case: &serde_json::Value, max_tokens: u32) -> GenerateRequest {
     let mut req = greedy(Some(model), "", max_tokens);
-    req.messages = case["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| ChatMessage {
-            role: if m["role"] == "system" { Role::System } else { Role::User },
-            content: m["content"].as_str().unwrap().into(),
-            media: vec![],
-            tool_calls: vec![],
-            tool_call_id: None,
-        })
-        .collect();
+    req.messages = crate::reference::messages_of(case);
     let kv = &case["kv"];
     if !kv.is_null() {
         req.kv = KvCacheSpec {

@@ -13,6 +13,22 @@ pub(crate) fn check_weights(dir: &std::path::Path, golden: &serde_json::Value) {
     mlxbc_test_support::check_weights(dir, golden["weights_sha256"].as_str().unwrap());
 }
 
+/// A golden case's `messages` (system and user turns) as the client sends them.
+pub(crate) fn messages_of(case: &serde_json::Value) -> Vec<ChatMessage> {
+    case["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| ChatMessage {
+            role: if m["role"] == "system" { Role::System } else { Role::User },
+            content: m["content"].as_str().unwrap().into(),
+            media: vec![],
+            tool_calls: vec![],
+            tool_call_id: None,
+        })
+        .collect()
+}
+
 async fn assert_matches_reference(model: &'static str, path: PathBuf, golden: serde_json::Value) {
     assert_matches_reference_in(model, path, golden, "compiled").await
 }
@@ -27,18 +43,7 @@ async fn assert_matches_reference_in(model: &'static str, path: PathBuf, golden:
     d.extra_env.push(("MLXBC_DECODE".into(), mode.into()));
     d.spawn(&opts.args);
     for case in golden["cases"].as_array().unwrap() {
-        let messages = case["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| ChatMessage {
-                role: if m["role"] == "system" { Role::System } else { Role::User },
-                content: m["content"].as_str().unwrap().into(),
-                media: vec![],
-                tool_calls: vec![],
-                tool_call_id: None,
-            })
-            .collect();
+        let messages = messages_of(case);
         let mut req = greedy(Some(model), "", case["max_tokens"].as_u64().unwrap() as u32);
         req.messages = messages;
         let (_, stats) = ask(&d.socket, req).await.unwrap();
