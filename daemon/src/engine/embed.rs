@@ -323,6 +323,16 @@ fn check_rerank(
             model.max_tokens()
         )));
     }
+    // The instruction too is read with every document: bounded alike.
+    if let Some(instruction) = &request.instruction {
+        let tokens = model.tokenize(instruction).map_err(EngineError::inference)?.len();
+        if tokens > model.max_tokens() {
+            return Err(EngineError::BadRequest(format!(
+                "the instruction is {tokens} tokens, more than the {} {name} reads with a document; shorten it",
+                model.max_tokens()
+            )));
+        }
+    }
     if request.instruction.is_some() && !model.takes_instruction() {
         return Err(EngineError::BadRequest(format!(
             "{name} is a cross-encoder: it reads no instruction (a decoder reranker such as Qwen3-Reranker does); \

@@ -310,6 +310,10 @@ async fn a_qwen3_reranker_orders_documents_by_its_yes_and_reads_an_instruction()
         .unwrap();
     assert_eq!(other.cached, 0, "another instruction is another pair");
 
+    let body = serde_json::json!({"model": LM_RERANKER, "query": query, "documents": ["a"],
+                                  "instruction": "word ".repeat(600)});
+    let resp = http.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 400, "an instruction longer than the model reads");
     let body = serde_json::json!({"model": RERANKER, "query": query, "documents": ["a"], "instruction": "x"});
     let resp = http.post(&url).json(&body).send().await.unwrap();
     assert_eq!(resp.status(), 400);
