@@ -126,10 +126,16 @@ impl Quantized {
         Quantized::new(weight, scales, biases, self.group_size, self.bits).widen(self.batch)
     }
 
-    /// `x W^T` over `x`'s last axis: the dense copy when there is one, the
+    /// `x W^T` over `x`'s last axis: on CUDA our W4A16 kernel for steps of
+    /// few rows where it applies; else the dense copy when there is one, the
     /// packed weights expanded for a step of [`EXPAND_FROM_ROWS`] or more
     /// rows (all axes but the last) when so chosen, else the packed matmul.
     pub fn matmul(&self, x: &Array) -> Result<Array> {
+        // On CUDA, steps of few rows read the packed bytes through our kernel
+        // (faster than the dense copy: crate::model::w4a16).
+        if let Some(y) = crate::model::w4a16::matmul(x, self)? {
+            return Ok(y);
+        }
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
         Ok(match (&self.dense, self.batch) {
             (Some(dense), _) => x.matmul(dense.t())?,

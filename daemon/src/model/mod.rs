@@ -26,6 +26,7 @@ pub mod tokenizer;
 pub mod tool_format;
 pub mod video;
 pub mod vlm_dir;
+pub mod w4a16;
 pub mod weights;
 
 use anyhow::{Context, Result};

@@ -15,7 +15,10 @@
 //!   [`BatchWeights`]),
 //! - `MLXBC_BATCH_ATTENTION=auto|mask`: how a padded batch's decode step
 //!   attends (default: mlxbc's own kernel on CUDA, the padding mask
-//!   elsewhere: [`crate::model::batch_attention`]).
+//!   elsewhere: [`crate::model::batch_attention`]),
+//! - `MLXBC_W4A16_ROWS=N`: on CUDA, 4-bit steps of up to N rows read the
+//!   packed weights through mlxbc's own kernel (default
+//!   [`crate::model::w4a16::DEFAULT_ROWS`]; 0: never, for measuring).
 
 use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;
@@ -67,6 +70,8 @@ pub struct EngineOptions {
     pub attention: BatchAttention,
     /// Whether greedy sequences draft from their history.
     pub speculate: Speculate,
+    /// Steps of up to this many rows use the W4A16 kernel on CUDA (0: never).
+    pub w4a16_rows: i32,
 }
 
 /// Whether sequences draft from their own history by default
@@ -172,7 +177,14 @@ impl EngineOptions {
             Some((_, v)) if v == "draft" => Speculate::Draft,
             Some(other) => return Err(bad(&other, "auto, off, ngram, draft")),
         };
-        Ok(Self { weights, decode, fusion, batch, attention, speculate })
+        let w4a16_rows = match std::env::var("MLXBC_W4A16_ROWS").ok().filter(|v| !v.is_empty()) {
+            None => crate::model::w4a16::DEFAULT_ROWS,
+            Some(v) => match v.parse::<i32>() {
+                Ok(n) if (0..=16).contains(&n) => n,
+                _ => return Err(format!("MLXBC_W4A16_ROWS = {v:?} is not a number from 0 to 16")),
+            },
+        };
+        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows })
     }
 }
 

@@ -1,0 +1,300 @@
+//! A 4-bit weight × f16/bf16 activation matmul for steps of few rows, on CUDA.
+//!
+//! MLX 0.32's CUDA quantized matrix-vector kernel reads an 8B model's packed
+//! weights at ~0.75 TB/s (6.3 ms of projections a token on an H200), and its
+//! quantized matmul costs time in proportion to the rows, so the daemon
+//! served every step from dense f16 copies (4.8 ms a token, 3.5x the memory:
+//! docs/measurements/gpu-2026-12-04-real-size-batches.md). This kernel of
+//! our own (through MLX's custom-kernel API, compiled by NVRTC on first use
+//! and kept in MLX's kernel cache) reads the packed bytes once per step for
+//! up to [`DEFAULT_ROWS`] rows: each warp takes a few output features, each
+//! lane 16 bytes (32 values, one group) of each at a time, and turns nibbles
+//! into floats with bit operations (no integer conversion).
+//!
+//! The kernel checks itself at its first use in the process against MLX's
+//! dequantized weights in f32 ([`Kernel::self_check`]); if it disagrees it
+//! is not used and the log says why. Off CUDA (Metal, CPU) nothing changes:
+//! their quantized kernels batch.
+
+use crate::model::layers::Quantized;
+use anyhow::{bail, Result};
+use mlx_rs::{ops, Array, Dtype};
+use std::cell::OnceCell;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// Steps of up to this many rows (all axes but the last) use the kernel by
+/// default; `MLXBC_W4A16_ROWS` sets another limit, 0 turns it off.
+pub const DEFAULT_ROWS: i32 = 8;
+
+/// The process's limit (set once at start by `mlxbcd`'s main).
+static ROWS: AtomicI32 = AtomicI32::new(DEFAULT_ROWS);
+
+/// Sets the row limit (from `EngineOptions`, at start); 0 turns the kernel off.
+pub fn configure(rows: i32) {
+    ROWS.store(rows.max(0), Ordering::Relaxed);
+}
+
+thread_local! {
+    /// This thread's kernel, built (and checked) on first use; `None` when
+    /// not on CUDA or when it failed its check.
+    static KERNEL: OnceCell<Option<Kernel>> = const { OnceCell::new() };
+}
+
+/// `x W^T` for packed 4-bit `q` through the kernel, or `None` where it does
+/// not apply (not CUDA, more rows than the limit, another form or dtype, a
+/// strided weight view, or the kernel failed its check): the caller takes
+/// MLX's path.
+pub fn matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
+    let limit = ROWS.load(Ordering::Relaxed);
+    let k = *x.shape().last().unwrap_or(&0);
+    let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
+    if rows < 1 || rows > limit || !Kernel::takes(x, q, k) {
+        return Ok(None);
+    }
+    KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
+        Some(kernel) => {
+            let mut shape = x.shape().to_vec();
+            *shape.last_mut().expect("x has an axis") = q.weight.shape()[0];
+            Ok(Some(kernel.apply(&x.reshape(&[rows, k])?, q, rows)?.reshape(&shape)?))
+        }
+        None => Ok(None),
+    })
+}
+
+/// How a step of `rows` rows runs: output features a warp computes, warps
+/// a block, how nibbles become floats (1: a byte permute). Chosen by
+/// measurement on an H200 (scripts/gpu/w4a16_cupy.py).
+fn variant(rows: i32) -> (i32, i32, i32) {
+    if let Some(forced) = *FORCED_VARIANT {
+        return forced;
+    }
+    match rows {
+        1 => (4, 4, 1),
+        2..=4 => (4, 4, 1),
+        _ => (2, 4, 1),
+    }
+}
+
+/// `MLXBC_W4A16_VARIANT=R,NW,DQ` (read once): one variant at every row
+/// count, for measuring the choices on a device.
+static FORCED_VARIANT: std::sync::LazyLock<Option<(i32, i32, i32)>> = std::sync::LazyLock::new(|| {
+    let v = std::env::var("MLXBC_W4A16_VARIANT").ok()?;
+    let parts: Vec<i32> = v.split(',').filter_map(|p| p.trim().parse().ok()).collect();
+    match parts[..] {
+        [r, nw, dq] if [1, 2, 4, 8].contains(&r) && (1..=8).contains(&nw) && (0..=1).contains(&dq) => Some((r, nw, dq)),
+        _ => {
+            tracing::warn!("MLXBC_W4A16_VARIANT = {v:?} is not R,NW,DQ (R 1, 2, 4 or 8; NW 1-8; DQ 0 or 1): ignored");
+            None
+        }
+    }
+});
+
+/// Declares the names the body uses from MLX's shape arguments.
+const PRELUDE: &str = r#"
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int GROUP = K / scales_shape[1];
+"#;
+
+/// The kernel's body (shared with scripts/gpu/w4a16_cupy.py, which checks
+/// and times it on the device without MLX).
+const BODY: &str = include_str!("w4a16_body.cu");
+
+/// The compiled kernel function (mlx-c's handle).
+struct Kernel {
+    raw: mlx_sys::mlx_fast_cuda_kernel,
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        // SAFETY: made by `mlx_fast_cuda_kernel_new`, freed once.
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
+    }
+}
+
+/// True when `a` is row-contiguous from its first element (no copy needed).
+fn row_contiguous(a: &Array) -> bool {
+    let shape = a.shape();
+    let mut expect = 1usize;
+    for (dim, stride) in shape.iter().zip(a.strides()).rev() {
+        if *dim != 1 && *stride != expect {
+            return false;
+        }
+        expect *= *dim as usize;
+    }
+    true
+}
+
+impl Kernel {
+    /// Forms the kernel takes: 4-bit, groups of a multiple of 32, a 2-D
+    /// row-contiguous weight, scales and biases of x's float type (f16 or
+    /// bf16), `k` a multiple of 32 matching the weight, output features a
+    /// multiple of the variant's.
+    fn takes(x: &Array, q: &Quantized, k: i32) -> bool {
+        let w = &q.weight;
+        q.bits == 4
+            && q.group_size % 32 == 0
+            && k % 32 == 0
+            && k % q.group_size == 0
+            && w.ndim() == 2
+            && w.dtype() == Dtype::Uint32
+            && w.shape()[1] * 8 == k
+            && w.shape()[0] % 8 == 0
+            && matches!(x.dtype(), Dtype::Float16 | Dtype::Bfloat16)
+            && q.scales.dtype() == x.dtype()
+            && q.biases.dtype() == x.dtype()
+            && q.scales.shape() == [w.shape()[0], k / q.group_size]
+            && q.biases.shape() == q.scales.shape()
+            && [w, &q.scales, &q.biases].iter().all(|a| row_contiguous(a))
+    }
+
+    /// Builds the kernel and checks it, on CUDA only; `None` (and a log
+    /// line) when it cannot be built or disagrees with MLX.
+    fn build_checked() -> Option<Kernel> {
+        if !crate::model::options::cuda_available() {
+            return None;
+        }
+        let kernel = match Kernel::new() {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!("4-bit weights keep MLX's matmul: the W4A16 kernel was not built: {e:#}");
+                return None;
+            }
+        };
+        match kernel.self_check() {
+            Ok(report) => {
+                tracing::info!(
+                    "4-bit steps of up to {} rows use mlxbc's own CUDA kernel ({report})",
+                    ROWS.load(Ordering::Relaxed)
+                );
+                Some(kernel)
+            }
+            Err(e) => {
+                tracing::warn!("4-bit weights keep MLX's matmul: the W4A16 kernel failed its check: {e:#}");
+                None
+            }
+        }
+    }
+
+    fn new() -> Result<Kernel> {
+        let cstr = |s: &str| CString::new(s).expect("no NUL in kernel strings");
+        let source = format!("{PRELUDE}{BODY}");
+        let (name, source, header) = (cstr("mlxbc_w4a16"), cstr(&source), cstr(""));
+        let names = |list: &[&str]| {
+            let owned: Vec<CString> = list.iter().map(|s| cstr(s)).collect();
+            let ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
+            // SAFETY: the pointers live in `owned` for the call; mlx-c copies the strings.
+            unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) }
+        };
+        let (inputs, outputs) = (names(&["x", "w", "scales", "biases"]), names(&["out"]));
+        // SAFETY: every argument is a live C string or vector for the call;
+        // the vectors are freed after, the kernel handle is owned by `Kernel`.
+        // Row-contiguous inputs: `x` may be a view MLX then copies (the
+        // weights are checked contiguous by `takes`).
+        let raw = unsafe {
+            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
+                name.as_ptr(),
+                inputs,
+                outputs,
+                source.as_ptr(),
+                header.as_ptr(),
+                true,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(inputs);
+            mlx_sys::mlx_vector_string_free(outputs);
+            raw
+        };
+        if raw.ctx.is_null() {
+            bail!("mlx_fast_cuda_kernel_new failed");
+        }
+        Ok(Kernel { raw })
+    }
+
+    /// `x` `[rows, k]` times `q`'s dequantized weights transposed: `[rows, n]`.
+    fn apply(&self, x: &Array, q: &Quantized, rows: i32) -> Result<Array> {
+        let n = q.weight.shape()[0];
+        let (r, warps, dq) = variant(rows);
+        let blocks = (n / r + warps - 1) / warps;
+        // SAFETY: the config and vectors are created, used and freed here;
+        // the inputs are live arrays for the call; the one output handle
+        // mlx-c returns is taken over by `Array::from_ptr`.
+        unsafe {
+            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+            let shape = [rows, n];
+            let dtype: mlx_sys::mlx_dtype = x.dtype().into();
+            let mut rc = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(config, shape.as_ptr(), 2, dtype);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, blocks * warps * 32, 1, 1);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, warps * 32, 1, 1);
+            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, c"T".as_ptr(), dtype);
+            for (name, value) in [(c"ROWS", rows), (c"R", r), (c"NW", warps), (c"DQ", dq)] {
+                rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, name.as_ptr(), value);
+            }
+            let handles = [x.as_ptr(), q.weight.as_ptr(), q.scales.as_ptr(), q.biases.as_ptr()];
+            let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
+            let mut outputs = mlx_sys::mlx_vector_array_new();
+            let stream = mlx_rs::Stream::default();
+            if rc == 0 {
+                rc = mlx_sys::mlx_fast_cuda_kernel_apply(&mut outputs, self.raw, inputs, config, stream.as_ptr());
+            }
+            let mut out = mlx_sys::mlx_array_new();
+            if rc == 0 && mlx_sys::mlx_vector_array_size(outputs) == 1 {
+                rc = mlx_sys::mlx_vector_array_get(&mut out, outputs, 0);
+            } else {
+                rc |= 1;
+            }
+            mlx_sys::mlx_vector_array_free(inputs);
+            mlx_sys::mlx_vector_array_free(outputs);
+            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+            if rc != 0 {
+                mlx_sys::mlx_array_free(out);
+                bail!("the W4A16 kernel could not be applied");
+            }
+            Ok(Array::from_ptr(out))
+        }
+    }
+
+    /// Runs the kernel on random weights (both float types, groups of 32
+    /// and 64, one row and several, a strided input) and compares with the
+    /// dequantized weights' product in f32. Passes when the kernel's largest
+    /// error is within twice MLX's own quantized matmul's in the same dtype
+    /// (plus 1e-3 of the largest value): rounding, not a wrong nibble.
+    fn self_check(&self) -> Result<String> {
+        let mut worst = (0.0f32, 0.0f32);
+        let normal = |seed: u64, shape: &[i32]| -> Result<Array> {
+            // Keys of its own: the check leaves MLX's global random state alone.
+            let key = mlx_rs::random::key(seed)?;
+            Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?)
+        };
+        for (seed, (dtype, group, rows)) in
+            [(Dtype::Float16, 64, 1), (Dtype::Bfloat16, 32, 3), (Dtype::Float16, 32, 2)].into_iter().enumerate()
+        {
+            let (n, k) = (264, 640);
+            let w = normal(seed as u64 * 3 + 11, &[n, k])?.multiply(Array::from_f32(0.02))?.as_dtype(dtype)?;
+            let (packed, scales, biases) = ops::quantize(&w, group, 4)?;
+            let q = Quantized::new(packed, scales, biases, group, 4);
+            // A transposed (strided) view, which MLX copies to rows first.
+            let x = normal(seed as u64 * 3 + 12, &[k, rows])?.as_dtype(dtype)?.t();
+            let reference = x.as_dtype(Dtype::Float32)?.matmul(q.dequantize()?.as_dtype(Dtype::Float32)?.t())?;
+            let theirs = ops::quantized_matmul(&x, &q.weight, &q.scales, &q.biases, true, group, 4)?;
+            let ours = self.apply(&x.reshape(&[rows, k])?, &q, rows)?;
+            // Evaluated here, so a kernel that fails to compile is an error
+            // returned (the kernel is then not used), not a panic in `item`.
+            let scalar = |x: Array| -> Result<f32> {
+                x.eval()?;
+                Ok(x.item_exact::<f32>())
+            };
+            let err = |y: &Array| -> Result<f32> {
+                scalar(y.as_dtype(Dtype::Float32)?.subtract(&reference)?.abs()?.max(None)?)
+            };
+            let (e_ours, e_mlx) = (err(&ours)?, err(&theirs)?);
+            let largest = scalar(reference.abs()?.max(None)?)?;
+            if e_ours.is_nan() || e_ours > 2.0 * e_mlx + 1e-3 * largest {
+                bail!("{dtype:?}, group {group}, {rows} rows: max error {e_ours:.2e} against MLX's {e_mlx:.2e}");
+            }
+            worst = (worst.0.max(e_ours), worst.1.max(e_mlx));
+        }
+        Ok(format!("checked against MLX: max error {:.1e}, MLX's own {:.1e}", worst.0, worst.1))
+    }
+}
