@@ -70,8 +70,9 @@ pub struct EngineOptions {
     pub attention: BatchAttention,
     /// Whether greedy sequences draft from their history.
     pub speculate: Speculate,
-    /// Steps of up to this many rows use the W4A16 kernel on CUDA (0: never).
-    pub w4a16_rows: i32,
+    /// Steps of up to this many rows use the W4A16 kernel on CUDA (0:
+    /// never; None: [`crate::model::w4a16::DEFAULT_ROWS`]).
+    pub w4a16_rows: Option<i32>,
 }
 
 /// Whether sequences draft from their own history by default
@@ -178,9 +179,9 @@ impl EngineOptions {
             Some(other) => return Err(bad(&other, "auto, off, ngram, draft")),
         };
         let w4a16_rows = match std::env::var("MLXBC_W4A16_ROWS").ok().filter(|v| !v.is_empty()) {
-            None => crate::model::w4a16::DEFAULT_ROWS,
+            None => None,
             Some(v) => match v.parse::<i32>() {
-                Ok(n) if (0..=16).contains(&n) => n,
+                Ok(n) if (0..=16).contains(&n) => Some(n),
                 _ => return Err(format!("MLXBC_W4A16_ROWS = {v:?} is not a number from 0 to 16")),
             },
         };
@@ -211,6 +212,7 @@ mod tests {
             "MLXBC_BATCH_WEIGHTS",
             "MLXBC_BATCH_ATTENTION",
             "MLXBC_SPECULATE",
+            "MLXBC_W4A16_ROWS",
         ] {
             std::env::remove_var(v);
         }
@@ -230,6 +232,12 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_BATCH_WEIGHTS") && e.contains("packed, dense, expand"), "{e}");
         std::env::remove_var("MLXBC_BATCH_WEIGHTS");
+        std::env::set_var("MLXBC_W4A16_ROWS", "0");
+        assert_eq!(EngineOptions::from_settings_and_env(&settings(None, None)).unwrap().w4a16_rows, Some(0));
+        std::env::set_var("MLXBC_W4A16_ROWS", "99");
+        let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
+        assert!(e.contains("MLXBC_W4A16_ROWS") && e.contains("0 to 16"), "{e}");
+        std::env::remove_var("MLXBC_W4A16_ROWS");
         std::env::set_var("MLXBC_BATCH_ATTENTION", "mask");
         let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
         assert_eq!(o.attention, BatchAttention::Mask);
