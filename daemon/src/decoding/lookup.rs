@@ -103,6 +103,8 @@ pub struct Drafter {
     /// Tokens drafted and accepted, for the statistics.
     pub drafted: u32,
     pub accepted: u32,
+    /// Whether it has proposed a draft yet (see [`Self::explores`]).
+    tried: bool,
 }
 
 impl Default for Drafter {
@@ -110,6 +112,10 @@ impl Default for Drafter {
         Self::new(false, 0.5)
     }
 }
+
+/// Tokens a sequence generates before its exploring pass ([`Drafter::explores`]):
+/// enough for its answer to have begun quoting, if it does.
+pub const EXPLORE_AFTER: usize = 8;
 
 /// How fast the acceptance rate forgets old drafts (per verified draft).
 const RATE_MEMORY: f64 = 0.8;
@@ -132,7 +138,18 @@ impl Drafter {
             forced,
             drafted: 0,
             accepted: 0,
+            tried: false,
         }
+    }
+
+    /// True when the sequence has not drafted yet but has an answer of
+    /// [`EXPLORE_AFTER`] tokens begun (`generated`): a sequence that
+    /// repeats its prompt (an agent's edit of a file it was given) is
+    /// only known to by its own drafts, and where a pass costs more than
+    /// the prior's guess pays (a long prompt on a CPU), `auto` would
+    /// never verify one and never learn. One pass, early, settles it.
+    pub fn explores(&self, generated: usize) -> bool {
+        !self.forced && !self.tried && generated >= EXPLORE_AFTER
     }
 
     /// True when this step should try to draft (false while resting).
@@ -152,6 +169,7 @@ impl Drafter {
     /// `drafts` proposed elsewhere (a draft model) for the next step: rests
     /// when there are none, as [`Self::draft`] does.
     pub fn proposed(&mut self, drafts: Vec<u32>) -> Vec<u32> {
+        self.tried = true;
         if drafts.is_empty() {
             self.missed();
         }
@@ -287,6 +305,16 @@ mod tests {
         assert!(d.try_now(), "an accepted draft: no rest");
         assert!(d.draft(&[5, 6]).is_empty());
         assert_eq!(rests(&mut d), 1, "the rests start over");
+    }
+
+    #[test]
+    fn a_sequence_explores_once_its_answer_has_begun_and_not_after_it_drafted() {
+        let mut d = Drafter::new(false, 0.1);
+        assert!(!d.explores(EXPLORE_AFTER - 1));
+        assert!(d.explores(EXPLORE_AFTER));
+        d.proposed(Vec::new());
+        assert!(!d.explores(EXPLORE_AFTER + 5), "tried, even with nothing to propose");
+        assert!(!Drafter::new(true, 0.1).explores(100), "forced rows draft anyway");
     }
 
     #[test]

@@ -99,6 +99,9 @@ pub struct Drafting {
     pub k: usize,
     pub rate: f64,
     pub draft_secs: f64,
+    /// The row has not drafted yet and may take one exploring pass
+    /// (`Drafter::explores`).
+    pub explore: bool,
 }
 
 /// The verify pass width (1 + drafted positions per row) with the most
@@ -131,7 +134,11 @@ pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> us
     if !could_pay {
         return 1;
     }
-    if costs.revisit() || estimate(rows * widest).is_none() {
+    // A row alone that has never drafted explores once: the pass measures
+    // its own acceptance, which the prior may underrate (in a batch, the
+    // pass would cost every row; it explores when alone).
+    let explores = rows == 1 && drafting.iter().any(|d| d.explore);
+    if costs.revisit() || explores || estimate(rows * widest).is_none() {
         return widest;
     }
     let mut best = (rows as f64 / plain, 1);
@@ -166,13 +173,23 @@ mod tests {
     fn the_first_pass_of_a_size_is_not_its_cost() {
         let mut c = PassCosts::default();
         c.plain_step(1, 0.006);
-        let row = [Drafting { k: 8, rate: 0.9, draft_secs: 0.0 }];
+        let row = [Drafting { k: 8, rate: 0.9, draft_secs: 0.0, explore: false }];
         c.verify_pass(9, 0.023); // kernels built for the new shape
         assert_eq!(c.verify(9), None, "not measured yet");
         assert_eq!(choose_width(&c, 1, &row), 9, "so it is tried again");
         c.verify_pass(9, 0.0065);
         assert_eq!(c.verify(9), Some(0.0065));
         assert!(choose_width(&c, 1, &row) > 1);
+    }
+
+    #[test]
+    fn a_row_alone_that_never_drafted_explores_once_where_the_estimate_refuses() {
+        let per = |n: usize| (n, 0.004 + 0.006 * n as f64);
+        let c = costs(&[per(1), per(2)], &(2..=18).map(per).collect::<Vec<_>>());
+        let row = |explore| Drafting { k: 4, rate: 0.3, draft_secs: 0.0, explore };
+        assert_eq!(choose_width(&c, 1, &[row(false)]), 1, "the estimate refuses");
+        assert_eq!(choose_width(&c, 1, &[row(true)]), 5, "the explorer tries the widest");
+        assert_eq!(choose_width(&c, 2, &[row(true), row(false)]), 1, "in a batch it does not");
     }
 
     #[test]
@@ -185,18 +202,22 @@ mod tests {
     #[test]
     fn unmeasured_passes_are_tried_and_estimates_interpolate() {
         let c = PassCosts::default();
-        let row = [Drafting { k: 4, rate: 0.1, draft_secs: 0.0 }];
+        let row = [Drafting { k: 4, rate: 0.1, draft_secs: 0.0, explore: false }];
         assert_eq!(choose_width(&c, 1, &row), 5, "nothing measured: try the widest");
         let c = costs(&[(1, 0.010)], &[(2, 0.012), (6, 0.020)]);
         assert_eq!(c.verify(4), Some(0.016));
         assert_eq!(c.verify(12), None, "beyond the largest: not guessed");
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.1, draft_secs: 0.0 }]), 9, "so the widest is tried");
+        assert_eq!(
+            choose_width(&c, 1, &[Drafting { k: 8, rate: 0.1, draft_secs: 0.0, explore: false }]),
+            9,
+            "so the widest is tried"
+        );
         assert_eq!(c.verify(1), None);
         assert_eq!(choose_width(&c, 1, &[]), 1, "no drafting row: a plain step");
         // Only the widest measured: narrower ones lie between it and a plain step.
         let c = costs(&[(1, 0.010)], &[(5, 0.030)]);
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.9, draft_secs: 0.0 }]), 4);
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.6, draft_secs: 0.0 }]), 2);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.9, draft_secs: 0.0, explore: false }]), 4);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 4, rate: 0.6, draft_secs: 0.0, explore: false }]), 2);
     }
 
     #[test]
@@ -206,11 +227,11 @@ mod tests {
         let per = |n: usize| (n, 0.004 + 0.006 * n as f64);
         let c = costs(&[per(1), per(16)], &(2..=9).map(per).chain((2..=9).map(|w| per(16 * w))).collect::<Vec<_>>());
         // One row: drafts accepted at 0.95 pay; at 0.3 they do not.
-        assert!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.95, draft_secs: 0.0 }]) > 1);
-        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.3, draft_secs: 0.0 }]), 1);
+        assert!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.95, draft_secs: 0.0, explore: false }]) > 1);
+        assert_eq!(choose_width(&c, 1, &[Drafting { k: 8, rate: 0.3, draft_secs: 0.0, explore: false }]), 1);
         // Sixteen rows, one of them drafting well: the pass would cost 16
         // rows' worth per width for one row's gain. No.
-        let rows = [Drafting { k: 8, rate: 0.95, draft_secs: 0.0 }];
+        let rows = [Drafting { k: 8, rate: 0.95, draft_secs: 0.0, explore: false }];
         assert_eq!(choose_width(&c, 16, &rows), 1, "a batch under load stops speculating");
     }
 
@@ -218,7 +239,7 @@ mod tests {
     fn a_pass_nearly_as_cheap_as_a_step_pays_even_with_modest_acceptance() {
         // A bandwidth-bound device: positions are nearly free.
         let c = costs(&[(1, 0.006)], &(2..=9).map(|n| (n, 0.0065 + 0.0001 * n as f64)).collect::<Vec<_>>());
-        let w = choose_width(&c, 1, &[Drafting { k: 8, rate: 0.5, draft_secs: 0.0 }]);
+        let w = choose_width(&c, 1, &[Drafting { k: 8, rate: 0.5, draft_secs: 0.0, explore: false }]);
         assert!(w >= 3, "width {w}");
     }
 
@@ -229,7 +250,7 @@ mod tests {
         // much as the target's step (the same weights) never pays, and a
         // draft model at a tenth of it pays again.
         let c = costs(&[(1, 0.006)], &(2..=9).map(|n| (n, 0.0065 + 0.0001 * n as f64)).collect::<Vec<_>>());
-        let drafting = |draft_secs| [Drafting { k: 8, rate: 0.8, draft_secs }];
+        let drafting = |draft_secs| [Drafting { k: 8, rate: 0.8, draft_secs, explore: false }];
         assert!(choose_width(&c, 1, &drafting(0.0)) > 1);
         assert_eq!(choose_width(&c, 1, &drafting(0.006)), 1);
         assert!(choose_width(&c, 1, &drafting(0.0006)) > 1);
@@ -246,7 +267,7 @@ mod tests {
     #[test]
     fn a_long_refusal_is_revisited() {
         let mut c = costs(&[(1, 0.010)], &[(5, 0.050)]);
-        let row = [Drafting { k: 4, rate: 0.2, draft_secs: 0.0 }];
+        let row = [Drafting { k: 4, rate: 0.2, draft_secs: 0.0, explore: false }];
         assert_eq!(choose_width(&c, 1, &row), 1);
         for _ in 0..REVISIT_AFTER {
             c.plain_step(1, 0.010);

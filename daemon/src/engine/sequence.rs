@@ -281,7 +281,8 @@ impl Sequence {
     pub fn draft_outlook(&self) -> Option<(Drafting, bool)> {
         let d = self.drafter.as_ref()?;
         let draft_secs = self.draft_run.as_ref().and_then(DraftRun::secs_per_token).unwrap_or(0.0);
-        Some((Drafting { k: d.k(), rate: d.rate(), draft_secs }, d.forced))
+        let explore = d.explores(self.generated.len());
+        Some((Drafting { k: d.k(), rate: d.rate(), draft_secs, explore }, d.forced))
     }
 
     /// Tokens drafted to follow its prompt and answer so far (at most
