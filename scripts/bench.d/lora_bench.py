@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """LoRA adapters under load, on one warm daemon: 16 clients at once, each
-greedy for 64 tokens, spread over 0 (the bare base), 1, 4 and 16
+greedy for 64 tokens (`mlxbc ask --ignore-eos`), spread over 0 (the bare base), 1, 4 and 16
 different adapters; total decode tokens per second, rounds interleaved
 (each round starts with another spread), medians; then the base model's
 memory (`mlxbc ps`) with 10 adapters loaded against none. The adapters are
 copies of the fixture's trained one with their B matrices perturbed (what
 they answer does not matter here, only their shape: rank 8 over 8 layers).
     lora_bench.py MLXBC BASE_URL SOCKET_HOME BASE_MODEL ADAPTER_DIR MODELS_DIR ROUNDS"""
-import json, os, shutil, statistics, subprocess, sys, time, urllib.request
+import json, os, shutil, statistics, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -30,14 +30,19 @@ for i in range(16):
 
 
 def ask(adapter, i, r):
-    body = {"model": model, "temperature": 0, "max_tokens": TOKENS, "stream": False,
-            "messages": [{"role": "user", "content": f"[{r}.{i}] Tell me a long story about a lighthouse."}]}
+    """One greedy client of TOKENS tokens (EOS ignored, so every spread
+    decodes the same number: a fine-tune that answers briefly would
+    otherwise be timed on its prefill); returns the tokens generated."""
+    cmd = [mlxbc, "ask", "--json", "-m", model, "--temperature", "0", "--max-tokens", str(TOKENS), "--ignore-eos",
+           f"[{r}.{i}] Tell me a long story about a lighthouse."]
     if adapter is not None:
-        body["adapter"] = adapter
-    req = urllib.request.Request(base_url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read())["usage"]["completion_tokens"]
+        cmd[2:2] = ["--adapter", adapter]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "MLXBC_HOME": home})
+    for line in out.stdout.splitlines():
+        ev = json.loads(line)
+        if ev.get("event") == "done":
+            return ev["stats"]["generated_tokens"]
+    raise SystemExit(f"mlxbc ask failed: {out.stderr[-300:]}")
 
 
 def spread(n):

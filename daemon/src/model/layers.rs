@@ -237,9 +237,21 @@ impl FusedLinear {
 
     /// Each part's projection of `x`'s last axis, in order.
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+        self.forward_adding(x, None)
+    }
+
+    /// As [`Self::forward`], with `delta` (the parts' outputs side by side,
+    /// as a LoRA adapter's group update gives them) added: to the fused
+    /// output before it is split, or part by part.
+    pub fn forward_adding(&self, x: &Array, delta: Option<Array>) -> Result<Vec<Array>> {
         match self {
             FusedLinear::Fused { linear, splits } => {
-                let parts = linear.forward(x)?.split_at_indices(splits, -1)?;
+                let y = linear.forward(x)?;
+                let y = match delta {
+                    Some(d) => y.add(d)?,
+                    None => y,
+                };
+                let parts = y.split_at_indices(splits, -1)?;
                 // For more than one row (positions, or a batch's sequences)
                 // each part is a strided view into one buffer, and MLX
                 // 0.32.2's CUDA rope misreads such a view that starts past
@@ -255,7 +267,20 @@ impl FusedLinear {
                     Ok(parts)
                 }
             }
-            FusedLinear::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            FusedLinear::Separate(parts) => {
+                let ys: Vec<Array> = parts.iter().map(|p| p.forward(x)).collect::<Result<_>>()?;
+                let Some(d) = delta else { return Ok(ys) };
+                let mut at = 0;
+                let splits: Vec<i32> = parts[..parts.len() - 1]
+                    .iter()
+                    .map(|p| {
+                        at += p.out_features();
+                        at
+                    })
+                    .collect();
+                let ds = d.split_at_indices(&splits, -1)?;
+                Ok(ys.iter().zip(&ds).map(|(y, d)| y.add(d)).collect::<std::result::Result<_, _>>()?)
+            }
         }
     }
 

@@ -32,6 +32,78 @@ struct LowRank {
     scale: f32,
 }
 
+/// Projections whose updates a family adds as one, in [`PROJECTIONS`]
+/// order: q/k/v and gate/up to their fused matmul's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Group {
+    Qkv = 0,
+    O = 1,
+    GateUp = 2,
+    Down = 3,
+}
+
+/// Every group, by its index.
+const GROUPS: [Group; 4] = [Group::Qkv, Group::O, Group::GateUp, Group::Down];
+
+impl Group {
+    /// Its projections ([`PROJECTIONS`] indices), in the order of their outputs.
+    fn parts(self) -> &'static [usize] {
+        match self {
+            Group::Qkv => &[0, 1, 2],
+            Group::O => &[3],
+            Group::GateUp => &[4, 5],
+            Group::Down => &[6],
+        }
+    }
+}
+
+/// A group's update as two products: `a` holds the adapted parts'
+/// `lora_a` side by side (`[in, Σ rank]`), `b` their `scale · lora_b`
+/// block-diagonally (`[Σ rank, Σ out]`, zeros where a part is not
+/// adapted), so `(x a) b` is each part's `scale · (x A) B`, concatenated
+/// as the fused projection's output is. The zeros add exact zeros.
+struct GroupUpdate {
+    a: Array,
+    b: Array,
+}
+
+impl GroupUpdate {
+    /// `group`'s update in a layer whose projections are `adapted` and
+    /// shaped `shape` ((in, out) per [`PROJECTIONS`]); `None` when none of
+    /// its parts is adapted.
+    fn build(group: Group, adapted: &[Option<LowRank>; 7], shape: &[(i32, i32); 7]) -> Result<Option<GroupUpdate>> {
+        let parts = group.parts();
+        let total: i32 = parts.iter().map(|&p| shape[p].1).sum();
+        let (mut a_parts, mut b_rows) = (Vec::new(), Vec::new());
+        let mut offset = 0;
+        for &p in parts {
+            let out = shape[p].1;
+            if let Some(lr) = &adapted[p] {
+                let (rank, dtype) = (lr.a.shape()[1], lr.b.dtype());
+                let scaled = lr.b.multiply(Array::from_f32(lr.scale).as_dtype(dtype)?)?;
+                let mut row = Vec::new();
+                if offset > 0 {
+                    row.push(mlx_rs::ops::zeros_dtype(&[rank, offset], dtype)?);
+                }
+                row.push(scaled);
+                if total - offset - out > 0 {
+                    row.push(mlx_rs::ops::zeros_dtype(&[rank, total - offset - out], dtype)?);
+                }
+                a_parts.push(lr.a.clone());
+                b_rows.push(mlx_rs::ops::concatenate(&row, 1)?);
+            }
+            offset += out;
+        }
+        if a_parts.is_empty() {
+            return Ok(None);
+        }
+        let update =
+            GroupUpdate { a: mlx_rs::ops::concatenate(&a_parts, 1)?, b: mlx_rs::ops::concatenate(&b_rows, 0)? };
+        mlx_rs::transforms::eval([&update.a, &update.b])?;
+        Ok(Some(update))
+    }
+}
+
 /// A loaded adapter.
 pub struct LoraAdapter {
     /// Its name as requests give it.
@@ -44,8 +116,8 @@ pub struct LoraAdapter {
     /// Bytes of its weights.
     pub bytes: u64,
     pub rank: usize,
-    /// Adapted projections, by layer then [`PROJECTIONS`] index.
-    layers: Vec<[Option<LowRank>; 7]>,
+    /// Its updates, by layer then [`Group`].
+    groups: Vec<[Option<GroupUpdate>; 4]>,
 }
 
 /// The shapes a base model's projections have, for checking an adapter
@@ -118,7 +190,6 @@ impl LoraAdapter {
                 );
             }
             rank = rank.max(sa[1] as usize);
-            bytes += (a.nbytes() + b.nbytes()) as u64;
             layers[layer][which] = Some(LowRank { a, b, scale });
         }
         if layers.iter().all(|l| l.iter().all(Option::is_none)) {
@@ -131,28 +202,32 @@ impl LoraAdapter {
             h.update(std::fs::read(&path)?);
             h.finalize().into()
         };
-        Ok(Self { name: name.to_string(), dir: dir.to_path_buf(), fingerprint, bytes, rank, layers })
+        let mut groups = Vec::with_capacity(layers.len());
+        for (adapted, shape) in layers.iter().zip(shapes) {
+            let mut slots: [Option<GroupUpdate>; 4] = Default::default();
+            for group in GROUPS {
+                slots[group as usize] = GroupUpdate::build(group, adapted, shape)?;
+            }
+            bytes += slots.iter().flatten().map(|g| (g.a.nbytes() + g.b.nbytes()) as u64).sum::<u64>();
+            groups.push(slots);
+        }
+        Ok(Self { name: name.to_string(), dir: dir.to_path_buf(), fingerprint, bytes, rank, groups })
     }
 
-    /// `y` (projection `which` of layer `layer` applied to `x`) with this
-    /// adapter's low-rank update added, as mlx-lm's `LoRALinear` adds it:
-    /// `y + (scale · (x A) B)` in `x`'s dtype.
-    pub fn apply(&self, layer: usize, which: usize, x: &Array, y: Array) -> Result<Array, mlx_rs::error::Exception> {
-        let Some(Some(lr)) = self.layers.get(layer).map(|l| &l[which]) else { return Ok(y) };
-        let z = x.matmul(&lr.a)?.matmul(&lr.b)?;
-        // The scale in z's dtype, as a Python float multiplies in mlx-lm.
-        let scale = Array::from_f32(lr.scale).as_dtype(z.dtype())?;
-        y.add(scale.multiply(&z)?.as_dtype(x.dtype())?)
-    }
-
-    /// Its scale (every projection's).
-    fn layers_scale(&self) -> f32 {
-        self.layers.iter().flatten().flatten().next().map_or(0.0, |lr| lr.scale)
+    /// This adapter's update of `group` in layer `layer` for input `x`
+    /// (`None` where it adapts none of the group's projections), to add to
+    /// the group's (fused) output: what mlx-lm's `LoRALinear` adds to each
+    /// part, `scale · (x A) B` in `x`'s dtype, as two products for the
+    /// whole group (fewer operations a step: on a CPU each costs more than
+    /// its arithmetic at this rank).
+    pub fn delta(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Array>, mlx_rs::error::Exception> {
+        let Some(Some(g)) = self.groups.get(layer).map(|l| &l[group as usize]) else { return Ok(None) };
+        Ok(Some(x.matmul(&g.a)?.matmul(&g.b)?.as_dtype(x.dtype())?))
     }
 
     /// True when it adapts some projection of layer `layer`.
     pub fn adapts(&self, layer: usize) -> bool {
-        self.layers.get(layer).is_some_and(|l| l.iter().any(Option::is_some))
+        self.groups.get(layer).is_some_and(|l| l.iter().any(Option::is_some))
     }
 }
 
@@ -173,59 +248,57 @@ impl Lora {
         match self {
             Lora::None => false,
             Lora::One(a) => a.adapts(layer),
-            Lora::Rows(r) => r.layers.get(layer).is_some_and(|l| l.iter().any(Option::is_some)),
+            Lora::Rows(r) => r.groups.get(layer).is_some_and(|l| l.iter().any(Option::is_some)),
         }
     }
 
-    /// `y` (projection `which` of layer `layer` on `x`, `[rows, L, in]`)
-    /// with each row's adapter update added.
-    pub fn apply(&self, layer: usize, which: usize, x: &Array, y: Array) -> Result<Array, mlx_rs::error::Exception> {
+    /// The rows' update of `group` in layer `layer` for its input `x`
+    /// (`[rows, L, in]`), to add to the group's (fused) output `[rows, L,
+    /// Σ out]`; `None` where no row's adapter adapts it.
+    pub fn delta(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Array>, mlx_rs::error::Exception> {
         match self {
-            Lora::None => Ok(y),
-            Lora::One(a) => a.apply(layer, which, x, y),
-            Lora::Rows(r) => r.apply(layer, which, x, y),
+            Lora::None => Ok(None),
+            Lora::One(a) => a.delta(layer, group, x),
+            Lora::Rows(r) => r.delta(layer, group, x),
         }
     }
 }
 
-/// Several rows' adapters stacked, per projection, into `A` `[rows, in,
-/// rank]` and `B` `[rows, rank, out]` (zeros for a row without one, and
-/// past an adapter's own rank), so every row's update is one batched
-/// product pair whatever the number of adapters; each row's scale apart
-/// (`[rows, 1, 1]`), multiplied after as `LoRALinear` does.
+/// Several rows' adapters stacked, per group, into `A` `[rows, in, R]`
+/// and `B` `[rows, R, out]` (each row's [`GroupUpdate`], zeros past its
+/// own width and for a row without one), so every row's update is one
+/// batched product pair whatever the number of adapters.
 pub struct RowAdapters {
-    layers: Vec<[Option<(Array, Array)>; 7]>,
-    scales: Array,
+    groups: Vec<[Option<(Array, Array)>; 4]>,
 }
 
 impl RowAdapters {
     /// Stacks `adapters` (one per row; `None`: the bare base).
     pub fn stack(adapters: &[Option<std::rc::Rc<LoraAdapter>>]) -> Result<Self> {
-        let layers = adapters.iter().flatten().map(|a| a.layers.len()).max().unwrap_or(0);
-        let rank = adapters.iter().flatten().map(|a| a.rank).max().unwrap_or(0) as i32;
-        let mut out: Vec<[Option<(Array, Array)>; 7]> = (0..layers).map(|_| Default::default()).collect();
+        let layers = adapters.iter().flatten().map(|a| a.groups.len()).max().unwrap_or(0);
+        let mut out: Vec<[Option<(Array, Array)>; 4]> = (0..layers).map(|_| Default::default()).collect();
         for (layer, slots) in out.iter_mut().enumerate() {
-            for (which, slot) in slots.iter_mut().enumerate() {
-                let parts: Vec<Option<&LowRank>> = adapters
+            for (g, slot) in slots.iter_mut().enumerate() {
+                let parts: Vec<Option<&GroupUpdate>> = adapters
                     .iter()
-                    .map(|a| a.as_ref().and_then(|a| a.layers.get(layer)).and_then(|l| l[which].as_ref()))
+                    .map(|a| a.as_ref().and_then(|a| a.groups.get(layer)).and_then(|l| l[g].as_ref()))
                     .collect();
                 let Some(like) = parts.iter().flatten().next() else { continue };
-                let (inputs, outputs) = (like.a.shape()[0], like.b.shape()[1]);
-                let dtype = like.a.dtype();
+                let (inputs, outputs, dtype) = (like.a.shape()[0], like.b.shape()[1], like.a.dtype());
+                let width = parts.iter().flatten().map(|u| u.a.shape()[1]).max().unwrap_or(0);
                 let mut a_rows = Vec::with_capacity(parts.len());
                 let mut b_rows = Vec::with_capacity(parts.len());
                 for p in &parts {
                     let (a, b) = match p {
-                        Some(lr) => {
-                            let r = lr.a.shape()[1];
-                            let pad_a: &[(i32, i32)] = &[(0, 0), (0, rank - r)];
-                            let pad_b: &[(i32, i32)] = &[(0, rank - r), (0, 0)];
-                            (mlx_rs::ops::pad(&lr.a, pad_a, None, None)?, mlx_rs::ops::pad(&lr.b, pad_b, None, None)?)
+                        Some(u) => {
+                            let r = u.a.shape()[1];
+                            let pad_a: &[(i32, i32)] = &[(0, 0), (0, width - r)];
+                            let pad_b: &[(i32, i32)] = &[(0, width - r), (0, 0)];
+                            (mlx_rs::ops::pad(&u.a, pad_a, None, None)?, mlx_rs::ops::pad(&u.b, pad_b, None, None)?)
                         }
                         None => (
-                            mlx_rs::ops::zeros_dtype(&[inputs, rank], dtype)?,
-                            mlx_rs::ops::zeros_dtype(&[rank, outputs], dtype)?,
+                            mlx_rs::ops::zeros_dtype(&[inputs, width], dtype)?,
+                            mlx_rs::ops::zeros_dtype(&[width, outputs], dtype)?,
                         ),
                     };
                     a_rows.push(a);
@@ -234,14 +307,11 @@ impl RowAdapters {
                 *slot = Some((mlx_rs::ops::stack(&a_rows, 0)?, mlx_rs::ops::stack(&b_rows, 0)?));
             }
         }
-        let scales: Vec<f32> = adapters.iter().map(|a| a.as_ref().map_or(0.0, |a| a.layers_scale())).collect();
-        let scales = Array::from_slice(&scales, &[scales.len() as i32, 1, 1]);
-        Ok(Self { layers: out, scales })
+        Ok(Self { groups: out })
     }
 
-    fn apply(&self, layer: usize, which: usize, x: &Array, y: Array) -> Result<Array, mlx_rs::error::Exception> {
-        let Some(Some((a, b))) = self.layers.get(layer).map(|l| &l[which]) else { return Ok(y) };
-        let z = x.matmul(a)?.matmul(b)?;
-        y.add(self.scales.as_dtype(z.dtype())?.multiply(&z)?.as_dtype(x.dtype())?)
+    fn delta(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Array>, mlx_rs::error::Exception> {
+        let Some(Some((a, b))) = self.groups.get(layer).map(|l| &l[group as usize]) else { return Ok(None) };
+        Ok(Some(x.matmul(a)?.matmul(b)?.as_dtype(x.dtype())?))
     }
 }

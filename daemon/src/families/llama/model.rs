@@ -8,6 +8,7 @@ use crate::model::batch_attention;
 use crate::model::family::{DecodeGraph, LanguageModel};
 use crate::model::kv_cache::{KvCache, KvView};
 use crate::model::layers::{from_heads, to_heads, Embedding, FusedLinear, Linear};
+use crate::model::lora::Group;
 use crate::model::positions::{MediaPositions, MropePositions};
 use crate::model::quantized_attention;
 use crate::model::sharding::Split;
@@ -293,11 +294,11 @@ impl Transformer {
                 None => y,
             })
         };
-        let [q, k, v]: [Array; 3] = a.qkv.forward(x)?.try_into().expect("three projections");
-        let (q, k, v) = match lora {
-            Some((adapter, i)) => (adapter.apply(i, 0, x, q)?, adapter.apply(i, 1, x, k)?, adapter.apply(i, 2, x, v)?),
-            None => (q, k, v),
+        let delta = match lora {
+            Some((adapter, i)) => adapter.delta(i, Group::Qkv, x)?,
+            None => None,
         };
+        let [q, k, v]: [Array; 3] = a.qkv.forward_adding(x, delta)?.try_into().expect("three projections");
         let q = heads(q, self.heads, &a.q_norm)?;
         let k = heads(k, self.kv_heads, &a.k_norm)?;
         let v = heads(v, self.kv_heads, &None)?;
@@ -311,8 +312,8 @@ impl Transformer {
     fn output(&self, a: &Attention, o: Array, lora: Lora) -> Result<Array> {
         let o = from_heads(&o)?;
         let y = a.o_proj.forward(&o)?;
-        let y = match lora {
-            Some((adapter, i)) => adapter.apply(i, 3, &o, y)?,
+        let y = match lora.map(|(adapter, i)| adapter.delta(i, Group::O, &o)).transpose()?.flatten() {
+            Some(d) => y.add(d)?,
             None => y,
         };
         self.split.sum(y, self.split.attention)
@@ -372,15 +373,15 @@ impl Transformer {
     }
 
     fn mlp(&self, m: &Mlp, x: &Array, lora: Lora) -> Result<Array> {
-        let [gate, up]: [Array; 2] = m.gate_up.forward(x)?.try_into().expect("two projections");
-        let (gate, up) = match lora {
-            Some((adapter, i)) => (adapter.apply(i, 4, x, gate)?, adapter.apply(i, 5, x, up)?),
-            None => (gate, up),
+        let delta = match lora {
+            Some((adapter, i)) => adapter.delta(i, Group::GateUp, x)?,
+            None => None,
         };
+        let [gate, up]: [Array; 2] = m.gate_up.forward_adding(x, delta)?.try_into().expect("two projections");
         let h = swiglu(&gate, &up)?;
         let y = m.down_proj.forward(&h)?;
-        let y = match lora {
-            Some((adapter, i)) => adapter.apply(i, 6, &h, y)?,
+        let y = match lora.map(|(adapter, i)| adapter.delta(i, Group::Down, &h)).transpose()?.flatten() {
+            Some(d) => y.add(d)?,
             None => y,
         };
         self.split.sum(y, self.split.mlp)
