@@ -18,7 +18,7 @@
 //!   elsewhere: [`crate::model::batch_attention`]),
 //! - `MLXBC_W4A16_ROWS=N`: on CUDA, 4-bit steps of up to N rows read the
 //!   packed weights through mlxbc's own kernel (default
-//!   [`crate::model::w4a16::DEFAULT_ROWS`]; 0: never, for measuring).
+//!   [`crate::model::w4a16::DEFAULT_ROWS`]: off until measured; 0: never).
 
 use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;

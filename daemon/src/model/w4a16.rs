@@ -6,8 +6,8 @@
 //! served every step from dense f16 copies (4.8 ms a token, 3.5x the memory:
 //! docs/measurements/gpu-2026-12-04-real-size-batches.md). This kernel of
 //! our own (through MLX's custom-kernel API, compiled by NVRTC on first use
-//! and kept in MLX's kernel cache) reads the packed bytes once per step for
-//! up to [`DEFAULT_ROWS`] rows: each warp takes a few output features, each
+//! and kept in MLX's kernel cache) reads the packed bytes once per step of
+//! up to `MLXBC_W4A16_ROWS` rows: each warp takes a few output features, each
 //! lane 16 bytes (32 values, one group) of each at a time, and turns nibbles
 //! into floats with bit operations (no integer conversion).
 //!
@@ -24,8 +24,12 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// Steps of up to this many rows (all axes but the last) use the kernel by
-/// default; `MLXBC_W4A16_ROWS` sets another limit, 0 turns it off.
-pub const DEFAULT_ROWS: i32 = 8;
+/// default; `MLXBC_W4A16_ROWS=N` turns it on for steps of up to N rows.
+/// Off (0) until it is measured inside the daemon on a GPU against the
+/// dense copies it would replace (scripts/gpu/real-size.sh `ab` with
+/// `A_ENV=MLXBC_W4A16_ROWS=8`): no GPU machine could be had in the
+/// session that wrote it.
+pub const DEFAULT_ROWS: i32 = 0;
 
 /// The process's limit (set once at start by `mlxbcd`'s main).
 static ROWS: AtomicI32 = AtomicI32::new(DEFAULT_ROWS);
