@@ -164,10 +164,7 @@ def timing():
                 cp.matmul(xs[k], wd.T, out=outs[n])
 
         res = {}
-        try:
-            res["dense"] = time_graph(graph_of(dense_chain))
-        except Exception as e:  # cuBLAS under capture
-            print(f"  dense chain not captured ({e}); timed by events around plain calls", flush=True)
+        if True:  # CuPy refuses cuBLAS under stream capture: timed by events around plain calls
             with stream:
                 dense_chain()
                 times = []

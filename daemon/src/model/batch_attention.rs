@@ -20,11 +20,11 @@
 //! not used and the log says why. Off CUDA (Metal, CPU), the masked path
 //! stays: their fused kernels take the mask.
 
+use crate::model::cuda_kernel::{CudaKernel, Launch, Template};
 use crate::model::kv_cache::KvCache;
 use anyhow::{bail, Result};
 use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, Array, Dtype};
 use std::cell::OnceCell;
-use std::ffi::CString;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// How a padded batch's decode step attends.
@@ -193,18 +193,11 @@ const SOURCE: &str = r#"
     }
 "#;
 
-/// The compiled kernel function (mlx-c's handle).
+/// The compiled kernel, and `ends` for rows that read to the last key.
 struct Kernel {
-    raw: mlx_sys::mlx_fast_cuda_kernel,
+    cuda: CudaKernel,
     /// `ends` when every row reads to the last key (made once, not per call).
     unbounded: Array,
-}
-
-impl Drop for Kernel {
-    fn drop(&mut self) {
-        // SAFETY: made by `mlx_fast_cuda_kernel_new`, freed once.
-        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
-    }
 }
 
 impl Kernel {
@@ -255,81 +248,34 @@ impl Kernel {
     }
 
     fn new() -> Result<Kernel> {
-        let cstr = |s: &str| CString::new(s).expect("no NUL in kernel strings");
-        let (name, source, header) = (cstr("mlxbc_padded_decode_attention"), cstr(SOURCE), cstr(""));
-        let names = |list: &[&str]| {
-            let owned: Vec<CString> = list.iter().map(|s| cstr(s)).collect();
-            let ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
-            // SAFETY: the pointers live in `owned` for the call; mlx-c copies the strings.
-            unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) }
-        };
-        let (inputs, outputs) = (names(&["q", "k", "v", "starts", "ends"]), names(&["out"]));
-        // SAFETY: every argument is a live C string or vector for the call;
-        // the vectors are freed after, the kernel handle is owned by `Kernel`.
-        let raw = unsafe {
-            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                inputs,
-                outputs,
-                source.as_ptr(),
-                header.as_ptr(),
-                false,
-                0,
-            );
-            mlx_sys::mlx_vector_string_free(inputs);
-            mlx_sys::mlx_vector_string_free(outputs);
-            raw
-        };
-        if raw.ctx.is_null() {
-            bail!("mlx_fast_cuda_kernel_new failed");
-        }
-        Ok(Kernel { raw, unbounded: Array::from_slice(&[i32::MAX], &[1]) })
+        let cuda = CudaKernel::new(
+            "mlxbc_padded_decode_attention",
+            &["q", "k", "v", "starts", "ends"],
+            &["out"],
+            SOURCE,
+            false,
+        )?;
+        Ok(Kernel { cuda, unbounded: Array::from_slice(&[i32::MAX], &[1]) })
     }
 
     fn apply(&self, q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array, ends: &Array) -> Result<Array> {
         let (rows, heads, dim) = (q.shape()[0], q.shape()[1], q.shape()[3]);
         let (starts, ends) = (starts.as_dtype(Dtype::Int32)?, ends.as_dtype(Dtype::Int32)?);
         let threads = WARPS * 32;
-        // SAFETY: the config and vectors are created, used and freed here;
-        // the inputs are live arrays for the call; the one output handle
-        // mlx-c returns is taken over by `Array::from_ptr`.
-        unsafe {
-            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
-            let shape = [rows, heads, 1, dim];
-            let dtype: mlx_sys::mlx_dtype = q.dtype().into();
-            let mut rc = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(config, shape.as_ptr(), 4, dtype);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * threads, rows, 1);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, threads, 1, 1);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, c"T".as_ptr(), dtype);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, c"D".as_ptr(), dim);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, c"NW".as_ptr(), WARPS);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
-                config,
-                c"SCALE_BITS".as_ptr(),
-                scale.to_bits() as i32,
-            );
-            let handles = [q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr(), ends.as_ptr()];
-            let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
-            let mut outputs = mlx_sys::mlx_vector_array_new();
-            let stream = mlx_rs::Stream::default();
-            if rc == 0 {
-                rc = mlx_sys::mlx_fast_cuda_kernel_apply(&mut outputs, self.raw, inputs, config, stream.as_ptr());
-            }
-            let mut out = mlx_sys::mlx_array_new();
-            if rc == 0 && mlx_sys::mlx_vector_array_size(outputs) == 1 {
-                rc = mlx_sys::mlx_vector_array_get(&mut out, outputs, 0);
-            } else {
-                rc |= 1;
-            }
-            mlx_sys::mlx_vector_array_free(inputs);
-            mlx_sys::mlx_vector_array_free(outputs);
-            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
-            if rc != 0 {
-                mlx_sys::mlx_array_free(out);
-                bail!("the padded-batch attention kernel could not be applied");
-            }
-            Ok(Array::from_ptr(out))
-        }
+        let templates = [
+            Template::Type(c"T", q.dtype()),
+            Template::Int(c"D", dim),
+            Template::Int(c"NW", WARPS),
+            Template::Int(c"SCALE_BITS", scale.to_bits() as i32),
+        ];
+        let launch = Launch {
+            output_shape: &[rows, heads, 1, dim],
+            output_dtype: q.dtype(),
+            grid: (heads * threads, rows, 1),
+            block: (threads, 1, 1),
+            templates: &templates,
+        };
+        self.cuda.apply(&[q, k, v, &starts, &ends], &launch)
     }
 
     /// Runs the kernel on random inputs of the shapes batches have (rows of

@@ -16,19 +16,20 @@
 //! is not used and the log says why. Off CUDA (Metal, CPU) nothing changes:
 //! their quantized kernels batch.
 
+use crate::model::cuda_kernel::{CudaKernel, Launch, Template};
 use crate::model::layers::Quantized;
 use anyhow::{bail, Result};
 use mlx_rs::{ops, Array, Dtype};
 use std::cell::OnceCell;
-use std::ffi::CString;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// Steps of up to this many rows (all axes but the last) use the kernel by
 /// default; `MLXBC_W4A16_ROWS=N` turns it on for steps of up to N rows.
-/// Off (0) until it is measured inside the daemon on a GPU against the
-/// dense copies it would replace (scripts/gpu/real-size.sh `ab` with
-/// `A_ENV=MLXBC_W4A16_ROWS=8`): no GPU machine could be had in the
-/// session that wrote it.
+/// Off (0): on an H100 it made one stream slower (110 against 131 tok/s
+/// on an 8B shape: the one-row step is bound by the host, and each call
+/// of a custom kernel costs the host more than MLX's own matmul) and 4
+/// clients faster (1.14x), though alone it reads the weights 2.3x faster
+/// than the dense copies (docs/measurements/h100-2026-12-05-w4a16.md).
 pub const DEFAULT_ROWS: i32 = 0;
 
 /// The process's limit (set once at start by `mlxbcd`'s main).
@@ -66,18 +67,12 @@ pub fn matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
     })
 }
 
-/// How a step of `rows` rows runs: output features a warp computes, warps
-/// a block, how nibbles become floats (1: a byte permute). Chosen by
-/// measurement on an H200 (scripts/gpu/w4a16_cupy.py).
-fn variant(rows: i32) -> (i32, i32, i32) {
-    if let Some(forced) = *FORCED_VARIANT {
-        return forced;
-    }
-    match rows {
-        1 => (4, 4, 1),
-        2..=4 => (4, 4, 1),
-        _ => (2, 4, 1),
-    }
+/// How a step runs: output features a warp computes, warps a block, how
+/// nibbles become floats (1: a byte permute). (4, 4, 1) was the best or
+/// within 1% of it at 1, 2, 4, 8 and 16 rows on an H100
+/// (docs/measurements/h100-2026-12-05-w4a16.md).
+fn variant(_rows: i32) -> (i32, i32, i32) {
+    FORCED_VARIANT.unwrap_or((4, 4, 1))
 }
 
 /// `MLXBC_W4A16_VARIANT=R,NW,DQ` (read once): one variant at every row
@@ -105,16 +100,9 @@ const PRELUDE: &str = r#"
 /// and times it on the device without MLX).
 const BODY: &str = include_str!("w4a16_body.cu");
 
-/// The compiled kernel function (mlx-c's handle).
+/// The compiled kernel.
 struct Kernel {
-    raw: mlx_sys::mlx_fast_cuda_kernel,
-}
-
-impl Drop for Kernel {
-    fn drop(&mut self) {
-        // SAFETY: made by `mlx_fast_cuda_kernel_new`, freed once.
-        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
-    }
+    cuda: CudaKernel,
 }
 
 /// True when `a` is row-contiguous from its first element (no copy needed).
@@ -182,38 +170,10 @@ impl Kernel {
     }
 
     fn new() -> Result<Kernel> {
-        let cstr = |s: &str| CString::new(s).expect("no NUL in kernel strings");
+        // Row-contiguous inputs: `x` may be a view, which MLX then copies
+        // (the weights are checked contiguous by `takes`).
         let source = format!("{PRELUDE}{BODY}");
-        let (name, source, header) = (cstr("mlxbc_w4a16"), cstr(&source), cstr(""));
-        let names = |list: &[&str]| {
-            let owned: Vec<CString> = list.iter().map(|s| cstr(s)).collect();
-            let ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
-            // SAFETY: the pointers live in `owned` for the call; mlx-c copies the strings.
-            unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) }
-        };
-        let (inputs, outputs) = (names(&["x", "w", "scales", "biases"]), names(&["out"]));
-        // SAFETY: every argument is a live C string or vector for the call;
-        // the vectors are freed after, the kernel handle is owned by `Kernel`.
-        // Row-contiguous inputs: `x` may be a view MLX then copies (the
-        // weights are checked contiguous by `takes`).
-        let raw = unsafe {
-            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                inputs,
-                outputs,
-                source.as_ptr(),
-                header.as_ptr(),
-                true,
-                0,
-            );
-            mlx_sys::mlx_vector_string_free(inputs);
-            mlx_sys::mlx_vector_string_free(outputs);
-            raw
-        };
-        if raw.ctx.is_null() {
-            bail!("mlx_fast_cuda_kernel_new failed");
-        }
-        Ok(Kernel { raw })
+        Ok(Kernel { cuda: CudaKernel::new("mlxbc_w4a16", &["x", "w", "scales", "biases"], &["out"], &source, true)? })
     }
 
     /// `x` `[rows, k]` times `q`'s dequantized weights transposed: `[rows, n]`.
@@ -221,42 +181,21 @@ impl Kernel {
         let n = q.weight.shape()[0];
         let (r, warps, dq) = variant(rows);
         let blocks = (n / r + warps - 1) / warps;
-        // SAFETY: the config and vectors are created, used and freed here;
-        // the inputs are live arrays for the call; the one output handle
-        // mlx-c returns is taken over by `Array::from_ptr`.
-        unsafe {
-            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
-            let shape = [rows, n];
-            let dtype: mlx_sys::mlx_dtype = x.dtype().into();
-            let mut rc = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(config, shape.as_ptr(), 2, dtype);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, blocks * warps * 32, 1, 1);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, warps * 32, 1, 1);
-            rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, c"T".as_ptr(), dtype);
-            for (name, value) in [(c"ROWS", rows), (c"R", r), (c"NW", warps), (c"DQ", dq)] {
-                rc |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, name.as_ptr(), value);
-            }
-            let handles = [x.as_ptr(), q.weight.as_ptr(), q.scales.as_ptr(), q.biases.as_ptr()];
-            let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
-            let mut outputs = mlx_sys::mlx_vector_array_new();
-            let stream = mlx_rs::Stream::default();
-            if rc == 0 {
-                rc = mlx_sys::mlx_fast_cuda_kernel_apply(&mut outputs, self.raw, inputs, config, stream.as_ptr());
-            }
-            let mut out = mlx_sys::mlx_array_new();
-            if rc == 0 && mlx_sys::mlx_vector_array_size(outputs) == 1 {
-                rc = mlx_sys::mlx_vector_array_get(&mut out, outputs, 0);
-            } else {
-                rc |= 1;
-            }
-            mlx_sys::mlx_vector_array_free(inputs);
-            mlx_sys::mlx_vector_array_free(outputs);
-            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
-            if rc != 0 {
-                mlx_sys::mlx_array_free(out);
-                bail!("the W4A16 kernel could not be applied");
-            }
-            Ok(Array::from_ptr(out))
-        }
+        let templates = [
+            Template::Type(c"T", x.dtype()),
+            Template::Int(c"ROWS", rows),
+            Template::Int(c"R", r),
+            Template::Int(c"NW", warps),
+            Template::Int(c"DQ", dq),
+        ];
+        let launch = Launch {
+            output_shape: &[rows, n],
+            output_dtype: x.dtype(),
+            grid: (blocks * warps * 32, 1, 1),
+            block: (warps * 32, 1, 1),
+            templates: &templates,
+        };
+        self.cuda.apply(&[x, &q.weight, &q.scales, &q.biases], &launch)
     }
 
     /// Runs the kernel on random weights (both float types, groups of 32
