@@ -225,26 +225,12 @@ impl Kernel {
     /// Builds the kernel and checks it, on CUDA only; `None` (and a log
     /// line) when it cannot be built or disagrees with MLX.
     fn build_checked() -> Option<Kernel> {
-        if !crate::model::options::cuda_available() {
-            return None;
-        }
-        let kernel = match Kernel::new() {
-            Ok(k) => k,
-            Err(e) => {
-                tracing::warn!("padded batches keep the masked attention: the kernel was not built: {e:#}");
-                return None;
-            }
-        };
-        match kernel.self_check() {
-            Ok(report) => {
-                tracing::info!("padded batches attend with mlxbc's own CUDA kernel ({report})");
-                Some(kernel)
-            }
-            Err(e) => {
-                tracing::warn!("padded batches keep the masked attention: the kernel failed its check: {e:#}");
-                None
-            }
-        }
+        crate::model::cuda_kernel::built_and_checked(
+            "padded batches keep the masked attention",
+            "padded batches attend with mlxbc's own CUDA kernel",
+            Kernel::new,
+            Kernel::self_check,
+        )
     }
 
     fn new() -> Result<Kernel> {

@@ -125,3 +125,34 @@ impl CudaKernel {
         }
     }
 }
+
+/// One of our kernels, built and checked on CUDA only: `None` off CUDA, or
+/// when `new` fails or `check` disagrees with MLX (logged as "`fallback`:
+/// ..."); else logged as "`used` (`check`'s report)".
+pub fn built_and_checked<K>(
+    fallback: &str,
+    used: &str,
+    new: impl FnOnce() -> Result<K>,
+    check: impl FnOnce(&K) -> Result<String>,
+) -> Option<K> {
+    if !crate::model::options::cuda_available() {
+        return None;
+    }
+    let kernel = match new() {
+        Ok(k) => k,
+        Err(e) => {
+            tracing::warn!("{fallback}: the kernel was not built: {e:#}");
+            return None;
+        }
+    };
+    match check(&kernel) {
+        Ok(report) => {
+            tracing::info!("{used} ({report})");
+            Some(kernel)
+        }
+        Err(e) => {
+            tracing::warn!("{fallback}: the kernel failed its check: {e:#}");
+            None
+        }
+    }
+}

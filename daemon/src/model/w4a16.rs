@@ -144,29 +144,13 @@ impl Kernel {
     /// Builds the kernel and checks it, on CUDA only; `None` (and a log
     /// line) when it cannot be built or disagrees with MLX.
     fn build_checked() -> Option<Kernel> {
-        if !crate::model::options::cuda_available() {
-            return None;
-        }
-        let kernel = match Kernel::new() {
-            Ok(k) => k,
-            Err(e) => {
-                tracing::warn!("4-bit weights keep MLX's matmul: the W4A16 kernel was not built: {e:#}");
-                return None;
-            }
-        };
-        match kernel.self_check() {
-            Ok(report) => {
-                tracing::info!(
-                    "4-bit steps of up to {} rows use mlxbc's own CUDA kernel ({report})",
-                    ROWS.load(Ordering::Relaxed)
-                );
-                Some(kernel)
-            }
-            Err(e) => {
-                tracing::warn!("4-bit weights keep MLX's matmul: the W4A16 kernel failed its check: {e:#}");
-                None
-            }
-        }
+        let used = format!("4-bit steps of up to {} rows use mlxbc's own CUDA kernel", ROWS.load(Ordering::Relaxed));
+        crate::model::cuda_kernel::built_and_checked(
+            "4-bit weights keep MLX's matmul (W4A16)",
+            &used,
+            Kernel::new,
+            Kernel::self_check,
+        )
     }
 
     fn new() -> Result<Kernel> {
