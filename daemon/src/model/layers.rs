@@ -270,15 +270,7 @@ impl FusedLinear {
             FusedLinear::Separate(parts) => {
                 let ys: Vec<Array> = parts.iter().map(|p| p.forward(x)).collect::<Result<_>>()?;
                 let Some(d) = delta else { return Ok(ys) };
-                let mut at = 0;
-                let splits: Vec<i32> = parts[..parts.len() - 1]
-                    .iter()
-                    .map(|p| {
-                        at += p.out_features();
-                        at
-                    })
-                    .collect();
-                let ds = d.split_at_indices(&splits, -1)?;
+                let ds = d.split_at_indices(&split_points(parts), -1)?;
                 Ok(ys.iter().zip(&ds).map(|(y, d)| y.add(d)).collect::<std::result::Result<_, _>>()?)
             }
         }
@@ -299,6 +291,18 @@ impl FusedLinear {
             FusedLinear::Separate(parts) => parts.iter().map(Linear::nbytes).sum(),
         }
     }
+}
+
+/// Where each of `parts` after the first begins in their outputs side by side.
+fn split_points(parts: &[Linear]) -> Vec<i32> {
+    let mut at = 0;
+    parts[..parts.len().saturating_sub(1)]
+        .iter()
+        .map(|p| {
+            at += p.out_features();
+            at
+        })
+        .collect()
 }
 
 /// `parts` as one matrix, or `None` when their forms differ.
@@ -354,15 +358,7 @@ fn fuse(parts: &[Linear]) -> Result<Option<FusedLinear>> {
         }
         [] => return Ok(None),
     };
-    let mut at = 0;
-    let splits = parts[..parts.len() - 1]
-        .iter()
-        .map(|p| {
-            at += p.out_features();
-            at
-        })
-        .collect();
-    Ok(Some(FusedLinear::Fused { linear, splits }))
+    Ok(Some(FusedLinear::Fused { linear, splits: split_points(parts) }))
 }
 
 /// Token id → vector lookup; doubles as the output head when embeddings are tied.

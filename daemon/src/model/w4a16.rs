@@ -71,7 +71,7 @@ pub fn matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
 /// nibbles become floats (1: a byte permute). (4, 4, 1) was the best or
 /// within 1% of it at 1, 2, 4, 8 and 16 rows on an H100
 /// (docs/measurements/h100-2026-12-05-w4a16.md).
-fn variant(_rows: i32) -> (i32, i32, i32) {
+fn variant() -> (i32, i32, i32) {
     FORCED_VARIANT.unwrap_or((4, 4, 1))
 }
 
@@ -163,7 +163,7 @@ impl Kernel {
     /// `x` `[rows, k]` times `q`'s dequantized weights transposed: `[rows, n]`.
     fn apply(&self, x: &Array, q: &Quantized, rows: i32) -> Result<Array> {
         let n = q.weight.shape()[0];
-        let (r, warps, dq) = variant(rows);
+        let (r, warps, dq) = variant();
         let blocks = (n / r + warps - 1) / warps;
         let templates = [
             Template::Type(c"T", x.dtype()),

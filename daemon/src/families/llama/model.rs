@@ -294,11 +294,8 @@ impl Transformer {
                 None => y,
             })
         };
-        let delta = match lora {
-            Some((adapter, i)) => adapter.delta(i, Group::Qkv, x)?,
-            None => None,
-        };
-        let [q, k, v]: [Array; 3] = a.qkv.forward_adding(x, delta)?.try_into().expect("three projections");
+        let [q, k, v]: [Array; 3] =
+            a.qkv.forward_adding(x, lora_delta(lora, Group::Qkv, x)?)?.try_into().expect("three projections");
         let q = heads(q, self.heads, &a.q_norm)?;
         let k = heads(k, self.kv_heads, &a.k_norm)?;
         let v = heads(v, self.kv_heads, &None)?;
@@ -312,7 +309,7 @@ impl Transformer {
     fn output(&self, a: &Attention, o: Array, lora: Lora) -> Result<Array> {
         let o = from_heads(&o)?;
         let y = a.o_proj.forward(&o)?;
-        let y = match lora.map(|(adapter, i)| adapter.delta(i, Group::O, &o)).transpose()?.flatten() {
+        let y = match lora_delta(lora, Group::O, &o)? {
             Some(d) => y.add(d)?,
             None => y,
         };
@@ -373,14 +370,11 @@ impl Transformer {
     }
 
     fn mlp(&self, m: &Mlp, x: &Array, lora: Lora) -> Result<Array> {
-        let delta = match lora {
-            Some((adapter, i)) => adapter.delta(i, Group::GateUp, x)?,
-            None => None,
-        };
-        let [gate, up]: [Array; 2] = m.gate_up.forward_adding(x, delta)?.try_into().expect("two projections");
+        let [gate, up]: [Array; 2] =
+            m.gate_up.forward_adding(x, lora_delta(lora, Group::GateUp, x)?)?.try_into().expect("two projections");
         let h = swiglu(&gate, &up)?;
         let y = m.down_proj.forward(&h)?;
-        let y = match lora.map(|(adapter, i)| adapter.delta(i, Group::Down, &h)).transpose()?.flatten() {
+        let y = match lora_delta(lora, Group::Down, &h)? {
             Some(d) => y.add(d)?,
             None => y,
         };
@@ -390,6 +384,14 @@ impl Transformer {
 
 /// A layer's LoRA adapter and the layer's index, when it runs under one.
 type Lora<'a> = Option<(&'a crate::model::lora::Lora, usize)>;
+
+/// The layer's adapter update of `group` for input `x`, if it has one.
+fn lora_delta(lora: Lora, group: Group, x: &Array) -> Result<Option<Array>> {
+    match lora {
+        Some((adapter, i)) => Ok(adapter.delta(i, group, x)?),
+        None => Ok(None),
+    }
+}
 
 /// Where new positions start: a number fixed in the graph, an array so
 /// that one compiled graph serves every position, or one offset per row
