@@ -18,12 +18,19 @@ speed). fastembed is not measured: it downloads its ONNX models from the
 Hugging Face hub, which this machine cannot reach. With BASELINE_URL, a
 second daemon (the same build with MLXBC_CPU_MATH=mlx: MLX's own erf and
 exp on the CPU) is measured in the same rounds as "mlxbcd mlx-math".
+With REFERENCE=none (the GPU machine, which has torch but not
+sentence-transformers), mlxbcd alone: no reference rows, no cosine.
     embed_bench.py BASE_URL ROUNDS MINILM_DIR CROSS_ENCODER_DIR [BASELINE_URL]"""
 import json, statistics, subprocess, sys, time, urllib.request
 
+import os
+
 import numpy as np
-import torch
-from sentence_transformers import CrossEncoder, SentenceTransformer, __version__ as st_version
+
+REFERENCE = os.environ.get("REFERENCE", "st") != "none"
+if REFERENCE:
+    import torch
+    from sentence_transformers import CrossEncoder, SentenceTransformer, __version__ as st_version
 
 base, rounds, minilm, cross = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 daemons = {"mlxbcd": base}
@@ -38,9 +45,18 @@ def post(path, body, base=base):
         return json.loads(r.read())
 
 
+def tracked(*patterns):
+    """The repository's files (git's list; the device's copy of the tree has no .git: the same files walked)."""
+    try:
+        return subprocess.run(["git", "ls-files", *patterns], capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        from pathlib import Path
+        return sorted(str(p) for pat in patterns for p in Path(".").rglob(pat)
+                      if not p.parts[0].startswith((".", "target", "dist")))
+
+
 def chunks():
-    files = subprocess.run(["git", "ls-files", "*.rs", "*.md", "*.py"], capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = tracked("*.rs", "*.md", "*.py")
     words = []
     for f in sorted(files):
         words += open(f, encoding="utf-8", errors="replace").read().split()
@@ -50,17 +66,24 @@ def chunks():
 
 
 texts = chunks()
-st = SentenceTransformer(minilm, device="cpu")
-ce = CrossEncoder(cross, device="cpu", max_length=512)
-tokens = [min(len(st.tokenizer(t)["input_ids"]), 256) for t in texts]
-print(f"{len(texts)} chunks, {statistics.mean(tokens):.0f} tokens on average (cut at 256); "
-      f"sentence-transformers {st_version}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+if REFERENCE:
+    st = SentenceTransformer(minilm, device="cpu")
+    ce = CrossEncoder(cross, device="cpu", max_length=512)
+    tokens = [min(len(st.tokenizer(t)["input_ids"]), 256) for t in texts]
+    print(f"{len(texts)} chunks, {statistics.mean(tokens):.0f} tokens on average (cut at 256); "
+          f"sentence-transformers {st_version}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+else:
+    # The daemon's own count (ollama's prompt_eval_count), for the table's heading.
+    counted = post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": texts[:100]}).get("prompt_eval_count", 0)
+    tokens = [counted / 100]
+    print(f"{len(texts)} chunks, ~{tokens[0]:.0f} tokens on average (the daemon's count); no reference engine")
 
 for url in daemons.values():
     post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": ["warm"]}, url)
     post("/v1/rerank", {"model": "minilm-cross-encoder", "query": "warm", "documents": ["up"]}, url)
-st.encode(["warm"]), ce.predict([("warm", "up")])
-rows = {k: [] for k in ["st", "rerank st"]}
+if REFERENCE:
+    st.encode(["warm"]), ce.predict([("warm", "up")])
+rows = {k: [] for k in (["st", "rerank st"] if REFERENCE else [])}
 for name in daemons:
     rows.update({name: [], f"{name} store": [], f"rerank {name}": []})
 worst = 1.0
@@ -68,7 +91,7 @@ for r in range(rounds):
     batch = [f"[round {r}] {t}" for t in texts]
     query = f"round {r}: how does the daemon keep a model resident and stream tokens back?"
     docs = texts[:100]
-    order = [*daemons, "st"]
+    order = [*daemons, "st"] if REFERENCE else [*daemons]
     order = order[r % len(order):] + order[:r % len(order)]
     for who in order:
         if who in daemons:
@@ -92,10 +115,13 @@ for r in range(rounds):
             ce.predict([(query, d) for d in docs], batch_size=32)
             rows["rerank st"].append(time.monotonic() - t)
     a = np.array(mine["embeddings"])
-    worst = min(worst, float(np.min(np.sum(a * theirs, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(theirs, axis=1))))
+    if REFERENCE:
+        worst = min(worst, float(np.min(np.sum(a * theirs, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(theirs, axis=1))))
     print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in rows.items()), flush=True)
 
 med = {k: statistics.median(v) for k, v in rows.items()}
+if not REFERENCE:  # the reference columns print as "-"
+    med["st"] = med["rerank st"] = float("nan")
 compute_s = CHUNKS / med["mlxbcd"]
 print(f"\n| all-MiniLM-L6-v2, {CHUNKS} chunks of ~{statistics.mean(tokens):.0f} tokens | mlxbcd | sentence-transformers | mlxbcd speed / st |")
 print("|---|---:|---:|---:|")

@@ -33,6 +33,13 @@
 #                 scripts/bench.d/speculative_bench.py with MODEL for the
 #                 code rows and SmolLM2 for the quotation and chat rows
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
+#   epart N       copy all-MiniLM-L6-v2 (real weights) part N (0, 1): carry
+#                 .dev/rs/eN beside a step that carries little (bursts, ab)
+#   embed         all-MiniLM-L6-v2 embeddings and a cross-encoder of its shape
+#                 reranking (scripts/bench.d/embed_bench.py, REFERENCE=none:
+#                 no sentence-transformers on the device)
+#   kv MODEL      a TOKENS-long prompt (32,768) with the KV cache at full
+#                 precision, 8 and 4 bits (scripts/bench.d/kv_bench.py)
 #   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
 #                 (scripts/bench.d/audio_bench.py)
 # MODEL: qwen3-8b | qwen3-4b | qwen2.5-0.5b. Everything under $OUT comes back.
@@ -61,10 +68,15 @@ if [[ $step == stage ]]; then # here, at no device time
       clips/s6.wav clips/s7.wav clips/s8.wav clips/long.wav
   python3 -m pip download --no-deps --quiet -d "$out/w1" --python-version 3.12 --only-binary=:all: \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 mlx-whisper==0.4.3 tiktoken regex
+  # all-MiniLM-L6-v2 for `embed` (its weights in two, carried beside other steps).
+  mkdir -p "$out/e0" "$out/e1"
+  split -n 2 -d -a 1 "$fx/models/all-MiniLM-L6-v2/model.safetensors" "$out/minilm."
+  mv "$out/minilm.0" "$out/e0/"; mv "$out/minilm.1" "$out/e1/"
+  tar -C "$fx/models" --exclude=model.safetensors -cf "$out/e0/minilm.tar" all-MiniLM-L6-v2
   # SmolLM2 Q4_1 for `spec` (real weights; in three, under what a call carries).
   split -n 3 -d -a 1 "$fx/models/SmolLM2-135M-Instruct.Q4_1.gguf" "$out/smol."
   for i in 0 1 2; do mkdir -p "$out/s$i"; mv "$out/smol.$i" "$out/s$i/"; done
-  echo "$n parts"; du -sh "$out"/c* "$out"/w* "$out"/s*
+  echo "$n parts"; du -sh "$out"/c* "$out"/w* "$out"/s* "$out"/e*
   exit 0
 fi
 PY=/opt/torch/.venv/bin/python3
@@ -182,6 +194,44 @@ spec)
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
     MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec-$(basename "$h").log"
   done ;;
+epart)
+  mkdir -p /tmp/minilm; cp -r ".dev/rs/e$1/." /tmp/minilm/; ls -la /tmp/minilm ;;
+embed)
+  e=/tmp/minilm; mkdir -p /tmp/emodels; tar -C /tmp/emodels -xf $e/minilm.tar || exit 1
+  cat $e/minilm.0 $e/minilm.1 > /tmp/emodels/all-MiniLM-L6-v2/model.safetensors
+  # The cross-encoder of its shape (scripts/bench.d/make_cross_encoder.py's recipe, with MLX's safetensors).
+  $PY - /tmp/emodels/all-MiniLM-L6-v2 /tmp/emodels/minilm-cross-encoder <<'PYEOF' || exit 1
+import json, shutil, sys
+from pathlib import Path
+import mlx.core as mx
+src, out = Path(sys.argv[1]), Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True)
+w = mx.load(str(src / "model.safetensors")); t = {f"bert.{k}": v for k, v in w.items()}
+h = w["embeddings.word_embeddings.weight"].shape[1]; mx.random.seed(0)
+t.setdefault("bert.pooler.dense.weight", mx.random.normal((h, h)) * 0.02); t.setdefault("bert.pooler.dense.bias", mx.zeros((h,)))
+t["classifier.weight"] = mx.random.normal((1, h)) * 0.02; t["classifier.bias"] = mx.zeros((1,))
+mx.save_safetensors(str(out / "model.safetensors"), t, metadata={"format": "pt"})
+c = json.loads((src / "config.json").read_text())
+c.update(architectures=["BertForSequenceClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+(out / "config.json").write_text(json.dumps(c))
+for f in ["tokenizer.json", "special_tokens_map.json"]: shutil.copy(src / f, out / f)
+tc = json.loads((src / "tokenizer_config.json").read_text()); tc["model_max_length"] = 512
+(out / "tokenizer_config.json").write_text(json.dumps(tc))
+PYEOF
+  home=/tmp/mlxbc-embed; mkdir -p $home/models; ln -sfn /tmp/emodels/* $home/models/
+  MLXBC_HOME=$home MLXBC_LOG=info "$B/bin/mlxbcd" --http 127.0.0.1:18082 2> $OUT/embed-daemon.log & pid=$!
+  for _ in $(seq 300); do [[ -S $home/mlxbcd.sock ]] && break; sleep 0.1; done
+  REFERENCE=none timeout ${EMBED_TIMEOUT:-300} $PY scripts/bench.d/embed_bench.py http://127.0.0.1:18082 ${ROUNDS:-3} \
+    /tmp/emodels/all-MiniLM-L6-v2 /tmp/emodels/minilm-cross-encoder 2>&1 | tee $OUT/embed.md
+  kill $pid; wait $pid 2>/dev/null ;;
+kv)
+  home=/tmp/mlxbc-kv-$RANDOM; mkdir -p $home/models; ln -sfn "$(model_dir $1)" $home/models/
+  MLXBC_HOME=$home MLXBC_LOG=info "$B/bin/mlxbcd" --http 127.0.0.1:18083 2> $OUT/kv-daemon.log & pid=$!
+  for _ in $(seq 300); do [[ -S $home/mlxbcd.sock ]] && break; sleep 0.1; done
+  # Per position: layers x KV heads x head_dim x (k, v) values of 2 bytes (f16); the budget: 16 GiB.
+  values=$($PY -c "import json;c=json.load(open('$(model_dir $1)/config.json'));print(c['num_hidden_layers']*c['num_key_value_heads']*c.get('head_dim',128)*2)")
+  timeout ${KV_TIMEOUT:-500} $PY scripts/bench.d/kv_bench.py http://127.0.0.1:18083 "$1-4bit" ${TOKENS:-32768} ${ROUNDS:-2} \
+    "$values" 2 $((16 << 30)) 2>&1 | tee $OUT/kv-$1.md
+  kill $pid; wait $pid 2>/dev/null ;;
 wpart)
   mkdir -p /tmp/whisper; cp -r ".dev/rs/w$1/." /tmp/whisper/; ls -la /tmp/whisper ;;
 whisper)
