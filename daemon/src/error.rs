@@ -63,7 +63,7 @@ impl EngineError {
         if let Some(stopped) = e.chain().find_map(|c| c.downcast_ref::<RankStoppedError>()) {
             return EngineError::RankStopped(stopped.0.clone());
         }
-        let message = format!("{e:#}");
+        let message = explained(format!("{e:#}"));
         if let Some(why) = sticky_device_error(&message) {
             tracing::error!(why, "the GPU reported an error that leaves its context unusable");
             DEVICE_LOST.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -80,6 +80,20 @@ pub static DEVICE_LOST: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 /// The exit status of a daemon whose GPU context was lost (EX_SOFTWARE):
 /// not 0, so launchd's KeepAlive and systemd's Restart=on-failure restart it.
 pub const DEVICE_LOST_EXIT: i32 = 70;
+
+/// The message with its likely cause where MLX's own says little: an array
+/// MLX could not allocate comes back empty (mlx-c logs the allocator's error
+/// and returns a null array), and the next operation on it fails with
+/// "expected a non-empty mlx_array". Seen on an H100 shared by three
+/// daemons of an 8B model: every request of a burst failed so.
+pub fn explained(message: String) -> String {
+    if message.contains("expected a non-empty mlx_array") {
+        return format!(
+            "the device could not allocate an array (out of memory? another process may hold it): {message}"
+        );
+    }
+    message
+}
 
 /// CUDA errors after which the context can no longer be used: every later
 /// call fails the same way until the process exits (CUDA's "sticky"
@@ -112,7 +126,16 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::sticky_device_error;
+    use super::{explained, sticky_device_error};
+
+    /// A null array from a failed allocation names its likely cause; other
+    /// messages are left as they are.
+    #[test]
+    fn an_empty_array_is_explained_as_an_allocation_failure() {
+        let empty = "expected a non-empty mlx_array at mlx/c/ops.cpp:4089".to_string();
+        assert!(explained(empty.clone()).starts_with("the device could not allocate"), "{}", explained(empty));
+        assert_eq!(explained("shapes do not match".into()), "shapes do not match");
+    }
 
     /// The messages MLX gave on the H200 (docs/measurements/h200-2026-12-05-sweep.md).
     #[test]

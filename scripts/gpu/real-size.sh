@@ -33,7 +33,7 @@
 #                 scripts/bench.d/speculative_bench.py with MODEL for the
 #                 code rows and SmolLM2 for the quotation and chat rows
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
-#   epart N       copy all-MiniLM-L6-v2 (real weights) part N (0, 1): carry
+#   epart N       copy all-MiniLM-L6-v2 (real weights) part N (0, 1, 2): carry
 #                 .dev/rs/eN beside a step that carries little (bursts, ab)
 #   embed         all-MiniLM-L6-v2 embeddings and a cross-encoder of its shape
 #                 reranking (scripts/bench.d/embed_bench.py, REFERENCE=none:
@@ -68,10 +68,11 @@ if [[ $step == stage ]]; then # here, at no device time
       clips/s6.wav clips/s7.wav clips/s8.wav clips/long.wav
   python3 -m pip download --no-deps --quiet -d "$out/w1" --python-version 3.12 --only-binary=:all: \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 mlx-whisper==0.4.3 tiktoken regex
-  # all-MiniLM-L6-v2 for `embed` (its weights in two, carried beside other steps).
-  mkdir -p "$out/e0" "$out/e1"
-  split -n 2 -d -a 1 "$fx/models/all-MiniLM-L6-v2/model.safetensors" "$out/minilm."
-  mv "$out/minilm.0" "$out/e0/"; mv "$out/minilm.1" "$out/e1/"
+  # all-MiniLM-L6-v2 for `embed` (its weights in three, carried beside other
+  # steps: the working tree itself takes ~29 MB of what a call carries).
+  mkdir -p "$out/e0" "$out/e1" "$out/e2"
+  split -n 3 -d -a 1 "$fx/models/all-MiniLM-L6-v2/model.safetensors" "$out/minilm."
+  for i in 0 1 2; do mv "$out/minilm.$i" "$out/e$i/"; done
   tar -C "$fx/models" --exclude=model.safetensors -cf "$out/e0/minilm.tar" all-MiniLM-L6-v2
   # SmolLM2 Q4_1 for `spec` (real weights; in three, under what a call carries).
   split -n 3 -d -a 1 "$fx/models/SmolLM2-135M-Instruct.Q4_1.gguf" "$out/smol."
@@ -198,7 +199,7 @@ epart)
   mkdir -p /tmp/minilm; cp -r ".dev/rs/e$1/." /tmp/minilm/; ls -la /tmp/minilm ;;
 embed)
   e=/tmp/minilm; mkdir -p /tmp/emodels; tar -C /tmp/emodels -xf $e/minilm.tar || exit 1
-  cat $e/minilm.0 $e/minilm.1 > /tmp/emodels/all-MiniLM-L6-v2/model.safetensors
+  cat $e/minilm.0 $e/minilm.1 $e/minilm.2 > /tmp/emodels/all-MiniLM-L6-v2/model.safetensors
   # The cross-encoder of its shape (scripts/bench.d/make_cross_encoder.py's recipe, with MLX's safetensors).
   $PY - /tmp/emodels/all-MiniLM-L6-v2 /tmp/emodels/minilm-cross-encoder <<'PYEOF' || exit 1
 import json, shutil, sys

@@ -282,15 +282,17 @@ pub fn begin(
         return Ok(Begun::Finished(Finished::Done(stats)));
     }
 
-    // Features exist only for a vision model (media::resolve refuses the others).
+    // Features exist only for a vision model (media::resolve refuses the
+    // others); a splice that fails blames the media, a plain lookup does not.
     let embeds = match &model.media_tower {
-        Some(v) if !features.is_empty() => v.tower.splice(&*model.lm, &ids, &features),
-        _ => model.lm.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])),
-    }
-    .map_err(|e| match EngineError::inference(e) {
-        stopped @ EngineError::RankStopped(_) => stopped,
-        other => EngineError::BadMedia(other.to_string()),
-    })?;
+        Some(v) if !features.is_empty() => {
+            v.tower.splice(&*model.lm, &ids, &features).map_err(|e| match EngineError::inference(e) {
+                stopped @ EngineError::RankStopped(_) => stopped,
+                other => EngineError::BadMedia(other.to_string()),
+            })
+        }
+        _ => model.lm.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])).map_err(EngineError::inference),
+    }?;
     // The longest cached prefix (RAM, or disk blocks read while the prompt
     // was tokenized), computed only for a model whose KV identity is known.
     let spans = match &model.media_tower {

@@ -4,6 +4,12 @@
 //! one of the softmax with the packed values, so the keys and values are
 //! never expanded to full precision. Grouped-query heads share their
 //! key/value head through a broadcast axis.
+//!
+//! Except on a GPU: MLX 0.32.2's CUDA `quantized_matmul` has no kernel for
+//! these batched, broadcast operands at prefill shapes ("No implementation
+//! for problem shape: 2048x4096x64x14", bits 8, on an H100), so there the
+//! keys and values are expanded one layer at a time and attended by MLX's
+//! fused attention; what stays resident is still the packed cache.
 
 use crate::model::kv_cache::KvQuantization;
 use anyhow::Result;
@@ -25,6 +31,21 @@ pub enum Mask<'a> {
 /// head_dim]` over the quantized `keys` and `values` (MLX's `quantize`
 /// output, `[B, kv_heads, keys, ...]` each).
 pub fn attend(
+    queries: &Array,
+    keys: &[Array; 3],
+    values: &[Array; 3],
+    q: KvQuantization,
+    scale: f32,
+    mask: Mask,
+) -> Result<Array> {
+    if expands_on_this_device() {
+        return expanded(queries, keys, values, q, scale, mask);
+    }
+    attend_quantized(queries, keys, values, q, scale, mask)
+}
+
+/// [`attend`]'s result through the quantized products (mlx-lm's way).
+fn attend_quantized(
     queries: &Array,
     keys: &[Array; 3],
     values: &[Array; 3],
@@ -68,6 +89,37 @@ pub fn attend(
     let [vw, vs, vb] = &values;
     let out = quantized_matmul(&scores, vw, vs, vb, false, q.group_size, q.bits)?;
     let out = if repeats > 1 { out.reshape(&[b, heads, l, d])? } else { out };
+    // The values were rotated: H is its own inverse.
+    Ok(rotated(&out, q)?)
+}
+
+/// True when the default device is a GPU (see the module's note), decided once.
+fn expands_on_this_device() -> bool {
+    static ON_GPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON_GPU.get_or_init(|| matches!(mlx_rs::Device::default().get_type(), Ok(mlx_rs::DeviceType::Gpu)))
+}
+
+/// [`attend`]'s result through expanded keys and values and MLX's fused
+/// attention (grouped-query heads and the causal offset are its own).
+fn expanded(
+    queries: &Array,
+    keys: &[Array; 3],
+    values: &[Array; 3],
+    q: KvQuantization,
+    scale: f32,
+    mask: Mask,
+) -> Result<Array> {
+    use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+    let [kw, ks, kb] = keys;
+    let [vw, vs, vb] = values;
+    let k = mlx_rs::ops::dequantize(kw, ks, kb, q.group_size, q.bits)?.as_dtype(queries.dtype())?;
+    let v = mlx_rs::ops::dequantize(vw, vs, vb, q.group_size, q.bits)?.as_dtype(queries.dtype())?;
+    let mask = match mask {
+        Mask::None => None,
+        Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+        Mask::Rows(m) => Some(ScaledDotProductAttentionMask::Array(m)),
+    };
+    let out = scaled_dot_product_attention(rotated(queries, q)?, &k, &v, scale, mask, None)?;
     // The values were rotated: H is its own inverse.
     Ok(rotated(&out, q)?)
 }
@@ -138,5 +190,37 @@ mod tests {
         // A width that is not a power of two is left as it is.
         let odd = Array::from_slice(&[1.0f32; 80], &[1, 80]);
         assert_eq!(rotated(&odd, q).unwrap().shape(), &[1, 80]);
+    }
+
+    /// The GPU's route (expanded keys and values, fused attention) gives
+    /// what the quantized products give, for each kind of mask, with
+    /// grouped-query heads and rotation.
+    #[test]
+    fn expanded_route_matches_the_quantized_products() {
+        let wave = |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin()).collect() };
+        let (heads, kv_heads, l, keys, d) = (4, 2, 3, 7, 64);
+        let queries = Array::from_slice(&wave(heads * l * d, 0.37), &[1, heads as i32, l as i32, d as i32]);
+        for (bits, rotate) in [(8, false), (4, true)] {
+            let q = KvQuantization { bits, group_size: 64, start: 0, rotate };
+            let pack = |k: f32| -> [Array; 3] {
+                let x = Array::from_slice(&wave(kv_heads * keys * d, k), &[1, kv_heads as i32, keys as i32, d as i32]);
+                let (w, s, b) = mlx_rs::ops::quantize(rotated(&x, q).unwrap(), q.group_size, q.bits).unwrap();
+                [w, s, b]
+            };
+            let (k, v) = (pack(0.53), pack(0.71));
+            let rows: Vec<bool> = (0..l * keys).map(|i| (i % keys) != 1 && (i % keys) <= 4 + i / keys).collect();
+            let rows = Array::from_slice(&rows, &[1, 1, l as i32, keys as i32]);
+            for (name, mask) in [("none", 0), ("causal", 1), ("rows", 2)] {
+                let m = || match mask {
+                    0 => Mask::None,
+                    1 => Mask::Causal,
+                    _ => Mask::Rows(&rows),
+                };
+                let a = attend_quantized(&queries, &k, &v, q, 0.125, m()).unwrap();
+                let b = expanded(&queries, &k, &v, q, 0.125, m()).unwrap();
+                let gap = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap().try_item_cast::<f32>().unwrap();
+                assert!(gap < 1e-4, "{bits} bits, mask {name}: routes differ by {gap}");
+            }
+        }
     }
 }
