@@ -3,7 +3,9 @@
 //! and only the misses are computed, a padded batch per engine pass
 //! (between decode steps and transcription windows), shortest first so a
 //! batch's rows are about as long as each other. A re-index of unchanged
-//! chunks is answered from the store, after a restart too.
+//! chunks is answered from the store, after a restart too. Each stored
+//! vector carries its input's token counts, so an input found there is
+//! not even tokenized (tokenizing was most of a store hit's time).
 
 use crate::error::EngineError;
 use crate::media::SharedStore;
@@ -43,7 +45,10 @@ pub struct EmbedJob {
     inputs: Vec<String>,
     /// Per input, the index of its first occurrence in the request.
     first: Vec<usize>,
+    /// Per input, its token ids as embedded (empty for one the store had).
     ids: Vec<Vec<u32>>,
+    /// Per input, its token counts as sent and as embedded (kept with its vector).
+    counts: Vec<Counts>,
     vectors: Vec<Option<Vec<f32>>>,
     /// The misses to compute, shortest first; `at` is the next.
     misses: Vec<usize>,
@@ -63,6 +68,45 @@ enum Form {
     TokenIds,
 }
 
+/// An input's tokens: as sent (what a refusal names) and as embedded (cut
+/// to the model's length; what usage counts).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Counts {
+    sent: u32,
+    embedded: u32,
+}
+
+/// A job's inputs before the store is asked: token ids already (token-id
+/// inputs, reranked pairs), or texts tokenized only where the store has
+/// no vector for them.
+enum Tokens {
+    Ready(Vec<Vec<u32>>),
+    Later { truncate: bool },
+}
+
+/// A stored value: the vector, then its input's two token counts (f32 is
+/// exact for them). A value without the counts (stored before they were)
+/// is still a hit; its input is tokenized for its counts.
+fn stored_value(vector: &[f32], counts: Counts) -> Vec<f32> {
+    let mut v = Vec::with_capacity(vector.len() + 2);
+    v.extend_from_slice(vector);
+    v.extend([counts.sent as f32, counts.embedded as f32]);
+    v
+}
+
+/// [`stored_value`]'s parts, for a model of `full` dimensions.
+fn from_stored(mut v: Vec<f32>, full: usize) -> Option<(Vec<f32>, Option<Counts>)> {
+    if v.len() == full + 2 {
+        let counts = Counts { sent: v[full] as u32, embedded: v[full + 1] as u32 };
+        v.truncate(full);
+        Some((v, Some(counts)))
+    } else if v.len() == full {
+        Some((v, None))
+    } else {
+        None
+    }
+}
+
 /// Where a job's answer goes, and when it began.
 pub struct Arrival {
     pub load_ms: f64,
@@ -80,21 +124,22 @@ impl EmbedJob {
         request: EmbedRequest,
         arrival: Arrival,
     ) -> Result<Self, (EngineError, oneshot::Sender<Response>)> {
-        let (dimensions, texts, ids) = match check(name, &*model, &request) {
+        let (dimensions, texts, tokens) = match check(name, &*model, &request) {
             Ok(c) => c,
             Err(e) => return Err((e, arrival.reply)),
         };
         let purpose = Purpose::Embed { dimensions };
-        let (contents, form) = if request.token_inputs.is_empty() {
+        let (contents, form) = match &tokens {
             // The hash is of the text as embedded, its instruction included.
-            (texts.iter().map(|t| content_hash(t.as_bytes())).collect(), Form::Text)
-        } else {
+            Tokens::Later { .. } => (texts.iter().map(|t| content_hash(t.as_bytes())).collect(), Form::Text),
             // Of the ids' bytes; the key's settings part tells them from a
             // text of the same bytes.
-            let bytes = |ids: &[u32]| ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>();
-            (ids.iter().map(|i| content_hash(&bytes(i))).collect(), Form::TokenIds)
+            Tokens::Ready(ids) => {
+                let bytes = |ids: &[u32]| ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>();
+                (ids.iter().map(|i| content_hash(&bytes(i))).collect(), Form::TokenIds)
+            }
         };
-        Ok(Self::start(name, model, store, texts, ids, contents, form, purpose, request.keep_alive, arrival))
+        Self::start(name, model, store, texts, tokens, contents, form, purpose, request.keep_alive, arrival)
     }
 
     /// The same for a reranking: each (query, document) pair is an input,
@@ -127,7 +172,8 @@ impl EmbedJob {
             .collect();
         let purpose = Purpose::Rerank { top_n };
         let keep_alive = request.keep_alive;
-        Ok(Self::start(name, model, store, request.documents, ids, contents, Form::Text, purpose, keep_alive, arrival))
+        let tokens = Tokens::Ready(ids);
+        Self::start(name, model, store, request.documents, tokens, contents, Form::Text, purpose, keep_alive, arrival)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -136,13 +182,13 @@ impl EmbedJob {
         model: Rc<dyn Embedder>,
         store: Option<&SharedStore>,
         inputs: Vec<String>,
-        ids: Vec<Vec<u32>>,
+        tokens: Tokens,
         contents: Vec<[u8; 32]>,
         form: Form,
         purpose: Purpose,
         keep_alive: Option<mlxbc_shared::KeepAlive>,
         arrival: Arrival,
-    ) -> Self {
+    ) -> Result<Self, (EngineError, oneshot::Sender<Response>)> {
         let fingerprint = model.fingerprint();
         let settings = match form {
             Form::Text => FeatureKey::preprocess_hash(&model.settings()),
@@ -153,13 +199,27 @@ impl EmbedJob {
             .map(|content| FeatureKey { modality: Modality::Text, tower: fingerprint.0, preprocess: settings, content })
             .collect();
         let full = model.dimensions();
-        let vectors: Vec<Option<Vec<f32>>> = match store {
+        let found: Vec<Option<(Vec<f32>, Option<Counts>)>> = match store {
             Some(s) => {
                 let mut s = s.lock();
-                keys.iter().map(|k| s.get(k).map(|(f, _)| f.to_f32()).filter(|v| v.len() == full)).collect()
+                keys.iter().map(|k| s.get(k).and_then(|(f, _)| from_stored(f.to_f32(), full))).collect()
             }
             None => vec![None; keys.len()],
         };
+        let (ids, counts) = match tokens {
+            Tokens::Ready(ids) => {
+                let counts = ids.iter().map(|i| Counts { sent: i.len() as u32, embedded: i.len() as u32 }).collect();
+                (ids, counts)
+            }
+            Tokens::Later { truncate } => {
+                let known: Vec<Option<Counts>> = found.iter().map(|f| f.as_ref().and_then(|(_, c)| *c)).collect();
+                match tokenized(name, &*model, &inputs, &known, truncate) {
+                    Ok(t) => t,
+                    Err(e) => return Err((e, arrival.reply)),
+                }
+            }
+        };
+        let vectors: Vec<Option<Vec<f32>>> = found.into_iter().map(|f| f.map(|(v, _)| v)).collect();
         let cached = vectors.iter().filter(|v| v.is_some()).count() as u32;
         // An input repeated within the request is computed once (its first
         // occurrence), and takes that one's vector in `finish`.
@@ -169,13 +229,14 @@ impl EmbedJob {
         // The misses, shortest first.
         let mut misses: Vec<usize> = (0..inputs.len()).filter(|&i| vectors[i].is_none() && first[i] == i).collect();
         misses.sort_by_key(|&i| ids[i].len());
-        Self {
+        Ok(Self {
             name: name.to_string(),
             model,
             purpose,
             inputs,
             first,
             ids,
+            counts,
             vectors,
             misses,
             at: 0,
@@ -185,7 +246,7 @@ impl EmbedJob {
             received: arrival.received,
             keep_alive,
             reply: Some(arrival.reply),
-        }
+        })
     }
 
     /// Embeds the next batch of misses (bounded by rows and tokens) and
@@ -207,7 +268,8 @@ impl EmbedJob {
         let full = self.model.dimensions() as u32;
         for (&i, v) in misses[at..end].iter().zip(out) {
             if let Some(s) = store {
-                if let Err(e) = s.lock().put(&self.keys[i], &Features::from_f32(vec![full], &v)) {
+                let value = stored_value(&v, self.counts[i]);
+                if let Err(e) = s.lock().put(&self.keys[i], &Features::from_f32(vec![full + 2], &value)) {
                     tracing::warn!(error = %e, "an embedding was not stored");
                 }
             }
@@ -250,7 +312,7 @@ impl EmbedJob {
         Ok(Embeddings {
             model: self.name.clone(),
             vectors,
-            prompt_tokens: self.ids.iter().map(|t| t.len() as u64).sum(),
+            prompt_tokens: self.counts.iter().map(|c| c.embedded as u64).sum(),
             cached: self.cached,
             load_ms: self.load_ms,
             total_ms: self.received.elapsed().as_secs_f64() * 1000.0,
@@ -354,7 +416,7 @@ fn check_rerank(
 
 /// A checked embedding request: its output dimensions, its inputs as
 /// embedded (after the instruction its prompt names) and their token ids.
-type Checked = (usize, Vec<String>, Vec<Vec<u32>>);
+type Checked = (usize, Vec<String>, Tokens);
 
 /// The request checked (its inputs truncated where it allows), or why it
 /// is refused.
@@ -394,22 +456,48 @@ fn check(name: &str, model: &dyn Embedder, request: &EmbedRequest) -> Result<Che
         }
         let ids = check_token_inputs(name, model, &request.token_inputs, request.truncate)?;
         let identities = ids.iter().map(|i| format!("{i:?}")).collect();
-        return Ok((dimensions, identities, ids));
+        return Ok((dimensions, identities, Tokens::Ready(ids)));
     }
     let texts: Vec<String> = inputs.iter().map(|t| format!("{instruction}{t}")).collect();
+    Ok((dimensions, texts, Tokens::Later { truncate: request.truncate }))
+}
+
+/// Each text's ids as embedded (cut to the model's length where `truncate`,
+/// else a text that is too long is refused) and token counts; a text whose
+/// counts the store `known` is not tokenized (its ids stay empty: it is
+/// not computed).
+fn tokenized(
+    name: &str,
+    model: &dyn Embedder,
+    texts: &[String],
+    known: &[Option<Counts>],
+    truncate: bool,
+) -> Result<(Vec<Vec<u32>>, Vec<Counts>), EngineError> {
     let max = model.max_tokens();
-    let mut ids = Vec::with_capacity(inputs.len());
-    for (i, text) in texts.iter().enumerate() {
-        let t = model.tokenize(text).map_err(EngineError::inference)?;
-        if t.len() > max && !request.truncate {
-            return Err(EngineError::BadRequest(format!(
-                "input {i} is {} tokens, more than the {max} {name} takes; shorten it, or let it be truncated",
-                t.len()
-            )));
+    let too_long = |i: usize, n: usize| {
+        EngineError::BadRequest(format!(
+            "input {i} is {n} tokens, more than the {max} {name} takes; shorten it, or let it be truncated"
+        ))
+    };
+    let (mut ids, mut counts) = (Vec::with_capacity(texts.len()), Vec::with_capacity(texts.len()));
+    for (i, (text, known)) in texts.iter().zip(known).enumerate() {
+        let (t, c) = match known {
+            Some(c) => (Vec::new(), *c),
+            None => {
+                let t = model.tokenize(text).map_err(EngineError::inference)?;
+                let sent = t.len() as u32;
+                let t = model.truncate(&t);
+                let embedded = t.len() as u32;
+                (t, Counts { sent, embedded })
+            }
+        };
+        if c.sent as usize > max && !truncate {
+            return Err(too_long(i, c.sent as usize));
         }
-        ids.push(model.truncate(&t));
+        ids.push(t);
+        counts.push(c);
     }
-    Ok((dimensions, texts, ids))
+    Ok((ids, counts))
 }
 
 /// Token-id inputs checked against the model's vocabulary and length (cut
@@ -501,6 +589,25 @@ mod tests {
 
     /// Counts its batches and rows; a text's vector is its length, then zeros.
     struct Lengths(std::cell::Cell<usize>, std::cell::Cell<usize>);
+
+    /// Inputs whose counts the store knows are not tokenized; the others
+    /// are, and a too-long one is refused by either count.
+    #[test]
+    fn known_counts_spare_tokenizing_and_still_refuse_a_long_input() {
+        let model = Lengths(Default::default(), Default::default());
+        let texts = vec!["abc".to_string(), "stored".to_string()];
+        let known = [None, Some(Counts { sent: 900, embedded: 512 })];
+        let (ids, counts) = tokenized("m", &model, &texts, &known, true).unwrap();
+        assert_eq!(ids, vec![vec![97, 98, 99], vec![]], "the stored one is not tokenized");
+        assert_eq!(counts, vec![Counts { sent: 3, embedded: 3 }, Counts { sent: 900, embedded: 512 }]);
+        let e = tokenized("m", &model, &texts, &known, false).unwrap_err();
+        assert!(e.to_string().contains("input 1 is 900 tokens"), "{e}");
+        // A value and its counts round-trip; a value stored without counts is a hit without them.
+        let c = Counts { sent: 300, embedded: 256 };
+        assert_eq!(from_stored(stored_value(&[0.5, -1.0], c), 2), Some((vec![0.5, -1.0], Some(c))));
+        assert_eq!(from_stored(vec![0.5, -1.0], 2), Some((vec![0.5, -1.0], None)));
+        assert_eq!(from_stored(vec![0.5], 2), None);
+    }
 
     impl Embedder for Lengths {
         fn architecture(&self) -> &'static str {

@@ -42,6 +42,17 @@ async fn texts_are_embedded_once_ever_and_the_daemon_keeps_serving_after_bad_req
     let again = c.embed(request(&refs)).await.unwrap();
     assert_eq!(again.cached, 40, "the second request should come from the store");
     assert_eq!(again.vectors, first.vectors);
+    // Counted from the counts stored with the vectors (the texts are not tokenized again).
+    assert_eq!(again.prompt_tokens, first.prompt_tokens);
+    // A text past the model's 256 tokens, cut when embedded; asked again
+    // without truncation it is refused from its stored count.
+    let long = "word ".repeat(600);
+    let cut = c.embed(request(&[&long])).await.unwrap();
+    assert_eq!((cut.prompt_tokens, cut.cached), (256, 0));
+    let stored = c.embed(request(&[&long])).await.unwrap();
+    assert_eq!((stored.prompt_tokens, stored.cached, &stored.vectors), (256, 1, &cut.vectors));
+    let e = c.embed(EmbedRequest { truncate: false, ..request(&[&long]) }).await.expect_err("too long");
+    assert!(e.to_string().contains("input 0 is 602 tokens, more than the 256"), "{e}");
     // A request mixing stored and new texts, with a repeat.
     let mixed = c.embed(request(&[refs[3], "something new", refs[3]])).await.unwrap();
     assert_eq!(mixed.cached, 2);
@@ -70,6 +81,7 @@ async fn texts_are_embedded_once_ever_and_the_daemon_keeps_serving_after_bad_req
     let after = c.embed(request(&refs)).await.unwrap();
     assert_eq!(after.cached, 40, "after a restart the vectors should come from disk");
     assert_eq!(after.vectors, first.vectors);
+    assert_eq!(after.prompt_tokens, first.prompt_tokens);
     drop(c);
 
     // The CLI: one JSON array per text, and `mlxbc models` says what it does.
@@ -95,7 +107,7 @@ async fn texts_are_embedded_once_ever_and_the_daemon_keeps_serving_after_bad_req
     assert!(done["count"].as_u64().unwrap() >= 2, "this daemon's embed requests since the restart: {done}");
     let m = counters["models"].as_array().unwrap().iter().find(|m| m["model"] == MINILM).unwrap();
     assert!(m["embedded_from_store"].as_u64().unwrap() >= 40, "{m}");
-    assert!(j["stores"]["entries"].as_u64().unwrap() >= 41, "{}", j["stores"]);
+    assert!(j["stores"]["entries"].as_u64().unwrap() >= 42, "{}", j["stores"]);
 }
 
 /// The `openai` SDK and the `ollama` client.
