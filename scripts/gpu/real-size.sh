@@ -38,6 +38,9 @@
 #   embed         all-MiniLM-L6-v2 embeddings and a cross-encoder of its shape
 #                 reranking (scripts/bench.d/embed_bench.py, REFERENCE=none:
 #                 no sentence-transformers on the device)
+#   launch        scripts/gpu/launch_costs.py: what one MLX operation costs
+#                 the host per kind (packed and dense matmuls, attention with
+#                 and without a mask, a custom kernel), after `install`
 #   kv MODEL      a TOKENS-long prompt (32,768) with the KV cache at full
 #                 precision, 8 and 4 bits (scripts/bench.d/kv_bench.py)
 #   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
@@ -224,6 +227,8 @@ PYEOF
   REFERENCE=none timeout ${EMBED_TIMEOUT:-300} $PY scripts/bench.d/embed_bench.py http://127.0.0.1:18082 ${ROUNDS:-3} \
     /tmp/emodels/all-MiniLM-L6-v2 /tmp/emodels/minilm-cross-encoder 2>&1 | tee $OUT/embed.md
   kill $pid; wait $pid 2>/dev/null ;;
+launch)
+  timeout 300 $PY "$repo/scripts/gpu/launch_costs.py" ${N:-400} 2>&1 | tee "$OUT/launch-costs.md" ;;
 kv)
   home=/tmp/mlxbc-kv-$RANDOM; mkdir -p $home/models; ln -sfn "$(model_dir $1)" $home/models/
   MLXBC_HOME=$home MLXBC_LOG=info "$B/bin/mlxbcd" --http 127.0.0.1:18083 2> $OUT/kv-daemon.log & pid=$!
