@@ -119,7 +119,7 @@ pub const FAMILIES: &[Family] = &[
         tensor_parallel: true,
     },
     Family {
-        model_types: &["bert"],
+        model_types: &["bert", "xlm-roberta"],
         gguf_architectures: &[],
         load_dir: DirLoader::Embed(bert::load_dir),
         load_gguf: None,

@@ -98,6 +98,36 @@ fn minilm_matches_mlx_embeddings_batched_against_alone() {
     assert!((cosine(&got[0], &got[1]) - 0.7553).abs() < 1e-3, "{}", cosine(&got[0], &got[1]));
 }
 
+/// An XLM-RoBERTa embedder (multilingual-e5's and bge-m3's architecture;
+/// tiny random weights as sentence-transformers lays such a model out,
+/// MiniLM's real tokenizer) against mlx-embeddings' `xlm_roberta.py` on
+/// the same weights (scripts/fixtures/xlmr_reference.py): its positions
+/// start after the padding id. Every text of the corpus in one padded
+/// batch here and alone there, cosine ≥ 0.9999, the same token counts (cut
+/// at 64) and nearest neighbours; the positions taken as BERT takes them
+/// (from 0) would not pass (the fixture's position rows are wide).
+#[test]
+fn an_xlm_roberta_embedder_matches_mlx_embeddings_batched_against_alone() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("xlmr/reference.json")).unwrap()).unwrap();
+    let reference = reference.as_array().unwrap();
+    let e = match families::load_any(&fixture("xlmr/tiny-xlm-roberta"), WeightForm::DenseF32, None).unwrap() {
+        LoadedModel::Embed(e) => e,
+        _ => panic!("the tiny XLM-RoBERTa did not load as an embedder"),
+    };
+    assert_eq!((e.dimensions(), e.max_tokens()), (64, 64));
+    let ids: Vec<Vec<u32>> =
+        reference.iter().map(|r| e.truncate(&e.tokenize(r["text"].as_str().unwrap()).unwrap())).collect();
+    let got = e.embed(&ids).unwrap();
+    let want = vectors(&serde_json::Value::Array(reference.iter().map(|r| r["vector"].clone()).collect()));
+    for (i, r) in reference.iter().enumerate() {
+        assert_eq!(ids[i].len() as u64, r["tokens"].as_u64().unwrap(), "text {i}: token count");
+        let c = cosine(&got[i], &want[i]);
+        assert!(c >= 0.9999, "text {i} ({:?}): cosine {c} to mlx-embeddings", r["text"]);
+        assert_eq!(nearest(&got, i), nearest(&want, i), "text {i}: a different nearest neighbour");
+    }
+}
+
 /// A cross-encoder (tiny random weights, MiniLM's real tokenizer; no real
 /// reranker ships on PyPI) against mlx-embeddings' BERT with the pooler,
 /// classifier and sigmoid after it on the same weights

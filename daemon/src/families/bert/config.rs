@@ -16,6 +16,16 @@ pub struct BertConfig {
     pub hidden_act: String,
     #[serde(default = "default_position")]
     pub position_embedding_type: String,
+    /// `bert`, or `xlm-roberta` (multilingual-e5, bge-m3, paraphrase-multilingual:
+    /// BERT's layers, positions counted after the padding id).
+    #[serde(default = "default_model_type")]
+    pub model_type: String,
+    #[serde(default)]
+    pub pad_token_id: Option<i32>,
+}
+
+fn default_model_type() -> String {
+    "bert".into()
 }
 
 fn default_eps() -> f32 {
@@ -31,6 +41,17 @@ fn default_position() -> String {
 }
 
 impl BertConfig {
+    /// The first position row a text's first token takes: 0 for BERT;
+    /// for XLM-RoBERTa the padding id + 1 (Hugging Face's
+    /// `create_position_ids_from_input_ids`: rows up to the padding id are
+    /// never a real token's).
+    pub fn first_position(&self) -> i32 {
+        match self.model_type.as_str() {
+            "xlm-roberta" => self.pad_token_id.unwrap_or(1) + 1,
+            _ => 0,
+        }
+    }
+
     /// Parses and checks what this encoder supports.
     pub fn from_json(raw: &serde_json::Value) -> Result<Self> {
         let c: Self = serde_json::from_value(raw.clone())?;

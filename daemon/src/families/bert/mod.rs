@@ -1,5 +1,7 @@
 //! BERT-style sentence embedders as sentence-transformers ships them
-//! (all-MiniLM, BGE, E5, GTE and others of the `bert` architecture): the
+//! (all-MiniLM, BGE, E5, GTE and others of the `bert` architecture; and
+//! `xlm-roberta` ones, multilingual-e5 and bge-m3: the same layers, its
+//! positions counted after the padding id): the
 //! encoder (`model`), its shape (`config`), and how the directory says to
 //! pool and normalize (`model::sentence`). A directory whose checkpoint has a
 //! classifier (`BertForSequenceClassification`, as sentence-transformers'
@@ -7,7 +9,7 @@
 //! reranker: it reads a (query, document) pair and says how relevant the
 //! document is.
 //!
-//! Checked against mlx-embeddings' `bert.py` on the same weights
+//! Checked against mlx-embeddings' `bert.py` (and `xlm_roberta.py`) on the same weights
 //! (tests/reference, `numerics::embeddings`; the classifier head there as
 //! Hugging Face's `BertForSequenceClassification` computes it).
 

@@ -69,9 +69,10 @@ impl BertEncoder {
         4 * (heads * tokens * tokens).max(4 * self.config.hidden_size as usize * tokens)
     }
 
-    /// Positions the model was trained for.
+    /// Positions a text may have (the position rows after the first one
+    /// a text takes).
     pub fn positions(&self) -> usize {
-        self.config.max_position_embeddings as usize
+        (self.config.max_position_embeddings - self.config.first_position()).max(0) as usize
     }
 
     /// Token states `[B, L, hidden]` of right-padded `ids` `[B, L]`, where
@@ -86,7 +87,8 @@ impl BertEncoder {
             Some(t) => self.token_types.take_axis(t, 0)?,
             None => self.token_types.index(0),
         };
-        let x = self.words.lookup(ids)?.add(self.positions.index(..l))?.add(&segments)?;
+        let first = self.config.first_position();
+        let x = self.words.lookup(ids)?.add(self.positions.index(first..first + l))?.add(&segments)?;
         let mut x = self.embeddings_norm.forward(&x)?;
         let mask = keep.reshape(&[b, 1, 1, l])?;
         // The CPU path's mask as a bias: -1e9 at padding (its softmax
