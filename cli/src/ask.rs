@@ -84,6 +84,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
             group_size: args.kv_group_size,
             start: args.quantized_kv_start,
             rotate: args.kv_rotate,
+            key_bits: args.kv_key_bits,
         },
     })
 }

@@ -287,6 +287,10 @@ pub(crate) struct AskArgs {
     /// (default true; false: mlx-lm's arithmetic exactly).
     #[arg(long, value_name = "BOOL")]
     kv_rotate: Option<bool>,
+    /// The keys' bits when they differ from the values' (--kv-bits): 8-bit
+    /// keys with 4-bit values keep the keys' outlier channels.
+    #[arg(long, value_name = "BITS")]
+    kv_key_bits: Option<u8>,
     /// Continue (or start) a conversation the daemon keeps under this name.
     #[arg(long)]
     session: Option<String>,

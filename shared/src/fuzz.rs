@@ -143,6 +143,7 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
             group_size: rng.one_in(3).then(|| rng.edgy_u64() as u16),
             start: rng.one_in(3).then(|| rng.edgy_u64() as u32),
             rotate: rng.one_in(3).then(|| rng.one_in(2)),
+            key_bits: rng.one_in(3).then(|| rng.edgy_u64() as u8),
         },
     }
 }

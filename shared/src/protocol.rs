@@ -547,6 +547,10 @@ pub struct KvCacheSpec {
     /// (outlier channels spread over all; the attention is unchanged);
     /// default true; false: mlx-lm's arithmetic exactly.
     pub rotate: Option<bool>,
+    /// The keys' bits when they differ from the values' (`bits`): 8-bit
+    /// keys with 4-bit values keep the keys' outlier channels (llama.cpp's
+    /// `-ctk q8_0 -ctv q4_0`); default: `bits`.
+    pub key_bits: Option<u8>,
 }
 
 /// Speculative decoding for one request: drafted tokens verified in one

@@ -143,6 +143,8 @@ pub struct ModelSettings {
     pub quantized_kv_start: Option<u32>,
     /// Keys and values rotated by a Hadamard matrix before quantizing.
     pub kv_rotate: Option<bool>,
+    /// The keys' bits when they differ from the values' (`kv_bits`).
+    pub kv_key_bits: Option<u8>,
 }
 
 /// config.toml's `[cluster]`: the same as `mlxbcd --hostfile --rank

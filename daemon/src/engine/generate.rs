@@ -93,7 +93,22 @@ pub fn kv_quantization(
     // channels) 8 bits cost +8.7% perplexity as mlx-lm quantizes, +0.5%
     // rotated (docs/measurements/cpu-2026-12-05-kv-lora.md).
     let rotate = asked.rotate.or(default.rotate).unwrap_or(true);
-    Ok(Some(KvQuantization { bits: i32::from(bits), group_size: i32::from(group_size), start, rotate }))
+    let key_bits = match asked.key_bits.or(default.key_bits).filter(|&b| b != 0 && b != 16) {
+        None => bits,
+        Some(k) if [2, 3, 4, 5, 6, 8].contains(&k) => k,
+        Some(k) => {
+            return Err(EngineError::BadRequest(format!(
+                "kv_key_bits {k}: the KV cache quantizes keys to 8, 6, 5, 4, 3 or 2 bits"
+            )))
+        }
+    };
+    Ok(Some(KvQuantization {
+        bits: i32::from(bits),
+        key_bits: i32::from(key_bits),
+        group_size: i32::from(group_size),
+        start,
+        rotate,
+    }))
 }
 
 /// No tokenizer here averages more than this many bytes of text per token,

@@ -175,6 +175,7 @@ pub fn spawn(
                         group_size: s.kv_group_size,
                         start: s.quantized_kv_start,
                         rotate: s.kv_rotate,
+                        key_bits: s.kv_key_bits,
                     };
                     (m.clone(), spec)
                 })

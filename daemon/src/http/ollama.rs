@@ -158,6 +158,7 @@ struct Options {
     kv_group_size: Option<u16>,
     quantized_kv_start: Option<u32>,
     kv_rotate: Option<bool>,
+    kv_key_bits: Option<u8>,
 }
 
 #[derive(Deserialize)]
@@ -289,6 +290,7 @@ fn request(
             group_size: o.kv_group_size,
             start: o.quantized_kv_start,
             rotate: o.kv_rotate,
+            key_bits: o.kv_key_bits,
         },
     })
 }

@@ -41,6 +41,7 @@ pub struct ChatCompletionRequest {
     pub kv_group_size: Option<u16>,
     pub quantized_kv_start: Option<u32>,
     pub kv_rotate: Option<bool>,
+    pub kv_key_bits: Option<u8>,
 }
 
 /// `POST /v1/completions` body: a prompt, and with `suffix` the gap
@@ -456,6 +457,7 @@ impl ChatCompletionRequest {
                 group_size: self.kv_group_size,
                 start: self.quantized_kv_start,
                 rotate: self.kv_rotate,
+                key_bits: self.kv_key_bits,
             },
         })
     }

@@ -351,7 +351,7 @@ impl KvCache {
             let k = &parts[0];
             // A packed row of `bits`-bit values holds 32 / bits per word.
             let width = match (parts.len(), q) {
-                (6, Some(q)) => k.shape()[3] * 32 / q.bits,
+                (6, Some(q)) => k.shape()[3] * 32 / q.key_bits,
                 _ => k.shape()[3],
             };
             (k.shape()[1], width)
@@ -517,9 +517,10 @@ impl KvCache {
     fn quantized(parts: Vec<Array>, end: i32, q: KvQuantization) -> Result<Vec<Array>> {
         use mlx_rs::ops::indexing::IndexOp;
         let mut out = Vec::with_capacity(6);
-        for part in &parts {
+        for (i, part) in parts.iter().enumerate() {
             let part = crate::model::quantized_attention::rotated(&part.index((.., .., ..end, ..)), q)?;
-            let (w, s, b) = mlx_rs::ops::quantize(part, q.group_size, q.bits)?;
+            let bits = if i == 0 { q.key_bits } else { q.bits };
+            let (w, s, b) = mlx_rs::ops::quantize(part, q.group_size, bits)?;
             out.extend([w, s, b]);
         }
         Ok(out)
@@ -733,7 +734,7 @@ impl KvCache {
         let new = match (self.layers[layer].as_ref().map(Vec::len), q) {
             (Some(6), Some(q)) => {
                 use crate::model::quantized_attention::rotated;
-                let (kw, ks, kb) = mlx_rs::ops::quantize(rotated(&k, q)?, q.group_size, q.bits)?;
+                let (kw, ks, kb) = mlx_rs::ops::quantize(rotated(&k, q)?, q.group_size, q.key_bits)?;
                 let (vw, vs, vb) = mlx_rs::ops::quantize(rotated(&v, q)?, q.group_size, q.bits)?;
                 vec![kw, ks, kb, vw, vs, vb]
             }
@@ -810,8 +811,12 @@ impl KvCache {
 /// `quantize` over each head's values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvQuantization {
-    /// 4 or 8.
+    /// The values' bits: 4 or 8 (also 6, 5, 3, 2).
     pub bits: i32,
+    /// The keys' bits: `bits` unless asked otherwise. Keys carry the
+    /// outlier channels (Qwen2.5's): 8-bit keys with 4-bit values is
+    /// llama.cpp's `-ctk q8_0 -ctv q4_0`.
+    pub key_bits: i32,
     /// Values per scale and bias (32, 64 or 128; it divides the head size).
     pub group_size: i32,
     /// Positions kept in full precision before the cache is quantized.
@@ -827,7 +832,7 @@ pub struct KvQuantization {
 impl KvQuantization {
     /// Bytes one cached value takes quantized, against `full` bytes.
     pub fn bytes_per_value(&self, full: f64) -> f64 {
-        f64::from(self.bits) / 8.0 + 2.0 * full / f64::from(self.group_size)
+        f64::from(self.key_bits + self.bits) / 16.0 + 2.0 * full / f64::from(self.group_size)
     }
 }
 
@@ -1088,7 +1093,7 @@ mod kv_cache_tests {
     /// positions as in full precision.
     #[test]
     fn a_quantized_cache_quantizes_at_its_start_and_joins_filters_and_trims_as_a_full_one() {
-        let q = KvQuantization { bits: 8, group_size: 32, start: 3, rotate: false };
+        let q = KvQuantization { bits: 8, key_bits: 8, group_size: 32, start: 3, rotate: false };
         let step = |seed: f32, n: i32| {
             let v: Vec<f32> = (0..2 * n * 64).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
             Array::from_slice(&v, &[1, 2, n, 64])

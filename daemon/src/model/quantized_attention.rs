@@ -69,7 +69,7 @@ fn attend_quantized(
         }
     }
     let [kw, ks, kb] = &keys;
-    let mut scores = quantized_matmul(&queries, kw, ks, kb, true, q.group_size, q.bits)?;
+    let mut scores = quantized_matmul(&queries, kw, ks, kb, true, q.group_size, q.key_bits)?;
     let allowed = match mask {
         Mask::None => None,
         Mask::Causal => {
@@ -112,7 +112,7 @@ fn expanded(
     use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
     let [kw, ks, kb] = keys;
     let [vw, vs, vb] = values;
-    let k = mlx_rs::ops::dequantize(kw, ks, kb, q.group_size, q.bits)?.as_dtype(queries.dtype())?;
+    let k = mlx_rs::ops::dequantize(kw, ks, kb, q.group_size, q.key_bits)?.as_dtype(queries.dtype())?;
     let v = mlx_rs::ops::dequantize(vw, vs, vb, q.group_size, q.bits)?.as_dtype(queries.dtype())?;
     let mask = match mask {
         Mask::None => None,
@@ -173,7 +173,7 @@ mod tests {
     /// keys alike leaves their products as they were.
     #[test]
     fn rotating_twice_is_identity_and_keeps_query_key_products() {
-        let q = KvQuantization { bits: 8, group_size: 64, start: 0, rotate: true };
+        let q = KvQuantization { bits: 8, key_bits: 8, group_size: 64, start: 0, rotate: true };
         let v: Vec<f32> =
             (0..4 * 64).map(|i| (i as f32 * 0.731).sin() * if i % 64 == 5 { 40.0 } else { 1.0 }).collect();
         let x = Array::from_slice(&v, &[4, 64]);
@@ -200,14 +200,14 @@ mod tests {
         let wave = |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin()).collect() };
         let (heads, kv_heads, l, keys, d) = (4, 2, 3, 7, 64);
         let queries = Array::from_slice(&wave(heads * l * d, 0.37), &[1, heads as i32, l as i32, d as i32]);
-        for (bits, rotate) in [(8, false), (4, true)] {
-            let q = KvQuantization { bits, group_size: 64, start: 0, rotate };
-            let pack = |k: f32| -> [Array; 3] {
+        for (key_bits, bits, rotate) in [(8, 8, false), (4, 4, true), (8, 4, true)] {
+            let q = KvQuantization { bits, key_bits, group_size: 64, start: 0, rotate };
+            let pack = |k: f32, bits: i32| -> [Array; 3] {
                 let x = Array::from_slice(&wave(kv_heads * keys * d, k), &[1, kv_heads as i32, keys as i32, d as i32]);
-                let (w, s, b) = mlx_rs::ops::quantize(rotated(&x, q).unwrap(), q.group_size, q.bits).unwrap();
+                let (w, s, b) = mlx_rs::ops::quantize(rotated(&x, q).unwrap(), q.group_size, bits).unwrap();
                 [w, s, b]
             };
-            let (k, v) = (pack(0.53), pack(0.71));
+            let (k, v) = (pack(0.53, key_bits), pack(0.71, bits));
             let rows: Vec<bool> = (0..l * keys).map(|i| (i % keys) != 1 && (i % keys) <= 4 + i / keys).collect();
             let rows = Array::from_slice(&rows, &[1, 1, l as i32, keys as i32]);
             for (name, mask) in [("none", 0), ("causal", 1), ("rows", 2)] {

@@ -38,14 +38,22 @@ fn main() -> Result<()> {
         Some((4, 32, false)),
         Some((8, 64, true)),
         Some((4, 64, true)),
+        // 8-bit keys, 4-bit values (llama.cpp's -ctk q8_0 -ctv q4_0), rotated and not.
+        Some((-4, 64, false)),
+        Some((-4, 64, true)),
     ];
     println!("| KV cache | perplexity | against full precision |\n|---|---:|---:|");
     let mut full = None;
     for s in settings {
-        let q = s.map(|(bits, group_size, rotate)| KvQuantization { bits, group_size, start: 0, rotate });
+        // A negative count: 8-bit keys with that many bits for the values.
+        let q = s.map(|(bits, group_size, rotate): (i32, i32, bool)| {
+            let key_bits = if bits < 0 { 8 } else { bits };
+            KvQuantization { bits: bits.abs(), key_bits, group_size, start: 0, rotate }
+        });
         let p = perplexity(&model, &ids, q)?;
         let name = s.map_or("full precision".to_string(), |(b, g, r)| {
-            format!("{b}-bit, groups of {g}{}", if r { ", rotated" } else { "" })
+            let bits = if b < 0 { format!("8-bit keys, {}-bit values", -b) } else { format!("{b}-bit") };
+            format!("{bits}, groups of {g}{}", if r { ", rotated" } else { "" })
         });
         let base = *full.get_or_insert(p);
         println!("| {name} | {p:.4} | {:+.2}% |", 100.0 * (p / base - 1.0));

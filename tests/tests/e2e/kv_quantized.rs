@@ -22,6 +22,7 @@ fn request(model: &str, case: &serde_json::Value, max_tokens: u32) -> GenerateRe
             start: Some(kv["start"].as_u64().unwrap() as u32),
             // mlx-lm's arithmetic (no rotation).
             rotate: Some(false),
+            key_bits: None,
         };
     }
     req.logprobs = Some(0);
@@ -111,9 +112,17 @@ async fn quantized_kv_caches_match_mlx_lm_alone_and_batched() {
     let (_, stats) = ask(&d.socket, req).await.unwrap();
     assert_eq!(stats.token_ids, serde_json::from_value::<Vec<u32>>(cases[3]["generated_ids"].clone()).unwrap());
 
+    // 8-bit keys with 4-bit values (llama.cpp's -ctk q8_0 -ctv q4_0) answer
+    // the whole length asked.
+    let mut req = request("smollm2-mlx", &cases[3], 32);
+    req.kv = KvCacheSpec { bits: Some(4), key_bits: Some(8), ..Default::default() };
+    let (text, stats) = ask(&d.socket, req).await.unwrap();
+    assert!(!text.is_empty() && stats.token_ids.len() <= 32, "{text}");
+
     // Refusals, each with a sentence; the daemon keeps serving.
     for (kv, says) in [
         (KvCacheSpec { bits: Some(7), ..Default::default() }, "kv_bits 7"),
+        (KvCacheSpec { bits: Some(4), key_bits: Some(7), ..Default::default() }, "kv_key_bits 7"),
         (KvCacheSpec { bits: Some(8), group_size: Some(48), ..Default::default() }, "kv_group_size 48"),
         (KvCacheSpec { bits: Some(4), group_size: Some(128), ..Default::default() }, "does not divide"),
     ] {
