@@ -240,7 +240,10 @@ pub fn init(log_file: Option<&Path>, max_bytes: u64) -> std::io::Result<()> {
 
 /// The daemon's filter: `MLXBC_LOG`'s level filter (default `info`), then the throttle.
 fn daemon_filter<S>(directives: &str) -> impl Filter<S> {
-    tracing_subscriber::filter::FilterExt::and(tracing_subscriber::EnvFilter::new(directives), Throttle::default())
+    // Directives that do not parse leave the default, as before.
+    let level = tracing_subscriber::EnvFilter::try_new(directives)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::filter::FilterExt::and(level, Throttle::default())
 }
 
 #[cfg(test)]

@@ -49,6 +49,9 @@ pub struct GenerationContext<'a> {
     pub adapter: Option<Rc<crate::model::lora::LoraAdapter>>,
 }
 
+/// The bits MLX's `quantize` packs a KV cache's keys or values to.
+const KV_BITS: [u8; 6] = [2, 3, 4, 5, 6, 8];
+
 /// The quantization a request's KV cache is kept in (its fields, else the
 /// model's), or why it cannot be: bits MLX does not quantize to, a group
 /// that does not divide the model's head size, a family whose attention
@@ -61,7 +64,7 @@ pub fn kv_quantization(
 ) -> Result<Option<KvQuantization>, EngineError> {
     let bits = asked.bits.or(default.bits);
     let Some(bits) = bits.filter(|&b| b != 0 && b != 16) else { return Ok(None) };
-    if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+    if !KV_BITS.contains(&bits) {
         return Err(EngineError::BadRequest(format!(
             "kv_bits {bits}: the KV cache quantizes to 8, 6, 5, 4, 3 or 2 bits (16: full precision)"
         )));
@@ -95,7 +98,7 @@ pub fn kv_quantization(
     let rotate = asked.rotate.or(default.rotate).unwrap_or(true);
     let key_bits = match asked.key_bits.or(default.key_bits).filter(|&b| b != 0 && b != 16) {
         None => bits,
-        Some(k) if [2, 3, 4, 5, 6, 8].contains(&k) => k,
+        Some(k) if KV_BITS.contains(&k) => k,
         Some(k) => {
             return Err(EngineError::BadRequest(format!(
                 "kv_key_bits {k}: the KV cache quantizes keys to 8, 6, 5, 4, 3 or 2 bits"

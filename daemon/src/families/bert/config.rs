@@ -47,7 +47,7 @@ impl BertConfig {
     /// never a real token's).
     pub fn first_position(&self) -> i32 {
         match self.model_type.as_str() {
-            "xlm-roberta" => self.pad_token_id.unwrap_or(1) + 1,
+            "xlm-roberta" => self.pad_token_id.unwrap_or(1).saturating_add(1),
             _ => 0,
         }
     }
@@ -63,6 +63,13 @@ impl BertConfig {
         }
         if c.num_attention_heads <= 0 || c.hidden_size % c.num_attention_heads != 0 {
             bail!("hidden_size {} does not split into {} heads", c.hidden_size, c.num_attention_heads);
+        }
+        if !(0..c.max_position_embeddings).contains(&c.first_position()) {
+            bail!(
+                "pad_token_id {:?} leaves none of the {} position rows for a text",
+                c.pad_token_id,
+                c.max_position_embeddings
+            );
         }
         Ok(c)
     }
