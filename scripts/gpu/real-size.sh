@@ -41,6 +41,8 @@
 #   launch        scripts/gpu/launch_costs.py: what one MLX operation costs
 #                 the host per kind (packed and dense matmuls, attention with
 #                 and without a mask, a custom kernel), after `install`
+#   views         scripts/gpu/split_views_check.py: which operations read a
+#                 fused projection's parts right as views (no copies)
 #   kv MODEL      a TOKENS-long prompt (32,768) with the KV cache at full
 #                 precision, 8 and 4 bits (scripts/bench.d/kv_bench.py)
 #   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
@@ -58,7 +60,9 @@ if [[ $step == stage ]]; then # here, at no device time
   n=$(ls "$out"/part* | wc -l)
   for i in $(seq 0 $((n - 1))); do mkdir -p "$out/c$i"; mv "$out/part$i" "$out/c$i/"; done
   last=$out/c$((n - 1))
-  cp .dev/dl2/mlx-0.32.2-cp312-*.whl "$last/"
+  # The Python bindings for the device's Python 3.12 (libmlx comes from the bundle).
+  python3 -m pip download --no-deps --quiet -d "$last" --python-version 3.12 --only-binary=:all: \
+      --platform manylinux_2_35_x86_64 mlx==0.32.2
   python3 -m pip download --no-deps --quiet -d "$last" mlx-lm==0.32.2
   cp "${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}"/mlx/tiny-qwen3/tokenizer{,_config}.json "$last/"
   # Whisper tiny.en for `whisper` (its weights in three, under what a call carries).
@@ -227,6 +231,8 @@ PYEOF
   REFERENCE=none timeout ${EMBED_TIMEOUT:-300} $PY scripts/bench.d/embed_bench.py http://127.0.0.1:18082 ${ROUNDS:-3} \
     /tmp/emodels/all-MiniLM-L6-v2 /tmp/emodels/minilm-cross-encoder 2>&1 | tee $OUT/embed.md
   kill $pid; wait $pid 2>/dev/null ;;
+views) # which consumers of a fused projection's parts read them right as views (split_views_check.py)
+  timeout 200 $PY "$repo/scripts/gpu/split_views_check.py" 2>&1 | tee "$OUT/split-views.txt" ;;
 launch)
   timeout 300 $PY "$repo/scripts/gpu/launch_costs.py" ${N:-400} 2>&1 | tee "$OUT/launch-costs.md" ;;
 kv)

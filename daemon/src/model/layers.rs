@@ -84,6 +84,77 @@ impl BatchWeights {
 /// packed matmul (H200: 20.4 ms against 17.7 at four rows, 28.5 at eight).
 pub const EXPAND_FROM_ROWS: i32 = 6;
 
+/// How a step of several rows multiplies by a dense matrix on CUDA.
+///
+/// MLX 0.32 hands a dense matmul of more than one row to cuBLASLt and, for
+/// every call, builds its descriptors and asks `cublasLtMatmulAlgoGetHeuristic`
+/// for an algorithm: host work on the thread that launches the step, which
+/// a host-bound batched step pays ~145 times (36 layers of the 8B shape, 4
+/// projections each, and the head). `gather_mm` with every row picking the
+/// one matrix (sorted indices) runs MLX's grouped GEMM instead, which asks
+/// nothing per call (`MLXBC_BATCH_MATMUL`, read at start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BatchMatmul {
+    /// `x @ W^T` (cuBLASLt for more than one row).
+    #[default]
+    Cublas,
+    /// `gather_mm` over one matrix for steps of more than one row.
+    Gather,
+}
+
+/// How the parts of a fused projection (q/k/v, gate/up) reach their
+/// consumers in steps of more than one row: copied each (the safe way:
+/// MLX 0.32.2's CUDA rope misread such views, [`FusedLinear::forward_adding`]),
+/// or as views where the consumer reads them right (`MLXBC_SPLIT_PARTS`,
+/// read at start; scripts/gpu/split_views_check.py says which do).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SplitParts {
+    /// One copy per part.
+    #[default]
+    Copy,
+    /// Views; a part roped straight from the fused output is still copied.
+    Views,
+}
+
+static GATHER_MATMUL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static SPLIT_VIEWS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets how batched steps multiply and split (at start, before any model loads).
+pub fn configure(matmul: BatchMatmul, split: SplitParts) {
+    GATHER_MATMUL.store(matmul == BatchMatmul::Gather, std::sync::atomic::Ordering::Relaxed);
+    SPLIT_VIEWS.store(split == SplitParts::Views, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether fused projections hand their parts on as views ([`SplitParts::Views`]).
+pub fn split_parts_as_views() -> bool {
+    SPLIT_VIEWS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `x W^T` for a dense `weight` `[out, in]`: through `gather_mm` when
+/// [`BatchMatmul::Gather`] is set and `x` has more than one row, else `x @ W^T`.
+pub fn dense_matmul(x: &Array, weight: &Array) -> Result<Array> {
+    let shape = x.shape();
+    let rows: i32 = shape[..shape.len().saturating_sub(1)].iter().product();
+    if rows <= 1 || !GATHER_MATMUL.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(x.matmul(weight.t())?);
+    }
+    gather_rows(x, weight)
+}
+
+/// `x W^T` through `gather_mm`, each of `x`'s rows a batch entry of its own.
+fn gather_rows(x: &Array, weight: &Array) -> Result<Array> {
+    let shape = x.shape();
+    let rows: i32 = shape[..shape.len() - 1].iter().product();
+    let k = shape[shape.len() - 1];
+    // Every row `[1, in]` is its own batch entry picking matrix 0: MLX's
+    // sorted-index path for one-row entries (one grouped GEMM).
+    let picks = Array::zeros::<u32>(&[rows])?;
+    let y = ops::gather_mm(x.reshape(&[rows, 1, k])?, weight.t().expand_dims(0)?, None, &picks, true)?;
+    let mut out_shape = shape[..shape.len() - 1].to_vec();
+    out_shape.push(-1);
+    Ok(y.reshape(&out_shape)?)
+}
+
 /// MLX affine quantization of a weight matrix (`weight` packed in uint32).
 #[derive(Debug, Clone)]
 pub struct Quantized {
@@ -138,8 +209,8 @@ impl Quantized {
         }
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
         Ok(match (&self.dense, self.batch) {
-            (Some(dense), _) => x.matmul(dense.t())?,
-            (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => x.matmul(self.dequantize()?.t())?,
+            (Some(dense), _) => dense_matmul(x, dense)?,
+            (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => dense_matmul(x, &self.dequantize()?)?,
             _ => ops::quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, self.group_size, self.bits)?,
         })
     }
@@ -169,7 +240,7 @@ impl Linear {
     /// Applies the projection to the last axis of `x`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Linear::Dense { weight, bias: None } => x.matmul(weight.t())?,
+            Linear::Dense { weight, bias: None } => dense_matmul(x, weight)?,
             Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, weight.t(), None, None)?,
             Linear::Quantized { q, bias } => {
                 let y = q.matmul(x)?;
@@ -259,9 +330,12 @@ impl FusedLinear {
                 // garbage answers, and in batched decode illegal memory
                 // accesses; exact for a single row:
                 // scripts/gpu/fused_qmm_check.py). A copy per part is little
-                // next to the matmuls; one row's decode keeps the views.
+                // next to the matmuls' device time, but each is one more
+                // operation in a host-bound step; one row's decode keeps the
+                // views, and so does every step under [`SplitParts::Views`],
+                // where the caller copies what it ropes straight from here.
                 let rows = x.shape()[..x.shape().len().saturating_sub(1)].iter().product::<i32>();
-                if rows > 1 {
+                if rows > 1 && !split_parts_as_views() {
                     Ok(parts.iter().map(Array::contiguous).collect::<std::result::Result<_, _>>()?)
                 } else {
                     Ok(parts)
@@ -497,6 +571,18 @@ mod tests {
         let cut = dense.with_parts(q.weight.clone(), q.scales.clone(), q.biases.clone()).unwrap();
         assert_eq!(cut.batch, BatchWeights::Dense);
         assert_eq!(cut.dense.as_ref().unwrap().shape(), &[96, 64]);
+    }
+
+    #[test]
+    fn gathered_rows_equal_the_matmul() {
+        let w = mlx_rs::random::normal::<f32>(&[48, 32], None, None, None).unwrap();
+        for shape in [[16, 1, 32], [1, 7, 32], [3, 5, 32]] {
+            let x = mlx_rs::random::normal::<f32>(&shape, None, None, None).unwrap();
+            let (got, want) = (gather_rows(&x, &w).unwrap(), x.matmul(w.t()).unwrap());
+            assert_eq!(got.shape(), want.shape());
+            let err = got.subtract(&want).unwrap().abs().unwrap().max(None).unwrap().item_cast::<f32>();
+            assert!(err < 1e-4, "{shape:?}: {err}");
+        }
     }
 
     #[test]

@@ -18,18 +18,20 @@ def ask(mlxbc, model, max_tokens, home, prompt, barrier, res, i):
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                          env=dict(os.environ, MLXBC_HOME=home))
     stats, done, first = None, None, None
+    text = []
     for line in p.stdout:
         try:
             ev = json.loads(line)
         except ValueError:
             continue
-        if ev.get("event") == "token" and first is None:
-            first = time.perf_counter()
+        if ev.get("event") == "token":
+            first = first or time.perf_counter()
+            text.append(str(ev.get("text", "")))
         if ev.get("event") == "done":
             stats, done = ev["stats"], time.perf_counter()
     err = p.stderr.read()
     p.wait()
-    res[i] = dict(t0=t0, done=done, first=first, stats=stats, rc=p.returncode, err=err[-300:])
+    res[i] = dict(t0=t0, done=done, first=first, stats=stats, rc=p.returncode, err=err[-300:], text="".join(text))
 
 
 def level(mlxbc, model, max_tokens, home, n):

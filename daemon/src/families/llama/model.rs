@@ -296,8 +296,18 @@ impl Transformer {
         };
         let [q, k, v]: [Array; 3] =
             a.qkv.forward_adding(x, lora_delta(lora, Group::Qkv, x)?)?.try_into().expect("three projections");
-        let q = heads(q, self.heads, &a.q_norm)?;
-        let k = heads(k, self.kv_heads, &a.k_norm)?;
+        // Parts handed on as views (layers::SplitParts::Views) that rope will
+        // read straight from the fused output are copied: MLX 0.32.2's CUDA
+        // rope misreads a multi-row view. A normed part is a fresh array.
+        let for_rope = |y: Array, norm: &Option<Array>| -> Result<Array> {
+            Ok(if b * l > 1 && norm.is_none() && crate::model::layers::split_parts_as_views() {
+                y.contiguous()?
+            } else {
+                y
+            })
+        };
+        let q = heads(for_rope(q, &a.q_norm)?, self.heads, &a.q_norm)?;
+        let k = heads(for_rope(k, &a.k_norm)?, self.kv_heads, &a.k_norm)?;
         let v = heads(v, self.kv_heads, &None)?;
         if !rope {
             return Ok((q, k, v));
