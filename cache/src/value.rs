@@ -11,6 +11,9 @@ pub enum FeatureDtype {
     F32 = 1,
     F16 = 2,
     BF16 = 3,
+    /// 16-bit words: a quantized KV block (packed values, scales and biases
+    /// side by side; the daemon's prompt cache).
+    U16 = 4,
 }
 
 impl FeatureDtype {
@@ -27,6 +30,7 @@ impl FeatureDtype {
             1 => FeatureDtype::F32,
             2 => FeatureDtype::F16,
             3 => FeatureDtype::BF16,
+            4 => FeatureDtype::U16,
             _ => return None,
         })
     }

@@ -31,7 +31,8 @@
 #   spec MODEL    speculation off / auto / ngram: three warm daemons
 #                 (SPEC_DAEMONS=one: one, the mode per request),
 #                 scripts/bench.d/speculative_bench.py with MODEL for the
-#                 code rows and SmolLM2 for the quotation and chat rows
+#                 code rows (CODE_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf:
+#                 real weights there too) and SmolLM2 for the quotation and chat rows
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
 #   epart N       copy all-MiniLM-L6-v2 (real weights) part N (0, 1, 2): carry
 #                 .dev/rs/eN beside a step that carries little (bursts, ab)
@@ -196,7 +197,7 @@ spec)
     done
   fi
   ONLY=${ONLY:-alone,batched,long,draft} DRAFT_TARGET=$1-4bit DRAFTS=qwen2.5-0.5b-4bit \
-  CODE_MODEL=$1-4bit SMALL_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf timeout ${SPEC_TIMEOUT:-560} \
+  CODE_MODEL=${CODE_MODEL:-$1-4bit} SMALL_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf timeout ${SPEC_TIMEOUT:-560} \
     $PY scripts/bench.d/speculative_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/spec-$1.txt"
   for h in $(printf '%s\n' "${hs[@]}" | sort -u); do
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps

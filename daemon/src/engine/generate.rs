@@ -318,20 +318,31 @@ pub fn begin(
         None => Vec::new(),
     };
     let kv = kv_quantization(&model, ctx.model_name, request.kv, ctx.kv_default)?;
-    // A quantized cache's blocks are not kept in the prompt cache (whose
-    // blocks are full precision): its prompt is computed.
     let adapter = ctx.adapter.take();
-    // Under an adapter, prefixes are its own (its fingerprint in the root).
+    // Under an adapter, prefixes are its own (its fingerprint in the root);
+    // a quantized cache's are stored quantized, under a root of their own.
     let root = model.kv_root.map(|root| match &adapter {
         Some(a) => prompt_cache::adapted_root(&root, &a.fingerprint),
         None => root,
     });
-    let keys = root
-        .filter(|_| kv.is_none())
-        .map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
+    let root = root.map(|root| match &kv {
+        Some(q) => prompt_cache::quantized_root(&root, q),
+        None => root,
+    });
+    let keys = root.map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
+    // The blocks read while the prompt was tokenized are the full-precision
+    // root's: a quantized cache reads its own here.
+    let stored = if kv.is_some() { None } else { stored };
     let reuse = keys.as_ref().and_then(|k| {
         let stored = stored.unwrap_or_else(|| ctx.prompts.read_stored_here(k));
-        ctx.prompts.lookup(k, stored, &model.kv_shapes, model.kv_block_bytes_per_position, &model.state_layout)
+        ctx.prompts.lookup(
+            k,
+            stored,
+            &model.kv_shapes,
+            model.kv_block_bytes_per_position,
+            &model.state_layout,
+            kv.map(|q| (q, model.kv_dtype)),
+        )
     });
     // A split model's other ranks restore the same prefix from their own
     // stores, or it is computed.

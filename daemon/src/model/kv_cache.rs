@@ -343,6 +343,28 @@ impl KvCache {
         Self { layers, offset: positions, ..Self::new(0) }
     }
 
+    /// A one-row cache of `positions` quantized positions from the prompt
+    /// cache's blocks joined (`layers`: per layer, keys and values as 16-bit
+    /// words `[1, heads, positions, width]`, [`Self::positions`]), each cut
+    /// back into its packed values, scales and biases (`scales`: their
+    /// dtype, the cache's own) for `shapes` and `q`.
+    pub fn from_quantized_prefix(
+        layers: Vec<(Array, Array)>,
+        positions: i32,
+        shapes: &[(i32, i32)],
+        q: KvQuantization,
+        scales: mlx_rs::Dtype,
+    ) -> Result<Self> {
+        anyhow::ensure!(layers.len() == shapes.len(), "{} layers of blocks for {} layers", layers.len(), shapes.len());
+        let mut slots = Vec::with_capacity(layers.len());
+        for ((k, v), &(heads, dims)) in layers.into_iter().zip(shapes) {
+            let mut parts = from_words(&k, heads, dims, q.key_bits, q.group_size, scales)?;
+            parts.extend(from_words(&v, heads, dims, q.bits, q.group_size, scales)?);
+            slots.push(Some(parts));
+        }
+        Ok(Self { layers: slots, offset: positions, quantization: Some(q), ..Self::new(0) })
+    }
+
     /// Per layer, its keys' `(heads, head_dim)`; empty until every layer
     /// holds some (Gemma 4's full layers are wider than its sliding ones).
     pub fn kv_shapes(&self) -> KvShapes {
@@ -375,10 +397,22 @@ impl KvCache {
         let mut parts = Vec::with_capacity(2 * self.layers.len());
         for slot in &self.layers {
             let kv = slot.as_ref().ok_or_else(|| anyhow::anyhow!("a layer holds nothing"))?;
-            anyhow::ensure!(kv.len() == 2, "quantized keys and values are not stored as blocks");
-            parts.push(kv[0].index((r..r + 1, .., a..b, ..)));
-            parts.push(kv[1].index((r..r + 1, .., a..b, ..)));
+            match kv.len() {
+                2 => {
+                    parts.push(kv[0].index((r..r + 1, .., a..b, ..)));
+                    parts.push(kv[1].index((r..r + 1, .., a..b, ..)));
+                }
+                6 => {
+                    parts.push(as_words(&kv[..3], r, a, b)?);
+                    parts.push(as_words(&kv[3..], r, a, b)?);
+                }
+                n => anyhow::bail!("a layer of {n} parts"),
+            }
         }
+        anyhow::ensure!(
+            parts.iter().all(|p| p.dtype() == parts[0].dtype()),
+            "a cache whose layers are partly quantized is not stored as blocks"
+        );
         let heads = parts.iter().map(|p| p.shape()[1]).max().unwrap_or(0);
         let dims = parts.iter().map(|p| p.shape()[3]).max().unwrap_or(0);
         for p in parts.iter_mut() {
@@ -869,6 +903,64 @@ fn grown(buf: Array, kept: i32, end: i32) -> Result<Array> {
 /// Per KV slot, `(heads, head_dim)`.
 pub type KvShapes = Vec<(i32, i32)>;
 
+/// One quantized tensor's packed values, scales and biases (`[B, heads,
+/// positions, *]` each) at positions `a..b` of row `r`, side by side as
+/// 16-bit words `[1, heads, b - a, width]`: one dtype, so a quantized
+/// cache's block is one array, as a full-precision one is.
+fn as_words(parts: &[Array], r: i32, a: i32, b: i32) -> Result<Array> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let words = parts
+        .iter()
+        .map(|p| p.index((r..r + 1, .., a..b, ..)).contiguous()?.view::<u16>())
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(mlx_rs::ops::concatenate(&words, 3)?)
+}
+
+/// 16-bit words one scale (or bias) of dtype `d` takes: the cache's float
+/// dtypes, 2 for f32 and 1 for f16 and bf16.
+fn scale_words(d: mlx_rs::Dtype) -> i32 {
+    if d == mlx_rs::Dtype::Float32 {
+        2
+    } else {
+        1
+    }
+}
+
+/// [`as_words`] undone for a tensor of `heads` x `dims` values of `bits`
+/// bits in groups of `group`, its scales and biases of dtype `scales`
+/// (`words` may be wider: the block's widest layer sets its width).
+fn from_words(
+    words: &Array,
+    heads: i32,
+    dims: i32,
+    bits: i32,
+    group: i32,
+    scales: mlx_rs::Dtype,
+) -> Result<Vec<Array>> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let packed = dims * bits / 16;
+    let per_scale = scale_words(scales);
+    let side = dims / group * per_scale;
+    anyhow::ensure!(words.shape()[3] >= packed + 2 * side, "a quantized block narrower than its layer");
+    let cut = |from: i32, to: i32| words.index((.., ..heads, .., from..to)).contiguous();
+    Ok(vec![
+        cut(0, packed)?.view::<u32>()?,
+        cut(packed, packed + side)?.view_dtype(scales)?,
+        cut(packed + side, packed + 2 * side)?.view_dtype(scales)?,
+    ])
+}
+
+/// Bytes one position of a quantized block takes ([`KvCache::positions`] of
+/// a cache quantized as `q`, its scales of dtype `scales`): keys and values
+/// of every layer as 16-bit words, padded to the widest.
+pub fn quantized_block_bytes_per_position(shapes: &[(i32, i32)], q: KvQuantization, scales: mlx_rs::Dtype) -> u64 {
+    let per_scale = scale_words(scales);
+    let width = |dims: i32, bits: i32| dims * bits / 16 + 2 * (dims / q.group_size) * per_scale;
+    let widest = shapes.iter().map(|&(_, d)| width(d, q.key_bits).max(width(d, q.bits))).max().unwrap_or(0);
+    let heads = shapes.iter().map(|&(h, _)| h).max().unwrap_or(0);
+    (2 * shapes.len()) as u64 * heads as u64 * widest as u64 * 2
+}
+
 /// The shapes and dtypes of one row's recurrent states, slot by slot (what
 /// [`flatten_states`] writes and [`unflatten_states`] reads back).
 pub type StateLayout = Vec<Option<Vec<(Vec<i32>, mlx_rs::Dtype)>>>;
@@ -1137,5 +1229,47 @@ mod kv_cache_tests {
         let mut trimmed = both.clone();
         trimmed.keep_rows(&[1]).unwrap();
         assert_eq!(trimmed.offset, 4);
+    }
+
+    /// A quantized cache's positions stored as a block (16-bit words) and
+    /// read back give every layer's packed values, scales and biases
+    /// exactly, for f32 and f16 caches, keys of other bits than values, and
+    /// layers of different head counts (the block padded to the widest);
+    /// the block's bytes are what the prompt cache checks a disk block by.
+    #[test]
+    fn quantized_positions_stored_as_blocks_come_back_exactly() {
+        for dtype in [mlx_rs::Dtype::Float32, mlx_rs::Dtype::Float16] {
+            let q = KvQuantization { bits: 4, key_bits: 8, group_size: 32, start: 0, rotate: true };
+            let step = |seed: f32, heads: i32, n: i32| {
+                let v: Vec<f32> = (0..heads * n * 64).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
+                Array::from_slice(&v, &[1, heads, n, 64]).as_dtype(dtype).unwrap()
+            };
+            let mut cache = KvCache::new(2);
+            cache.quantization = Some(q);
+            for (i, n) in [(0.0, 3), (1.0, 5)] {
+                for (layer, heads) in [(0, 2), (1, 4)] {
+                    let _ =
+                        cache.update_view(layer, step(i + layer as f32, heads, n), step(i - 1.0, heads, n)).unwrap();
+                }
+                cache.offset += n;
+            }
+            assert!(cache.is_quantized());
+            let shapes = vec![(2, 64), (4, 64)];
+            let block = cache.positions(0, 2, 7).unwrap();
+            assert_eq!(block.dtype(), mlx_rs::Dtype::Uint16);
+            assert_eq!(block.nbytes() as u64, 5 * quantized_block_bytes_per_position(&shapes, q, dtype));
+            let per_layer = (0..2).map(|l| (block.index(2 * l), block.index(2 * l + 1))).collect();
+            let back = KvCache::from_quantized_prefix(per_layer, 5, &shapes, q, dtype).unwrap();
+            assert_eq!((back.offset, back.quantization), (5, Some(q)));
+            for layer in 0..2 {
+                let (want, got) = (cache.layers[layer].as_ref().unwrap(), back.layers[layer].as_ref().unwrap());
+                assert_eq!(got.len(), 6);
+                for (w, g) in want.iter().zip(got) {
+                    let w = w.index((.., .., 2..7, ..));
+                    assert_eq!((w.shape(), w.dtype()), (g.shape(), g.dtype()), "layer {layer}");
+                    assert!(w.eq_values(g).unwrap(), "layer {layer} {dtype:?}");
+                }
+            }
+        }
     }
 }

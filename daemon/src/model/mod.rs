@@ -320,6 +320,9 @@ pub struct Model {
     /// padded to one shape: more than `kv_bytes_per_position` when they
     /// differ), measured at warm-up.
     pub kv_block_bytes_per_position: u64,
+    /// The dtype of its keys and values (measured at warm-up): a quantized
+    /// cache's scales and biases have it.
+    pub kv_dtype: mlx_rs::Dtype,
     /// The identity of this model's KV (weights, load form, device), which
     /// the prompt cache's block names start from; `None`: not cached.
     pub kv_root: Option<[u8; 32]>,
@@ -392,6 +395,7 @@ impl Model {
             state_layout: Vec::new(),
             kv_shapes: Vec::new(),
             kv_block_bytes_per_position: 0,
+            kv_dtype: mlx_rs::Dtype::Float32,
             kv_root: None,
             batch_weights: layers::BatchWeights::Packed,
             warm_pending: RefCell::default(),
@@ -499,10 +503,11 @@ impl Model {
         self.kv_bytes_per_position = cache.nbytes() / cache.capacity().max(1) as u64;
         self.state_layout = kv_cache::state_layout(cache.states());
         self.kv_shapes = cache.kv_shapes();
-        self.kv_block_bytes_per_position = match self.kv_shapes.is_empty() {
-            true => 0,
-            false => cache.positions(0, 0, 1)?.nbytes() as u64,
-        };
+        if !self.kv_shapes.is_empty() {
+            let block = cache.positions(0, 0, 1)?;
+            self.kv_block_bytes_per_position = block.nbytes() as u64;
+            self.kv_dtype = block.dtype();
+        }
         Ok(())
     }
 

@@ -28,7 +28,7 @@
 
 pub mod costs;
 
-use crate::model::kv_cache::KvCache;
+use crate::model::kv_cache::{quantized_block_bytes_per_position, KvCache, KvQuantization};
 use lru::LruCache;
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{BlockHash, BlockStore, FeatureDtype, Features, WeightFileIdentity};
@@ -168,6 +168,20 @@ pub fn adapted_root(root: &[u8; 32], adapter: &[u8; 32]) -> [u8; 32] {
     h.update(root);
     h.update(b"lora adapter");
     h.update(adapter);
+    h.finalize().into()
+}
+
+/// A model's prompt-cache root for a KV cache quantized as `q`: its blocks
+/// are stored in that form (16-bit words of packed values, scales and
+/// biases), so the bits, group size, start and rotation are all in the
+/// name; a full-precision prefix is not one of them, nor one of other bits.
+pub fn quantized_root(root: &[u8; 32], q: &KvQuantization) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(root);
+    h.update(b"quantized kv");
+    for v in [q.bits, q.key_bits, q.group_size, q.start, i32::from(q.rotate)] {
+        h.update(v.to_le_bytes());
+    }
     h.finalize().into()
 }
 
@@ -485,7 +499,7 @@ impl PromptCache {
     /// restores when rank 0 found the prefix in its own store.
     pub fn restore(&mut self, keys: &PromptKeys, layout: &KvLayout) -> Option<Reuse> {
         let stored = self.read_stored_here(keys);
-        self.lookup(keys, stored, &layout.kv_shapes, layout.bytes_per_position, &layout.states)
+        self.lookup(keys, stored, &layout.kv_shapes, layout.bytes_per_position, &layout.states, None)
     }
 
     /// False when both tiers are off (no RAM budget, no disk): then nothing
@@ -531,8 +545,14 @@ impl PromptCache {
         kv_shapes: &[(i32, i32)],
         bytes_per_position: u64,
         state_layout: &crate::model::kv_cache::StateLayout,
+        quantized: Option<(KvQuantization, Dtype)>,
     ) -> Option<Reuse> {
         let layers = kv_shapes.len();
+        // A quantized cache's blocks are 16-bit words (KvCache::positions).
+        let (bytes_per_position, block_dtype) = match quantized {
+            Some((q, scales)) => (quantized_block_bytes_per_position(kv_shapes, q, scales), Dtype::Uint16),
+            None => (bytes_per_position, Dtype::Float32),
+        };
         if !self.is_on() {
             return None;
         }
@@ -613,7 +633,10 @@ impl PromptCache {
                 // that passed its checksum may still be someone else's).
                 let fits = |a: &Array| {
                     let s = a.shape();
-                    s.len() == 5
+                    // Of the form asked for: a full-precision block is a
+                    // miss for a quantized cache, and the other way round.
+                    (a.dtype() == Dtype::Uint16) == (block_dtype == Dtype::Uint16)
+                        && s.len() == 5
                         && s[0] as usize == 2 * layers
                         && s[1] == 1
                         && s[3] as usize == positions
@@ -633,7 +656,15 @@ impl PromptCache {
             // A block of the run could not be used: its states are not these.
             return None;
         }
-        let mut cache = assemble(&pieces, kv_shapes).ok()?;
+        // RAM blocks too must be of the asked form (a quantized request's
+        // root differs, so only a damaged index could mix them).
+        if pieces.iter().any(|p| (p.dtype() == Dtype::Uint16) != quantized.is_some()) {
+            return None;
+        }
+        let mut cache = match quantized {
+            Some((q, scales)) => assemble_quantized(&pieces, kv_shapes, q, scales).ok()?,
+            None => assemble(&pieces, kv_shapes).ok()?,
+        };
         if let Some(states) = state {
             cache.set_states(states);
         }
@@ -764,11 +795,25 @@ fn assemble(pieces: &[Array], shapes: &[(i32, i32)]) -> anyhow::Result<KvCache> 
     Ok(KvCache::from_prefix(per_layer, whole.shape()[3], shapes))
 }
 
+/// [`assemble`] for a quantized cache's blocks (16-bit words).
+fn assemble_quantized(
+    pieces: &[Array],
+    shapes: &[(i32, i32)],
+    q: KvQuantization,
+    scales: Dtype,
+) -> anyhow::Result<KvCache> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let whole = if pieces.len() == 1 { pieces[0].clone() } else { mlx_rs::ops::concatenate(pieces, 3)? };
+    let per_layer = (0..shapes.len() as i32).map(|l| (whole.index(2 * l), whole.index(2 * l + 1))).collect();
+    KvCache::from_quantized_prefix(per_layer, whole.shape()[3], shapes, q, scales)
+}
+
 fn feature_dtype(d: Dtype) -> Option<FeatureDtype> {
     Some(match d {
         Dtype::Float32 => FeatureDtype::F32,
         Dtype::Float16 => FeatureDtype::F16,
         Dtype::Bfloat16 => FeatureDtype::BF16,
+        Dtype::Uint16 => FeatureDtype::U16,
         _ => return None,
     })
 }
@@ -780,6 +825,7 @@ fn to_features(a: &Array) -> Option<Features> {
         FeatureDtype::F32 => bytes_of(a.as_slice::<f32>()),
         FeatureDtype::F16 => bytes_of(a.as_slice::<half::f16>()),
         FeatureDtype::BF16 => bytes_of(a.as_slice::<half::bf16>()),
+        FeatureDtype::U16 => bytes_of(a.as_slice::<u16>()),
     };
     Some(Features { dtype, shape: a.shape().iter().map(|&d| d as u32).collect(), data: bytes.to_vec() })
 }
@@ -790,9 +836,10 @@ trait PlainNumber: Copy {}
 impl PlainNumber for f32 {}
 impl PlainNumber for half::f16 {}
 impl PlainNumber for half::bf16 {}
+impl PlainNumber for u16 {}
 
 fn bytes_of<T: PlainNumber>(values: &[T]) -> &[u8] {
-    // SAFETY: plain floating-point elements (`PlainNumber`), no padding; the bytes are
+    // SAFETY: plain numeric elements (`PlainNumber`), no padding; the bytes are
     // read (little-endian machine, as the stored format says) while
     // `values` is borrowed.
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
@@ -803,6 +850,7 @@ fn to_array(f: &Features) -> Option<Array> {
         FeatureDtype::F32 => Dtype::Float32,
         FeatureDtype::F16 => Dtype::Float16,
         FeatureDtype::BF16 => Dtype::Bfloat16,
+        FeatureDtype::U16 => Dtype::Uint16,
     };
     let shape: Vec<i32> = f.shape.iter().map(|&d| d as i32).collect();
     if shape.len() != 5 {
@@ -837,7 +885,7 @@ mod tests {
             read_s: 0.0,
         };
         let per_position = bytes / BLOCK_TOKENS as u64;
-        let reuse = cache.lookup(&keys, stored, &[(1, 2)], per_position, &Vec::new()).expect("all three blocks");
+        let reuse = cache.lookup(&keys, stored, &[(1, 2)], per_position, &Vec::new(), None).expect("all three blocks");
         assert_eq!((reuse.ram_tokens, reuse.disk_tokens), (2 * BLOCK_TOKENS, BLOCK_TOKENS));
         assert_eq!(reuse.cache.offset, 3 * BLOCK_TOKENS as i32);
     }

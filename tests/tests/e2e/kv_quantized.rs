@@ -73,10 +73,16 @@ async fn quantized_kv_caches_match_mlx_lm_alone_and_batched() {
     let (smol, tiny) = (fixture("mlx/smollm2-mlx"), fixture("mlx/tiny-qwen3"));
     check_weights(&smol, &g["models"]["smollm2-mlx"]);
     check_weights(&tiny, &g["models"]["tiny-qwen3"]);
-    let d = Daemon::start_with(DaemonOptions {
+    let mut d = Daemon::prepare(&DaemonOptions {
         models: vec![("smollm2-mlx", smol), ("tiny-qwen3", tiny), (SMOLLM2, fixture(&format!("models/{SMOLLM2}")))],
         args: vec![],
     });
+    // Every prompt computed, as mlx-lm computes it: a prefix reused from the
+    // prompt cache is quantized already, so the prompt's tail attends to
+    // quantized keys where a cold prefill attends to full-precision ones
+    // (tests/tests/e2e/prompt_cache.rs covers reuse).
+    std::fs::write(d.home.path().join("config.toml"), "prompt_cache_ram_mib = 0\nprompt_cache_mib = 0\n").unwrap();
+    d.spawn(&[]);
     // One at a time first (each alone in its batch), then all at once.
     let cases = g["models"]["smollm2-mlx"]["cases"].as_array().unwrap();
     for (i, case) in cases.iter().enumerate().filter(|(_, c)| !c["kv"].is_null()) {

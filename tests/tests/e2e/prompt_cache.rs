@@ -189,3 +189,38 @@ async fn blocks_stored_from_a_batched_prefill_give_the_ids_a_cold_prefill_gives(
         assert_eq!(got.token_ids, want.token_ids, "{q}: ids differ");
     }
 }
+
+/// A quantized KV cache's prefixes are cached in that form (issue 39): the
+/// same 8-bit prompt again reuses its blocks from RAM, and after a restart
+/// from disk, with the answer of the first (computed) ask; a prefix cached
+/// at another setting (4 bits, full precision) is a miss, either way round.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_quantized_cache_reuses_its_own_prefixes_and_no_other_forms() {
+    use mlxbc_client::KvCacheSpec;
+    let mut d = daemon(true);
+    let with_kv = |bits: Option<u8>| {
+        let mut r = chat(SMOLLM2, &[("What is rule 3?", "Rule 3 names the number 3.")], "And rule 9?");
+        r.kv = KvCacheSpec { bits, ..Default::default() };
+        r
+    };
+    let (_, first) = ask_ok(&d, with_kv(Some(8))).await;
+    assert_eq!(first.prefix_tokens_reused, 0, "nothing cached yet");
+    let (_, again) = ask_ok(&d, with_kv(Some(8))).await;
+    assert!(again.prefix_tokens_reused >= 128, "the 8-bit prefix from RAM: {again:?}");
+    assert_eq!(again.prefill_tokens_computed + again.prefix_tokens_reused, again.prompt_tokens);
+    assert_eq!(again.token_ids, first.token_ids, "8-bit blocks reused answer as computed ones");
+    let (_, four) = ask_ok(&d, with_kv(Some(4))).await;
+    assert_eq!(four.prefix_tokens_reused, 0, "8-bit blocks are not 4-bit ones: {four:?}");
+    let (_, full) = ask_ok(&d, with_kv(None)).await;
+    assert_eq!(full.prefix_tokens_reused, 0, "quantized blocks are not full precision: {full:?}");
+    let (_, full_again) = ask_ok(&d, with_kv(None)).await;
+    assert!(full_again.prefix_tokens_reused >= 128, "{full_again:?}");
+    let (_, eight) = ask_ok(&d, with_kv(Some(8))).await;
+    assert!(eight.prefix_tokens_reused >= 128, "full-precision blocks did not displace 8-bit ones: {eight:?}");
+
+    d.terminate();
+    d.spawn(&[]);
+    let (_, from_disk) = ask_ok(&d, with_kv(Some(8))).await;
+    assert!(from_disk.prompt_tokens_from_disk >= 128, "8-bit blocks from disk after the restart: {from_disk:?}");
+    assert_eq!(from_disk.token_ids, first.token_ids, "{}", d.log_text());
+}
