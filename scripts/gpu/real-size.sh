@@ -42,6 +42,8 @@
 #   launch        scripts/gpu/launch_costs.py: what one MLX operation costs
 #                 the host per kind (packed and dense matmuls, attention with
 #                 and without a mask, a custom kernel), after `install`
+#   qmm           scripts/gpu/qmm_rows.py: an 8B step's projections by rows,
+#                 packed as a decode batch gives them (3-D), flattened, dense
 #   views         scripts/gpu/split_views_check.py: which operations read a
 #                 fused projection's parts right as views (no copies)
 #   kv MODEL      a TOKENS-long prompt (32,768) with the KV cache at full
@@ -232,6 +234,8 @@ PYEOF
   REFERENCE=none timeout ${EMBED_TIMEOUT:-300} $PY scripts/bench.d/embed_bench.py http://127.0.0.1:18082 ${ROUNDS:-3} \
     /tmp/emodels/all-MiniLM-L6-v2 /tmp/emodels/minilm-cross-encoder 2>&1 | tee $OUT/embed.md
   kill $pid; wait $pid 2>/dev/null ;;
+qmm) # an 8B step's projections by rows: packed 3-D, packed 2-D, dense (qmm_rows.py)
+  timeout 400 $PY "$repo/scripts/gpu/qmm_rows.py" ${ROWS_LIST:-1,2,4,8,16,32,64} 2>&1 | tee "$OUT/qmm-rows.txt" ;;
 views) # which consumers of a fused projection's parts read them right as views (split_views_check.py)
   timeout 200 $PY "$repo/scripts/gpu/split_views_check.py" 2>&1 | tee "$OUT/split-views.txt" ;;
 launch)

@@ -109,6 +109,13 @@ pub trait LanguageModel {
         None
     }
 
+    /// The dense weight `[out, in]` and bias of decoder layer `layer`'s
+    /// projection `which` (`model::lora::PROJECTIONS` order), for a DoRA
+    /// adapter's factors; families without adapters have none.
+    fn projection_weight(&self, layer: usize, which: usize) -> Result<(Array, Option<Array>)> {
+        anyhow::bail!("{} has no projection {which} in layer {layer} to adapt", self.architecture())
+    }
+
     /// True when its attention reads quantized keys and values
     /// (`KvCache::update_view`): its sequences may keep their KV cache
     /// quantized (`kv_bits`).

@@ -35,8 +35,10 @@ impl LayerNorm {
 /// chunk): chosen per model at load, applied per step by row count
 /// ([`Quantized::matmul`]).
 ///
-/// MLX's CUDA quantized matmul does not batch: on an H200 an 8B-shaped
-/// step's projections cost 5.7 ms for one row and 190 ms for 64, while the
+/// MLX's CUDA quantized matmul does not batch a decode batch's 3-D input
+/// (`[rows, 1, in]`; flattened it does, [`Quantized::packed_matmul`]): on an
+/// H200 an 8B-shaped step's projections cost 5.7 ms for one row and 190
+/// ms for 64 as 3-D inputs, while the
 /// same weights dense cost 5-6.5 ms at any row count, and the packed
 /// weights expanded inside the step a flat ~20 ms
 /// (docs/measurements/gpu-2026-12-04-quantized-matmul-by-rows.md,
@@ -84,24 +86,6 @@ impl BatchWeights {
 /// packed matmul (H200: 20.4 ms against 17.7 at four rows, 28.5 at eight).
 pub const EXPAND_FROM_ROWS: i32 = 6;
 
-/// How a step of several rows multiplies by a dense matrix on CUDA.
-///
-/// MLX 0.32 hands a dense matmul of more than one row to cuBLASLt and, for
-/// every call, builds its descriptors and asks `cublasLtMatmulAlgoGetHeuristic`
-/// for an algorithm: host work on the thread that launches the step, which
-/// a host-bound batched step pays ~145 times (36 layers of the 8B shape, 4
-/// projections each, and the head). `gather_mm` with every row picking the
-/// one matrix (sorted indices) runs MLX's grouped GEMM instead, which asks
-/// nothing per call (`MLXBC_BATCH_MATMUL`, read at start).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum BatchMatmul {
-    /// `x @ W^T` (cuBLASLt for more than one row).
-    #[default]
-    Cublas,
-    /// `gather_mm` over one matrix for steps of more than one row.
-    Gather,
-}
-
 /// How the parts of a fused projection (q/k/v, gate/up) reach their
 /// consumers in steps of more than one row: copied each (the safe way:
 /// MLX 0.32.2's CUDA rope misread such views, [`FusedLinear::forward_adding`]),
@@ -116,43 +100,19 @@ pub enum SplitParts {
     Views,
 }
 
-static GATHER_MATMUL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 static SPLIT_VIEWS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static FLAT_QMM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Sets how batched steps multiply and split (at start, before any model loads).
-pub fn configure(matmul: BatchMatmul, split: SplitParts) {
-    GATHER_MATMUL.store(matmul == BatchMatmul::Gather, std::sync::atomic::Ordering::Relaxed);
+/// Sets how batched steps split fused projections (at start, before any
+/// model loads; a packed matmul of several rows is flattened on CUDA).
+pub fn configure(split: SplitParts) {
+    FLAT_QMM.store(crate::model::options::cuda_available(), std::sync::atomic::Ordering::Relaxed);
     SPLIT_VIEWS.store(split == SplitParts::Views, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether fused projections hand their parts on as views ([`SplitParts::Views`]).
 pub fn split_parts_as_views() -> bool {
     SPLIT_VIEWS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// `x W^T` for a dense `weight` `[out, in]`: through `gather_mm` when
-/// [`BatchMatmul::Gather`] is set and `x` has more than one row, else `x @ W^T`.
-pub fn dense_matmul(x: &Array, weight: &Array) -> Result<Array> {
-    let shape = x.shape();
-    let rows: i32 = shape[..shape.len().saturating_sub(1)].iter().product();
-    if rows <= 1 || !GATHER_MATMUL.load(std::sync::atomic::Ordering::Relaxed) {
-        return Ok(x.matmul(weight.t())?);
-    }
-    gather_rows(x, weight)
-}
-
-/// `x W^T` through `gather_mm`, each of `x`'s rows a batch entry of its own.
-fn gather_rows(x: &Array, weight: &Array) -> Result<Array> {
-    let shape = x.shape();
-    let rows: i32 = shape[..shape.len() - 1].iter().product();
-    let k = shape[shape.len() - 1];
-    // Every row `[1, in]` is its own batch entry picking matrix 0: MLX's
-    // sorted-index path for one-row entries (one grouped GEMM).
-    let picks = Array::zeros::<u32>(&[rows])?;
-    let y = ops::gather_mm(x.reshape(&[rows, 1, k])?, weight.t().expand_dims(0)?, None, &picks, true)?;
-    let mut out_shape = shape[..shape.len() - 1].to_vec();
-    out_shape.push(-1);
-    Ok(y.reshape(&out_shape)?)
 }
 
 /// MLX affine quantization of a weight matrix (`weight` packed in uint32).
@@ -209,10 +169,28 @@ impl Quantized {
         }
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
         Ok(match (&self.dense, self.batch) {
-            (Some(dense), _) => dense_matmul(x, dense)?,
-            (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => dense_matmul(x, &self.dequantize()?)?,
-            _ => ops::quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, self.group_size, self.bits)?,
+            (Some(dense), _) => x.matmul(dense.t())?,
+            (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => x.matmul(self.dequantize()?.t())?,
+            _ => self.packed_matmul(x, rows)?,
         })
+    }
+
+    /// MLX's quantized matmul over the packed weights. On CUDA a decode
+    /// batch's `[rows, 1, in]` is flattened to `[rows, in]` first: MLX
+    /// 0.32.2 runs a 3-D input as `rows` matrix-vector products, each
+    /// reading every weight (cost linear in rows), and a 2-D one as one
+    /// matrix product (scripts/gpu/qmm_rows.py).
+    fn packed_matmul(&self, x: &Array, rows: i32) -> Result<Array> {
+        let qmm = |x: &Array| {
+            ops::quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, self.group_size, self.bits)
+        };
+        let shape = x.shape();
+        if shape.len() <= 2 || rows <= 1 || !FLAT_QMM.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(qmm(x)?);
+        }
+        let mut out = shape[..shape.len() - 1].to_vec();
+        out.push(-1);
+        Ok(qmm(&x.reshape(&[rows, shape[shape.len() - 1]])?)?.reshape(&out)?)
     }
 
     /// The arrays that hold it (the dense copy too).
@@ -240,7 +218,7 @@ impl Linear {
     /// Applies the projection to the last axis of `x`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Linear::Dense { weight, bias: None } => dense_matmul(x, weight)?,
+            Linear::Dense { weight, bias: None } => x.matmul(weight.t())?,
             Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, weight.t(), None, None)?,
             Linear::Quantized { q, bias } => {
                 let y = q.matmul(x)?;
@@ -249,6 +227,18 @@ impl Linear {
                     None => y,
                 }
             }
+        })
+    }
+
+    /// Its weight `[out, in]`, dense (a quantized one's dense copy, or
+    /// dequantized), and its bias.
+    pub fn dense_weight(&self) -> Result<(Array, Option<Array>)> {
+        Ok(match self {
+            Linear::Dense { weight, bias } => (weight.clone(), bias.clone()),
+            Linear::Quantized { q, bias } => match &q.dense {
+                Some(d) => (d.clone(), bias.clone()),
+                None => (q.dequantize()?, bias.clone()),
+            },
         })
     }
 
@@ -311,15 +301,15 @@ impl FusedLinear {
         self.forward_adding(x, None)
     }
 
-    /// As [`Self::forward`], with `delta` (the parts' outputs side by side,
-    /// as a LoRA adapter's group update gives them) added: to the fused
-    /// output before it is split, or part by part.
-    pub fn forward_adding(&self, x: &Array, delta: Option<Array>) -> Result<Vec<Array>> {
+    /// As [`Self::forward`], with `update` (a LoRA or DoRA adapter's for the
+    /// group: the parts' outputs side by side) applied: to the fused output
+    /// before it is split, or part by part.
+    pub fn forward_adding(&self, x: &Array, update: Option<crate::model::lora::Update>) -> Result<Vec<Array>> {
         match self {
             FusedLinear::Fused { linear, splits } => {
                 let y = linear.forward(x)?;
-                let y = match delta {
-                    Some(d) => y.add(d)?,
+                let y = match update {
+                    Some(u) => u.apply(&y)?,
                     None => y,
                 };
                 let parts = y.split_at_indices(splits, -1)?;
@@ -343,9 +333,27 @@ impl FusedLinear {
             }
             FusedLinear::Separate(parts) => {
                 let ys: Vec<Array> = parts.iter().map(|p| p.forward(x)).collect::<Result<_>>()?;
-                let Some(d) = delta else { return Ok(ys) };
-                let ds = d.split_at_indices(&split_points(parts), -1)?;
-                Ok(ys.iter().zip(&ds).map(|(y, d)| y.add(d)).collect::<std::result::Result<_, _>>()?)
+                let Some(u) = update else { return Ok(ys) };
+                let us = u.split(&split_points(parts))?;
+                Ok(ys.iter().zip(&us).map(|(y, u)| u.apply(y)).collect::<std::result::Result<_, _>>()?)
+            }
+        }
+    }
+
+    /// Part `index`'s weight `[out, in]`, dense (dequantized), and its bias.
+    pub fn part_weight(&self, index: usize) -> Result<(Array, Option<Array>)> {
+        use mlx_rs::ops::indexing::IndexOp;
+        match self {
+            FusedLinear::Fused { linear, splits } => {
+                let (w, b) = linear.dense_weight()?;
+                let ends: Vec<i32> = splits.iter().copied().chain([w.shape()[0]]).collect();
+                anyhow::ensure!(index < ends.len(), "part {index} of {}", ends.len());
+                let from = if index == 0 { 0 } else { ends[index - 1] };
+                let to = ends[index];
+                Ok((w.index((from..to, ..)), b.map(|b| b.index(from..to))))
+            }
+            FusedLinear::Separate(parts) => {
+                parts.get(index).ok_or_else(|| anyhow::anyhow!("part {index} of {}", parts.len()))?.dense_weight()
             }
         }
     }
@@ -571,18 +579,6 @@ mod tests {
         let cut = dense.with_parts(q.weight.clone(), q.scales.clone(), q.biases.clone()).unwrap();
         assert_eq!(cut.batch, BatchWeights::Dense);
         assert_eq!(cut.dense.as_ref().unwrap().shape(), &[96, 64]);
-    }
-
-    #[test]
-    fn gathered_rows_equal_the_matmul() {
-        let w = mlx_rs::random::normal::<f32>(&[48, 32], None, None, None).unwrap();
-        for shape in [[16, 1, 32], [1, 7, 32], [3, 5, 32]] {
-            let x = mlx_rs::random::normal::<f32>(&shape, None, None, None).unwrap();
-            let (got, want) = (gather_rows(&x, &w).unwrap(), x.matmul(w.t()).unwrap());
-            assert_eq!(got.shape(), want.shape());
-            let err = got.subtract(&want).unwrap().abs().unwrap().max(None).unwrap().item_cast::<f32>();
-            assert!(err < 1e-4, "{shape:?}: {err}");
-        }
     }
 
     #[test]

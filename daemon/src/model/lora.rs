@@ -5,8 +5,13 @@
 //! `num_layers` and `keys`), served on a resident base model: a projection
 //! `y = x Wᵀ` of an adapted module becomes `y + scale · (x A) B`, as
 //! mlx-lm's `LoRALinear` computes it, so one base model serves many
-//! fine-tunes, rows of several in one batch ([`RowAdapters`]). A fused adapter (`mlx_lm fuse` output) is a plain model
-//! directory and needs none of this.
+//! fine-tunes, rows of several in one batch ([`RowAdapters`]). DoRA
+//! adapters (`fine_tune_type: dora`, a magnitude `m` per adapted
+//! projection) also rescale each output feature by `m / ‖W + scale · Bᵀ Aᵀ‖`
+//! over the feature's weights, as mlx-lm's `DoRALinear` does; that factor
+//! depends only on the weights, so it is computed once, at load. A fused
+//! adapter (`mlx_lm fuse` output) is a plain model directory and needs none
+//! of this.
 
 use anyhow::{bail, Context, Result};
 use mlx_rs::Array;
@@ -25,11 +30,58 @@ pub const PROJECTIONS: [&str; 7] = [
     "mlp.down_proj",
 ];
 
-/// One adapted projection: `scale · (x A) B`.
+/// One adapted projection: `scale · (x A) B`, and for DoRA its outputs'
+/// magnitudes `m`.
 struct LowRank {
     a: Array,
     b: Array,
     scale: f32,
+    magnitude: Option<Array>,
+}
+
+/// A base projection's weight `[out, in]` (dense, dequantized) and bias, by
+/// layer and [`PROJECTIONS`] index: what a DoRA adapter's factors are
+/// computed from.
+pub type BaseWeights<'a> = &'a dyn Fn(usize, usize) -> Result<(Array, Option<Array>)>;
+
+/// What an adapter does to a group's (fused) output `y`:
+/// `(y + delta) ⊙ rescale + shift` (DoRA's factors, and its bias kept out
+/// of the rescaling: `shift = (1 - rescale) ⊙ bias`; plain LoRA adds only).
+pub struct Update {
+    pub delta: Array,
+    pub rescale: Option<Array>,
+    pub shift: Option<Array>,
+}
+
+impl Update {
+    /// The update applied to `y`.
+    pub fn apply(&self, y: &Array) -> Result<Array, mlx_rs::error::Exception> {
+        let mut y = y.add(&self.delta)?;
+        if let Some(f) = &self.rescale {
+            y = y.multiply(f.as_dtype(y.dtype())?)?;
+        }
+        if let Some(s) = &self.shift {
+            y = y.add(s.as_dtype(y.dtype())?)?;
+        }
+        Ok(y)
+    }
+
+    /// Cut at `points` of the last axis (a group's parts, kept separate).
+    pub fn split(&self, points: &[i32]) -> Result<Vec<Update>, mlx_rs::error::Exception> {
+        let cut = |a: &Array| a.split_at_indices(points, -1);
+        let deltas = cut(&self.delta)?;
+        let rescales = self.rescale.as_ref().map(cut).transpose()?;
+        let shifts = self.shift.as_ref().map(cut).transpose()?;
+        Ok(deltas
+            .into_iter()
+            .enumerate()
+            .map(|(i, delta)| Update {
+                delta,
+                rescale: rescales.as_ref().map(|r| r[i].clone()),
+                shift: shifts.as_ref().map(|s| s[i].clone()),
+            })
+            .collect())
+    }
 }
 
 /// Projections whose updates a family adds as one, in [`PROJECTIONS`]
@@ -65,19 +117,49 @@ impl Group {
 struct GroupUpdate {
     a: Array,
     b: Array,
+    /// DoRA's factors `[Σ out]` (1 where a part is plain LoRA or not adapted).
+    rescale: Option<Array>,
+    /// DoRA's `(1 - rescale) ⊙ bias` `[Σ out]`, for a base with biases.
+    shift: Option<Array>,
 }
 
 impl GroupUpdate {
     /// `group`'s update in a layer whose projections are `adapted` and
     /// shaped `shape` ((in, out) per [`PROJECTIONS`]); `None` when none of
     /// its parts is adapted.
-    fn build(group: Group, adapted: &[Option<LowRank>; 7], shape: &[(i32, i32); 7]) -> Result<Option<GroupUpdate>> {
+    fn build(
+        group: Group,
+        adapted: &[Option<LowRank>; 7],
+        shape: &[(i32, i32); 7],
+        base: &dyn Fn(usize) -> Result<(Array, Option<Array>)>,
+    ) -> Result<Option<GroupUpdate>> {
         let parts = group.parts();
         let total: i32 = parts.iter().map(|&p| shape[p].1).sum();
         let (mut a_parts, mut b_rows) = (Vec::new(), Vec::new());
+        let dora = parts.iter().any(|&p| adapted[p].as_ref().is_some_and(|lr| lr.magnitude.is_some()));
+        let (mut rescales, mut shifts, mut biased) = (Vec::new(), Vec::new(), false);
         let mut offset = 0;
         for &p in parts {
             let out = shape[p].1;
+            if dora {
+                let (factor, bias) = match adapted[p].as_ref().filter(|lr| lr.magnitude.is_some()) {
+                    Some(lr) => {
+                        let (w, bias) = base(p)?;
+                        (dora_factor(lr, &w)?, bias)
+                    }
+                    None => (mlx_rs::ops::ones::<f32>(&[out])?, None),
+                };
+                let shift = match &bias {
+                    Some(b) => {
+                        biased = true;
+                        mlx_rs::ops::subtract(Array::from_f32(1.0), &factor)?
+                            .multiply(b.as_dtype(mlx_rs::Dtype::Float32)?)?
+                    }
+                    None => mlx_rs::ops::zeros::<f32>(&[out])?,
+                };
+                rescales.push(factor);
+                shifts.push(shift);
+            }
             if let Some(lr) = &adapted[p] {
                 let (rank, dtype) = (lr.a.shape()[1], lr.b.dtype());
                 let scaled = lr.b.multiply(Array::from_f32(lr.scale).as_dtype(dtype)?)?;
@@ -97,11 +179,40 @@ impl GroupUpdate {
         if a_parts.is_empty() {
             return Ok(None);
         }
-        let update =
-            GroupUpdate { a: mlx_rs::ops::concatenate(&a_parts, 1)?, b: mlx_rs::ops::concatenate(&b_rows, 0)? };
-        mlx_rs::transforms::eval([&update.a, &update.b])?;
+        let update = GroupUpdate {
+            a: mlx_rs::ops::concatenate(&a_parts, 1)?,
+            b: mlx_rs::ops::concatenate(&b_rows, 0)?,
+            rescale: dora.then(|| mlx_rs::ops::concatenate(&rescales, 0)).transpose()?,
+            shift: biased.then(|| mlx_rs::ops::concatenate(&shifts, 0)).transpose()?,
+        };
+        mlx_rs::transforms::eval(update.arrays())?;
         Ok(Some(update))
     }
+
+    fn arrays(&self) -> Vec<&Array> {
+        [Some(&self.a), Some(&self.b), self.rescale.as_ref(), self.shift.as_ref()].into_iter().flatten().collect()
+    }
+
+    /// Its update for input `x`: `scale · (x A) B` in `x`'s dtype, with DoRA's factors.
+    fn update(&self, x: &Array) -> Result<Update, mlx_rs::error::Exception> {
+        Ok(Update {
+            delta: x.matmul(&self.a)?.matmul(&self.b)?.as_dtype(x.dtype())?,
+            rescale: self.rescale.clone(),
+            shift: self.shift.clone(),
+        })
+    }
+}
+
+/// DoRA's factor per output feature of a projection whose base weight is
+/// `w` `[out, in]`: `m / ‖w + scale · Bᵀ Aᵀ‖` over each feature's weights,
+/// as mlx-lm's `DoRALinear.__call__` computes it (f32).
+fn dora_factor(lr: &LowRank, w: &Array) -> Result<Array> {
+    let m = lr.magnitude.as_ref().context("a DoRA magnitude")?;
+    let f32 = mlx_rs::Dtype::Float32;
+    let scaled_b = lr.b.t().as_dtype(f32)?.multiply(Array::from_f32(lr.scale))?;
+    let adapted = w.as_dtype(f32)?.add(scaled_b.matmul(lr.a.t().as_dtype(f32)?)?)?;
+    let norm = adapted.square()?.sum_axis(1, false)?.sqrt()?;
+    Ok(m.as_dtype(f32)?.divide(&norm)?)
 }
 
 /// A loaded adapter.
@@ -116,6 +227,8 @@ pub struct LoraAdapter {
     /// Bytes of its weights.
     pub bytes: u64,
     pub rank: usize,
+    /// DoRA (magnitudes) rather than plain LoRA.
+    pub dora: bool,
     /// Its updates, by layer then [`Group`].
     groups: Vec<[Option<GroupUpdate>; 4]>,
 }
@@ -134,20 +247,16 @@ impl LoraAdapter {
     /// projections are shaped `shapes`; refuses with a sentence what does
     /// not fit it (another base's shapes or layers, modules it cannot
     /// adapt, DoRA, a full fine-tune).
-    pub fn load(name: &str, dir: &Path, shapes: &ProjectionShapes) -> Result<Self> {
+    pub fn load(name: &str, dir: &Path, shapes: &ProjectionShapes, base: BaseWeights) -> Result<Self> {
         let config_text = std::fs::read_to_string(dir.join("adapter_config.json"))
             .with_context(|| format!("adapter {name}: reading {}/adapter_config.json", dir.display()))?;
         let config: serde_json::Value =
             serde_json::from_str(&config_text).with_context(|| format!("adapter {name}: adapter_config.json"))?;
-        match config.get("fine_tune_type").and_then(|t| t.as_str()).unwrap_or("lora") {
-            "lora" => {}
-            "dora" => bail!(
-                "adapter {name} is DoRA (its magnitudes rescale each output by the adapted weight's norm), which \
-                 is not served yet: fuse it (`mlx_lm fuse --adapter-path {}`) and serve the fused model",
-                dir.display()
-            ),
-            other => bail!("adapter {name} is a {other:?} fine-tune, not LoRA: serve the model it saved"),
-        }
+        let dora = match config.get("fine_tune_type").and_then(|t| t.as_str()).unwrap_or("lora") {
+            "lora" => false,
+            "dora" => true,
+            other => bail!("adapter {name} is a {other:?} fine-tune, not LoRA or DoRA: serve the model it saved"),
+        };
         let p = config.get("lora_parameters").context("adapter_config.json has no lora_parameters")?;
         let scale = p.get("scale").and_then(|s| s.as_f64()).unwrap_or(20.0) as f32;
         let path = dir.join("adapters.safetensors");
@@ -155,18 +264,28 @@ impl LoraAdapter {
             .map_err(|e| anyhow::anyhow!("adapter {name}: reading {}: {e}", path.display()))?;
         let mut layers: Vec<[Option<LowRank>; 7]> = (0..shapes.len()).map(|_| Default::default()).collect();
         let (mut bytes, mut rank) = (0u64, 0usize);
-        let mut pairs: HashMap<String, (Option<Array>, Option<Array>)> = HashMap::new();
+        // Per module: lora_a, lora_b and (DoRA) m.
+        type Parts = (Option<Array>, Option<Array>, Option<Array>);
+        let mut pairs: HashMap<String, Parts> = HashMap::new();
         for (key, array) in weights {
             let (module, leaf) = key.rsplit_once('.').unwrap_or((&key, ""));
             let slot = pairs.entry(module.to_string()).or_default();
             match leaf {
                 "lora_a" => slot.0 = Some(array),
                 "lora_b" => slot.1 = Some(array),
-                _ => bail!("adapter {name}: {key} is not a LoRA weight (lora_a, lora_b)"),
+                "m" if dora => slot.2 = Some(array),
+                _ => bail!(
+                    "adapter {name}: {key} is not a {} weight ({})",
+                    if dora { "DoRA" } else { "LoRA" },
+                    if dora { "lora_a, lora_b, m" } else { "lora_a, lora_b" }
+                ),
             }
         }
-        for (module, pair) in pairs {
-            let (Some(a), Some(b)) = pair else { bail!("adapter {name}: {module} lacks lora_a or lora_b") };
+        for (module, (a, b, magnitude)) in pairs {
+            let (Some(a), Some(b)) = (a, b) else { bail!("adapter {name}: {module} lacks lora_a or lora_b") };
+            if dora && magnitude.is_none() {
+                bail!("adapter {name} is DoRA, but {module} has no magnitude (m)");
+            }
             let Some(rest) = module.strip_prefix("model.layers.") else {
                 bail!("adapter {name} adapts {module}, which is not in a decoder layer: only the layers' projections are served")
             };
@@ -189,8 +308,13 @@ impl LoraAdapter {
                      values to {outputs}: it was trained on another base"
                 );
             }
+            if let Some(m) = &magnitude {
+                if m.shape() != [outputs] {
+                    bail!("adapter {name}: {module}'s magnitude is shaped {:?}, not [{outputs}]", m.shape());
+                }
+            }
             rank = rank.max(sa[1] as usize);
-            layers[layer][which] = Some(LowRank { a, b, scale });
+            layers[layer][which] = Some(LowRank { a, b, scale, magnitude });
         }
         if layers.iter().all(|l| l.iter().all(Option::is_none)) {
             bail!("adapter {name} adapts nothing");
@@ -203,26 +327,27 @@ impl LoraAdapter {
             h.finalize().into()
         };
         let mut groups = Vec::with_capacity(layers.len());
-        for (adapted, shape) in layers.iter().zip(shapes) {
+        for (layer, (adapted, shape)) in layers.iter().zip(shapes).enumerate() {
             let mut slots: [Option<GroupUpdate>; 4] = Default::default();
             for group in GROUPS {
-                slots[group as usize] = GroupUpdate::build(group, adapted, shape)?;
+                slots[group as usize] = GroupUpdate::build(group, adapted, shape, &|p| base(layer, p))
+                    .with_context(|| format!("adapter {name}: layer {layer}"))?;
             }
-            bytes += slots.iter().flatten().map(|g| (g.a.nbytes() + g.b.nbytes()) as u64).sum::<u64>();
+            bytes += slots.iter().flatten().flat_map(GroupUpdate::arrays).map(|a| a.nbytes() as u64).sum::<u64>();
             groups.push(slots);
         }
-        Ok(Self { name: name.to_string(), dir: dir.to_path_buf(), fingerprint, bytes, rank, groups })
+        Ok(Self { name: name.to_string(), dir: dir.to_path_buf(), fingerprint, bytes, rank, dora, groups })
     }
 
     /// This adapter's update of `group` in layer `layer` for input `x`
-    /// (`None` where it adapts none of the group's projections), to add to
+    /// (`None` where it adapts none of the group's projections), to apply to
     /// the group's (fused) output: what mlx-lm's `LoRALinear` adds to each
     /// part, `scale · (x A) B` in `x`'s dtype, as two products for the
     /// whole group (fewer operations a step: on a CPU each costs more than
-    /// its arithmetic at this rank).
-    pub fn delta(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Array>, mlx_rs::error::Exception> {
+    /// its arithmetic at this rank), and `DoRALinear`'s factors.
+    pub fn update(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Update>, mlx_rs::error::Exception> {
         let Some(Some(g)) = self.groups.get(layer).map(|l| &l[group as usize]) else { return Ok(None) };
-        Ok(Some(x.matmul(&g.a)?.matmul(&g.b)?.as_dtype(x.dtype())?))
+        Ok(Some(g.update(x)?))
     }
 
     /// True when it adapts some projection of layer `layer`.
@@ -253,13 +378,13 @@ impl Lora {
     }
 
     /// The rows' update of `group` in layer `layer` for its input `x`
-    /// (`[rows, L, in]`), to add to the group's (fused) output `[rows, L,
+    /// (`[rows, L, in]`), to apply to the group's (fused) output `[rows, L,
     /// Σ out]`; `None` where no row's adapter adapts it.
-    pub fn delta(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Array>, mlx_rs::error::Exception> {
+    pub fn update(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Update>, mlx_rs::error::Exception> {
         match self {
             Lora::None => Ok(None),
-            Lora::One(a) => a.delta(layer, group, x),
-            Lora::Rows(r) => r.delta(layer, group, x),
+            Lora::One(a) => a.update(layer, group, x),
+            Lora::Rows(r) => r.update(layer, group, x),
         }
     }
 }
@@ -269,14 +394,24 @@ impl Lora {
 /// own width and for a row without one), so every row's update is one
 /// batched product pair whatever the number of adapters.
 pub struct RowAdapters {
-    groups: Vec<[Option<(Array, Array)>; 4]>,
+    groups: Vec<[Option<RowGroup>; 4]>,
+}
+
+/// A group's stacked updates: `a` `[rows, in, R]`, `b` `[rows, R, out]`,
+/// and where some row's adapter is DoRA its factors and shifts `[rows, 1,
+/// out]` (1 and 0 for the other rows).
+struct RowGroup {
+    a: Array,
+    b: Array,
+    rescale: Option<Array>,
+    shift: Option<Array>,
 }
 
 impl RowAdapters {
     /// Stacks `adapters` (one per row; `None`: the bare base).
     pub fn stack(adapters: &[Option<std::rc::Rc<LoraAdapter>>]) -> Result<Self> {
         let layers = adapters.iter().flatten().map(|a| a.groups.len()).max().unwrap_or(0);
-        let mut out: Vec<[Option<(Array, Array)>; 4]> = (0..layers).map(|_| Default::default()).collect();
+        let mut out: Vec<[Option<RowGroup>; 4]> = (0..layers).map(|_| Default::default()).collect();
         for (layer, slots) in out.iter_mut().enumerate() {
             for (g, slot) in slots.iter_mut().enumerate() {
                 let parts: Vec<Option<&GroupUpdate>> = adapters
@@ -304,14 +439,37 @@ impl RowAdapters {
                     a_rows.push(a);
                     b_rows.push(b);
                 }
-                *slot = Some((mlx_rs::ops::stack(&a_rows, 0)?, mlx_rs::ops::stack(&b_rows, 0)?));
+                // Per row, its factors (or ones) and shifts (or zeros), `[rows, 1, out]`.
+                let per_row = |pick: &dyn Fn(&GroupUpdate) -> Option<&Array>, fill: f32| -> Result<Option<Array>> {
+                    if !parts.iter().flatten().any(|u| pick(u).is_some()) {
+                        return Ok(None);
+                    }
+                    let rows = parts
+                        .iter()
+                        .map(|p| match p.and_then(pick) {
+                            Some(v) => Ok(v.as_dtype(mlx_rs::Dtype::Float32)?),
+                            None => Ok(mlx_rs::ops::full::<f32>(&[outputs], Array::from_f32(fill))?),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok(Some(mlx_rs::ops::stack(&rows, 0)?.expand_dims(1)?))
+                };
+                *slot = Some(RowGroup {
+                    a: mlx_rs::ops::stack(&a_rows, 0)?,
+                    b: mlx_rs::ops::stack(&b_rows, 0)?,
+                    rescale: per_row(&|u| u.rescale.as_ref(), 1.0)?,
+                    shift: per_row(&|u| u.shift.as_ref(), 0.0)?,
+                });
             }
         }
         Ok(Self { groups: out })
     }
 
-    fn delta(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Array>, mlx_rs::error::Exception> {
-        let Some(Some((a, b))) = self.groups.get(layer).map(|l| &l[group as usize]) else { return Ok(None) };
-        Ok(Some(x.matmul(a)?.matmul(b)?.as_dtype(x.dtype())?))
+    fn update(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Update>, mlx_rs::error::Exception> {
+        let Some(Some(g)) = self.groups.get(layer).map(|l| &l[group as usize]) else { return Ok(None) };
+        Ok(Some(Update {
+            delta: x.matmul(&g.a)?.matmul(&g.b)?.as_dtype(x.dtype())?,
+            rescale: g.rescale.clone(),
+            shift: g.shift.clone(),
+        }))
     }
 }

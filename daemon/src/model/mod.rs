@@ -465,8 +465,9 @@ impl Model {
                 if self.lm.split_description().is_some() { ", split over a group" } else { "" }
             );
         };
-        let adapter = std::rc::Rc::new(lora::LoraAdapter::load(name, dir, &shapes)?);
-        tracing::info!(adapter = %name, rank = adapter.rank, bytes = adapter.bytes, "LoRA adapter loaded");
+        let base = |layer: usize, which: usize| self.lm.projection_weight(layer, which);
+        let adapter = std::rc::Rc::new(lora::LoraAdapter::load(name, dir, &shapes, &base)?);
+        tracing::info!(adapter = %name, rank = adapter.rank, dora = adapter.dora, bytes = adapter.bytes, "adapter loaded");
         self.adapters.borrow_mut().insert(dir.to_path_buf(), adapter.clone());
         Ok(adapter)
     }

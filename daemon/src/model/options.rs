@@ -19,14 +19,12 @@
 //! - `MLXBC_W4A16_ROWS=N`: on CUDA, 4-bit steps of up to N rows read the
 //!   packed weights through mlxbc's own kernel (default
 //!   [`crate::model::w4a16::DEFAULT_ROWS`]: off until measured; 0: never),
-//! - `MLXBC_BATCH_MATMUL=cublas|gather`: how steps of several rows multiply
-//!   by dense matrices ([`BatchMatmul`]),
 //! - `MLXBC_SPLIT_PARTS=copy|views`: whether a fused projection's parts are
 //!   copied for steps of several rows ([`SplitParts`]).
 
 use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;
-use crate::model::layers::{BatchMatmul, BatchWeights, SplitParts};
+use crate::model::layers::{BatchWeights, SplitParts};
 use crate::model::weights::WeightForm;
 
 /// Which projections may be fused into one matmul.
@@ -77,8 +75,6 @@ pub struct EngineOptions {
     /// Steps of up to this many rows use the W4A16 kernel on CUDA (0:
     /// never; None: [`crate::model::w4a16::DEFAULT_ROWS`]).
     pub w4a16_rows: Option<i32>,
-    /// How steps of several rows multiply by dense matrices.
-    pub batch_matmul: BatchMatmul,
     /// Whether fused projections' parts are copied for steps of several rows.
     pub split_parts: SplitParts,
 }
@@ -194,19 +190,13 @@ impl EngineOptions {
             },
         };
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty()).map(|v| (name.to_string(), v));
-        let batch_matmul = match env("MLXBC_BATCH_MATMUL") {
-            None => BatchMatmul::default(),
-            Some((_, v)) if v == "cublas" => BatchMatmul::Cublas,
-            Some((_, v)) if v == "gather" => BatchMatmul::Gather,
-            Some(other) => return Err(bad(&other, "cublas, gather")),
-        };
         let split_parts = match env("MLXBC_SPLIT_PARTS") {
             None => SplitParts::default(),
             Some((_, v)) if v == "copy" => SplitParts::Copy,
             Some((_, v)) if v == "views" => SplitParts::Views,
             Some(other) => return Err(bad(&other, "copy, views")),
         };
-        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows, batch_matmul, split_parts })
+        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows, split_parts })
     }
 }
 
@@ -234,7 +224,6 @@ mod tests {
             "MLXBC_BATCH_ATTENTION",
             "MLXBC_SPECULATE",
             "MLXBC_W4A16_ROWS",
-            "MLXBC_BATCH_MATMUL",
             "MLXBC_SPLIT_PARTS",
         ] {
             std::env::remove_var(v);
@@ -275,14 +264,12 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_SPECULATE") && e.contains("auto, off, ngram"), "{e}");
         std::env::remove_var("MLXBC_SPECULATE");
-        std::env::set_var("MLXBC_BATCH_MATMUL", "gather");
         std::env::set_var("MLXBC_SPLIT_PARTS", "views");
         let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
-        assert_eq!((o.batch_matmul, o.split_parts), (BatchMatmul::Gather, SplitParts::Views));
+        assert_eq!(o.split_parts, SplitParts::Views);
         std::env::set_var("MLXBC_SPLIT_PARTS", "some");
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_SPLIT_PARTS") && e.contains("copy, views"), "{e}");
-        std::env::remove_var("MLXBC_BATCH_MATMUL");
         std::env::remove_var("MLXBC_SPLIT_PARTS");
         assert!(!cuda_available(), "this test runs on the CPU build");
     }

@@ -295,7 +295,7 @@ impl Transformer {
             })
         };
         let [q, k, v]: [Array; 3] =
-            a.qkv.forward_adding(x, lora_delta(lora, Group::Qkv, x)?)?.try_into().expect("three projections");
+            a.qkv.forward_adding(x, lora_update(lora, Group::Qkv, x)?)?.try_into().expect("three projections");
         // Parts handed on as views (layers::SplitParts::Views) that rope will
         // read straight from the fused output are copied: MLX 0.32.2's CUDA
         // rope misreads a multi-row view. A normed part is a fresh array.
@@ -319,8 +319,8 @@ impl Transformer {
     fn output(&self, a: &Attention, o: Array, lora: Lora) -> Result<Array> {
         let o = from_heads(&o)?;
         let y = a.o_proj.forward(&o)?;
-        let y = match lora_delta(lora, Group::O, &o)? {
-            Some(d) => y.add(d)?,
+        let y = match lora_update(lora, Group::O, &o)? {
+            Some(u) => u.apply(&y)?,
             None => y,
         };
         self.split.sum(y, self.split.attention)
@@ -381,11 +381,11 @@ impl Transformer {
 
     fn mlp(&self, m: &Mlp, x: &Array, lora: Lora) -> Result<Array> {
         let [gate, up]: [Array; 2] =
-            m.gate_up.forward_adding(x, lora_delta(lora, Group::GateUp, x)?)?.try_into().expect("two projections");
+            m.gate_up.forward_adding(x, lora_update(lora, Group::GateUp, x)?)?.try_into().expect("two projections");
         let h = swiglu(&gate, &up)?;
         let y = m.down_proj.forward(&h)?;
-        let y = match lora_delta(lora, Group::Down, &h)? {
-            Some(d) => y.add(d)?,
+        let y = match lora_update(lora, Group::Down, &h)? {
+            Some(u) => u.apply(&y)?,
             None => y,
         };
         self.split.sum(y, self.split.mlp)
@@ -396,9 +396,9 @@ impl Transformer {
 type Lora<'a> = Option<(&'a crate::model::lora::Lora, usize)>;
 
 /// The layer's adapter update of `group` for input `x`, if it has one.
-fn lora_delta(lora: Lora, group: Group, x: &Array) -> Result<Option<Array>> {
+fn lora_update(lora: Lora, group: Group, x: &Array) -> Result<Option<crate::model::lora::Update>> {
     match lora {
-        Some((adapter, i)) => Ok(adapter.delta(i, group, x)?),
+        Some((adapter, i)) => Ok(adapter.update(i, group, x)?),
         None => Ok(None),
     }
 }
@@ -583,6 +583,20 @@ impl LanguageModel for Transformer {
         let (h, q, kv, ff) =
             (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
         Some(vec![[(h, q), (h, kv), (h, kv), (q, h), (h, ff), (h, ff), (ff, h)]; self.layers.len()])
+    }
+
+    /// The dense weight and bias of layer `layer`'s projection `which`
+    /// (`model::lora::PROJECTIONS` order): what a DoRA adapter's factors
+    /// are computed from.
+    fn projection_weight(&self, layer: usize, which: usize) -> Result<(Array, Option<Array>)> {
+        let l = self.layers.get(layer).ok_or_else(|| anyhow::anyhow!("layer {layer} of {}", self.layers.len()))?;
+        match which {
+            0..=2 => l.attn.qkv.part_weight(which),
+            3 => l.attn.o_proj.dense_weight(),
+            4 | 5 => l.mlp.gate_up.part_weight(which - 4),
+            6 => l.mlp.down_proj.dense_weight(),
+            _ => anyhow::bail!("projection {which}"),
+        }
     }
 
     /// A split model's other ranks replay rank 0's cache journal, which
