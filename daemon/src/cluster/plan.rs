@@ -122,7 +122,10 @@ mod tests {
     #[test]
     fn messages_and_replies_round_trip_and_long_refusals_are_cut() {
         let ops = vec![
-            Op::Caches { slot: 1, ops: vec![CacheOp::New { id: 3, paddings: vec![0, 2] }, CacheOp::Drop { id: 1 }] },
+            Op::Caches {
+                slot: 1,
+                ops: vec![CacheOp::New { id: 3, paddings: vec![0, 2], quantization: None }, CacheOp::Drop { id: 1 }],
+            },
             Op::Embed { slot: 1, shape: vec![1, 2], ids: vec![5, 6] },
         ];
         assert_eq!(decode(&encode(&ops)).unwrap(), ops);

@@ -232,4 +232,10 @@ impl LanguageModel for ShardedLm {
     fn recurrent(&self) -> bool {
         self.inner.recurrent()
     }
+
+    /// As its shard's family: every rank quantizes its own heads (the
+    /// journal's new caches carry the quantization).
+    fn reads_quantized_kv(&self) -> bool {
+        self.inner.reads_quantized_kv()
+    }
 }

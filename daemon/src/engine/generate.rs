@@ -81,9 +81,8 @@ pub fn kv_quantization(
     }
     if !model.lm.reads_quantized_kv() {
         return Err(EngineError::BadRequest(format!(
-            "{name} ({}) does not read a quantized KV cache{}; leave kv_bits out",
-            model.lm.architecture(),
-            if model.lm.split_description().is_some() { " while split over a group" } else { " yet" }
+            "{name} ({}) does not read a quantized KV cache yet; leave kv_bits out",
+            model.lm.architecture()
         )));
     }
     if let Some(&(_, dims)) = model.kv_shapes.iter().find(|&&(_, d)| d % i32::from(group_size) != 0) {
@@ -329,7 +328,12 @@ pub fn begin(
         Some(q) => prompt_cache::quantized_root(&root, q),
         None => root,
     });
-    let keys = root.map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
+    // A split model's ranks restore prefixes without knowing a request's
+    // quantization, so a quantized cache of a split model is not cached.
+    let split = model.lm.split_description().is_some();
+    let keys = root
+        .filter(|_| kv.is_none() || !split)
+        .map(|root| PromptKeys::of(&root, &ids, &spans).for_recurrent(model.lm.recurrent()));
     // The blocks read while the prompt was tokenized are the full-precision
     // root's: a quantized cache reads its own here.
     let stored = if kv.is_some() { None } else { stored };

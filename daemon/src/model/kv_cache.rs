@@ -76,10 +76,12 @@ pub struct KvCache {
 /// their own.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum CacheOp {
-    /// A new, empty cache with this padding per row.
+    /// A new, empty cache with this padding per row, its keys and values
+    /// quantized as `quantization` says.
     New {
         id: u64,
         paddings: Vec<i32>,
+        quantization: Option<KvQuantization>,
     },
     Clone {
         from: u64,
@@ -205,7 +207,7 @@ impl KvCache {
             "a cache that holds positions made outside the group (a sharded model's prompts are not cached)"
         );
         let id = journal.next_id();
-        journal.push(CacheOp::New { id, paddings: self.paddings() });
+        journal.push(CacheOp::New { id, paddings: self.paddings(), quantization: self.quantization });
         self.tag = Some(Tag { id, journal: Some(journal.clone()) });
         Ok(id)
     }
@@ -244,8 +246,10 @@ impl KvCache {
     /// Applies `op` to the caches of a rank that replays rank 0's journal.
     pub fn replay(caches: &mut std::collections::HashMap<u64, KvCache>, layers: usize, op: CacheOp) -> Result<()> {
         match op {
-            CacheOp::New { id, paddings } => {
-                caches.insert(id, KvCache::batch(layers, paddings));
+            CacheOp::New { id, paddings, quantization } => {
+                let mut cache = KvCache::batch(layers, paddings);
+                cache.quantization = quantization;
+                caches.insert(id, cache);
             }
             CacheOp::Clone { from, to } => {
                 let c = caches.get(&from).ok_or_else(|| anyhow::anyhow!("no cache {from} to clone"))?.clone();
@@ -843,7 +847,7 @@ impl KvCache {
 /// How a sequence's keys and values are kept quantized: mlx-lm's
 /// `kv_bits`, `kv_group_size` and `quantized_kv_start` (affine, MLX's
 /// `quantize` over each head's values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct KvQuantization {
     /// The values' bits: 4 or 8 (also 6, 5, 3, 2).
     pub bits: i32,

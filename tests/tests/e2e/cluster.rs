@@ -253,6 +253,13 @@ fn picture() -> Vec<u8> {
 /// where it sees.
 fn tiny_requests(model: &str) -> Vec<GenerateRequest> {
     let mut out = vec![greedy(Some(model), "Write a short poem about autumn leaves.", 10)];
+    if model == "tiny-qwen3" {
+        // A quantized KV cache, each rank quantizing its own heads.
+        let mut r = greedy(Some(model), "Write a short poem about autumn leaves.", 10);
+        r.kv = mlxbc_client::KvCacheSpec { bits: Some(8), group_size: Some(32), ..Default::default() };
+        r.logprobs = Some(0);
+        out.push(r);
+    }
     if CACHED.contains(&model) {
         out.push(greedy(Some(model), &tiny_long_prompt(), 4));
     }
@@ -296,6 +303,11 @@ async fn every_family_split_over_two_ranks_answers_as_one_daemon_and_keeps_its_s
     for (r, (w, s)) in requests.iter().zip(want.iter().zip(&got)) {
         let what = format!("{:?} ({} media)", r.model, r.messages.first().map_or(0, |m| m.media.len()));
         assert_eq!(w.token_ids, s.token_ids, "{what}: 2 ranks answer otherwise than one daemon");
+        // A quantized cache on every rank: log-probabilities as one daemon's
+        // 8-bit ones, closer than 8-bit ones are to full precision.
+        for (a, b) in w.logprobs.iter().zip(&s.logprobs) {
+            assert!((a.logprob - b.logprob).abs() < 1e-4, "{what}: {} vs one daemon's {}", b.logprob, a.logprob);
+        }
     }
     eprintln!("{cuts:#?}");
     assert!(cuts["tiny-gemma4-moe"].contains("experts split"), "{cuts:?}");

@@ -599,10 +599,10 @@ impl LanguageModel for Transformer {
         }
     }
 
-    /// A split model's other ranks replay rank 0's cache journal, which
-    /// does not carry a quantization yet: split models keep full precision.
+    /// Split models too: each rank quantizes its own heads' keys and
+    /// values, and the journal's new caches carry the quantization.
     fn reads_quantized_kv(&self) -> bool {
-        self.split.shard.is_none()
+        true
     }
 
     fn split_description(&self) -> Option<String> {
