@@ -26,7 +26,9 @@
 #                 compared; first scripts/gpu/prefill_shapes.py
 #   sweep MODEL   several warm daemons, each with its own environment
 #                 (SWEEP="label:VAR=1,VAR2=2 label2:..."; "base:" for none):
-#                 interleaved rounds at LEVELS (scripts/gpu/real/env_sweep.py)
+#                 interleaved rounds at LEVELS (scripts/gpu/real/env_sweep.py);
+#                 at most two 8B daemons on an 80 GB H100 (three slowed one
+#                 another: docs/measurements/h100-2026-12-05b-batched-host.md)
 #   spart N       copy SmolLM2 Q4_1 (real weights) part N (0, 1, 2) for `spec`
 #   spec MODEL    speculation off / auto / ngram: three warm daemons
 #                 (SPEC_DAEMONS=one: one, the mode per request),
