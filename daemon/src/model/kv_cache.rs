@@ -247,6 +247,14 @@ impl KvCache {
     pub fn replay(caches: &mut std::collections::HashMap<u64, KvCache>, layers: usize, op: CacheOp) -> Result<()> {
         match op {
             CacheOp::New { id, paddings, quantization } => {
+                // From another rank: checked as a request's setting is.
+                if let Some(q) = quantization {
+                    let bits = [2, 3, 4, 5, 6, 8];
+                    anyhow::ensure!(
+                        bits.contains(&q.bits) && bits.contains(&q.key_bits) && [32, 64, 128].contains(&q.group_size),
+                        "cache {id}: a quantization MLX does not make ({q:?})"
+                    );
+                }
                 let mut cache = KvCache::batch(layers, paddings);
                 cache.quantization = quantization;
                 caches.insert(id, cache);
@@ -954,15 +962,15 @@ fn from_words(
     ])
 }
 
-/// Bytes one position of a quantized block takes ([`KvCache::positions`] of
-/// a cache quantized as `q`, its scales of dtype `scales`): keys and values
-/// of every layer as 16-bit words, padded to the widest.
-pub fn quantized_block_bytes_per_position(shapes: &[(i32, i32)], q: KvQuantization, scales: mlx_rs::Dtype) -> u64 {
+/// The heads and width (16-bit words) of a quantized block
+/// ([`KvCache::positions`] of a cache quantized as `q`, its scales of dtype
+/// `scales`): keys and values of every layer padded to the most heads and
+/// the widest; a position takes `2 · layers · heads · width` words.
+pub fn quantized_block_shape(shapes: &[(i32, i32)], q: KvQuantization, scales: mlx_rs::Dtype) -> (i32, i32) {
     let per_scale = scale_words(scales);
     let width = |dims: i32, bits: i32| dims * bits / 16 + 2 * (dims / q.group_size) * per_scale;
     let widest = shapes.iter().map(|&(_, d)| width(d, q.key_bits).max(width(d, q.bits))).max().unwrap_or(0);
-    let heads = shapes.iter().map(|&(h, _)| h).max().unwrap_or(0);
-    (2 * shapes.len()) as u64 * heads as u64 * widest as u64 * 2
+    (shapes.iter().map(|&(h, _)| h).max().unwrap_or(0), widest)
 }
 
 /// The shapes and dtypes of one row's recurrent states, slot by slot (what
@@ -1261,7 +1269,8 @@ mod kv_cache_tests {
             let shapes = vec![(2, 64), (4, 64)];
             let block = cache.positions(0, 2, 7).unwrap();
             assert_eq!(block.dtype(), mlx_rs::Dtype::Uint16);
-            assert_eq!(block.nbytes() as u64, 5 * quantized_block_bytes_per_position(&shapes, q, dtype));
+            let (heads, width) = quantized_block_shape(&shapes, q, dtype);
+            assert_eq!(block.shape(), &[4, 1, heads, 5, width]);
             let per_layer = (0..2).map(|l| (block.index(2 * l), block.index(2 * l + 1))).collect();
             let back = KvCache::from_quantized_prefix(per_layer, 5, &shapes, q, dtype).unwrap();
             assert_eq!((back.offset, back.quantization), (5, Some(q)));

@@ -28,7 +28,7 @@
 
 pub mod costs;
 
-use crate::model::kv_cache::{quantized_block_bytes_per_position, KvCache, KvQuantization};
+use crate::model::kv_cache::{quantized_block_shape, KvCache, KvQuantization};
 use lru::LruCache;
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{BlockHash, BlockStore, FeatureDtype, Features, WeightFileIdentity};
@@ -549,9 +549,15 @@ impl PromptCache {
     ) -> Option<Reuse> {
         let layers = kv_shapes.len();
         // A quantized cache's blocks are 16-bit words (KvCache::positions).
-        let (bytes_per_position, block_dtype) = match quantized {
-            Some((q, scales)) => (quantized_block_bytes_per_position(kv_shapes, q, scales), Dtype::Uint16),
-            None => (bytes_per_position, Dtype::Float32),
+        // Its heads and width too, exactly: a disk block of the right bytes
+        // but another split of them is someone else's.
+        let (bytes_per_position, block_dtype, quantized_shape) = match quantized {
+            Some((q, scales)) => {
+                let (heads, width) = quantized_block_shape(kv_shapes, q, scales);
+                let bytes = (2 * layers) as u64 * heads as u64 * width as u64 * 2;
+                (bytes, Dtype::Uint16, Some((heads, width)))
+            }
+            None => (bytes_per_position, Dtype::Float32, None),
         };
         if !self.is_on() {
             return None;
@@ -637,6 +643,7 @@ impl PromptCache {
                     // miss for a quantized cache, and the other way round.
                     (a.dtype() == Dtype::Uint16) == (block_dtype == Dtype::Uint16)
                         && s.len() == 5
+                        && quantized_shape.is_none_or(|(h, w)| (s[2], s[4]) == (h, w))
                         && s[0] as usize == 2 * layers
                         && s[1] == 1
                         && s[3] as usize == positions
@@ -661,10 +668,7 @@ impl PromptCache {
         if pieces.iter().any(|p| (p.dtype() == Dtype::Uint16) != quantized.is_some()) {
             return None;
         }
-        let mut cache = match quantized {
-            Some((q, scales)) => assemble_quantized(&pieces, kv_shapes, q, scales).ok()?,
-            None => assemble(&pieces, kv_shapes).ok()?,
-        };
+        let mut cache = assemble(&pieces, kv_shapes, quantized).ok()?;
         if let Some(states) = state {
             cache.set_states(states);
         }
@@ -788,24 +792,20 @@ impl PromptCache {
 /// joined once along the positions, then each layer's keys and values are
 /// views of the whole (one copy per block; joining layer by layer would be
 /// 2L copies per block, thousands of kernel launches for a long prompt).
-fn assemble(pieces: &[Array], shapes: &[(i32, i32)]) -> anyhow::Result<KvCache> {
-    use mlx_rs::ops::indexing::IndexOp;
-    let whole = if pieces.len() == 1 { pieces[0].clone() } else { mlx_rs::ops::concatenate(pieces, 3)? };
-    let per_layer = (0..shapes.len() as i32).map(|l| (whole.index(2 * l), whole.index(2 * l + 1))).collect();
-    Ok(KvCache::from_prefix(per_layer, whole.shape()[3], shapes))
-}
-
-/// [`assemble`] for a quantized cache's blocks (16-bit words).
-fn assemble_quantized(
+/// A quantized cache's blocks (16-bit words) are cut back into packed
+/// values, scales and biases (`quantized`: the setting and the scales' dtype).
+fn assemble(
     pieces: &[Array],
     shapes: &[(i32, i32)],
-    q: KvQuantization,
-    scales: Dtype,
+    quantized: Option<(KvQuantization, Dtype)>,
 ) -> anyhow::Result<KvCache> {
     use mlx_rs::ops::indexing::IndexOp;
     let whole = if pieces.len() == 1 { pieces[0].clone() } else { mlx_rs::ops::concatenate(pieces, 3)? };
     let per_layer = (0..shapes.len() as i32).map(|l| (whole.index(2 * l), whole.index(2 * l + 1))).collect();
-    KvCache::from_quantized_prefix(per_layer, whole.shape()[3], shapes, q, scales)
+    match quantized {
+        Some((q, scales)) => KvCache::from_quantized_prefix(per_layer, whole.shape()[3], shapes, q, scales),
+        None => Ok(KvCache::from_prefix(per_layer, whole.shape()[3], shapes)),
+    }
 }
 
 fn feature_dtype(d: Dtype) -> Option<FeatureDtype> {
