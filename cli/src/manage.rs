@@ -62,8 +62,8 @@ pub async fn manage(client: &mut Client, command: Command) -> Result<()> {
                     speculation(m),
                     m.batch_weights
                 )?;
-                for (name, rank, bytes) in &m.adapters {
-                    writeln!(out, "  + adapter {name} (LoRA rank {rank}, {})", mib(*bytes))?;
+                for a in &m.adapters {
+                    writeln!(out, "  + adapter {} ({} rank {}, {})", a.name, a.method, a.rank, mib(a.bytes))?;
                 }
             }
             if !s.sequences.is_empty() {

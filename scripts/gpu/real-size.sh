@@ -46,6 +46,9 @@
 #                 and without a mask, a custom kernel), after `install`
 #   qmm           scripts/gpu/qmm_rows.py: an 8B step's projections by rows,
 #                 packed as a decode batch gives them (3-D), flattened, dense
+#   nsys MODEL    one warm daemon (BATCH_WEIGHTS= as in bursts) under Nsight
+#                 Systems: a steady burst of CLIENTS (16) traced, the kernels
+#                 and CUDA calls summed by time (nsys stats)
 #   views         scripts/gpu/split_views_check.py: which operations read a
 #                 fused projection's parts right as views (no copies)
 #   kv MODEL      a TOKENS-long prompt (32,768) with the KV cache at full
@@ -148,6 +151,24 @@ ids) # greedy ids with the default (dense copies) against mlx-lm dequantized and
   daemon "$home" || exit 1
   MLXBC_HOME=$home timeout 400 $PY "$repo/scripts/gpu/check_ids_dense.py" "$B/bin/mlxbc" "$m" "$(model_dir $1)" 2>&1 | tee "$OUT/ids-$1.txt"
   MLXBC_HOME=$home "$B/bin/mlxbc" stop ;;
+nsys)
+  NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  [[ -n $NSYS ]] || { echo "no nsys on this machine"; ls /usr/local/cuda/bin | head -50; exit 1; }
+  m=$1-4bit; home=/tmp/home-nsys-$RANDOM; mkdir -p "$home/models"; ln -sfn /tmp/models/* "$home/models/"
+  env MLXBC_HOME=$home MLXBC_LOG=info ${BATCH_WEIGHTS:+MLXBC_BATCH_WEIGHTS=$BATCH_WEIGHTS} \
+    "$NSYS" launch --trace=cuda,nvtx --session=mlxbc "$B/bin/mlxbcd" >"$home/daemon.log" 2>&1 &
+  for _ in $(seq 200); do [[ -S $home/mlxbcd.sock ]] && break; sleep 0.2; done
+  MLXBC_HOME=$home "$B/bin/mlxbc" load "$m" --keep-alive 30m
+  for _ in $(seq 600); do MLXBC_HOME=$home "$B/bin/mlxbc" ps | grep -q "warming" || break; sleep 0.5; done
+  MLXBC_HOME=$home timeout 120 $PY "$R/conc.py" "$B/bin/mlxbc" "$m" ${CLIENTS:-16} 1 ${TOKENS:-64} /dev/null
+  "$NSYS" start --session=mlxbc -o "$OUT/prof" --force-overwrite=true
+  MLXBC_HOME=$home timeout 120 $PY "$R/conc.py" "$B/bin/mlxbc" "$m" ${CLIENTS:-16} 1 ${TOKENS:-64} "$OUT/nsys-burst.jsonl"
+  "$NSYS" stop --session=mlxbc
+  grep -E "decode \(" "$home/daemon.log" | cut -c60-200 | tail -4
+  MLXBC_HOME=$home "$B/bin/mlxbc" stop
+  "$NSYS" stats --report cuda_gpu_kern_sum,cuda_api_sum --format csv -o "$OUT/stats" "$OUT/prof.nsys-rep" >/dev/null 2>&1
+  for f in "$OUT"/stats*.csv; do echo "## $f"; head -30 "$f" | cut -c1-220; done
+  rm -f "$OUT/prof.nsys-rep" "$OUT"/prof.sqlite ;;
 parts) # an 8B step part by part, per rows (scripts/gpu/step_parts.py)
   timeout 400 $PY "$repo/scripts/gpu/step_parts.py" 2>&1 | tee "$OUT/step-parts.txt" ;;
 kernel) # our W4A16 kernel against MLX's quantized matmul (scripts/gpu/w4a16.py)

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 21;
+pub const PROTOCOL_VERSION: u32 = 22;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -880,8 +880,21 @@ pub struct LoadedModel {
     /// of those the ones the model accepted.
     pub draft_tokens: u64,
     pub accepted_draft_tokens: u64,
-    /// LoRA adapters loaded on it: name, rank and bytes.
-    pub adapters: Vec<(String, u32, u64)>,
+    /// Adapters loaded on it.
+    pub adapters: Vec<AdapterStatus>,
+}
+
+/// One fine-tune adapter resident on its base model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdapterStatus {
+    /// Its directory's name.
+    pub name: String,
+    /// "LoRA" or "DoRA" (magnitude vectors too).
+    pub method: String,
+    /// Rank of its low-rank updates.
+    pub rank: u32,
+    /// Bytes of its weights.
+    pub bytes: u64,
 }
 
 /// One thing the daemon let go of under memory pressure.

@@ -724,9 +724,17 @@ impl Residency {
                     Servable::Speech(_) | Servable::Embed(_) => 0,
                 },
                 adapters: match &r.model {
-                    Servable::Chat(m) => {
-                        m.adapters.borrow().values().map(|a| (a.name.clone(), a.rank as u32, a.bytes)).collect()
-                    }
+                    Servable::Chat(m) => m
+                        .adapters
+                        .borrow()
+                        .values()
+                        .map(|a| mlxbc_shared::protocol::AdapterStatus {
+                            name: a.name.clone(),
+                            method: if a.dora { "DoRA" } else { "LoRA" }.into(),
+                            rank: a.rank as u32,
+                            bytes: a.bytes,
+                        })
+                        .collect(),
                     Servable::Speech(_) | Servable::Embed(_) => Vec::new(),
                 },
             })

@@ -92,6 +92,7 @@ async fn adapters_answer_as_mlx_lm_alone_and_batched_with_each_other_and_the_bas
     assert!(models.lines().any(|l| l.contains("pirate") && l.contains("adapter")), "{models}");
     let ps = String::from_utf8(d.cli().arg("ps").output().unwrap().stdout).unwrap();
     assert!(ps.contains("adapter parrot (LoRA rank 8") && ps.contains("adapter pirate"), "{ps}");
+    assert!(ps.contains("adapter dora (DoRA rank"), "{ps}");
 
     // Refusals.
     for (model, adapter, says) in
