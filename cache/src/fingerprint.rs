@@ -94,6 +94,32 @@ impl TowerFingerprint {
         Ok(fp)
     }
 
+    /// Hashes `config` and every byte of one weight file (a GGUF file, whose
+    /// metadata and tensors all describe the model), remembered in `memo`
+    /// per file identity as [`Self::compute`] does.
+    pub fn of_file(file: &Path, config: &str, memo: Option<&sled::Tree>) -> std::io::Result<Self> {
+        let memo_key = format!(
+            "{}|whole|{}",
+            WeightFileIdentity::of(file)?.as_text(),
+            hex(&crate::content_hash(config.as_bytes()))
+        );
+        if let Some(Ok(Some(v))) = memo.map(|m| m.get(memo_key.as_bytes())) {
+            if let Ok(arr) = <[u8; 32]>::try_from(v.as_ref()) {
+                return Ok(Self(arr));
+            }
+        }
+        let mut hasher = Sha256::new();
+        hasher.update(b"mlxbc-file-v1\0");
+        hasher.update(config.as_bytes());
+        hasher.update(b"\0");
+        std::io::copy(&mut std::fs::File::open(file)?, &mut hasher)?;
+        let fp = Self(hasher.finalize().into());
+        if let Some(m) = memo {
+            let _ = m.insert(memo_key.as_bytes(), &fp.0);
+        }
+        Ok(fp)
+    }
+
     /// Short hex for logs.
     pub fn short(&self) -> String {
         hex(&self.0[..6])

@@ -157,7 +157,8 @@ impl ModelRegistry {
 /// config sees ("vision"); the rest chat.
 pub fn capability(path: &Path) -> &'static str {
     if !path.is_dir() {
-        return "chat";
+        // A GGUF file: its header's architecture (a BERT embeds).
+        return if crate::families::gguf_embeds(path) { "embedding" } else { "chat" };
     }
     if crate::model::lora::is_adapter_dir(path) {
         // A LoRA adapter: served on its base (`--adapter`), not alone.

@@ -52,8 +52,19 @@ pub enum LoadedModel {
     Embed(Box<dyn Embedder>),
 }
 
-/// Loads an opened GGUF file.
-pub type GgufLoader = fn(&Gguf, ModelOptions) -> Result<Model>;
+/// What a family's GGUF files load as (an opened file, how to hold the
+/// weights; an embedder also the store's memo of fingerprints).
+pub enum GgufLoader {
+    /// A language model.
+    Chat(ChatGgufLoader),
+    /// A text embedder.
+    Embed(EmbedGgufLoader),
+}
+
+/// Loads a language model's GGUF file.
+pub type ChatGgufLoader = fn(&Gguf, ModelOptions) -> Result<Model>;
+/// Loads a text embedder's GGUF file (with the store's fingerprint memo).
+pub type EmbedGgufLoader = fn(&Gguf, ModelOptions, Option<&sled::Tree>) -> Result<Box<dyn Embedder>>;
 
 /// One family: the names checkpoints give it, and its loaders.
 pub struct Family {
@@ -73,7 +84,7 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["llama", "mistral", "qwen2", "qwen3"],
         gguf_architectures: &["llama", "mistral", "qwen2", "qwen3"],
         load_dir: DirLoader::Chat(llama::load_dir),
-        load_gguf: Some(llama::load_gguf),
+        load_gguf: Some(GgufLoader::Chat(llama::load_gguf)),
         tensor_parallel: true,
     },
     Family {
@@ -120,9 +131,9 @@ pub const FAMILIES: &[Family] = &[
     },
     Family {
         model_types: &["bert", "xlm-roberta"],
-        gguf_architectures: &[],
+        gguf_architectures: &["bert"],
         load_dir: DirLoader::Embed(bert::load_dir),
-        load_gguf: None,
+        load_gguf: Some(GgufLoader::Embed(bert::load_gguf)),
         tensor_parallel: false,
     },
     // mlx-whisper's config.json has no model_type: see `model_type_of`.
@@ -154,6 +165,22 @@ fn supported() -> String {
     let mut names: Vec<&str> = FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect();
     names.dedup();
     names.join(", ")
+}
+
+/// The GGUF architectures served, for error messages.
+fn supported_gguf() -> String {
+    let mut names: Vec<&str> = FAMILIES.iter().flat_map(|f| f.gguf_architectures.iter().copied()).collect();
+    names.dedup();
+    names.join(", ")
+}
+
+/// Whether a GGUF file's architecture embeds text (a family with an
+/// embedding loader for it), from its header.
+pub fn gguf_embeds(path: &Path) -> bool {
+    let Ok(arch) = crate::model::gguf::architecture(path) else { return false };
+    FAMILIES
+        .iter()
+        .any(|f| f.gguf_architectures.contains(&arch.as_str()) && matches!(f.load_gguf, Some(GgufLoader::Embed(_))))
 }
 
 /// Loads a `.gguf` file or a chat model's directory with its family's
@@ -208,10 +235,11 @@ pub fn load_any(path: &Path, options: impl Into<ModelOptions>, memo: Option<&sle
         if let Some(family) = family {
             refuse_unsplittable(family, &arch, &options)?;
         }
-        let Some(load_gguf) = family.and_then(|f| f.load_gguf) else {
-            bail!("unsupported architecture {arch:?} in GGUF (supported: {})", supported());
-        };
-        load_gguf(&file, options).map(LoadedModel::Chat)
+        match family.and_then(|f| f.load_gguf.as_ref()) {
+            Some(GgufLoader::Chat(load)) => load(&file, options).map(LoadedModel::Chat),
+            Some(GgufLoader::Embed(load)) => load(&file, options, memo).map(LoadedModel::Embed),
+            None => bail!("unsupported architecture {arch:?} in GGUF (supported: {})", supported_gguf()),
+        }
     } else {
         bail!("model path {} does not exist", path.display())
     }

@@ -37,6 +37,7 @@ struct TensorInfo {
 
 /// An opened GGUF file (memory-mapped).
 pub struct Gguf {
+    path: std::path::PathBuf,
     map: memmap2::Mmap,
     metadata: HashMap<String, MetaValue>,
     tensors: Vec<TensorInfo>,
@@ -142,7 +143,12 @@ impl Gguf {
             _ => 32,
         };
         let data_start = c.at.div_ceil(align) * align;
-        Ok(Self { map, metadata, tensors, data_start })
+        Ok(Self { path: path.to_path_buf(), map, metadata, tensors, data_start })
+    }
+
+    /// The file it was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// A metadata value.
@@ -465,6 +471,32 @@ pub fn pack_rows(q: &[u8], rows: usize, cols: usize, bits: i32) -> Vec<u32> {
         }
     }
     out
+}
+
+/// A GGUF file's `general.architecture`, read from its header alone (the
+/// key comes first in the files llama.cpp's tools write; at most the first
+/// 64 keys are looked at, and only the bytes they take are read).
+pub fn architecture(path: &Path) -> Result<String> {
+    use std::io::Read;
+    // Enough for the header and its first keys; a tokenizer's arrays come later.
+    let mut head = Vec::new();
+    std::fs::File::open(path)?.take(64 << 10).read_to_end(&mut head)?;
+    let mut c = Cursor { bytes: &head, at: 0 };
+    ensure!(c.take(4)? == b"GGUF", "{} is not a GGUF file", path.display());
+    let version = c.u32()?;
+    ensure!((2..=3).contains(&version), "GGUF version {version} is not supported (2 or 3)");
+    let (_, n_meta) = (c.u64()?, c.u64()?);
+    for _ in 0..n_meta.min(64) {
+        let key = c.string()?;
+        let kind = c.u32()?;
+        let value = c.value(kind)?;
+        if key == "general.architecture" {
+            if let MetaValue::Str(s) = value {
+                return Ok(s);
+            }
+        }
+    }
+    bail!("{}: no general.architecture among its first keys", path.display())
 }
 
 /// A string metadata value.

@@ -73,6 +73,75 @@ pub fn from_gguf(file: &Gguf) -> Result<Tokenizer> {
     spec.to_string().parse::<Tokenizer>().map_err(|e| anyhow::anyhow!("building tokenizer from GGUF metadata: {e}"))
 }
 
+/// Builds the WordPiece tokenizer of a BERT GGUF file
+/// (`tokenizer.ggml.model = bert`), as Hugging Face's `BertTokenizerFast`
+/// of the same vocabulary tokenizes: llama.cpp's converter stores each
+/// piece in its "phantom space" form (a word's first piece `x` as `▁x`, a
+/// continuation `##x` as `x`, control tokens as they are), undone here; the
+/// text is lower-cased and stripped of accents (llama.cpp's WPM tokenizer
+/// does so whatever the model; uncased BERTs, which embedders are, want it);
+/// `[CLS] text [SEP]`, and `[CLS] a [SEP] b [SEP]` with b's type 1 for a pair.
+pub fn wordpiece_from_gguf(file: &Gguf) -> Result<Tokenizer> {
+    let tokens = file.strings("tokenizer.ggml.tokens").context("GGUF has no tokenizer.ggml.tokens")?;
+    let types: Vec<i32> = match file.ints("tokenizer.ggml.token_type") {
+        Some(t) => t.into_iter().map(|t| t as i32).collect(),
+        None => vec![1; tokens.len()],
+    };
+    let mut vocab = serde_json::Map::new();
+    let mut pieces = Vec::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        let piece = match (types.get(i), t.strip_prefix('\u{2581}')) {
+            (Some(&TOKEN_TYPE_CONTROL), _) => t.clone(),
+            (_, Some(word_start)) => word_start.to_string(),
+            (_, None) => format!("##{t}"),
+        };
+        // A vocabulary holds each piece once; a later duplicate keeps the first id.
+        vocab.entry(piece.clone()).or_insert(json!(i));
+        pieces.push(piece);
+    }
+    let id = |key: &str| file.number(key).map(|v| v as usize).filter(|&i| i < pieces.len());
+    let cls =
+        id("tokenizer.ggml.cls_token_id").or(id("tokenizer.ggml.bos_token_id")).context("GGUF names no [CLS] token")?;
+    let sep = id("tokenizer.ggml.seperator_token_id")
+        .or(id("tokenizer.ggml.eos_token_id"))
+        .context("GGUF names no [SEP] token")?;
+    let unk = id("tokenizer.ggml.unknown_token_id").map_or_else(|| "[UNK]".to_string(), |i| pieces[i].clone());
+    let added: Vec<Value> = pieces
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| types.get(*i) == Some(&TOKEN_TYPE_CONTROL))
+        .map(|(i, t)| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": true})
+        })
+        .collect();
+    let (cls_piece, sep_piece) = (&pieces[cls], &pieces[sep]);
+    let spec = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true,
+                       "strip_accents": null, "lowercase": true},
+        "pre_tokenizer": {"type": "BertPreTokenizer"},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": cls_piece, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": sep_piece, "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": cls_piece, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": sep_piece, "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}},
+                     {"SpecialToken": {"id": sep_piece, "type_id": 1}}],
+            "special_tokens": {
+                cls_piece.as_str(): {"id": cls_piece, "ids": [cls], "tokens": [cls_piece]},
+                sep_piece.as_str(): {"id": sep_piece, "ids": [sep], "tokens": [sep_piece]}}},
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
+        "model": {"type": "WordPiece", "unk_token": unk, "continuing_subword_prefix": "##",
+                  "max_input_chars_per_word": 100, "vocab": vocab}
+    });
+    spec.to_string()
+        .parse::<Tokenizer>()
+        .map_err(|e| anyhow::anyhow!("building a WordPiece tokenizer from GGUF metadata: {e}"))
+}
+
 /// Reads `tokenizer.json`.
 pub fn from_file(path: &std::path::Path) -> Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("reading tokenizer at {}: {e}", path.display()))

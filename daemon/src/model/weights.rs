@@ -57,7 +57,18 @@ pub struct TensorMap {
 impl TensorMap {
     /// Tensors from a GGUF file under HF names (see [`gguf_tensors`]).
     pub fn from_gguf(file: &Gguf, qk_rows: GgufQkRows, form: WeightForm) -> Result<Self> {
-        let tensors = gguf_tensors(file, qk_rows)?;
+        Self::from_gguf_named(file, qk_rows, gguf_to_hf_name, form)
+    }
+
+    /// Tensors from a GGUF file under the names `names` gives its modules
+    /// (`blk.0.attn_q` → a family's HF name; `None`: a module it does not know).
+    pub fn from_gguf_named(
+        file: &Gguf,
+        qk_rows: GgufQkRows,
+        names: fn(&str) -> Option<String>,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let tensors = gguf_tensors(file, qk_rows, names)?;
         // Every GGUF block type that maps to affine quantization uses groups of 32.
         Ok(Self {
             tensors,
@@ -231,11 +242,15 @@ pub enum GgufQkRows {
 /// A GGUF file's tensors converted for MLX ([`Gguf::tensors`]) under HF
 /// names (`model.layers.0.self_attn.q_proj.scales`), with q/k rows put
 /// back in HF order (see [`GgufQkRows`]) so one rope layout serves both formats.
-pub fn gguf_tensors(file: &Gguf, qk_rows: GgufQkRows) -> Result<HashMap<String, Array>> {
+pub fn gguf_tensors(
+    file: &Gguf,
+    qk_rows: GgufQkRows,
+    names: fn(&str) -> Option<String>,
+) -> Result<HashMap<String, Array>> {
     let mut tensors = HashMap::new();
     for converted in file.tensors() {
         let (module, parts) = converted?;
-        let hf = gguf_to_hf_name(&module).with_context(|| format!("unknown GGUF tensor {module}"))?;
+        let hf = names(&module).with_context(|| format!("unknown GGUF tensor {module}"))?;
         for (suffix, array) in parts {
             let array = match (qk_rows, module.rsplit('.').next()) {
                 (GgufQkRows::Permuted { heads, .. }, Some("attn_q")) => unpermute_rows(&array, heads)?,
@@ -249,7 +264,7 @@ pub fn gguf_tensors(file: &Gguf, qk_rows: GgufQkRows) -> Result<HashMap<String, 
 }
 
 /// `blk.3.attn_q` → `model.layers.3.self_attn.q_proj`.
-fn gguf_to_hf_name(module: &str) -> Option<String> {
+pub fn gguf_to_hf_name(module: &str) -> Option<String> {
     let parts: Vec<&str> = module.split('.').collect();
     match parts.as_slice() {
         ["token_embd"] => Some("model.embed_tokens".into()),

@@ -118,6 +118,40 @@ fn openai_sdk_and_ollama_client_embed() {
     crate::http::run_client_script("embeddings.py", &[&format!("http://127.0.0.1:{port}"), MINILM, SMOLLM2]);
 }
 
+/// A BERT GGUF file (all-MiniLM-L6-v2 as ollama's `all-minilm` ships it:
+/// f16, written as llama.cpp's converter writes it) served beside its
+/// directory: listed as an embedding model, its vectors those of the
+/// directory within f16 rounding, kept in the store under its own
+/// fingerprint (a second request is served from it), refused as a chat
+/// model with a sentence.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bert_gguf_file_embeds_as_its_directory_does() {
+    const GGUF: &str = "all-minilm.gguf";
+    let d = Daemon::start_with(DaemonOptions {
+        models: vec![
+            (MINILM, fixture("models/all-MiniLM-L6-v2")),
+            (GGUF, fixture("embed-gguf/all-MiniLM-L6-v2.f16.gguf")),
+        ],
+        args: vec![],
+    });
+    let texts = ["A man is eating food.", "fn main() { println!(\"hi\"); }", "東京は日本の首都です。"];
+    let mut c = d.client().await;
+    let dir = c.embed(request(&texts)).await.unwrap();
+    let file = c.embed(EmbedRequest { model: GGUF.into(), ..request(&texts) }).await.unwrap();
+    assert_eq!((file.cached, file.prompt_tokens), (0, dir.prompt_tokens), "its own fingerprint, the same tokens");
+    for (a, b) in dir.vectors.iter().zip(&file.vectors) {
+        let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        assert!(dot > 0.9999, "cosine {dot} between the directory's and the GGUF's vectors");
+    }
+    let again = c.embed(EmbedRequest { model: GGUF.into(), ..request(&texts) }).await.unwrap();
+    assert_eq!((again.cached, &again.vectors), (3, &file.vectors));
+    let e =
+        crate::helper::ask(&d.socket, crate::helper::greedy(Some(GGUF), "hi", 4)).await.expect_err("not a chat model");
+    assert!(e.to_string().contains("embedding model"), "{e}");
+    let models = String::from_utf8(d.cli().arg("models").output().unwrap().stdout).unwrap();
+    assert!(models.lines().any(|l| l.contains(GGUF) && l.contains("embedding")), "{models}");
+}
+
 /// `GET /metrics` parses with prometheus_client's parser and its counters
 /// move as requests are served (tests/clients/metrics.py).
 #[test]

@@ -14,7 +14,10 @@
 //! Hugging Face's `BertForSequenceClassification` computes it).
 
 mod config;
+mod gguf;
 mod model;
+
+pub use gguf::load_gguf;
 
 use crate::model::family::Embedder;
 use crate::model::options::ModelOptions;
@@ -62,7 +65,7 @@ pub fn load_dir(
     // Older checkpoints name LayerNorm's parameters gamma and beta.
     let mut t =
         t.renamed(|n| n.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"));
-    let mut encoder = model::BertEncoder::load(config.clone(), &mut t)?;
+    let encoder = model::BertEncoder::load(config.clone(), &mut t)?;
     let head = if classifies { Some(model::ClassifierHead::load(&mut t)?) } else { None };
     if let Some(h) = head.as_ref().filter(|h| !(1..=2).contains(&h.labels)) {
         anyhow::bail!(
@@ -78,8 +81,33 @@ pub fn load_dir(
     } else {
         SentenceSettings::read(dir, encoder.positions())?
     };
-    let dimensions = if head.is_some() { 1 } else { config.hidden_size as usize };
-    let mut tokenizer = crate::model::tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let tokenizer = crate::model::tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let prefixes: &[&str] = match (prefixed, classifies) {
+        (true, false) => &["bert."],
+        (true, true) => &["bert.", "classifier."],
+        (false, false) => &["embeddings.", "encoder."],
+        (false, true) => &["embeddings.", "encoder.", "pooler.", "classifier."],
+    };
+    let fingerprint = crate::model::vlm_dir::weights_fingerprint(
+        dir,
+        prefixes,
+        &format!("bert {config:?} {}", settings.describe()),
+        memo,
+    )
+    .with_context(|| format!("fingerprinting {}", dir.display()))?;
+    assemble(encoder, head, settings, tokenizer, fingerprint)
+}
+
+/// The embedder (or, with a classifier `head`, the reranker) of a loaded
+/// encoder, however its files came.
+fn assemble(
+    mut encoder: model::BertEncoder,
+    head: Option<model::ClassifierHead>,
+    settings: SentenceSettings,
+    mut tokenizer: tokenizers::Tokenizer,
+    fingerprint: mlxbc_cache::TowerFingerprint,
+) -> Result<Box<dyn Embedder>> {
+    let dimensions = if head.is_some() { 1 } else { encoder.hidden_size() };
     // Its own truncation and padding (tokenizer.json often fixes both at
     // 128) would change what is embedded: the engine truncates, and pads
     // per batch.
@@ -100,19 +128,6 @@ pub fn load_dir(
             Some((head, pairs))
         }
     };
-    let prefixes: &[&str] = match (prefixed, classifies) {
-        (true, false) => &["bert."],
-        (true, true) => &["bert.", "classifier."],
-        (false, false) => &["embeddings.", "encoder."],
-        (false, true) => &["embeddings.", "encoder.", "pooler.", "classifier."],
-    };
-    let fingerprint = crate::model::vlm_dir::weights_fingerprint(
-        dir,
-        prefixes,
-        &format!("bert {config:?} {}", settings.describe()),
-        memo,
-    )
-    .with_context(|| format!("fingerprinting {}", dir.display()))?;
     let on_cpu = matches!(mlx_rs::Device::default().get_type(), Ok(mlx_rs::DeviceType::Cpu));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     let cpu = mlx_rs::Device::cpu();

@@ -69,6 +69,11 @@ impl BertEncoder {
         4 * (heads * tokens * tokens).max(4 * self.config.hidden_size as usize * tokens)
     }
 
+    /// Width of its token states (and of a mean or CLS vector).
+    pub fn hidden_size(&self) -> usize {
+        self.config.hidden_size as usize
+    }
+
     /// Positions a text may have (the position rows after the first one
     /// a text takes).
     pub fn positions(&self) -> usize {

@@ -18,8 +18,11 @@ pub fn gguf_to_mlx_dir(gguf: &Path, out: &Path, dtype: Dtype) -> Result<()> {
     let has_output = file.has_tensor("output.weight");
     let rows = file.rows("token_embd.weight").unwrap_or(0) as i32;
     let config = TextConfig::from_gguf(&file, has_output, rows)?;
-    let tensors =
-        weights::gguf_tensors(&file, config.architecture.gguf_qk_rows(config.num_heads, config.num_kv_heads))?;
+    let tensors = weights::gguf_tensors(
+        &file,
+        config.architecture.gguf_qk_rows(config.num_heads, config.num_kv_heads),
+        weights::gguf_to_hf_name,
+    )?;
     // Sorted, so the same GGUF always gives the same file.
     let tensors: BTreeMap<String, Array> = tensors
         .into_iter()
