@@ -41,19 +41,32 @@ def main():
     print("| rows | packed, [rows, 1, in] | packed, [rows, in] | dense f16 (x2 of 18 layers) |")
     print("|---:|---:|---:|---:|")
 
+    # Distinct rows, made and evaluated before timing. (Until 2026-12-05c
+    # this used mx.ones: a broadcast array whose rows all share one
+    # buffer, which MLX's 2-D quantized matmul computed as if it were one
+    # row; the "4.6 ms at 16 rows" in h100-2026-12-05b-batched-host.md came
+    # from that. With real rows: step_parts.py, 14.8 ms.)
+    inputs = {}
+
+    def x_of(rows, inp, flat):
+        key = (rows, inp, flat)
+        if key not in inputs:
+            inputs[key] = (mx.random.normal((rows, inp) if flat else (rows, 1, inp)) * 0.5).astype(dt)
+            mx.eval(inputs[key])
+        return inputs[key]
+
     def step(rows, flat):
         outs = []
         for mats in layers:
             for (w, s, b), (_, inp) in zip(mats, SHAPES):
-                x = mx.ones((rows, inp) if flat else (rows, 1, inp), dtype=dt)
-                outs.append(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4))
+                outs.append(mx.quantized_matmul(x_of(rows, inp, flat), w, s, b, transpose=True, group_size=64, bits=4))
         return outs
 
     def dense_step(rows):
         outs = []
         for mats in dense:
             for w, (_, inp) in zip(mats, SHAPES):
-                outs.append(mx.ones((rows, inp), dtype=dt) @ w.T)
+                outs.append(x_of(rows, inp, True) @ w.T)
         return outs
 
     def timed(make):

@@ -9,6 +9,7 @@ pub mod gemma3;
 pub mod gemma4;
 pub mod gemma4_unified;
 pub mod llama;
+pub mod modernbert;
 pub mod qwen2_5_vl;
 pub mod qwen3_5;
 pub mod qwen3_vl;
@@ -134,6 +135,13 @@ pub const FAMILIES: &[Family] = &[
         gguf_architectures: &["bert"],
         load_dir: DirLoader::Embed(bert::load_dir),
         load_gguf: Some(GgufLoader::Embed(bert::load_gguf)),
+        tensor_parallel: false,
+    },
+    Family {
+        model_types: &["modernbert"],
+        gguf_architectures: &[],
+        load_dir: DirLoader::Embed(modernbert::load_dir),
+        load_gguf: None,
         tensor_parallel: false,
     },
     // mlx-whisper's config.json has no model_type: see `model_type_of`.

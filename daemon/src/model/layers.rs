@@ -15,19 +15,24 @@ use mlx_rs::{fast, ops, Array};
 /// only match its reference with the same one.
 pub struct LayerNorm {
     weight: Array,
-    bias: Array,
+    bias: Option<Array>,
     eps: f32,
 }
 
 impl LayerNorm {
     /// `{prefix}.weight` and `{prefix}.bias`, as f32.
     pub fn load(t: &mut TensorMap, prefix: &str, eps: f32) -> Result<Self> {
-        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: t.float(&format!("{prefix}.bias"))?, eps })
+        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: Some(t.float(&format!("{prefix}.bias"))?), eps })
+    }
+
+    /// `{prefix}.weight` and no bias (ModernBERT's norms).
+    pub fn load_unbiased(t: &mut TensorMap, prefix: &str, eps: f32) -> Result<Self> {
+        Ok(Self { weight: t.float(&format!("{prefix}.weight"))?, bias: None, eps })
     }
 
     /// Normalizes the last axis, then scales and shifts it.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
+        Ok(fast::layer_norm(x, &self.weight, self.bias.as_ref(), self.eps)?)
     }
 }
 
@@ -87,20 +92,22 @@ impl BatchWeights {
 pub const EXPAND_FROM_ROWS: i32 = 6;
 
 /// How the parts of a fused projection (q/k/v, gate/up) reach their
-/// consumers in steps of more than one row: copied each (the safe way:
-/// MLX 0.32.2's CUDA rope misread such views, [`FusedLinear::forward_adding`]),
+/// consumers in steps of more than one row: copied each (MLX 0.32.2's CUDA
+/// rope misreads such views, [`FusedLinear::forward_adding`]),
 /// or as views where the consumer reads them right (`MLXBC_SPLIT_PARTS`,
 /// read at start; scripts/gpu/split_views_check.py says which do).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum SplitParts {
     /// One copy per part.
-    #[default]
     Copy,
-    /// Views; a part roped straight from the fused output is still copied.
+    /// Views; a part roped straight from the fused output is still copied
+    /// (the default: an 8B model's 16-row step on an H100 serves ~10% more
+    /// tokens a second than with copies, docs/measurements/h100-2026-12-05c-views-and-speculation.md).
+    #[default]
     Views,
 }
 
-static SPLIT_VIEWS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static SPLIT_VIEWS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 static FLAT_QMM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Sets how batched steps split fused projections (at start, before any

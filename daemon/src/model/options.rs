@@ -264,9 +264,10 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_SPECULATE") && e.contains("auto, off, ngram"), "{e}");
         std::env::remove_var("MLXBC_SPECULATE");
-        std::env::set_var("MLXBC_SPLIT_PARTS", "views");
+        assert_eq!(EngineOptions::from_settings_and_env(&settings(None, None)).unwrap().split_parts, SplitParts::Views);
+        std::env::set_var("MLXBC_SPLIT_PARTS", "copy");
         let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
-        assert_eq!(o.split_parts, SplitParts::Views);
+        assert_eq!(o.split_parts, SplitParts::Copy);
         std::env::set_var("MLXBC_SPLIT_PARTS", "some");
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_SPLIT_PARTS") && e.contains("copy, views"), "{e}");

@@ -169,6 +169,39 @@ fn an_xlm_roberta_embedder_matches_mlx_embeddings_batched_against_alone() {
     }
 }
 
+/// A ModernBERT embedder (modernbert-embed-base's and gte-modernbert's
+/// architecture; tiny random weights laid out as sentence-transformers
+/// ships them, MiniLM's real tokenizer) against mlx-embeddings'
+/// `modernbert.py` on the same weights (scripts/fixtures/modernbert_reference.py):
+/// four layers, the first and fourth attending to the whole text with the
+/// global rope base, the others within ±4 positions with the local one.
+/// Every text of the corpus in one padded batch here and alone there,
+/// cosine ≥ 0.9999, the same token counts (cut at 64) and nearest neighbours.
+#[test]
+fn a_modernbert_embedder_matches_mlx_embeddings_batched_against_alone() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("modernbert/reference.json")).unwrap()).unwrap();
+    let reference = reference.as_array().unwrap();
+    let e = match families::load_any(&fixture("modernbert/tiny-modernbert"), WeightForm::DenseF32, None).unwrap() {
+        LoadedModel::Embed(e) => e,
+        _ => panic!("the tiny ModernBERT did not load as an embedder"),
+    };
+    assert_eq!((e.dimensions(), e.max_tokens(), e.architecture()), (64, 64, "modernbert"));
+    let ids: Vec<Vec<u32>> =
+        reference.iter().map(|r| e.truncate(&e.tokenize(r["text"].as_str().unwrap()).unwrap())).collect();
+    let got = e.embed(&ids).unwrap();
+    let want = vectors(&serde_json::Value::Array(reference.iter().map(|r| r["vector"].clone()).collect()));
+    let mut worst = 1.0f64;
+    for (i, r) in reference.iter().enumerate() {
+        assert_eq!(ids[i].len() as u64, r["tokens"].as_u64().unwrap(), "text {i}: token count");
+        let c = cosine(&got[i], &want[i]);
+        worst = worst.min(c);
+        assert!(c >= 0.9999, "text {i} ({:?}): cosine {c} to mlx-embeddings", r["text"]);
+        assert_eq!(nearest(&got, i), nearest(&want, i), "text {i}: a different nearest neighbour");
+    }
+    eprintln!("smallest cosine to mlx-embeddings {worst:.7}");
+}
+
 /// A cross-encoder (tiny random weights, MiniLM's real tokenizer; no real
 /// reranker ships on PyPI) against mlx-embeddings' BERT with the pooler,
 /// classifier and sigmoid after it on the same weights

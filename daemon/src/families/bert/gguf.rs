@@ -72,7 +72,7 @@ pub fn load_gguf(file: &Gguf, options: ModelOptions, memo: Option<&sled::Tree>) 
         memo,
     )
     .with_context(|| format!("fingerprinting {}", file.path().display()))?;
-    super::assemble(encoder, None, settings, tokenizer, fingerprint)
+    super::assemble(Box::new(encoder), "bert", None, settings, tokenizer, fingerprint)
 }
 
 /// A BERT GGUF module's name in a Hugging Face `BertModel` checkpoint

@@ -28,9 +28,27 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use std::path::Path;
 
+/// What an embedder needs of its encoder (BERT's, or another family's
+/// built the same way: ModernBERT).
+pub trait Encoder {
+    /// Token states `[B, L, hidden]` of right-padded `ids` `[B, L]`, where
+    /// `keep` (`[B, L]`, bool) marks the real tokens (padding is never
+    /// attended to); `types` (`[B, L]`) each token's segment of a pair.
+    fn forward(&self, ids: &Array, keep: &Array, types: Option<&Array>) -> Result<Array>;
+    /// Bytes of a row's largest intermediate at `tokens` tokens.
+    fn row_bytes(&self, tokens: usize) -> usize;
+    /// Width of its token states.
+    fn hidden_size(&self) -> usize;
+    /// On MLX's CPU backend: GELU and softmax from multiplies and adds
+    /// (`model::cpu_math`).
+    fn use_cpu_math(&mut self, on: bool);
+}
+
 /// A loaded sentence embedder, or a cross-encoder reranker.
 pub struct Bert {
-    encoder: model::BertEncoder,
+    encoder: Box<dyn Encoder>,
+    /// The architecture it reports.
+    name: &'static str,
     settings: SentenceSettings,
     tokenizer: tokenizers::Tokenizer,
     fingerprint: mlxbc_cache::TowerFingerprint,
@@ -95,13 +113,14 @@ pub fn load_dir(
         memo,
     )
     .with_context(|| format!("fingerprinting {}", dir.display()))?;
-    assemble(encoder, head, settings, tokenizer, fingerprint)
+    assemble(Box::new(encoder), "bert", head, settings, tokenizer, fingerprint)
 }
 
 /// The embedder (or, with a classifier `head`, the reranker) of a loaded
-/// encoder, however its files came.
-fn assemble(
-    mut encoder: model::BertEncoder,
+/// encoder, however its files came; `name`: its architecture.
+pub fn assemble(
+    mut encoder: Box<dyn Encoder>,
+    name: &'static str,
     head: Option<model::ClassifierHead>,
     settings: SentenceSettings,
     mut tokenizer: tokenizers::Tokenizer,
@@ -131,7 +150,7 @@ fn assemble(
     let on_cpu = matches!(mlx_rs::Device::default().get_type(), Ok(mlx_rs::DeviceType::Cpu));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     let cpu = mlx_rs::Device::cpu();
-    encoder.cpu_math = on_cpu && crate::model::cpu_math::enabled();
+    encoder.use_cpu_math(on_cpu && crate::model::cpu_math::enabled());
     if on_cpu {
         crate::model::cpu_math::keep_freed_memory();
     }
@@ -140,7 +159,7 @@ fn assemble(
     } else {
         Vec::new()
     };
-    Ok(Box::new(Bert { encoder, settings, tokenizer, fingerprint, dimensions, reranker, separator, streams }))
+    Ok(Box::new(Bert { encoder, name, settings, tokenizer, fingerprint, dimensions, reranker, separator, streams }))
 }
 
 /// The fewest rows a part of a batch gets its own stream for.
@@ -225,7 +244,7 @@ impl Embedder for Bert {
         if self.reranker.is_some() {
             "bert cross-encoder"
         } else {
-            "bert"
+            self.name
         }
     }
 

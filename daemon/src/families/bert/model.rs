@@ -131,6 +131,24 @@ impl BertEncoder {
     }
 }
 
+impl super::Encoder for BertEncoder {
+    fn forward(&self, ids: &Array, keep: &Array, types: Option<&Array>) -> Result<Array> {
+        BertEncoder::forward(self, ids, keep, types)
+    }
+
+    fn row_bytes(&self, tokens: usize) -> usize {
+        BertEncoder::row_bytes(self, tokens)
+    }
+
+    fn hidden_size(&self) -> usize {
+        BertEncoder::hidden_size(self)
+    }
+
+    fn use_cpu_math(&mut self, on: bool) {
+        self.cpu_math = on;
+    }
+}
+
 /// A cross-encoder's head (`BertForSequenceClassification`): the pooler
 /// (a dense layer and tanh over `[CLS]`'s state) and the classifier.
 pub struct ClassifierHead {
