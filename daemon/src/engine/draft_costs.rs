@@ -106,20 +106,34 @@ pub struct Drafting {
 
 /// The verify pass width (1 + drafted positions per row) with the most
 /// expected tokens per second for a batch of `rows` rows of which
-/// `drafting` draft; 1 means a plain step. With no pass measured yet (or
-/// after [`REVISIT_AFTER`] refusals) the widest is chosen, to measure it.
+/// `drafting` draft; 1 means a plain step. A row alone tries the widest
+/// pass when it has no measure of it (or after [`REVISIT_AFTER`]
+/// refusals), to measure it. A batch does not: a trial costs every row,
+/// and a batch's row count changes as sequences come and go, each count a
+/// new pass size (on an H100, 16 clients of SmolLM2 lost 24% to such
+/// trials: docs/measurements/h100-2026-12-05c-views-and-speculation.md).
+/// Its unmeasured sizes are estimated from the measured ones (beyond the
+/// largest, in proportion to positions: what a compute-bound device
+/// costs, and more than a GPU's), with nothing measured it takes plain
+/// steps, and only a revisit tries the widest.
 pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> usize {
     let widest = 1 + drafting.iter().map(|d| d.k).max().unwrap_or(0);
     if widest == 1 {
         return 1;
     }
-    let Some(plain) = costs.plain(rows) else { return widest };
+    let batch = rows > 1;
+    let Some(plain) = costs.plain(rows) else {
+        // A batch's plain step measures it; a row alone measures the pass.
+        return if batch { 1 } else { widest };
+    };
     // Below the smallest measured pass: between a plain step (`rows`
-    // positions) and that pass.
+    // positions) and that pass; in a batch, beyond the largest: in
+    // proportion to positions.
     let estimate = |n: usize| {
-        costs.verify(n).or_else(|| {
-            let (&b, &tb) = costs.verify.range(n..).next()?;
-            Some(plain + (tb - plain) * (n - rows) as f64 / (b - rows) as f64)
+        costs.verify(n).or_else(|| match costs.verify.range(n..).next() {
+            Some((&b, &tb)) => Some(plain + (tb - plain) * (n - rows) as f64 / (b - rows) as f64),
+            None if batch => costs.verify.iter().next_back().map(|(&a, &ta)| ta * n as f64 / a as f64),
+            None => None,
         })
     };
     let drafting_secs =
@@ -138,7 +152,7 @@ pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> us
     // its own acceptance, which the prior may underrate (in a batch, the
     // pass would cost every row; it explores when alone).
     let explores = rows == 1 && drafting.iter().any(|d| d.explore);
-    if costs.revisit() || explores || estimate(rows * widest).is_none() {
+    if costs.revisit() || explores || (!batch && estimate(rows * widest).is_none()) {
         return widest;
     }
     let mut best = (rows as f64 / plain, 1);
@@ -262,6 +276,33 @@ mod tests {
         }
         assert_eq!(choose_width(&c, 1, &drafting(0.012)), 1);
         assert_eq!(choose_width(&costs(&[(1, 0.006)], &[]), 1, &drafting(0.012)), 1);
+    }
+
+    #[test]
+    fn a_batch_estimates_unmeasured_passes_instead_of_trying_them() {
+        let row = Drafting { k: 8, rate: 0.5, draft_secs: 0.0, explore: false };
+        // Nothing measured: a batch takes plain steps (which measure a
+        // step); its row count's step unmeasured: a plain step too.
+        assert_eq!(choose_width(&PassCosts::default(), 16, &[row; 16]), 1);
+        assert_eq!(choose_width(&costs(&[(15, 0.010)], &[]), 16, &[row; 16]), 1);
+        assert_eq!(choose_width(&costs(&[(16, 0.010)], &[]), 16, &[row; 16]), 1, "no pass measured");
+        // A pass measured at 15 rows × 9: 16 rows × 9 is estimated from it
+        // (in proportion, 0.032 s) rather than tried: at 0.5 a narrower
+        // pass pays by the estimates, at 0.2 none does.
+        let c = costs(&[(16, 0.010)], &[(135, 0.030)]);
+        assert_eq!(c.verify(144), None);
+        let w = choose_width(&c, 16, &[row; 16]);
+        assert!((2..9).contains(&w), "width {w}");
+        assert_eq!(choose_width(&c, 16, &[Drafting { rate: 0.2, ..row }; 16]), 1);
+        // A cheap measured pass pays by the same estimate.
+        let c = costs(&[(16, 0.010)], &[(135, 0.011)]);
+        assert!(choose_width(&c, 16, &[row; 16]) > 1);
+        // A revisit still tries the widest.
+        let mut c = costs(&[(16, 0.010)], &[(135, 0.030)]);
+        for _ in 0..REVISIT_AFTER {
+            c.plain_step(16, 0.010);
+        }
+        assert_eq!(choose_width(&c, 16, &[row; 16]), 9);
     }
 
     #[test]
