@@ -57,11 +57,10 @@ impl TowerFingerprint {
         }
         let memo_key =
             format!("{}|{}|{}", idents.join(","), prefixes.join(","), hex(&crate::content_hash(config.as_bytes())));
-        if let Some(Ok(Some(v))) = memo.map(|m| m.get(memo_key.as_bytes())) {
-            if let Ok(arr) = <[u8; 32]>::try_from(v.as_ref()) {
-                return Ok(Self(arr));
-            }
-        }
+        remembered(memo, &memo_key, || Self::hash_tensors(files, prefixes, config))
+    }
+
+    fn hash_tensors(files: &[&Path], prefixes: &[&str], config: &str) -> std::io::Result<Self> {
         let mut hasher = Sha256::new();
         hasher.update(b"mlxbc-tower-v1\0");
         hasher.update(config.as_bytes());
@@ -87,11 +86,7 @@ impl TowerFingerprint {
             fh.read_exact(&mut buf)?;
             hasher.update(&buf);
         }
-        let fp = Self(hasher.finalize().into());
-        if let Some(m) = memo {
-            let _ = m.insert(memo_key.as_bytes(), &fp.0);
-        }
-        Ok(fp)
+        Ok(Self(hasher.finalize().into()))
     }
 
     /// Hashes `config` and every byte of one weight file (a GGUF file, whose
@@ -103,27 +98,38 @@ impl TowerFingerprint {
             WeightFileIdentity::of(file)?.as_text(),
             hex(&crate::content_hash(config.as_bytes()))
         );
-        if let Some(Ok(Some(v))) = memo.map(|m| m.get(memo_key.as_bytes())) {
-            if let Ok(arr) = <[u8; 32]>::try_from(v.as_ref()) {
-                return Ok(Self(arr));
-            }
-        }
-        let mut hasher = Sha256::new();
-        hasher.update(b"mlxbc-file-v1\0");
-        hasher.update(config.as_bytes());
-        hasher.update(b"\0");
-        std::io::copy(&mut std::fs::File::open(file)?, &mut hasher)?;
-        let fp = Self(hasher.finalize().into());
-        if let Some(m) = memo {
-            let _ = m.insert(memo_key.as_bytes(), &fp.0);
-        }
-        Ok(fp)
+        remembered(memo, &memo_key, || {
+            let mut hasher = Sha256::new();
+            hasher.update(b"mlxbc-file-v1\0");
+            hasher.update(config.as_bytes());
+            hasher.update(b"\0");
+            std::io::copy(&mut std::fs::File::open(file)?, &mut hasher)?;
+            Ok(Self(hasher.finalize().into()))
+        })
     }
 
     /// Short hex for logs.
     pub fn short(&self) -> String {
         hex(&self.0[..6])
     }
+}
+
+/// The fingerprint `memo` holds under `key`, or `compute`'s, then kept there.
+fn remembered(
+    memo: Option<&sled::Tree>,
+    key: &str,
+    compute: impl FnOnce() -> std::io::Result<TowerFingerprint>,
+) -> std::io::Result<TowerFingerprint> {
+    if let Some(Ok(Some(v))) = memo.map(|m| m.get(key.as_bytes())) {
+        if let Ok(arr) = <[u8; 32]>::try_from(v.as_ref()) {
+            return Ok(TowerFingerprint(arr));
+        }
+    }
+    let fp = compute()?;
+    if let Some(m) = memo {
+        let _ = m.insert(key.as_bytes(), &fp.0);
+    }
+    Ok(fp)
 }
 
 fn bad(path: &Path, what: &str) -> std::io::Error {
