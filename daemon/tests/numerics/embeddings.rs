@@ -137,6 +137,11 @@ fn a_bert_gguf_tokenizes_and_embeds_as_its_directory_does() {
         assert!(worst >= floor, "{kind}: smallest cosine {worst} to mlx-embeddings on the directory");
         eprintln!("{kind}: smallest cosine to mlx-embeddings on the directory {worst:.6}");
     }
+    // A vocabulary llama.cpp names `t5` (XLM-RoBERTa's SentencePiece) is
+    // refused with a sentence, not read as WordPiece.
+    let path = fixture("embed-gguf/all-MiniLM-L6-v2.t5-named.gguf");
+    let e = families::load_any(&path, WeightForm::DenseF32, None).err().expect("refused");
+    assert!(e.to_string().contains("SentencePiece"), "{e}");
 }
 
 /// An XLM-RoBERTa embedder (multilingual-e5's and bge-m3's architecture;

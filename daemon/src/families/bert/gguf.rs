@@ -31,6 +31,17 @@ pub fn load_gguf(file: &Gguf, options: ModelOptions, memo: Option<&sled::Tree>) 
             file.path().display()
         );
     }
+    // llama.cpp writes XLM-RoBERTa embedders (bge-m3, multilingual-e5) as
+    // `bert` too, with a SentencePiece vocabulary (`t5`) and positions cut.
+    match file.string("tokenizer.ggml.model") {
+        Some("bert") => {}
+        other => bail!(
+            "{}: a BERT GGUF with a {} tokenizer (XLM-RoBERTa's SentencePiece: bge-m3, multilingual-e5) is not \
+             supported yet; its sentence-transformers directory is",
+            file.path().display(),
+            other.unwrap_or("missing")
+        ),
+    }
     if file.has_tensor("blk.0.attn_qkv.weight") {
         bail!(
             "{}: a BERT GGUF with fused q/k/v projections is not supported (separate ones are)",
