@@ -771,7 +771,14 @@ impl KvCache {
     /// the new ones are written quantized.
     pub fn update_view(&mut self, layer: usize, k: Array, v: Array) -> Result<KvView> {
         let q = self.quantization;
-        let due = q.filter(|q| self.offset > 0 && self.offset >= q.start);
+        // mlx-lm quantizes after each of its prefill chunks (2048 positions)
+        // and after every single position (the prompt's last, then each
+        // decode step); the scheduler's own chunks (smaller, as the prefill
+        // budget is shared) must not move that point, or the prompt's tail
+        // would attend to quantized keys here and full-precision ones there.
+        let new_positions = k.shape().get(2).copied().unwrap_or(1);
+        let at_mlx_lm_point = new_positions == 1 || self.offset >= MLX_LM_PREFILL_STEP;
+        let due = q.filter(|q| self.offset > 0 && self.offset >= q.start && at_mlx_lm_point);
         if let Some(q) = due {
             if let Some(parts) = self.layers[layer].take_if(|p| p.len() == 2) {
                 self.layers[layer] = Some(Self::quantized(parts, self.offset, q)?);
@@ -853,6 +860,9 @@ impl KvCache {
 }
 
 /// How a sequence's keys and values are kept quantized: mlx-lm's
+/// mlx-lm's `prefill_step_size`: the positions of its prefill chunks.
+const MLX_LM_PREFILL_STEP: i32 = 2048;
+
 /// `kv_bits`, `kv_group_size` and `quantized_kv_start` (affine, MLX's
 /// `quantize` over each head's values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -1258,7 +1268,8 @@ mod kv_cache_tests {
             };
             let mut cache = KvCache::new(2);
             cache.quantization = Some(q);
-            for (i, n) in [(0.0, 3), (1.0, 5)] {
+            // A chunk, one position (where it quantizes, as mlx-lm does), a chunk.
+            for (i, n) in [(0.0, 3), (1.0, 1), (2.0, 4)] {
                 for (layer, heads) in [(0, 2), (1, 4)] {
                     let _ =
                         cache.update_view(layer, step(i + layer as f32, heads, n), step(i - 1.0, heads, n)).unwrap();
