@@ -168,18 +168,20 @@ pub fn family_of(raw: &serde_json::Value) -> Option<&'static Family> {
     FAMILIES.iter().find(|f| f.model_types.contains(&model_type))
 }
 
-/// The `model_type`s and GGUF architectures served, for error messages.
+/// The `model_type`s served, for error messages.
 fn supported() -> String {
-    let mut names: Vec<&str> = FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect();
-    names.dedup();
-    names.join(", ")
+    names_of(|f| f.model_types)
 }
 
 /// The GGUF architectures served, for error messages.
 fn supported_gguf() -> String {
-    let mut names: Vec<&str> = FAMILIES.iter().flat_map(|f| f.gguf_architectures.iter().copied()).collect();
-    names.dedup();
-    names.join(", ")
+    names_of(|f| f.gguf_architectures)
+}
+
+fn names_of(names: fn(&Family) -> &'static [&'static str]) -> String {
+    let mut all: Vec<&str> = FAMILIES.iter().flat_map(|f| names(f).iter().copied()).collect();
+    all.dedup();
+    all.join(", ")
 }
 
 /// Whether a GGUF file's architecture embeds text (a family with an

@@ -78,8 +78,9 @@ pub fn from_gguf(file: &Gguf) -> Result<Tokenizer> {
 /// of the same vocabulary tokenizes: llama.cpp's converter stores each
 /// piece in its "phantom space" form (a word's first piece `x` as `▁x`, a
 /// continuation `##x` as `x`, control tokens as they are), undone here; the
-/// text is lower-cased and stripped of accents (llama.cpp's WPM tokenizer
-/// does so whatever the model; uncased BERTs, which embedders are, want it);
+/// text is lower-cased and stripped of accents unless the file says
+/// otherwise (`tokenizer.ggml.normalizer.lowercase` / `.strip_accents`,
+/// llama.cpp's defaults: lower-case, and strip accents where it lower-cases);
 /// `[CLS] text [SEP]`, and `[CLS] a [SEP] b [SEP]` with b's type 1 for a pair.
 pub fn wordpiece_from_gguf(file: &Gguf) -> Result<Tokenizer> {
     let tokens = file.strings("tokenizer.ggml.tokens").context("GGUF has no tokenizer.ggml.tokens")?;
@@ -116,13 +117,16 @@ pub fn wordpiece_from_gguf(file: &Gguf) -> Result<Tokenizer> {
         })
         .collect();
     let (cls_piece, sep_piece) = (&pieces[cls], &pieces[sep]);
+    let flag = |key: &str| file.number(key).map(|v| v != 0.0);
+    let lowercase = flag("tokenizer.ggml.normalizer.lowercase").unwrap_or(true);
+    let strip_accents = flag("tokenizer.ggml.normalizer.strip_accents").unwrap_or(lowercase);
     let spec = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added,
         "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true,
-                       "strip_accents": null, "lowercase": true},
+                       "strip_accents": strip_accents, "lowercase": lowercase},
         "pre_tokenizer": {"type": "BertPreTokenizer"},
         "post_processor": {"type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": cls_piece, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},

@@ -137,6 +137,16 @@ fn a_bert_gguf_tokenizes_and_embeds_as_its_directory_does() {
         assert!(worst >= floor, "{kind}: smallest cosine {worst} to mlx-embeddings on the directory");
         eprintln!("{kind}: smallest cosine to mlx-embeddings on the directory {worst:.6}");
     }
+    // A file that says not to lower-case (as llama.cpp reads
+    // `tokenizer.ggml.normalizer.lowercase`) keeps capitals: this uncased
+    // vocabulary has no "A", lower-case text is unchanged.
+    let cased = match families::load_any(&fixture("embed-gguf/all-MiniLM-L6-v2.cased.gguf"), WeightForm::DenseF32, None)
+    {
+        Ok(LoadedModel::Embed(e)) => e,
+        _ => panic!("the cased GGUF did not load as an embedder"),
+    };
+    assert_ne!(cased.tokenize("A man").unwrap(), dir.tokenize("A man").unwrap());
+    assert_eq!(cased.tokenize("a man").unwrap(), dir.tokenize("a man").unwrap());
     // A vocabulary llama.cpp names `t5` (XLM-RoBERTa's SentencePiece) is
     // refused with a sentence, not read as WordPiece.
     let path = fixture("embed-gguf/all-MiniLM-L6-v2.t5-named.gguf");

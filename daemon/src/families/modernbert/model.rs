@@ -39,6 +39,8 @@ pub struct ModernBertEncoder {
     final_norm: LayerNorm,
     /// On MLX's CPU backend: GELU and softmax from multiplies and adds.
     cpu_math: bool,
+    /// Copy q and k before rope (CUDA: see `forward`).
+    copy_for_rope: bool,
 }
 
 impl ModernBertEncoder {
@@ -73,7 +75,8 @@ impl ModernBertEncoder {
             });
         }
         let final_norm = norm(t, "final_norm")?;
-        Ok(Self { config, words, embeddings_norm, layers, final_norm, cpu_math: false })
+        let copy_for_rope = crate::model::options::cuda_available();
+        Ok(Self { config, words, embeddings_norm, layers, final_norm, cpu_math: false, copy_for_rope })
     }
 
     /// Positions a text may have.
@@ -117,10 +120,13 @@ impl crate::families::bert::Encoder for ModernBertEncoder {
             };
             // [B, L, 3, heads, d] → q, k, v [B, heads, L, d].
             let qkv = layer.qkv.forward(&h)?.reshape(&[b, l, 3, heads, d])?.transpose_axes(&[2, 0, 3, 1, 4])?;
-            // Copies, not views into the fused output: MLX 0.32.2's CUDA rope
-            // misreads a multi-row view that starts past its buffer's
-            // beginning (docs/measurements/h100-2026-12-05b-batched-host.md).
-            let rope = |y: Array| fast::rope(y.contiguous()?, d, false, layer.rope_theta, 1.0, 0, None);
+            // On CUDA, copies, not views into the fused output: MLX 0.32.2's
+            // CUDA rope misreads a multi-row view that starts past its
+            // buffer's beginning (docs/measurements/h100-2026-12-05b-batched-host.md).
+            let rope = |y: Array| {
+                let y = if self.copy_for_rope { y.contiguous()? } else { y };
+                fast::rope(y, d, false, layer.rope_theta, 1.0, 0, None)
+            };
             let (q, k, v) = (rope(qkv.index(0))?, rope(qkv.index(1))?, qkv.index(2));
             let bias = if layer.global { &global_bias } else { &local_bias };
             let o = layer.attn_out.forward(&from_heads(&self.attend(&q, &k, &v, bias)?)?)?;
