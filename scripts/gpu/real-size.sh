@@ -53,6 +53,8 @@
 #                 fused projection's parts right as views (no copies)
 #   kv MODEL      a TOKENS-long prompt (32,768) with the KV cache at full
 #                 precision, 8 and 4 bits (scripts/bench.d/kv_bench.py)
+#   lora MODEL    16 clients over 0, 1, 4 and 16 random LoRA adapters of the
+#                 model's shape (scripts/bench.d/lora_bench.py)
 #   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
 #                 (scripts/bench.d/audio_bench.py)
 # MODEL: qwen3-8b | qwen3-4b | qwen2.5-0.5b. Everything under $OUT comes back.
@@ -285,6 +287,37 @@ whisper)
   for _ in $(seq 300); do [[ -S $home/mlxbcd.sock ]] && break; sleep 0.1; done
   BENCH_DEVICE=gpu timeout ${AUDIO_TIMEOUT:-400} $PY scripts/bench.d/audio_bench.py http://127.0.0.1:18081 ${ROUNDS:-5} \
     $w/clips tests/fixtures/audio/sentences.txt "whisper-tiny.en:$w/mlx-tiny.en:none" 2>&1 | tee $OUT/audio.md
+  kill $pid; wait $pid 2>/dev/null ;;
+lora)
+  # 16 clients over 0, 1, 4 and 16 LoRA adapters on MODEL (issue 39's
+  # adapter rows): an adapter as mlx_lm.lora writes one (rank 8, scale 20,
+  # every projection of the last 16 layers), random, written here for the
+  # shape; scripts/bench.d/lora_bench.py perturbs 16 copies of it.
+  home=/tmp/mlxbc-lora-$RANDOM; mkdir -p $home/models /tmp/lora-seed
+  ln -sfn "$(model_dir $1)" $home/models/
+  $PY - "$(model_dir $1)/config.json" /tmp/lora-seed <<'PYEOF' || exit 1
+import json, sys
+import mlx.core as mx
+c = json.load(open(sys.argv[1])); out = sys.argv[2]
+h, f, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+hd = c.get("head_dim") or h // c["num_attention_heads"]
+q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+          "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, f), "mlp.up_proj": (h, f), "mlp.down_proj": (f, h)}
+mx.random.seed(0); w = {}
+for layer in range(n - 16, n):
+    for key, (i, o) in shapes.items():
+        w[f"model.layers.{layer}.{key}.lora_a"] = mx.random.normal((i, 8)) * 0.02
+        w[f"model.layers.{layer}.{key}.lora_b"] = mx.random.normal((8, o)) * 0.001
+mx.save_safetensors(f"{out}/adapters.safetensors", w)
+json.dump({"fine_tune_type": "lora", "num_layers": 16, "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0}},
+          open(f"{out}/adapter_config.json", "w"))
+PYEOF
+  MLXBC_HOME=$home MLXBC_LOG=info "$B/bin/mlxbcd" --http 127.0.0.1:18084 2> $OUT/lora-daemon.log & pid=$!
+  for _ in $(seq 300); do [[ -S $home/mlxbcd.sock ]] && break; sleep 0.1; done
+  timeout ${LORA_TIMEOUT:-500} $PY scripts/bench.d/lora_bench.py "$B/bin/mlxbc" http://127.0.0.1:18084 $home "$1-4bit" \
+    /tmp/lora-seed $home/models ${ROUNDS:-3} 2>&1 | tee $OUT/lora-$1.md
+  grep -E "decode \(" $OUT/lora-daemon.log | cut -c60-220 | tail -4
   kill $pid; wait $pid 2>/dev/null ;;
 mlxlm)
   timeout 500 $PY "$R/batch_mlxlm.py" "$1" "$(model_dir $1)" ${BATCHES:-16,64} 1 ${TOKENS:-128} "$OUT/mlxlm-$1.jsonl" ;;
