@@ -10,6 +10,7 @@ pub mod gemma4;
 pub mod gemma4_unified;
 pub mod llama;
 pub mod modernbert;
+pub mod nomic_bert;
 pub mod qwen2_5_vl;
 pub mod qwen3_5;
 pub mod qwen3_vl;
@@ -142,6 +143,13 @@ pub const FAMILIES: &[Family] = &[
         gguf_architectures: &[],
         load_dir: DirLoader::Embed(modernbert::load_dir),
         load_gguf: None,
+        tensor_parallel: false,
+    },
+    Family {
+        model_types: &["nomic_bert"],
+        gguf_architectures: &["nomic-bert"],
+        load_dir: DirLoader::Embed(nomic_bert::load_dir),
+        load_gguf: Some(GgufLoader::Embed(nomic_bert::load_gguf)),
         tensor_parallel: false,
     },
     // mlx-whisper's config.json has no model_type: see `model_type_of`.

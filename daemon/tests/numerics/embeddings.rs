@@ -217,6 +217,45 @@ fn a_modernbert_embedder_matches_mlx_embeddings_batched_against_alone() {
     eprintln!("smallest cosine to mlx-embeddings {worst:.7}");
 }
 
+/// A nomic-bert embedder (nomic-embed-text v1/v1.5's architecture: rotary
+/// positions, fused q/k/v, SwiGLU, post-norm; tiny random weights laid out
+/// as sentence-transformers ships it, MiniLM's real tokenizer) against
+/// llama.cpp's own `llama-embedding` on the same weights written as a GGUF
+/// (scripts/fixtures/nomic_reference.py; no Python nomic-bert runs here):
+/// the directory, the F32 GGUF and the F16 GGUF each embed the corpus in
+/// one padded batch (llama.cpp: the texts in one call), cosine ≥ 0.9999
+/// (F16 weights: ≥ 0.999), the same token counts and nearest neighbours.
+#[test]
+fn a_nomic_bert_embedder_matches_llama_cpp_from_its_directory_and_its_gguf() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("nomic/reference.json")).unwrap()).unwrap();
+    let reference = reference.as_array().unwrap();
+    let want = vectors(&serde_json::Value::Array(reference.iter().map(|r| r["vector"].clone()).collect()));
+    for (path, floor) in [
+        ("nomic/tiny-nomic-bert", 0.9999),
+        ("nomic/tiny-nomic-bert.f32.gguf", 0.9999),
+        ("nomic/tiny-nomic-bert.f16.gguf", 0.999),
+    ] {
+        let e = match families::load_any(&fixture(path), WeightForm::DenseF32, None).unwrap() {
+            LoadedModel::Embed(e) => e,
+            _ => panic!("{path} did not load as an embedder"),
+        };
+        assert_eq!((e.dimensions(), e.max_tokens(), e.architecture()), (64, 2048, "nomic-bert"), "{path}");
+        let ids: Vec<Vec<u32>> =
+            reference.iter().map(|r| e.truncate(&e.tokenize(r["text"].as_str().unwrap()).unwrap())).collect();
+        let got = e.embed(&ids).unwrap();
+        let mut worst = 1.0f64;
+        for (i, r) in reference.iter().enumerate() {
+            assert_eq!(ids[i].len() as u64, r["tokens"].as_u64().unwrap(), "{path}, text {i}: token count");
+            let c = cosine(&got[i], &want[i]);
+            worst = worst.min(c);
+            assert!(c >= floor, "{path}, text {i} ({:?}): cosine {c} to llama.cpp", r["text"]);
+            assert_eq!(nearest(&got, i), nearest(&want, i), "{path}, text {i}: a different nearest neighbour");
+        }
+        eprintln!("{path}: smallest cosine to llama.cpp {worst:.7}");
+    }
+}
+
 /// A cross-encoder (tiny random weights, MiniLM's real tokenizer; no real
 /// reranker ships on PyPI) against mlx-embeddings' BERT with the pooler,
 /// classifier and sigmoid after it on the same weights

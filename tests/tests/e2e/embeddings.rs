@@ -152,6 +152,52 @@ async fn a_bert_gguf_file_embeds_as_its_directory_does() {
     assert!(models.lines().any(|l| l.contains(GGUF) && l.contains("embedding")), "{models}");
 }
 
+/// A nomic-bert embedder (nomic-embed-text's architecture; tiny random
+/// weights, checked against llama.cpp in numerics) served from its
+/// sentence-transformers directory and as the GGUF ollama's
+/// `nomic-embed-text` is: the directory's named prompt (`search_query`)
+/// gives what the GGUF gives for the text with the prefix written out (as
+/// ollama's users write it), within f16 rounding; Matryoshka `dimensions`
+/// cut and normalize again; both listed as embedding models; a second
+/// request served from the store.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nomic_bert_embeds_from_its_directory_and_its_gguf_with_its_prompts() {
+    const DIR: &str = "tiny-nomic-bert";
+    const GGUF: &str = "nomic-embed-text.gguf";
+    let d = Daemon::start_with(DaemonOptions {
+        models: vec![(DIR, fixture("nomic/tiny-nomic-bert")), (GGUF, fixture("nomic/tiny-nomic-bert.f16.gguf"))],
+        args: vec![],
+    });
+    let texts = ["What is the capital of Japan?", "fn main() { println!(\"hi\"); }"];
+    let mut c = d.client().await;
+    let dir = c
+        .embed(EmbedRequest { model: DIR.into(), prompt: Some("search_query".into()), ..request(&texts) })
+        .await
+        .unwrap();
+    let prefixed: Vec<String> = texts.iter().map(|t| format!("search_query: {t}")).collect();
+    let prefixed: Vec<&str> = prefixed.iter().map(String::as_str).collect();
+    let file = c.embed(EmbedRequest { model: GGUF.into(), ..request(&prefixed) }).await.unwrap();
+    assert_eq!(dir.prompt_tokens, file.prompt_tokens, "the prompt's tokens counted alike");
+    for (a, b) in dir.vectors.iter().zip(&file.vectors) {
+        assert_eq!(a.len(), 64);
+        let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        assert!(dot > 0.999, "cosine {dot} between the directory's (prompt by name) and the GGUF's vectors");
+    }
+    let bare = c.embed(EmbedRequest { model: DIR.into(), ..request(&texts) }).await.unwrap();
+    let dot: f32 = bare.vectors[0].iter().zip(&dir.vectors[0]).map(|(x, y)| x * y).sum();
+    assert!(dot < 0.999, "the prompt changes the vector (cosine {dot})");
+    let short = c.embed(EmbedRequest { model: GGUF.into(), dimensions: Some(32), ..request(&prefixed) }).await.unwrap();
+    let norm: f32 = short.vectors[0].iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert_eq!(short.vectors[0].len(), 32);
+    assert!((norm - 1.0).abs() < 1e-4, "a cut vector is normalized again ({norm})");
+    let again = c.embed(EmbedRequest { model: GGUF.into(), ..request(&prefixed) }).await.unwrap();
+    assert_eq!((again.cached, &again.vectors), (2, &file.vectors));
+    let models = String::from_utf8(d.cli().arg("models").output().unwrap().stdout).unwrap();
+    for name in [DIR, GGUF] {
+        assert!(models.lines().any(|l| l.contains(name) && l.contains("embedding")), "{models}");
+    }
+}
+
 /// `GET /metrics` parses with prometheus_client's parser and its counters
 /// move as requests are served (tests/clients/metrics.py).
 #[test]
