@@ -194,6 +194,21 @@ impl Gguf {
         }
     }
 
+    /// A numeric array metadata value (integers read as floats too).
+    pub fn floats(&self, key: &str) -> Option<Vec<f64>> {
+        match self.metadata.get(key)? {
+            MetaValue::Array(items) => items
+                .iter()
+                .map(|v| match v {
+                    MetaValue::Float(f) => Some(*f),
+                    MetaValue::Int(i) => Some(*i as f64),
+                    _ => None,
+                })
+                .collect(),
+            _ => None,
+        }
+    }
+
     /// Whether a tensor of that name exists.
     pub fn has_tensor(&self, name: &str) -> bool {
         self.tensors.iter().any(|t| t.name == name)

@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
 /// GGUF token types (llama.cpp `llama_token_type`).
+const TOKEN_TYPE_UNKNOWN: i32 = 2;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
@@ -144,6 +145,85 @@ pub fn wordpiece_from_gguf(file: &Gguf) -> Result<Tokenizer> {
     spec.to_string()
         .parse::<Tokenizer>()
         .map_err(|e| anyhow::anyhow!("building a WordPiece tokenizer from GGUF metadata: {e}"))
+}
+
+/// Builds the SentencePiece Unigram tokenizer of a GGUF whose vocabulary
+/// llama.cpp names `t5` (`tokenizer.ggml.model`): XLM-RoBERTa's, as its
+/// converter writes bge-m3 and multilingual-e5 (pieces in fairseq's order,
+/// `<s> <pad> </s> <unk>` first), and T5's. As llama.cpp's UGM tokenizer
+/// reads the file: the normalizer's precompiled charsmap
+/// (`tokenizer.ggml.precompiled_charsmap`, SentencePiece's nmt_nfkc), then,
+/// with `tokenizer.ggml.remove_extra_whitespaces`, whitespace stripped at
+/// both ends and runs of it made one; spaces as `▁`, one put before the
+/// text with `tokenizer.ggml.add_space_prefix`; the pieces' scores
+/// (`tokenizer.ggml.scores`) chosen by Viterbi; control and user-defined
+/// tokens matched whole; `<s> text </s>` (a pair: `<s> a </s></s> b </s>`).
+/// Checked against llama.cpp's `llama-tokenize` and the model's
+/// `tokenizer.json` (numerics `an_xlm_roberta_gguf_...`).
+pub fn unigram_from_gguf(file: &Gguf) -> Result<Tokenizer> {
+    let tokens = file.strings("tokenizer.ggml.tokens").context("GGUF has no tokenizer.ggml.tokens")?;
+    let scores = file.floats("tokenizer.ggml.scores").context(
+        "GGUF's SentencePiece (t5) vocabulary has no tokenizer.ggml.scores: not a Unigram vocabulary llama.cpp \
+         could read either",
+    )?;
+    if scores.len() != tokens.len() {
+        bail!("GGUF has {} tokens but {} scores", tokens.len(), scores.len());
+    }
+    let types: Vec<i32> = match file.ints("tokenizer.ggml.token_type") {
+        Some(t) => t.into_iter().map(|t| t as i32).collect(),
+        None => vec![1; tokens.len()],
+    };
+    let id = |key: &str| file.number(key).map(|v| v as usize).filter(|&i| i < tokens.len());
+    let unk = id("tokenizer.ggml.unknown_token_id")
+        .or_else(|| types.iter().position(|&t| t == TOKEN_TYPE_UNKNOWN))
+        .context("GGUF names no unknown token")?;
+    let bos = id("tokenizer.ggml.bos_token_id").context("GGUF names no <s> (bos) token")?;
+    let eos = id("tokenizer.ggml.eos_token_id").context("GGUF names no </s> (eos) token")?;
+    let added: Vec<Value> = (0..tokens.len())
+        .filter(|&i| matches!(types[i], TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED | TOKEN_TYPE_UNKNOWN))
+        .map(|i| {
+            json!({"id": i, "content": tokens[i], "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": types[i] != TOKEN_TYPE_USER_DEFINED})
+        })
+        .collect();
+    let flag = |key: &str, default: bool| file.number(key).map_or(default, |v| v != 0.0);
+    let mut normalizers = Vec::new();
+    if let Some(map) = file.ints("tokenizer.ggml.precompiled_charsmap").filter(|m| !m.is_empty()) {
+        let bytes: Vec<u8> = map.iter().map(|&b| b as u8).collect();
+        use base64::Engine as _;
+        let encoded = base64::engine::general_purpose::STANDARD.encode(bytes);
+        normalizers.push(json!({"type": "Precompiled", "precompiled_charsmap": encoded}));
+    }
+    if flag("tokenizer.ggml.remove_extra_whitespaces", true) {
+        normalizers.push(json!({"type": "Strip", "strip_left": true, "strip_right": true}));
+        normalizers.push(json!({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}));
+    }
+    let prepend = if flag("tokenizer.ggml.add_space_prefix", true) { "always" } else { "never" };
+    let metaspace = json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": prepend, "split": true});
+    let (bos_piece, eos_piece) = (&tokens[bos], &tokens[eos]);
+    let special = |piece: &str| json!({"SpecialToken": {"id": piece, "type_id": 0}});
+    let sequence = |name: &str| json!({"Sequence": {"id": name, "type_id": 0}});
+    let vocab: Vec<Value> = tokens.iter().zip(&scores).map(|(t, s)| json!([t, s])).collect();
+    let spec = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": metaspace,
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [special(bos_piece), sequence("A"), special(eos_piece)],
+            "pair": [special(bos_piece), sequence("A"), special(eos_piece), special(eos_piece), sequence("B"),
+                     special(eos_piece)],
+            "special_tokens": {
+                bos_piece.as_str(): {"id": bos_piece, "ids": [bos], "tokens": [bos_piece]},
+                eos_piece.as_str(): {"id": eos_piece, "ids": [eos], "tokens": [eos_piece]}}},
+        "decoder": metaspace,
+        "model": {"type": "Unigram", "unk_id": unk, "vocab": vocab, "byte_fallback": false}
+    });
+    spec.to_string()
+        .parse::<Tokenizer>()
+        .map_err(|e| anyhow::anyhow!("building a SentencePiece Unigram tokenizer from GGUF metadata: {e}"))
 }
 
 /// Reads `tokenizer.json`.

@@ -1,17 +1,21 @@
 //! BERT embedders as GGUF files, the way llama.cpp's converter writes them
 //! (`general.architecture = bert`): ollama's `all-minilm`, `bge`,
 //! `mxbai-embed-large`, `snowflake-arctic-embed` and llama-server's BERT
-//! embedders. The same encoder as a sentence-transformers directory, its
+//! embedders, and XLM-RoBERTa ones (ollama's `bge-m3`, multilingual-e5).
+//! The same encoder as a sentence-transformers directory, its
 //! tensors under GGUF names, its shape in `bert.*` metadata, its WordPiece
 //! vocabulary in llama.cpp's phantom-space form
-//! (`model::tokenizer::wordpiece_from_gguf`), its pooling in
-//! `bert.pooling_type`. Vectors are normalized, as ollama and llama-server
+//! (`model::tokenizer::wordpiece_from_gguf`) or its SentencePiece one
+//! (`unigram_from_gguf`), its pooling in `bert.pooling_type`. Vectors are normalized, as ollama and llama-server
 //! return them.
 //!
 //! Checked against the sentence-transformers directory the file was
 //! written from (`scripts/fixtures/bert_to_gguf.py`, llama.cpp's gguf-py):
 //! the same token ids, vectors within f16 (or Q8_0) rounding of them
-//! (e2e `embeddings::a_bert_gguf_embeds_as_its_directory_does`).
+//! (e2e `embeddings::a_bert_gguf_embeds_as_its_directory_does`); an
+//! XLM-RoBERTa GGUF against llama.cpp's own `llama-tokenize` and
+//! `llama-embedding` on it (scripts/fixtures/xlmr_gguf_reference.py,
+//! numerics `an_xlm_roberta_gguf_...`).
 
 use super::config::BertConfig;
 use super::model::BertEncoder;
@@ -32,16 +36,18 @@ pub fn load_gguf(file: &Gguf, options: ModelOptions, memo: Option<&sled::Tree>) 
         );
     }
     // llama.cpp writes XLM-RoBERTa embedders (bge-m3, multilingual-e5) as
-    // `bert` too, with a SentencePiece vocabulary (`t5`) and positions cut.
-    match file.string("tokenizer.ggml.model") {
-        Some("bert") => {}
+    // `bert` too, with a SentencePiece vocabulary (`t5`) and the position
+    // rows before the padding id's cut off (so positions count from 0 here).
+    let tokenizer = match file.string("tokenizer.ggml.model") {
+        Some("bert") => crate::model::tokenizer::wordpiece_from_gguf(file)?,
+        Some("t5") => crate::model::tokenizer::unigram_from_gguf(file)
+            .with_context(|| format!("{}: its SentencePiece (t5) vocabulary", file.path().display()))?,
         other => bail!(
-            "{}: a BERT GGUF with a {} tokenizer (XLM-RoBERTa's SentencePiece: bge-m3, multilingual-e5) is not \
-             supported yet; its sentence-transformers directory is",
+            "{}: a BERT GGUF with a {} tokenizer is not supported (WordPiece, `bert`, and SentencePiece, `t5`, are)",
             file.path().display(),
             other.unwrap_or("missing")
         ),
-    }
+    };
     if file.has_tensor("blk.0.attn_qkv.weight") {
         bail!(
             "{}: a BERT GGUF with fused q/k/v projections is not supported (separate ones are)",
@@ -76,7 +82,6 @@ pub fn load_gguf(file: &Gguf, options: ModelOptions, memo: Option<&sled::Tree>) 
         prompts: Default::default(),
         default_prompt: None,
     };
-    let tokenizer = crate::model::tokenizer::wordpiece_from_gguf(file)?;
     let fingerprint = mlxbc_cache::TowerFingerprint::of_file(
         file.path(),
         &format!("bert gguf {config:?} {}", settings.describe()),
