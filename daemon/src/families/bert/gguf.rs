@@ -68,20 +68,7 @@ pub fn load_gguf(file: &Gguf, options: ModelOptions, memo: Option<&sled::Tree>) 
     let config = BertConfig::from_json(&raw).context("the GGUF's bert.* metadata")?;
     let mut t = TensorMap::from_gguf_named(file, GgufQkRows::AsHf, hf_name, options.form)?;
     let encoder = BertEncoder::load(config.clone(), &mut t)?;
-    // llama.cpp's pooling types: 1 mean, 2 CLS, 3 last token (none given: mean).
-    let pooling = match file.number("bert.pooling_type").map(|p| p as i64) {
-        None | Some(1) => Pooling::Mean,
-        Some(2) => Pooling::Cls,
-        Some(3) => Pooling::LastToken,
-        Some(other) => bail!("bert.pooling_type {other} is not an embedding's pooling (1 mean, 2 CLS, 3 last token)"),
-    };
-    let settings = SentenceSettings {
-        pooling,
-        normalize: true,
-        max_tokens: encoder.positions(),
-        prompts: Default::default(),
-        default_prompt: None,
-    };
+    let settings = gguf_settings(file, "bert", encoder.positions())?;
     let fingerprint = mlxbc_cache::TowerFingerprint::of_file(
         file.path(),
         &format!("bert gguf {config:?} {}", settings.describe()),
@@ -89,6 +76,21 @@ pub fn load_gguf(file: &Gguf, options: ModelOptions, memo: Option<&sled::Tree>) 
     )
     .with_context(|| format!("fingerprinting {}", file.path().display()))?;
     super::assemble(Box::new(encoder), "bert", None, settings, tokenizer, fingerprint)
+}
+
+/// How an embedder's GGUF (architecture `arch`) says to pool: llama.cpp's
+/// `{arch}.pooling_type` (1 mean, 2 CLS, 3 last token; none given: mean);
+/// normalized, as ollama and llama-server return vectors; no prompts (the
+/// caller writes them, as with ollama).
+pub(crate) fn gguf_settings(file: &Gguf, arch: &str, max_tokens: usize) -> Result<SentenceSettings> {
+    let key = format!("{arch}.pooling_type");
+    let pooling = match file.number(&key).map(|p| p as i64) {
+        None | Some(1) => Pooling::Mean,
+        Some(2) => Pooling::Cls,
+        Some(3) => Pooling::LastToken,
+        Some(other) => bail!("{key} {other} is not an embedding's pooling (1 mean, 2 CLS, 3 last token)"),
+    };
+    Ok(SentenceSettings { pooling, normalize: true, max_tokens, prompts: Default::default(), default_prompt: None })
 }
 
 /// A BERT GGUF module's name in a Hugging Face `BertModel` checkpoint

@@ -17,7 +17,9 @@ mod config;
 mod gguf;
 mod model;
 
+pub(crate) use gguf::gguf_settings;
 pub use gguf::load_gguf;
+pub(crate) use model::{attend, padding_bias};
 
 use crate::model::family::Embedder;
 use crate::model::options::ModelOptions;

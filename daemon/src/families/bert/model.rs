@@ -98,29 +98,12 @@ impl BertEncoder {
         let mask = keep.reshape(&[b, 1, 1, l])?;
         // The CPU path's mask as a bias: -1e9 at padding (its softmax
         // takes e^-87 there, 1.6e-38 of the row's largest).
-        let bias = if self.cpu_math {
-            Some(mlx_rs::ops::select(&mask, Array::from_f32(0.0), Array::from_f32(-1e9))?)
-        } else {
-            None
-        };
+        let bias = if self.cpu_math { Some(padding_bias(&mask)?) } else { None };
         for layer in &self.layers {
             let q = to_heads(&layer.query.forward(&x)?, b, l, n)?;
             let k = to_heads(&layer.key.forward(&x)?, b, l, n)?;
             let v = to_heads(&layer.value.forward(&x)?, b, l, n)?;
-            let o = match &bias {
-                Some(bias) => {
-                    let scores = q.multiply(Array::from_f32(scale))?.matmul(k.transpose_axes(&[0, 1, 3, 2])?)?;
-                    cpu_math::softmax_last(&scores.add(bias)?)?.matmul(&v)?
-                }
-                None => fast::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    scale,
-                    ScaledDotProductAttentionMask::Array(&mask),
-                    None,
-                )?,
-            };
+            let o = attend(&q, &k, &v, scale, &mask, bias.as_ref())?;
             let o = layer.attention_out.forward(&from_heads(&o)?)?;
             x = layer.attention_norm.forward(&o.add(&x)?)?;
             let h = layer.intermediate.forward(&x)?;
@@ -129,6 +112,33 @@ impl BertEncoder {
         }
         Ok(x)
     }
+}
+
+/// The CPU path's padding mask (`[B, 1, 1, L]`, bool) as a bias: -1e9 at
+/// padding (its softmax takes e^-87 there, 1.6e-38 of the row's largest).
+pub(crate) fn padding_bias(mask: &Array) -> Result<Array> {
+    Ok(mlx_rs::ops::select(mask, Array::from_f32(0.0), Array::from_f32(-1e9))?)
+}
+
+/// Attention over q, k, v `[B, heads, L, d]` where `mask` (`[B, 1, 1, L]`,
+/// bool) marks the keys to attend to: MLX's fused attention, or on the CPU
+/// (`cpu_bias`: `padding_bias(mask)`) two matrix products around
+/// `cpu_math`'s softmax.
+pub(crate) fn attend(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &Array,
+    cpu_bias: Option<&Array>,
+) -> Result<Array> {
+    Ok(match cpu_bias {
+        Some(bias) => {
+            let scores = q.multiply(Array::from_f32(scale))?.matmul(k.transpose_axes(&[0, 1, 3, 2])?)?;
+            cpu_math::softmax_last(&scores.add(bias)?)?.matmul(v)?
+        }
+        None => fast::scaled_dot_product_attention(q, k, v, scale, ScaledDotProductAttentionMask::Array(mask), None)?,
+    })
 }
 
 impl super::Encoder for BertEncoder {

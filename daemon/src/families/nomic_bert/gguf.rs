@@ -12,7 +12,6 @@ use super::model::NomicBertEncoder;
 use crate::model::family::Embedder;
 use crate::model::gguf::{gguf_number, Gguf};
 use crate::model::options::ModelOptions;
-use crate::model::sentence::{Pooling, SentenceSettings};
 use crate::model::weights::{GgufQkRows, TensorMap};
 use anyhow::{bail, Context, Result};
 
@@ -47,22 +46,7 @@ pub fn load_gguf(file: &Gguf, options: ModelOptions, memo: Option<&sled::Tree>) 
     let config = NomicBertConfig::from_json(&raw).context("the GGUF's nomic-bert.* metadata")?;
     let mut t = TensorMap::from_gguf_named(file, GgufQkRows::AsHf, hf_name, options.form)?;
     let encoder = NomicBertEncoder::load(config.clone(), &mut t)?;
-    // llama.cpp's pooling types: 1 mean, 2 CLS, 3 last token (none given: mean).
-    let pooling = match file.number("nomic-bert.pooling_type").map(|p| p as i64) {
-        None | Some(1) => Pooling::Mean,
-        Some(2) => Pooling::Cls,
-        Some(3) => Pooling::LastToken,
-        Some(other) => {
-            bail!("nomic-bert.pooling_type {other} is not an embedding's pooling (1 mean, 2 CLS, 3 last token)")
-        }
-    };
-    let settings = SentenceSettings {
-        pooling,
-        normalize: true,
-        max_tokens: encoder.positions(),
-        prompts: Default::default(),
-        default_prompt: None,
-    };
+    let settings = crate::families::bert::gguf_settings(file, "nomic-bert", encoder.positions())?;
     let tokenizer = crate::model::tokenizer::wordpiece_from_gguf(file)?;
     let fingerprint = mlxbc_cache::TowerFingerprint::of_file(
         file.path(),

@@ -5,11 +5,11 @@
 //! compute it.
 
 use super::config::NomicBertConfig;
-use crate::model::cpu_math;
+use crate::families::bert::{attend, padding_bias};
 use crate::model::layers::{from_heads, Embedding, LayerNorm, Linear};
 use crate::model::weights::TensorMap;
 use anyhow::Result;
-use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::fast;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{nn, Array};
 
@@ -34,7 +34,8 @@ pub struct NomicBertEncoder {
     token_types: Option<Array>,
     embeddings_norm: LayerNorm,
     layers: Vec<Layer>,
-    /// On MLX's CPU backend: attention's softmax from multiplies and adds.
+    /// On MLX's CPU backend: attention's softmax from multiplies and adds
+    /// (`bert::attend`).
     cpu_math: bool,
     /// Copy q and k before rope (CUDA: MLX 0.32.2's CUDA rope misreads a
     /// multi-row view that starts past its buffer's beginning,
@@ -90,11 +91,7 @@ impl crate::families::bert::Encoder for NomicBertEncoder {
         }
         let mut x = self.embeddings_norm.forward(&x)?;
         let mask = keep.reshape(&[b, 1, 1, l])?;
-        let bias = if self.cpu_math {
-            Some(mlx_rs::ops::select(&mask, Array::from_f32(0.0), Array::from_f32(-1e9))?)
-        } else {
-            None
-        };
+        let bias = if self.cpu_math { Some(padding_bias(&mask)?) } else { None };
         let traditional = self.config.rotary_emb_interleaved;
         for layer in &self.layers {
             // [B, L, 3, heads, d] → q, k, v [B, heads, L, d].
@@ -104,20 +101,7 @@ impl crate::families::bert::Encoder for NomicBertEncoder {
                 fast::rope(y, d, traditional, self.config.rotary_emb_base, 1.0, 0, None)
             };
             let (q, k, v) = (rope(qkv.index(0))?, rope(qkv.index(1))?, qkv.index(2));
-            let o = match &bias {
-                Some(bias) => {
-                    let scores = q.multiply(Array::from_f32(scale))?.matmul(k.transpose_axes(&[0, 1, 3, 2])?)?;
-                    cpu_math::softmax_last(&scores.add(bias)?)?.matmul(&v)?
-                }
-                None => fast::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    scale,
-                    ScaledDotProductAttentionMask::Array(&mask),
-                    None,
-                )?,
-            };
+            let o = attend(&q, &k, &v, scale, &mask, bias.as_ref())?;
             let o = layer.attention_out.forward(&from_heads(&o)?)?;
             x = layer.attention_norm.forward(&o.add(&x)?)?;
             let h = layer.up.forward(&x)?.multiply(nn::silu(layer.gate.forward(&x)?)?)?;
