@@ -77,6 +77,12 @@ impl EngineError {
 /// later request.
 pub static DEVICE_LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Set when a service manager handed the socket over
+/// (`server::activation`): a daemon that must start afresh then exits and
+/// lets its manager start it (the socket listening meanwhile) rather than
+/// executing itself again.
+pub static SOCKET_INHERITED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// The exit status of a daemon whose GPU context was lost (EX_SOFTWARE):
 /// not 0, so launchd's KeepAlive and systemd's Restart=on-failure restart it.
 pub const DEVICE_LOST_EXIT: i32 = 70;

@@ -53,6 +53,9 @@
 #                 fused projection's parts right as views (no copies)
 #   kv MODEL      a TOKENS-long prompt (32,768) with the KV cache at full
 #                 precision, 8 and 4 bits (scripts/bench.d/kv_bench.py)
+#   group MODEL   issue 40 (two GPUs, kind nvidia-h200-x2): MODEL on one GPU
+#                 against two mlxbcd ranks over NCCL, then the faults
+#                 (scripts/gpu/two_gpu_bench.py); smollm2 for SmolLM2
 #   lora MODEL    16 clients over 0, 1, 4 and 16 random LoRA adapters of the
 #                 model's shape (scripts/bench.d/lora_bench.py)
 #   whisper       Whisper tiny.en, mlxbcd beside mlx-whisper 0.4.3
@@ -288,6 +291,18 @@ whisper)
   BENCH_DEVICE=gpu timeout ${AUDIO_TIMEOUT:-400} $PY scripts/bench.d/audio_bench.py http://127.0.0.1:18081 ${ROUNDS:-5} \
     $w/clips tests/fixtures/audio/sentences.txt "whisper-tiny.en:$w/mlx-tiny.en:none" 2>&1 | tee $OUT/audio.md
   kill $pid; wait $pid 2>/dev/null ;;
+group)
+  # Issue "The distributed group on two NVIDIA GPUs": MODEL on one GPU
+  # against a group of two ranks over NCCL (one GPU each, from the
+  # hostfile), then rank 1 killed mid-answer (scripts/gpu/two_gpu_bench.py;
+  # checked on a CPU with BACKEND=ring). SmolLM2 (spart 0..2) is rank 0's
+  # local model in the fault rows, and MODEL=smollm2 splits it instead.
+  [[ -f /tmp/smol/smol.2 && ! -f /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf ]] && \
+    cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  m=$1-4bit; [[ $1 == smollm2 ]] && m=SmolLM2-135M-Instruct.Q4_1.gguf
+  nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+  OUT=$OUT timeout ${GROUP_TIMEOUT:-580} $PY scripts/gpu/two_gpu_bench.py "$B/bin" /tmp/models "$m" \
+    SmolLM2-135M-Instruct.Q4_1.gguf ${BACKEND:-nccl} ${ROUNDS:-3} ${TOKENS:-256} ${LEVELS:-1,16,64} 2>&1 | tee "$OUT/group-$1.md" ;;
 lora)
   # 16 clients over 0, 1, 4 and 16 LoRA adapters on MODEL (issue 39's
   # adapter rows): an adapter as mlx_lm.lora writes one (rank 8, scale 20,

@@ -76,6 +76,16 @@ fn join_group_settings(
             }
             std::env::set_var("MLX_HOSTFILE", h);
             std::env::set_var("MLX_RANK", r.to_string());
+            // NCCL meets at rank 0 and takes one GPU per rank: what
+            // `mlx.launch --backend nccl` sets, from this hostfile; what the
+            // user set is kept.
+            if c.backend == "nccl" {
+                for (key, value) in hosts.nccl_environment(r) {
+                    if env(key).is_none() {
+                        std::env::set_var(key, value);
+                    }
+                }
+            }
         }
         (Some(h), None) => anyhow::bail!("a hostfile ({}) but no rank: give --rank N", h.display()),
         (None, Some(_)) if rank.is_some() => {

@@ -430,19 +430,68 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Cuts the ring's sockets when a collective overstays its deadline.
+    /// Cuts the ring's sockets when a collective overstays its deadline;
+    /// starts the daemon afresh when even that does not end it.
     fn watch(&self) {
         let own = self.0.hostfile.addresses(0);
         let peers: Vec<_> = (1..self.size()).flat_map(|r| self.0.hostfile.addresses(r)).collect();
+        // A cut socket fails its collective at once; one still waiting
+        // seconds later never returns.
+        let grace = Duration::from_secs(5);
+        let mut cut_at: Option<Instant> = None;
         loop {
             std::thread::sleep(Duration::from_millis(200));
-            let late = lock(&self.0.deadline).is_some_and(|d| Instant::now() > d);
+            let deadline = *lock(&self.0.deadline);
+            let late = deadline.is_some_and(|d| Instant::now() > d);
             if late && !self.0.cut.swap(true, Ordering::SeqCst) {
                 let n = cut_ring_sockets(&own, &peers);
                 tracing::warn!(sockets = n, "a collective overstayed its deadline: the group's connections are cut");
+                cut_at = Some(Instant::now());
+            }
+            if deadline.is_none() {
+                cut_at = None;
+            }
+            if cut_at.is_some_and(|t| t.elapsed() > grace) {
+                start_afresh();
             }
         }
     }
+}
+
+/// The last resort when a collective never returns, even with its sockets
+/// cut: MLX 0.32.2's ring backend can leave it waiting forever on a peer
+/// killed while rank 0 was sending (its socket thread fails the tasks it
+/// holds and exits; a task queued after that is never run:
+/// ml-explore/mlx#3862, #4060), and the engine's thread with it, so every
+/// model of this daemon would stop answering. The process starts afresh:
+/// clients in flight see their connection close; the group forms again
+/// as its workers rejoin. Under a service manager (socket activation) it
+/// exits for the manager to start it, the socket listening meanwhile;
+/// otherwise it executes itself again with the same arguments.
+fn start_afresh() -> ! {
+    tracing::error!(
+        "a collective did not return after the group's connections were cut (MLX's ring backend can wait \
+         forever on a killed peer): starting this daemon afresh so that its models answer again"
+    );
+    if !crate::error::SOCKET_INHERITED.load(Ordering::SeqCst) {
+        // Every descriptor but stdio closes at exec: MLX's ring sockets are
+        // not close-on-exec, and a listening one kept would stop the new
+        // process binding its hostfile address.
+        if let Ok(fds) = std::fs::read_dir("/dev/fd") {
+            let fds: Vec<i32> =
+                fds.flatten().filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok())).collect();
+            for fd in fds.into_iter().filter(|&fd| fd > 2) {
+                // SAFETY: fcntl on a descriptor number only sets its flag (EBADF if it is gone).
+                unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            }
+        }
+        if let Ok(exe) = std::env::current_exe() {
+            use std::os::unix::process::CommandExt;
+            let err = std::process::Command::new(exe).args(std::env::args_os().skip(1)).exec();
+            tracing::error!("could not execute the daemon again ({err}): exiting");
+        }
+    }
+    std::process::exit(crate::error::DEVICE_LOST_EXIT)
 }
 
 /// MLX's sentence from an error, without the source locations mlx-c and

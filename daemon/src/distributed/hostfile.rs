@@ -68,6 +68,28 @@ impl Hostfile {
         }
     }
 
+    /// What MLX's NCCL backend reads for rank `r`, derived from this
+    /// hostfile as `mlx.launch --backend nccl` derives it from its own:
+    /// the world size (`MLX_WORLD_SIZE`), rank 0's host and port as NCCL's
+    /// rendezvous (`NCCL_HOST_IP`, `NCCL_PORT`; 12345, mlx.launch's
+    /// default, when rank 0's entry names no port), and the GPU the rank
+    /// takes (`CUDA_VISIBLE_DEVICES`): its place among the ranks on its
+    /// host, so one multi-GPU host runs one rank per GPU.
+    pub fn nccl_environment(&self, r: usize) -> Vec<(&'static str, String)> {
+        let port = self.ranks[0]
+            .first()
+            .and_then(|a| a.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+            .unwrap_or(12345);
+        let local = (0..r).filter(|&other| self.host(other) == self.host(r)).count();
+        vec![
+            ("MLX_WORLD_SIZE", self.size().to_string()),
+            ("NCCL_HOST_IP", self.host(0)),
+            ("NCCL_PORT", port.to_string()),
+            ("CUDA_VISIBLE_DEVICES", local.to_string()),
+        ]
+    }
+
     /// Rank `r`'s socket addresses (for the ring backend), resolved.
     pub fn addresses(&self, r: usize) -> Vec<SocketAddr> {
         self.ranks.get(r).into_iter().flatten().filter_map(|a| a.to_socket_addrs().ok()).flatten().collect()
@@ -77,6 +99,20 @@ impl Hostfile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nccl_ranks_on_one_host_take_one_gpu_each_and_meet_at_rank_zero() {
+        let h = Hostfile::parse(r#"[["127.0.0.1:5000"], ["127.0.0.1:5001"], ["10.0.0.2:5000"], ["127.0.0.1:5002"]]"#)
+            .unwrap();
+        let env = |r| h.nccl_environment(r).into_iter().collect::<std::collections::BTreeMap<_, _>>();
+        assert_eq!(env(0)["MLX_WORLD_SIZE"], "4");
+        assert_eq!((env(1)["NCCL_HOST_IP"].as_str(), env(1)["NCCL_PORT"].as_str()), ("127.0.0.1", "5000"));
+        let gpus: Vec<String> = (0..4).map(|r| env(r)["CUDA_VISIBLE_DEVICES"].clone()).collect();
+        assert_eq!(gpus, ["0", "1", "0", "2"], "a rank's GPU is its place among its host's ranks");
+        let bare =
+            Hostfile::parse(r#"[{"ssh": "gpu1", "ips": ["10.0.0.1"]}, {"ssh": "gpu1", "ips": ["10.0.0.1"]}]"#).unwrap();
+        assert_eq!(bare.nccl_environment(1)[2], ("NCCL_PORT", "12345".to_string()));
+    }
 
     #[test]
     fn ring_and_config_forms_parse_and_bad_ones_are_named() {

@@ -21,6 +21,12 @@ pub struct Inherited {
 /// thread is started: it clears the `LISTEN_*` variables so that children
 /// do not see them.
 pub fn take_inherited() -> Result<Option<Inherited>> {
+    let taken = take()?;
+    crate::error::SOCKET_INHERITED.store(taken.is_some(), std::sync::atomic::Ordering::SeqCst);
+    Ok(taken)
+}
+
+fn take() -> Result<Option<Inherited>> {
     #[cfg(target_os = "macos")]
     if let Some(fd) = launchd::activate_socket("Listeners")? {
         return Ok(Some(Inherited { listener: listener_from(fd)?, manager: "launchd" }));
