@@ -140,8 +140,9 @@ try:
         procs["rank1"].wait()
         _, out = long.result()
         waited = time.monotonic() - killed
+    said = (out.stderr or out.stdout).strip()
     print(f"rank 1 killed mid-answer: the client's error after {waited:.2f} s: "
-          f"{(out.stderr or out.stdout).strip().splitlines()[-1][:200] if (out.stderr or out.stdout).strip() else 'no error!'}")
+          f"{said.splitlines()[0][:200] if said else 'no error!'}")
     t = time.monotonic()
     st = ask(g0, local_model, 16, "Say hello.", ignore_eos=False)
     print(f"rank 0 answers {local_model} meanwhile: {st['generated_tokens']} tokens in {time.monotonic() - t:.2f} s")
