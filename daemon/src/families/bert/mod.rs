@@ -118,6 +118,32 @@ pub fn load_dir(
     assemble(Box::new(encoder), "bert", head, settings, tokenizer, fingerprint)
 }
 
+/// The embedder of an encoder loaded from a sentence-transformers
+/// directory (another family's: ModernBERT, nomic-bert): pooling, length
+/// (at most `positions`) and prompts from the directory, its
+/// `tokenizer.json`, its weights' fingerprint over the tensors under
+/// `prefixes`, described by `name` and `shape` (the config) with the settings.
+pub(crate) fn embedder_from_dir(
+    dir: &Path,
+    encoder: Box<dyn Encoder>,
+    positions: usize,
+    name: &'static str,
+    prefixes: &[&str],
+    shape: &str,
+    memo: Option<&sled::Tree>,
+) -> Result<Box<dyn Embedder>> {
+    let settings = SentenceSettings::read(dir, positions)?;
+    let tokenizer = crate::model::tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let fingerprint = crate::model::vlm_dir::weights_fingerprint(
+        dir,
+        prefixes,
+        &format!("{name} {shape} {}", settings.describe()),
+        memo,
+    )
+    .with_context(|| format!("fingerprinting {}", dir.display()))?;
+    assemble(encoder, name, None, settings, tokenizer, fingerprint)
+}
+
 /// The embedder (or, with a classifier `head`, the reranker) of a loaded
 /// encoder, however its files came; `name`: its architecture.
 pub fn assemble(

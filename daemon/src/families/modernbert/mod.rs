@@ -12,9 +12,8 @@ mod model;
 
 use crate::model::family::Embedder;
 use crate::model::options::ModelOptions;
-use crate::model::sentence::SentenceSettings;
 use crate::model::weights::TensorMap;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::path::Path;
 
 /// Loads a sentence-transformers (or bare `ModernBertModel`) directory; a
@@ -33,15 +32,15 @@ pub fn load_dir(
     let prefixed = t.has("model.embeddings.tok_embeddings.weight");
     let mut t = if prefixed { t.strip_prefix("model.") } else { t };
     let encoder = model::ModernBertEncoder::load(config.clone(), &mut t)?;
-    let settings = SentenceSettings::read(dir, encoder.positions())?;
-    let tokenizer = crate::model::tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let positions = encoder.positions();
     let prefixes: &[&str] = if prefixed { &["model."] } else { &["embeddings.", "layers.", "final_norm."] };
-    let fingerprint = crate::model::vlm_dir::weights_fingerprint(
+    crate::families::bert::embedder_from_dir(
         dir,
+        Box::new(encoder),
+        positions,
+        "modernbert",
         prefixes,
-        &format!("modernbert {config:?} {}", settings.describe()),
+        &format!("{config:?}"),
         memo,
     )
-    .with_context(|| format!("fingerprinting {}", dir.display()))?;
-    crate::families::bert::assemble(Box::new(encoder), "modernbert", None, settings, tokenizer, fingerprint)
 }

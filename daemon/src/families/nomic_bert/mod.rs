@@ -19,9 +19,8 @@ pub use gguf::load_gguf;
 
 use crate::model::family::Embedder;
 use crate::model::options::ModelOptions;
-use crate::model::sentence::SentenceSettings;
 use crate::model::weights::TensorMap;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::path::Path;
 
 /// Loads a sentence-transformers (or bare `NomicBertModel`) directory.
@@ -35,14 +34,14 @@ pub fn load_dir(
     let t = TensorMap::from_safetensors_dir(dir, crate::model::vlm_dir::quantization(raw), options.form)?;
     let mut t = if t.has("bert.emb_ln.weight") { t.strip_prefix("bert.") } else { t };
     let encoder = model::NomicBertEncoder::load(config.clone(), &mut t)?;
-    let settings = SentenceSettings::read(dir, encoder.positions())?;
-    let tokenizer = crate::model::tokenizer::from_file(&dir.join("tokenizer.json"))?;
-    let fingerprint = crate::model::vlm_dir::weights_fingerprint(
+    let positions = encoder.positions();
+    crate::families::bert::embedder_from_dir(
         dir,
+        Box::new(encoder),
+        positions,
+        "nomic-bert",
         &["embeddings.", "emb_ln.", "encoder.", "bert."],
-        &format!("nomic-bert {config:?} {}", settings.describe()),
+        &format!("{config:?}"),
         memo,
     )
-    .with_context(|| format!("fingerprinting {}", dir.display()))?;
-    crate::families::bert::assemble(Box::new(encoder), "nomic-bert", None, settings, tokenizer, fingerprint)
 }
