@@ -573,6 +573,29 @@ impl Model {
         Ok(())
     }
 
+    /// Runs one batch verify pass of `rows` rows × `width` positions
+    /// outside any request, as `DecodeBatch` runs one (the positions
+    /// through the model, every position's logits and their argmax, each
+    /// row's cache cut back by its own count): speculation asked for the
+    /// shape while the engine is idle, so that on a GPU its kernels are
+    /// built now rather than in front of a batch of users.
+    pub fn warm_verify(&self, rows: usize, width: usize) -> Result<()> {
+        let plain = positions::MediaPositions::default();
+        let t = std::time::Instant::now();
+        let n = rows as i32;
+        // Row i is padded by i % 2 positions, as prompts of two lengths are.
+        let mut cache = KvCache::batch(self.lm.num_layers(), (0..n).map(|i| i % 2).collect());
+        let prefix = mlx_rs::Array::from_slice(&vec![0u32; rows * 2], &[n, 2]);
+        self.lm.forward(&self.lm.embed(&prefix)?, &mut cache, &plain)?.eval()?;
+        let ids = mlx_rs::Array::from_slice(&vec![0u32; rows * width], &[n, width as i32]);
+        let logits = self.lm.logits_all(&self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &plain)?)?;
+        mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.eval()?;
+        let forget: Vec<i32> = (0..rows).map(|i| (i % width) as i32).collect();
+        anyhow::ensure!(cache.trim_rows(&forget)?, "the warmed pass's cache could not forget {forget:?} positions");
+        tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, rows, width, "verify pass warmed");
+        Ok(())
+    }
+
     /// Token ids of a prompt text (special tokens in the text are honoured,
     /// no BOS added: chat templates write it themselves).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

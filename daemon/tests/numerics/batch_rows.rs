@@ -211,3 +211,18 @@ fn llama_rows_joining_and_leaving_a_batch_equal_each_alone() {
 fn gemma3_rows_joining_and_leaving_a_batch_equal_each_alone() {
     assert_joins_and_leaves_match_alone("mlx/tiny-gemma3-vlm");
 }
+
+/// Speculation's idle warming of a batch verify pass shape (rows ×
+/// positions per row, cut back per row as a verify pass is) runs the
+/// pass's own operations on a tiny model of each family that verifies
+/// drafts, at the shapes a batch asks for.
+#[test]
+fn a_batch_verify_pass_shape_warms_outside_any_request() {
+    for rel in ["mlx/tiny-qwen3", "mlx/smollm2-mlx"] {
+        let model = load(rel);
+        assert!(model.lm.verifies_drafts(), "{rel} verifies drafts");
+        for (rows, width) in [(2, 2), (3, 5), (16, 9)] {
+            model.warm_verify(rows, width).unwrap_or_else(|e| panic!("{rel} at {rows} x {width}: {e:#}"));
+        }
+    }
+}
