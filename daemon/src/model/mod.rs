@@ -568,7 +568,19 @@ impl Model {
         self.lm.forward(&self.lm.embed(&ids.index((0..1, ..)))?, &mut alone, &plain)?.eval()?;
         cache.join(alone)?;
         let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
-        argmax_axis(&logits, -1, None)?.eval()?;
+        let next = argmax_axis(&logits, -1, None)?.reshape(&[-1, 1])?;
+        next.eval()?;
+        // Rows forgetting different numbers of positions (speculation's
+        // rejected drafts) realign by a gather over the cache, which the
+        // next step evaluates: on a GPU its kernel builds at first use, and
+        // that held a 16-client batch for 9 s (an H100, the first verify
+        // pass in a batch: docs/measurements/h100-2026-12-06-rows.md).
+        if self.lm.verifies_drafts() {
+            let forget: Vec<i32> = (0..n).map(|i| i32::from(i == 0)).collect();
+            anyhow::ensure!(cache.trim_rows(&forget)?, "the warmed cache could not forget {forget:?} positions");
+            let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
+            argmax_axis(&logits, -1, None)?.eval()?;
+        }
         tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, rows = n, "batched paths warmed");
         Ok(())
     }
@@ -592,6 +604,9 @@ impl Model {
         mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.eval()?;
         let forget: Vec<i32> = (0..rows).map(|i| (i % width) as i32).collect();
         anyhow::ensure!(cache.trim_rows(&forget)?, "the warmed pass's cache could not forget {forget:?} positions");
+        // The step after it, which evaluates the realigned cache.
+        let next = mlx_rs::Array::from_slice(&vec![0u32; rows], &[n, 1]);
+        self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?.eval()?;
         tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, rows, width, "verify pass warmed");
         Ok(())
     }
