@@ -45,18 +45,28 @@ struct LowRank {
 pub type BaseWeights<'a> = &'a dyn Fn(usize, usize) -> Result<(Array, Option<Array>)>;
 
 /// What an adapter does to a group's (fused) output `y`:
-/// `(y + delta) ⊙ rescale + shift` (DoRA's factors, and its bias kept out
+/// `(y + xa · b) ⊙ rescale + shift` (DoRA's factors, and its bias kept out
 /// of the rescaling: `shift = (1 - rescale) ⊙ bias`; plain LoRA adds only).
 pub struct Update {
-    pub delta: Array,
+    /// The input through the adapter's `A` (`[rows, L, Σ rank]`).
+    pub xa: Array,
+    /// The adapter's `scale · B`, block-diagonal over the group's parts.
+    pub b: Array,
     pub rescale: Option<Array>,
     pub shift: Option<Array>,
 }
 
 impl Update {
-    /// The update applied to `y`.
+    /// The update applied to `y`: plain LoRA as one fused multiply-add
+    /// (`addmm`): on a GPU a batched step is bound by the host's work per
+    /// operation, and an adapter's two products, casts and add in every
+    /// adapted group of every layer halved 16 clients' tokens per second
+    /// on the 8B shape (docs/measurements/h100-2026-12-06-rows.md).
     pub fn apply(&self, y: &Array) -> Result<Array, mlx_rs::error::Exception> {
-        let mut y = y.add(&self.delta)?;
+        if self.rescale.is_none() && self.shift.is_none() {
+            return mlx_rs::ops::addmm(y, &self.xa, self.b.as_dtype(y.dtype())?, 1.0, 1.0);
+        }
+        let mut y = y.add(self.xa.matmul(&self.b)?.as_dtype(y.dtype())?)?;
         if let Some(f) = &self.rescale {
             y = y.multiply(f.as_dtype(y.dtype())?)?;
         }
@@ -69,14 +79,15 @@ impl Update {
     /// Cut at `points` of the last axis (a group's parts, kept separate).
     pub fn split(&self, points: &[i32]) -> Result<Vec<Update>, mlx_rs::error::Exception> {
         let cut = |a: &Array| a.split_at_indices(points, -1);
-        let deltas = cut(&self.delta)?;
+        let bs = cut(&self.b)?;
         let rescales = self.rescale.as_ref().map(cut).transpose()?;
         let shifts = self.shift.as_ref().map(cut).transpose()?;
-        Ok(deltas
+        Ok(bs
             .into_iter()
             .enumerate()
-            .map(|(i, delta)| Update {
-                delta,
+            .map(|(i, b)| Update {
+                xa: self.xa.clone(),
+                b,
                 rescale: rescales.as_ref().map(|r| r[i].clone()),
                 shift: shifts.as_ref().map(|s| s[i].clone()),
             })
@@ -132,6 +143,7 @@ impl GroupUpdate {
         adapted: &[Option<LowRank>; 7],
         shape: &[(i32, i32); 7],
         base: &dyn Fn(usize) -> Result<(Array, Option<Array>)>,
+        dtype: mlx_rs::Dtype,
     ) -> Result<Option<GroupUpdate>> {
         let parts = group.parts();
         let total: i32 = parts.iter().map(|&p| shape[p].1).sum();
@@ -179,9 +191,14 @@ impl GroupUpdate {
         if a_parts.is_empty() {
             return Ok(None);
         }
+        // In the model's compute dtype: a cast of the input and of the
+        // result would be two more operations per group and step (mlx-lm
+        // computes an f32 adapter's products in f32 over f16 activations;
+        // here they round to f16 once more on such a model: the CPU's
+        // models are f32, where nothing changes).
         let update = GroupUpdate {
-            a: mlx_rs::ops::concatenate(&a_parts, 1)?,
-            b: mlx_rs::ops::concatenate(&b_rows, 0)?,
+            a: mlx_rs::ops::concatenate(&a_parts, 1)?.as_dtype(dtype)?,
+            b: mlx_rs::ops::concatenate(&b_rows, 0)?.as_dtype(dtype)?,
             rescale: dora.then(|| mlx_rs::ops::concatenate(&rescales, 0)).transpose()?,
             shift: biased.then(|| mlx_rs::ops::concatenate(&shifts, 0)).transpose()?,
         };
@@ -193,10 +210,13 @@ impl GroupUpdate {
         [Some(&self.a), Some(&self.b), self.rescale.as_ref(), self.shift.as_ref()].into_iter().flatten().collect()
     }
 
-    /// Its update for input `x`: `scale · (x A) B` in `x`'s dtype, with DoRA's factors.
+    /// Its update for input `x`: `scale · (x A) B` in `x`'s dtype, with
+    /// DoRA's factors. (The casts are no operations where the adapter is in
+    /// `x`'s dtype already, as loading makes it.)
     fn update(&self, x: &Array) -> Result<Update, mlx_rs::error::Exception> {
         Ok(Update {
-            delta: x.matmul(&self.a)?.matmul(&self.b)?.as_dtype(x.dtype())?,
+            xa: x.matmul(self.a.as_dtype(x.dtype())?)?,
+            b: self.b.as_dtype(x.dtype())?,
             rescale: self.rescale.clone(),
             shift: self.shift.clone(),
         })
@@ -247,7 +267,14 @@ impl LoraAdapter {
     /// projections are shaped `shapes`; refuses with a sentence what does
     /// not fit it (another base's shapes or layers, modules it cannot
     /// adapt, DoRA, a full fine-tune).
-    pub fn load(name: &str, dir: &Path, shapes: &ProjectionShapes, base: BaseWeights) -> Result<Self> {
+    /// Its products are kept in `dtype`, the model's activations'.
+    pub fn load(
+        name: &str,
+        dir: &Path,
+        shapes: &ProjectionShapes,
+        base: BaseWeights,
+        dtype: mlx_rs::Dtype,
+    ) -> Result<Self> {
         let config_text = std::fs::read_to_string(dir.join("adapter_config.json"))
             .with_context(|| format!("adapter {name}: reading {}/adapter_config.json", dir.display()))?;
         let config: serde_json::Value =
@@ -330,7 +357,7 @@ impl LoraAdapter {
         for (layer, (adapted, shape)) in layers.iter().zip(shapes).enumerate() {
             let mut slots: [Option<GroupUpdate>; 4] = Default::default();
             for group in GROUPS {
-                slots[group as usize] = GroupUpdate::build(group, adapted, shape, &|p| base(layer, p))
+                slots[group as usize] = GroupUpdate::build(group, adapted, shape, &|p| base(layer, p), dtype)
                     .with_context(|| format!("adapter {name}: layer {layer}"))?;
             }
             bytes += slots.iter().flatten().flat_map(GroupUpdate::arrays).map(|a| a.nbytes() as u64).sum::<u64>();
@@ -467,7 +494,8 @@ impl RowAdapters {
     fn update(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Update>, mlx_rs::error::Exception> {
         let Some(Some(g)) = self.groups.get(layer).map(|l| &l[group as usize]) else { return Ok(None) };
         Ok(Some(Update {
-            delta: x.matmul(&g.a)?.matmul(&g.b)?.as_dtype(x.dtype())?,
+            xa: x.matmul(g.a.as_dtype(x.dtype())?)?,
+            b: g.b.as_dtype(x.dtype())?,
             rescale: g.rescale.clone(),
             shift: g.shift.clone(),
         }))

@@ -466,7 +466,7 @@ impl Model {
             );
         };
         let base = |layer: usize, which: usize| self.lm.projection_weight(layer, which);
-        let adapter = std::rc::Rc::new(lora::LoraAdapter::load(name, dir, &shapes, &base)?);
+        let adapter = std::rc::Rc::new(lora::LoraAdapter::load(name, dir, &shapes, &base, self.kv_dtype)?);
         tracing::info!(adapter = %name, rank = adapter.rank, dora = adapter.dora, bytes = adapter.bytes, "adapter loaded");
         self.adapters.borrow_mut().insert(dir.to_path_buf(), adapter.clone());
         Ok(adapter)
