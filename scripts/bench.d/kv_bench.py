@@ -33,8 +33,14 @@ for f in sorted(files):
     words += open(f, encoding="utf-8", errors="replace").read().split()
     if len(words) > tokens:
         break
-# ~1.3 tokens per word of source; trimmed to the asked count by the first answer's prompt count.
-text = " ".join(words[: int(tokens / 1.4)])
+# Tokens per word differ with the files found (the device's copy walks the
+# tree in another order) and the tokenizer: measured on the first 2,000
+# words by the daemon's own prompt count, the prompt cut to TOKENS.
+PROBE = 2000
+probe = post("/api/chat", {"model": model, "stream": False, "options": {"temperature": 0, "num_predict": 1},
+                           "messages": [{"role": "user", "content": "[probe] " + " ".join(words[:PROBE])}]})
+per_word = max(probe["prompt_eval_count"] / PROBE, 1.0)
+text = " ".join(words[: int(tokens / per_word)])
 rows = {name: {"ttft": [], "decode": [], "prompt": []} for name, _ in SETTINGS}
 for r in range(rounds):
     order = SETTINGS[r % len(SETTINGS):] + SETTINGS[: r % len(SETTINGS)]
