@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
     let h = lm.forward(&lm.embed(&prompt)?, &mut cache, &plain)?;
     let first = argmax_axis(&lm.logits(&h)?, -1, None)?.reshape(&[-1, 1])?;
     first.eval()?;
-    mlx_rs::transforms::eval(cache.states().iter().flatten().flatten())?;
+    mlx_rs::transforms::eval(cache.arrays())?;
     // One greedy step, as the engine queues it, left lazy.
     let logits = lm.logits(&lm.forward(&lm.embed(&first)?, &mut cache, &plain)?)?;
     let next = argmax_axis(&logits, -1, None)?;

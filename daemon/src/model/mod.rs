@@ -580,9 +580,44 @@ impl Model {
             anyhow::ensure!(cache.trim_rows(&forget)?, "the warmed cache could not forget {forget:?} positions");
             let logits = self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?;
             argmax_axis(&logits, -1, None)?.eval()?;
+            // A quantized cache (a request's kv_bits) realigns its packed
+            // values with a gather of their own dtype: best effort, once
+            // (the kernel is the same at every row count).
+            if rows == 2 {
+                if let Err(e) = self.warm_quantized_realignment() {
+                    tracing::debug!(error = %format!("{e:#}"), "a quantized cache's realignment was not warmed");
+                }
+            }
         }
         tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, rows = n, "batched paths warmed");
         Ok(())
+    }
+
+    /// Realigns the rows of a two-row cache quantized at 8 bits (as a
+    /// batched verify pass under a request's `kv_bits` does) and runs the
+    /// step after it, where the family reads a quantized cache and a group
+    /// size divides its heads: the packed values' gather is built now.
+    /// False where it does not apply (after [`Self::warm_up`], which
+    /// measures the heads).
+    pub fn warm_quantized_realignment(&self) -> Result<bool> {
+        let Some(group_size) = [64, 32].into_iter().find(|g| self.kv_shapes.iter().all(|&(_, d)| d % g == 0)) else {
+            return Ok(false);
+        };
+        if !self.lm.reads_quantized_kv() || self.lm.recurrent() || self.kv_shapes.is_empty() {
+            return Ok(false);
+        }
+        let plain = positions::MediaPositions::default();
+        let mut cache = KvCache::batch(self.lm.num_layers(), vec![0, 1]);
+        cache.quantization = Some(KvQuantization { bits: 8, key_bits: 8, group_size, start: 0, rotate: false });
+        let ids = mlx_rs::Array::from_slice(&[0u32; 6], &[2, 3]);
+        self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &plain)?.eval()?;
+        // Quantized where mlx-lm quantizes: after a single position.
+        let next = mlx_rs::Array::from_slice(&[0u32; 2], &[2, 1]);
+        self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?.eval()?;
+        anyhow::ensure!(cache.is_quantized(), "the warmed cache was not quantized");
+        anyhow::ensure!(cache.trim_rows(&[1, 0])?, "the warmed quantized cache could not forget a position");
+        self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?.eval()?;
+        Ok(true)
     }
 
     /// Runs one batch verify pass of `rows` rows × `width` positions

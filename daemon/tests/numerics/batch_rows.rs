@@ -220,7 +220,8 @@ fn gemma3_rows_joining_and_leaving_a_batch_equal_each_alone() {
 #[test]
 fn a_batch_verify_pass_shape_warms_outside_any_request() {
     for rel in ["mlx/tiny-qwen3", "mlx/smollm2-mlx"] {
-        let model = load(rel);
+        let mut model = load(rel);
+        model.warm_up().unwrap();
         assert!(model.lm.verifies_drafts(), "{rel} verifies drafts");
         for (rows, width) in [(2, 2), (3, 5), (16, 9)] {
             model.warm_verify(rows, width).unwrap_or_else(|e| panic!("{rel} at {rows} x {width}: {e:#}"));
@@ -230,5 +231,8 @@ fn a_batch_verify_pass_shape_warms_outside_any_request() {
         for rows in [2, 8] {
             model.warm_batches(rows, &pick).unwrap_or_else(|e| panic!("{rel} warming {rows} rows: {e:#}"));
         }
+        // And a quantized cache's (a request's kv_bits), which it tries once.
+        let warmed = model.warm_quantized_realignment().unwrap_or_else(|e| panic!("{rel} quantized: {e:#}"));
+        assert!(warmed, "{rel} reads a quantized cache: its realignment is warmed");
     }
 }
