@@ -292,7 +292,7 @@ impl DecodeBatch {
         let drafting: Vec<_> = outlooks.iter().map(|(d, _)| *d).collect();
         let width = match outlooks.iter().any(|(_, forced)| *forced) {
             true => 1 + drafting.iter().map(|d| d.k).max().unwrap_or(0),
-            false => draft_costs::choose_width(&mut self.costs.borrow_mut(), self.rows.len(), &drafting),
+            false => draft_costs::choose_width(&self.costs.borrow(), self.rows.len(), &drafting),
         };
         if width == 1 {
             return Ok((Vec::new(), false));
@@ -413,7 +413,7 @@ impl DecodeBatch {
         }
         let took = started.elapsed().as_secs_f64();
         self.profile.record(started, self.rows.len(), None, 0.0, took);
-        self.costs.borrow_mut().verify_pass(self.rows.len(), width, (took - drafting_secs).max(0.0));
+        self.costs.borrow_mut().verify_pass(self.rows.len() * width, (took - drafting_secs).max(0.0));
         for ((((row, s), d), run), &drafted) in
             self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs).zip(&drafted)
         {

@@ -83,7 +83,7 @@ impl Engine {
             // While a model warms its batch paths the engine does not block:
             // a piece of warming runs between looks at the jobs (unless a
             // request is on its way: then it waits for it, as when idle).
-            let warming = !awaiting && (self.residency.warming() || self.scheduler.wants_warming());
+            let warming = !awaiting && self.residency.warming();
             let busy = !self.scheduler.is_empty() || !self.transcriptions.is_empty() || !self.embeddings.is_empty();
             let mut first = if !busy && !stopped && !warming {
                 let wait = self.residency.next_expiry().map_or(PRESSURE_POLL, |d| d.min(PRESSURE_POLL));
@@ -176,14 +176,11 @@ impl Engine {
                 self.publish();
                 continue;
             }
-            // Idle: warm one batch size of a newly loaded model, or a batch
-            // verify pass speculation asked for (never ahead of a request).
+            // Idle: warm one batch size of a newly loaded model (never ahead of a request).
             if warming && self.scheduler.is_empty() && !side_work && !stopped {
-                if !self.residency.warm_next() {
-                    self.scheduler.warm_wanted_pass();
-                }
+                self.residency.warm_next();
                 self.publish();
-                if self.residency.warming() || self.scheduler.wants_warming() {
+                if self.residency.warming() {
                     continue;
                 }
             }

@@ -573,8 +573,8 @@ impl Model {
         // Rows forgetting different numbers of positions (speculation's
         // rejected drafts) realign by a gather over the cache, which the
         // next step evaluates: on a GPU its kernel builds at first use, and
-        // that held a 16-client batch for 9 s (an H100, the first verify
-        // pass in a batch: docs/measurements/h100-2026-12-06-rows.md).
+        // that held a 16-client batch for 9 s (an H100, a verify pass in a
+        // batch: docs/measurements/h100-2026-12-06-rows.md).
         if self.lm.verifies_drafts() {
             let forget: Vec<i32> = (0..n).map(|i| i32::from(i == 0)).collect();
             anyhow::ensure!(cache.trim_rows(&forget)?, "the warmed cache could not forget {forget:?} positions");
@@ -618,32 +618,6 @@ impl Model {
         anyhow::ensure!(cache.trim_rows(&[1, 0])?, "the warmed quantized cache could not forget a position");
         self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?.eval()?;
         Ok(true)
-    }
-
-    /// Runs one batch verify pass of `rows` rows × `width` positions
-    /// outside any request, as `DecodeBatch` runs one (the positions
-    /// through the model, every position's logits and their argmax, each
-    /// row's cache cut back by its own count): speculation asked for the
-    /// shape while the engine is idle, so that on a GPU its kernels are
-    /// built now rather than in front of a batch of users.
-    pub fn warm_verify(&self, rows: usize, width: usize) -> Result<()> {
-        let plain = positions::MediaPositions::default();
-        let t = std::time::Instant::now();
-        let n = rows as i32;
-        // Row i is padded by i % 2 positions, as prompts of two lengths are.
-        let mut cache = KvCache::batch(self.lm.num_layers(), (0..n).map(|i| i % 2).collect());
-        let prefix = mlx_rs::Array::from_slice(&vec![0u32; rows * 2], &[n, 2]);
-        self.lm.forward(&self.lm.embed(&prefix)?, &mut cache, &plain)?.eval()?;
-        let ids = mlx_rs::Array::from_slice(&vec![0u32; rows * width], &[n, width as i32]);
-        let logits = self.lm.logits_all(&self.lm.forward(&self.lm.embed(&ids)?, &mut cache, &plain)?)?;
-        mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.eval()?;
-        let forget: Vec<i32> = (0..rows).map(|i| (i % width) as i32).collect();
-        anyhow::ensure!(cache.trim_rows(&forget)?, "the warmed pass's cache could not forget {forget:?} positions");
-        // The step after it, which evaluates the realigned cache.
-        let next = mlx_rs::Array::from_slice(&vec![0u32; rows], &[n, 1]);
-        self.lm.logits(&self.lm.forward(&self.lm.embed(&next)?, &mut cache, &plain)?)?.eval()?;
-        tracing::info!(ms = t.elapsed().as_secs_f64() * 1000.0, rows, width, "verify pass warmed");
-        Ok(())
     }
 
     /// Token ids of a prompt text (special tokens in the text are honoured,

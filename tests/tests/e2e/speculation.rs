@@ -200,44 +200,6 @@ async fn by_default_drafts_are_verified_where_the_cost_model_expects_them_to_pay
     assert!(ps.contains("SPECULATION") && ps.contains("auto, "), "{ps}");
 }
 
-/// In a batch, `auto` verifies drafts only at pass shapes (rows × positions
-/// per row) that have run: one its cost model wants (here the revisit
-/// after 64 plain steps) is asked for and run while the engine is idle,
-/// never in front of the batch (on a GPU a new shape's first run builds
-/// kernels: 9 s for a 16-client batch on an H100). The answers of both
-/// bursts are plain decoding's.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_batch_asks_for_the_verify_pass_it_wants_and_gets_it_warmed_while_idle() {
-    let (auto, plain) = (daemon("auto"), daemon("off"));
-    let edit = |what: &str| format!("{what} Answer with the code only.\n\n{FUNCTION}");
-    let request = |what: &str| {
-        let mut r = greedy(Some(QWEN25), &edit(what), 96);
-        r.ignore_eos = true;
-        r
-    };
-    let requests =
-        [request("Rename `count` to `n` in this function."), request("Rename `total` to `t` in this function.")];
-    let ids = |answers: Vec<(String, mlxbc_client::GenerationStats)>| {
-        answers.into_iter().map(|(_, s)| s.token_ids).collect::<Vec<_>>()
-    };
-    let (first, expected) = tokio::join!(together(&auto, &requests, &[0, 0]), together(&plain, &requests, &[0, 0]));
-    let expected = ids(expected);
-    assert_eq!(ids(first), expected, "the first burst's ids differ from plain decoding");
-    let mut warmed = None;
-    for _ in 0..300 {
-        let log = auto.log_text();
-        warmed = log.lines().find(|l| l.contains("verify pass warmed")).map(str::to_string);
-        if warmed.is_some() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    let warmed = warmed.unwrap_or_else(|| panic!("no batch verify pass was warmed:\n{}", auto.log_text()));
-    assert!(warmed.contains("rows=2"), "the two-row batch's shape: {warmed}");
-    let second = ids(together(&auto, &requests, &[0, 0]).await);
-    assert_eq!(second, expected, "the second burst's ids differ from plain decoding");
-}
-
 /// Draft models: SmolLM2 (GGUF) drafted for by the same weights in MLX's
 /// form (`smollm2-mlx`: nearly every draft accepted) and by a random
 /// two-layer model with SmolLM2's tokenizer (`tiny-qwen3`: nearly none),

@@ -105,35 +105,6 @@ impl Scheduler {
         c
     }
 
-    /// True while a loaded model's speculation asks for a batch verify
-    /// pass shape to be warmed ([`Self::warm_wanted_pass`]).
-    pub fn wants_warming(&self) -> bool {
-        self.costs.iter().any(|(m, c)| m.strong_count() > 0 && c.borrow().wants_warming())
-    }
-
-    /// Runs one batch verify pass shape that a model's speculation asked
-    /// for, outside any request (call only while the engine is idle): its
-    /// kernels built, batches may choose it. False when none is wanted. A
-    /// failure is logged and the shape is not asked for again.
-    pub fn warm_wanted_pass(&mut self) -> bool {
-        self.costs.retain(|(m, _)| m.strong_count() > 0);
-        for (model, costs) in &self.costs {
-            let Some(model) = model.upgrade() else { continue };
-            let Some(shape) = costs.borrow_mut().take_wanted() else { continue };
-            let warmed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.warm_verify(shape.0, shape.1)))
-                .unwrap_or_else(|panic| Err(anyhow::anyhow!("panicked: {}", crate::error::panic_message(&*panic))));
-            match warmed {
-                Ok(()) => costs.borrow_mut().warmed_shape(shape),
-                Err(e) => {
-                    tracing::warn!(rows = shape.0, width = shape.1, error = %format!("{e:#}"), "warming a verify pass failed");
-                    costs.borrow_mut().unusable_shape(shape);
-                }
-            }
-            return true;
-        }
-        false
-    }
-
     /// True once after sequences came, moved on or went.
     pub fn take_changed(&mut self) -> bool {
         std::mem::take(&mut self.changed)
