@@ -110,6 +110,17 @@ def ask(home, model, max_tokens, prompt, extra=()):
 MODES = ["off", "auto", "ngram"]
 
 
+def wait_warm(home, most=600):
+    """Waits while a GPU daemon warms its batch sizes after a load (`mlxbc
+    ps` says "warming batches"): rounds run alongside would time it."""
+    deadline = time.monotonic() + most
+    while "warming" in subprocess.run([mlxbc, "ps"], capture_output=True, text=True,
+                                      env=dict(os.environ, MLXBC_HOME=home)).stdout:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{home}: still warming batch sizes after {most} s")
+        time.sleep(1)
+
+
 def burst(home, model, max_tokens, prompts):
     """All `prompts` at once: total decode tok/s (each answer's tokens after
     its first over the span from the last first token to the last answer:
@@ -158,6 +169,7 @@ def main():
         for _, model, _, prompt in TASKS[::3]:
             if model == QWEN or "alone" in only:
                 ask(home, model, 4, prompt)
+        wait_warm(home)
     rows = []
     for name, model, max_tokens, prompt in TASKS if "alone" in only else []:
         def alone(home, model=model, max_tokens=max_tokens, prompt=prompt):
