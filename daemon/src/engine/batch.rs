@@ -11,8 +11,9 @@
 //! the cache: computed by the step in flight, or (for a row that has just
 //! joined) the first token, which its prefill already streamed.
 
+use super::draft_batch::{DraftAsk, DraftBatch};
 use super::draft_costs::{self, PassCosts};
-use super::sequence::Sequence;
+use super::sequence::{Drafts, Sequence};
 use crate::decoding::lookup;
 use crate::error::EngineError;
 use crate::model::decode_step::DecodeMode;
@@ -52,6 +53,8 @@ pub struct DecodeBatch {
     /// Rows of the last step when it was a plain one: the next plain step
     /// of as many rows waits for one like it, so its time is a step's cost.
     plain_before: Option<usize>,
+    /// Per draft model its rows use, their drafting together.
+    drafters: Vec<DraftBatch>,
 }
 
 /// Where a batch's steps spend host time, logged every [`PROFILE_EVERY`]
@@ -64,6 +67,9 @@ struct Profile {
     compiled: u32,
     /// Speculation's verify passes among the steps (always eager).
     verified: u32,
+    /// Draft models' proposals, and the rows they drafted for.
+    proposals: u32,
+    proposed_rows: usize,
     rows: usize,
     queue_s: f64,
     wait_s: f64,
@@ -104,9 +110,13 @@ impl Profile {
                 c if c == self.steps - self.verified => "Compiled",
                 _ => "Compiled alone, Eager batched",
             };
-            let verified = match self.verified {
-                0 => String::new(),
-                v => format!(" ({v} verifying drafts)"),
+            let verified = match (self.verified, self.proposals) {
+                (0, _) => String::new(),
+                (v, 0) => format!(" ({v} verifying drafts)"),
+                (v, p) => format!(
+                    " ({v} verifying drafts; draft models drafted {:.1} rows a proposal)",
+                    self.proposed_rows as f64 / f64::from(p)
+                ),
             };
             tracing::info!(
                 "decode ({mode}): {} steps{verified}, {:.1} rows on average, {:.2} ms/step: queueing {:.2}, waiting {:.2}",
@@ -134,6 +144,7 @@ impl DecodeBatch {
             profile: Profile::default(),
             costs,
             plain_before: None,
+            drafters: Vec::new(),
         }
     }
 
@@ -174,6 +185,10 @@ impl DecodeBatch {
         if keep.len() == self.rows.len() {
             return Ok(());
         }
+        for d in &mut self.drafters {
+            d.remove(gone).map_err(EngineError::inference)?;
+        }
+        self.drafters.retain(|d| !d.is_empty());
         if keep.is_empty() {
             self.profile.flush();
             self.rows.clear();
@@ -316,19 +331,20 @@ impl DecodeBatch {
         // was proposed or verified: a draft model's cache holds its drafts),
         // and the seconds their draft models took (not the pass's cost).
         let mut drafted = vec![false; seqs.len()];
-        let mut drafting_secs = 0.0;
-        let mut drafts = Vec::with_capacity(seqs.len());
+        let mut drafts = vec![Vec::new(); seqs.len()];
+        // Rows whose draft model proposes: (row, how many).
+        let mut by_model = Vec::new();
         for (r, (s, row)) in seqs.iter_mut().zip(&self.rows).enumerate() {
             let over = ended.iter().any(|(id, _)| *id == row.seq);
             drafted[r] = wants[r] && !over;
-            drafts.push(if drafted[r] {
-                let (d, secs) = s.draft(width - 1)?;
-                drafting_secs += secs;
-                d
-            } else {
-                Vec::new()
-            });
+            if drafted[r] {
+                match s.draft(width - 1) {
+                    Drafts::Ready(d) => drafts[r] = d,
+                    Drafts::Model(k) => by_model.push((r, k)),
+                }
+            }
         }
+        let drafting_secs = self.propose(seqs, &by_model, &mut drafts)?;
         // A constrained row's drafts stand up to the first one its grammar
         // forbids; its picks are masked position by position.
         let mut allowed = Vec::with_capacity(drafts.len());
@@ -340,10 +356,14 @@ impl DecodeBatch {
             allowed.push(along);
         }
         let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
-        let Some(cache) = self.cache.as_mut().filter(|_| width > 1) else {
-            for (s, _) in seqs.iter_mut().zip(&drafted).filter(|(_, &d)| d) {
-                s.verified(0, 0)?;
+        if width == 1 {
+            for (r, _) in drafted.iter().enumerate().filter(|(_, &d)| d) {
+                self.drafts_verified(r, &*seqs[r], 0);
+                seqs[r].verified(0, 0);
             }
+            return Ok((ended, false));
+        }
+        let Some(cache) = self.cache.as_mut() else {
             return Ok((ended, false));
         };
         let mut ids = Vec::with_capacity(drafts.len() * width);
@@ -414,6 +434,11 @@ impl DecodeBatch {
         let took = started.elapsed().as_secs_f64();
         self.profile.record(started, self.rows.len(), None, 0.0, took);
         self.costs.borrow_mut().verify_pass(self.rows.len() * width, (took - drafting_secs).max(0.0));
+        for (r, &accepted) in runs.iter().map(|run| run.len()).collect::<Vec<_>>().iter().enumerate() {
+            if drafted[r] {
+                self.drafts_verified(r, &*seqs[r], accepted);
+            }
+        }
         for ((((row, s), d), run), &drafted) in
             self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs).zip(&drafted)
         {
@@ -421,7 +446,7 @@ impl DecodeBatch {
             if !drafted {
                 continue;
             }
-            s.verified(d.len(), run.len())?;
+            s.verified(d.len(), run.len());
             for &t in run {
                 if let Some(end) = s.accept(t) {
                     ended.push((row.seq, end));
@@ -431,6 +456,55 @@ impl DecodeBatch {
         }
         self.ahead = Some(Array::from_slice(&next, &[next.len() as i32, 1]));
         Ok((ended, true))
+    }
+
+    /// The drafts of the rows `asks` (row, how many) that come from draft
+    /// models, proposed by each model's [`DraftBatch`] for all its rows at
+    /// once, into `drafts`; the seconds the draft models took.
+    fn propose(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        asks: &[(usize, usize)],
+        drafts: &mut [Vec<u32>],
+    ) -> Result<f64, EngineError> {
+        let mut secs = 0.0;
+        let mut left: Vec<(usize, usize)> = asks.to_vec();
+        while let Some(&(first, _)) = left.first() {
+            let Some(run) = seqs[first].draft_run() else { break };
+            let seq = self.rows[first].seq;
+            let at = match self.drafters.iter().position(|d| d.serves(run, seq)) {
+                Some(at) => at,
+                None => {
+                    self.drafters.push(DraftBatch::for_row(run, seq, self.mode));
+                    self.drafters.len() - 1
+                }
+            };
+            let serves = |r: usize| seqs[r].draft_run().is_some_and(|d| self.drafters[at].serves(d, self.rows[r].seq));
+            let (mine, others): (Vec<_>, Vec<_>) = left.into_iter().partition(|&(r, _)| serves(r));
+            left = others;
+            let asked: Vec<DraftAsk> =
+                mine.iter().map(|&(r, k)| DraftAsk { seq: self.rows[r].seq, history: seqs[r].history(), k }).collect();
+            let (proposals, took) = self.drafters[at].propose(&asked).map_err(EngineError::inference)?;
+            secs += took;
+            self.profile.proposals += 1;
+            self.profile.proposed_rows += asked.len();
+            let tokens: usize = asked.iter().map(|a| a.k).max().unwrap_or(0) * asked.len();
+            let per = took / tokens.max(1) as f64;
+            for ((r, _), p) in mine.into_iter().zip(proposals) {
+                drafts[r] = seqs[r].proposed(p, per);
+            }
+        }
+        Ok(secs)
+    }
+
+    /// Row `r`'s draft model (if its sequence `s` has one) hears that the
+    /// target accepted `accepted` of its drafts.
+    fn drafts_verified(&mut self, r: usize, s: &Sequence, accepted: usize) {
+        let Some(run) = s.draft_run() else { return };
+        let seq = self.rows[r].seq;
+        if let Some(d) = self.drafters.iter_mut().find(|d| d.serves(run, seq)) {
+            d.verified(seq, accepted);
+        }
     }
 
     /// Hands each row's sequence its token of `ahead` (evaluated), except

@@ -6,6 +6,7 @@
 
 mod answer;
 mod batch;
+pub mod draft_batch;
 mod draft_costs;
 mod draft_model;
 mod embed;

@@ -157,12 +157,20 @@ pub struct Sequence {
     draft_run: Option<DraftRun>,
 }
 
+/// Where a row's drafts for a verify pass come from ([`Sequence::draft`]).
+pub enum Drafts {
+    /// Drafted already (prompt lookup); empty: none.
+    Ready(Vec<u32>),
+    /// Its draft model is to propose up to this many.
+    Model(usize),
+}
+
 impl Sequence {
     /// A sequence about to prefill.
     pub fn new(setup: Setup) -> Self {
         let at = setup.start;
         let draft_run = match setup.speculate {
-            Speculate::Auto | Speculate::Draft => setup.draft.clone().map(|m| DraftRun::new(m, setup.mode)),
+            Speculate::Auto | Speculate::Draft => setup.draft.clone().map(DraftRun::new),
             Speculate::Off | Speculate::Ngram => None,
         };
         // Acceptance differs by where drafts come from: a draft model's
@@ -286,39 +294,58 @@ impl Sequence {
     }
 
     /// Tokens drafted to follow its prompt and answer so far (at most
-    /// `most`, and the tokens it may still generate), by its draft model or
-    /// from its history; empty: take a plain step. Returns also the
-    /// seconds its draft model took (not the verify pass's cost).
-    pub fn draft(&mut self, most: usize) -> Result<(Vec<u32>, f64), EngineError> {
-        let Some(d) = &mut self.drafter else { return Ok((Vec::new(), 0.0)) };
+    /// `most`, and the tokens it may still generate) from its history, or
+    /// how many its draft model is to propose (its decode batch drafts
+    /// every row of a draft model together, then hands them to
+    /// [`Self::proposed`]); none: take a plain step.
+    pub fn draft(&mut self, most: usize) -> Drafts {
+        let Some(d) = &mut self.drafter else { return Drafts::Ready(Vec::new()) };
         let room = self.setup.limit.saturating_sub(self.generated.len()).min(most);
         if room == 0 {
-            return Ok((Vec::new(), 0.0));
+            return Drafts::Ready(Vec::new());
         }
+        if self.draft_run.is_some() {
+            return Drafts::Model(d.k().min(room));
+        }
+        let history = [&self.setup.ids[..], &self.generated[..]].concat();
+        let mut drafts = d.draft(&history);
+        drafts.truncate(room);
+        Drafts::Ready(drafts)
+    }
+
+    /// Its prompt and answer so far.
+    pub fn history(&self) -> Vec<u32> {
         let mut history = Vec::with_capacity(self.setup.ids.len() + self.generated.len());
         history.extend_from_slice(&self.setup.ids);
         history.extend_from_slice(&self.generated);
-        let (mut drafts, secs) = match &mut self.draft_run {
-            Some(run) => {
-                let proposed = run.propose(&history, d.k().min(room)).map_err(EngineError::inference)?;
-                (d.proposed(proposed), run.last_secs)
-            }
-            None => (d.draft(&history), 0.0),
-        };
-        drafts.truncate(room);
-        Ok((drafts, secs))
+        history
+    }
+
+    /// Its draft model, where its drafts come from one.
+    pub fn draft_run(&self) -> Option<&DraftRun> {
+        self.draft_run.as_ref()
+    }
+
+    /// What its draft model proposed for [`Drafts::Model`] (`secs` a
+    /// drafted token, the proposal's time shared by its rows): the drafts
+    /// to verify.
+    pub fn proposed(&mut self, drafts: Vec<u32>, secs: f64) -> Vec<u32> {
+        if let Some(run) = &mut self.draft_run {
+            run.measured(secs);
+        }
+        match &mut self.drafter {
+            Some(d) => d.proposed(drafts),
+            None => Vec::new(),
+        }
     }
 
     /// A verify pass checked `drafted` tokens and the model agreed with the
     /// first `accepted`; or (`drafted` 0) its drafts were not verified.
-    pub fn verified(&mut self, drafted: usize, accepted: usize) -> Result<(), EngineError> {
-        if let Some(run) = &mut self.draft_run {
-            run.verified(accepted).map_err(EngineError::inference)?;
-        }
+    /// (Its draft model's cache hears it from its batch.)
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
         if let (Some(d), true) = (&mut self.drafter, drafted > 0) {
             d.verified(drafted, accepted);
         }
-        Ok(())
     }
 
     /// Its next token `[1, 1]` from its row's logits: masked by its

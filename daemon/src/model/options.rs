@@ -20,7 +20,10 @@
 //!   packed weights through mlxbc's own kernel (default
 //!   [`crate::model::w4a16::DEFAULT_ROWS`]: off until measured; 0: never),
 //! - `MLXBC_SPLIT_PARTS=copy|views`: whether a fused projection's parts are
-//!   copied for steps of several rows ([`SplitParts`]).
+//!   copied for steps of several rows ([`SplitParts`]),
+//! - `MLXBC_DRAFT_ROWS=together|apart`: whether a decode batch's rows with
+//!   one draft model draft in one batch of it (the default) or each alone
+//!   ([`DraftRows`]).
 
 use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;
@@ -77,6 +80,19 @@ pub struct EngineOptions {
     pub w4a16_rows: Option<i32>,
     /// Whether fused projections' parts are copied for steps of several rows.
     pub split_parts: SplitParts,
+    /// Whether a batch's rows with one draft model draft together.
+    pub draft_rows: DraftRows,
+}
+
+/// How a decode batch's rows with one draft model are drafted
+/// (`crate::engine::draft_batch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DraftRows {
+    /// In one batch of the draft model.
+    #[default]
+    Together,
+    /// Each row alone (`MLXBC_DRAFT_ROWS=apart`: a diagnostic).
+    Apart,
 }
 
 /// Whether sequences draft from their own history by default
@@ -196,7 +212,13 @@ impl EngineOptions {
             Some((_, v)) if v == "views" => SplitParts::Views,
             Some(other) => return Err(bad(&other, "copy, views")),
         };
-        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows, split_parts })
+        let draft_rows = match env("MLXBC_DRAFT_ROWS") {
+            None => Default::default(),
+            Some((_, v)) if v == "together" => DraftRows::Together,
+            Some((_, v)) if v == "apart" => DraftRows::Apart,
+            Some(other) => return Err(bad(&other, "together, apart")),
+        };
+        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows, split_parts, draft_rows })
     }
 }
 
@@ -225,6 +247,7 @@ mod tests {
             "MLXBC_SPECULATE",
             "MLXBC_W4A16_ROWS",
             "MLXBC_SPLIT_PARTS",
+            "MLXBC_DRAFT_ROWS",
         ] {
             std::env::remove_var(v);
         }

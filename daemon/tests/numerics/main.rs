@@ -7,6 +7,7 @@
 mod common;
 
 mod batch_rows;
+mod draft_batch;
 mod dtype_dirs;
 mod embeddings;
 mod gemma4;

@@ -267,3 +267,91 @@ async fn draft_models_draft_and_the_answer_is_the_same() {
     let after = ask_ok(&d, greedy(Some(SMOLLM2), quote, 40)).await;
     assert_eq!(after.token_ids, plain.token_ids);
 }
+
+/// Rows of one batch that draft with a draft model are drafted together,
+/// one batched pass of the draft model per drafted position (the daemon's
+/// decode profile says how many rows a proposal drafted): rows drafting
+/// with the target's own weights (`smollm2-mlx`: nearly every draft
+/// accepted, so rows fall two tokens behind), a sampled row (drafts
+/// accepted by chance: it rests and sits proposals out), beside rows that
+/// draft by prompt lookup or not at all, with a stop string, a grammar and
+/// prompts of different lengths arriving at different times. Every greedy
+/// answer has the ids of the same requests with drafts off.
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_with_a_draft_model_draft_together_and_answer_as_without_drafts() {
+    const SAME: &str = "smollm2-mlx";
+    let opts = DaemonOptions {
+        models: vec![(SMOLLM2, fixture(&format!("models/{SMOLLM2}"))), (SAME, fixture("mlx/smollm2-mlx"))],
+        args: vec![],
+    };
+    let d = Daemon::start_with(opts);
+    let drafted = |prompt: &str, tokens: u32, draft: bool| {
+        let mut r = greedy(Some(SMOLLM2), prompt, tokens);
+        (r.speculate, r.draft) = match draft {
+            true => (Speculation::Draft, Some(SAME.to_string())),
+            false => (Speculation::Ngram, None),
+        };
+        // Past the end of an answer too: rows that draft live long together.
+        r.ignore_eos = true;
+        r
+    };
+    let fox = "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.";
+    let list = "List the days of the week, one per line, then list them again in reverse order.";
+    let mut stopped = drafted(fox, 48, true);
+    stopped.stop = vec!["lazy dog near the river bank".into()];
+    stopped.ignore_eos = false;
+    let mut json = drafted("Describe Paris as a JSON object with the keys name, country and river.", 40, true);
+    (json.constraint, json.ignore_eos) = (Some(Constraint::JsonObject), false);
+    let mut sampled = drafted("Write a short story about a lighthouse keeper.", 40, true);
+    sampled.sampling = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: Some(5) };
+    let mut off = drafted(list, 32, false);
+    off.speculate = Speculation::Off;
+    let requests = [
+        drafted(fox, 48, true),
+        drafted(list, 40, true),
+        drafted(&format!("{fox} {list}"), 32, true),
+        drafted(fox, 40, false),
+        stopped,
+        json,
+        off,
+        sampled,
+    ];
+    let names = ["fox", "days", "both", "fox (prompt lookup)", "stop string", "json", "drafts off", "sampled"];
+    let delays = [0, 0, 40, 80, 80, 150, 150, 0];
+    let with = together(&d, &requests, &delays).await;
+    let plain: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            (r.speculate, r.draft) = (Speculation::Off, None);
+            r
+        })
+        .collect();
+    let without = together(&d, &plain, &delays).await;
+    for ((name, (_, w)), (_, p)) in names.iter().zip(&with).zip(&without).take(7) {
+        eprintln!(
+            "{name}: {} tokens, {} of {} drafted accepted",
+            w.generated_tokens, w.accepted_draft_tokens, w.draft_tokens
+        );
+        assert_eq!(w.token_ids, p.token_ids, "{name}: ids drafted in a batch differ from plain decoding");
+        assert_eq!((w.stop_reason, &w.stop_string), (p.stop_reason, &p.stop_string), "{name}");
+        assert_eq!(p.draft_tokens, 0, "{name}: drafts off");
+    }
+    for i in [0, 1, 2, 4, 5] {
+        let s = &with[i].1;
+        assert!(s.accepted_draft_tokens * 10 >= s.draft_tokens * 7 && s.draft_tokens > 0, "{}: {s:?}", names[i]);
+    }
+    let s = &with[7].1;
+    eprintln!(
+        "sampled: {} tokens, {} of {} drafted accepted",
+        s.generated_tokens, s.accepted_draft_tokens, s.draft_tokens
+    );
+    assert!(s.draft_tokens > 0 && s.generated_tokens == 40, "the sampled row drafted and answered whole: {s:?}");
+    let log = d.log_text();
+    let rows: Vec<f64> = log
+        .lines()
+        .filter_map(|l| l.split("draft models drafted ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .collect();
+    assert!(rows.iter().any(|&r| r >= 2.0), "the draft model drafted rows one by one: {rows:?}\n{log}");
+}
