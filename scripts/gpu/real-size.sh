@@ -36,6 +36,10 @@
 #                 code rows (CODE_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf:
 #                 real weights there too) and SmolLM2 for the quotation and chat rows
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
+#   draftrows MODEL  rows drafting with a draft model together / apart /
+#                 off: two daemons (scripts/bench.d/draft_rows_bench.py;
+#                 DRAFTS="qwen2.5-0.5b-4bit qwen3-4b-same": a name ending
+#                 in -same drafts with MODEL's own weights)
 #   epart N       copy all-MiniLM-L6-v2 (real weights) part N (0, 1, 2): carry
 #                 .dev/rs/eN beside a step that carries little (bursts, ab)
 #   embed         all-MiniLM-L6-v2 embeddings and a cross-encoder of its shape
@@ -232,6 +236,23 @@ spec)
   for h in $(printf '%s\n' "${hs[@]}" | sort -u); do
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
     MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec-$(basename "$h").log"
+  done ;;
+draftrows)
+  # A batch's rows drafting with a draft model, together (the default)
+  # against apart (MLXBC_DRAFT_ROWS=apart) and off: two daemons, MODEL as
+  # the target, DRAFTS (default the 0.5B shape: random, so a cost row; a
+  # name ending in -same is MODEL's own directory under another name:
+  # every draft accepted) forced per request (scripts/bench.d/draft_rows_bench.py).
+  for d in ${DRAFTS:-qwen2.5-0.5b-4bit}; do [[ $d == *-same ]] && ln -sfn "$(model_dir $1)" /tmp/models/$d; done
+  hs=()
+  for rows in together apart; do
+    h=/tmp/home-draftrows-$rows-$RANDOM; daemon "$h" MLXBC_DRAFT_ROWS=$rows || exit 1; hs+=("$h")
+  done
+  TARGET=$1-4bit DRAFTS=$(echo ${DRAFTS:-qwen2.5-0.5b-4bit} | tr ' ' ,) timeout ${SPEC_TIMEOUT:-560} \
+    $PY scripts/bench.d/draft_rows_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/draftrows-$1.txt"
+  for h in "${hs[@]}"; do
+    grep -E "decode \(" "$h/daemon.log" | cut -c60-260 | tail -3; MLXBC_HOME=$h "$B/bin/mlxbc" ps
+    MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-draftrows-$(basename "$h").log"
   done ;;
 epart)
   mkdir -p /tmp/minilm; cp -r ".dev/rs/e$1/." /tmp/minilm/; ls -la /tmp/minilm ;;
