@@ -246,7 +246,10 @@ draftrows)
   for d in ${DRAFTS:-qwen2.5-0.5b-4bit}; do [[ $d == *-same ]] && ln -sfn "$(model_dir $1)" /tmp/models/$d; done
   hs=()
   for rows in together apart; do
-    h=/tmp/home-draftrows-$rows-$RANDOM; daemon "$h" MLXBC_DRAFT_ROWS=$rows || exit 1; hs+=("$h")
+    # Half the card each (MLX caches freed buffers up to a quarter of its
+    # budget; two daemons that each think the card theirs ran out of it).
+    h=/tmp/home-draftrows-$rows-$RANDOM; mkdir -p "$h"; echo "memory_budget_mib = ${BUDGET_MIB:-34000}" > "$h/config.toml"
+    daemon "$h" MLXBC_DRAFT_ROWS=$rows || exit 1; hs+=("$h")
   done
   TARGET=$1-4bit DRAFTS=$(echo ${DRAFTS:-qwen2.5-0.5b-4bit} | tr ' ' ,) timeout ${SPEC_TIMEOUT:-560} \
     $PY scripts/bench.d/draft_rows_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/draftrows-$1.txt"
