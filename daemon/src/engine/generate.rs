@@ -409,7 +409,6 @@ pub fn begin(
         draft,
         limit: asked.min(room),
         asked,
-        // A compiled step writes full-precision buffers.
         // A compiled step writes full-precision buffers through the bare base.
         mode: if kv.is_some() || adapter.is_some() { DecodeMode::Eager } else { model.decode_mode(ctx.decode) },
         prefill_chunk: ctx.prefill_chunk,
