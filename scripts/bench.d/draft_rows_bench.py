@@ -13,7 +13,9 @@ every draft accepted) and a random model with its tokenizer (none).
 Usage: draft_rows_bench.py MLXBC HOME_TOGETHER HOME_APART ROUNDS
 (TARGET: the target model, default SmolLM2's GGUF; DRAFTS, default
 smollm2-mlx,tiny-qwen3; CLIENTS, default 16; TOKENS, default 48)"""
-import json, os, statistics, subprocess, sys, threading, time
+import os, statistics, sys, threading
+
+from daemon_client import ask_stats, wait_warm
 
 mlxbc, together, apart, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 TARGET = os.environ.get("TARGET", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -26,14 +28,8 @@ PROMPTS = [f"[{i}] Repeat this passage word for word, then once more: {PASSAGE}"
 
 
 def ask(home, prompt, extra):
-    cmd = [mlxbc, "ask", "--json", "-m", TARGET, "--temperature", "0", "--max-tokens", str(TOKENS), "--ignore-eos",
-           *extra, prompt]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, MLXBC_HOME=home), timeout=900)
-    for line in out.stdout.splitlines():
-        ev = json.loads(line)
-        if ev.get("event") == "done":
-            return ev["stats"]
-    raise SystemExit(f"mlxbc ask failed: {out.stderr[-400:]}")
+    args = ["-m", TARGET, "--temperature", "0", "--max-tokens", str(TOKENS), "--ignore-eos", *extra, prompt]
+    return ask_stats(mlxbc, home, args, timeout=900)
 
 
 def burst(home, extra):
@@ -52,15 +48,6 @@ def burst(home, extra):
     return decode / span, out
 
 
-def wait_warm(home, most=600):
-    deadline = time.monotonic() + most
-    while "warming" in subprocess.run([mlxbc, "ps"], capture_output=True, text=True,
-                                      env=dict(os.environ, MLXBC_HOME=home)).stdout:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{home}: still warming batch sizes after {most} s")
-        time.sleep(1)
-
-
 CONFIGS = {"off": (together, lambda d: ["--speculate", "off"]),
            "apart": (apart, lambda d: ["--speculate", "draft", "--draft", d]),
            "together": (together, lambda d: ["--speculate", "draft", "--draft", d])}
@@ -69,7 +56,7 @@ table = []
 for draft in DRAFTS:
     for name, (home, extra) in CONFIGS.items():  # loads the draft, warms the shapes
         burst(home, extra(draft))
-        wait_warm(home)
+        wait_warm(mlxbc, home)
         burst(home, extra(draft))
     speeds = {n: [] for n in CONFIGS}
     stats = {}

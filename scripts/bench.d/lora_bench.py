@@ -10,6 +10,8 @@ they answer does not matter here, only their shape: rank 8 over 8 layers).
 import json, os, shutil, statistics, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
+from daemon_client import wait_warm
+
 import mlx.core as mx
 
 mlxbc, base_url, home, model, adapter, models, rounds = sys.argv[1:8]
@@ -61,11 +63,7 @@ with ThreadPoolExecutor(CLIENTS) as ex:
 # says "warming batches"); rounds run alongside it would time the warming
 # (on an H100 the 8B shape's first size took 38 s), so wait it out, then
 # warm every spread once more.
-deadline = time.monotonic() + 600
-while "warming" in ps():
-    if time.monotonic() > deadline:
-        raise SystemExit("the daemon was still warming its batch sizes after 600 s")
-    time.sleep(1)
+wait_warm(mlxbc, home)
 for n in [0, 1, 4, 16]:
     with ThreadPoolExecutor(CLIENTS) as ex:
         list(ex.map(lambda ia: ask(ia[1], ia[0], "warm"), enumerate(spread(n))))

@@ -15,7 +15,9 @@ with draft models named per request, DRAFTS=tiny-qwen3,smollm2-mlx,
 DRAFT_TARGET=another model for them; CODE_MODEL and
 SMALL_MODEL name other models for the Qwen2.5-Coder and SmolLM2 rows, as
 on the GPU: scripts/gpu/real-size.sh spec)"""
-import json, os, statistics, subprocess, sys, threading, time
+import os, statistics, sys, threading, time
+
+from daemon_client import ask_stats, wait_warm
 
 mlxbc = sys.argv[1]
 homes = dict(zip(["off", "auto", "ngram"], sys.argv[2:5]))
@@ -98,27 +100,10 @@ def ask(home, model, max_tokens, prompt, extra=()):
     if ONE_DAEMON and home in homes and not extra:
         extra = ["--speculate", home]
         home = homes[home]
-    cmd = [mlxbc, "ask", "--json", "-m", model, "--temperature", "0", "--max-tokens", str(max_tokens), *extra, prompt]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, MLXBC_HOME=home), timeout=600)
-    for line in out.stdout.splitlines():
-        ev = json.loads(line)
-        if ev.get("event") == "done":
-            return ev["stats"]
-    raise RuntimeError(f"no answer: {out.stderr[-400:]}")
+    return ask_stats(mlxbc, home, ["-m", model, "--temperature", "0", "--max-tokens", str(max_tokens), *extra, prompt])
 
 
 MODES = ["off", "auto", "ngram"]
-
-
-def wait_warm(home, most=600):
-    """Waits while a GPU daemon warms its batch sizes after a load (`mlxbc
-    ps` says "warming batches"): rounds run alongside would time it."""
-    deadline = time.monotonic() + most
-    while "warming" in subprocess.run([mlxbc, "ps"], capture_output=True, text=True,
-                                      env=dict(os.environ, MLXBC_HOME=home)).stdout:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{home}: still warming batch sizes after {most} s")
-        time.sleep(1)
 
 
 def burst(home, model, max_tokens, prompts):
@@ -169,7 +154,7 @@ def main():
         for _, model, _, prompt in TASKS[::3]:
             if model == QWEN or "alone" in only:
                 ask(home, model, 4, prompt)
-        wait_warm(home)
+        wait_warm(mlxbc, home)
     rows = []
     for name, model, max_tokens, prompt in TASKS if "alone" in only else []:
         def alone(home, model=model, max_tokens=max_tokens, prompt=prompt):
