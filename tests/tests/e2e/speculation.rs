@@ -270,7 +270,7 @@ async fn draft_models_draft_and_the_answer_is_the_same() {
 
 /// Rows of one batch that draft with a draft model are drafted together,
 /// one batched pass of the draft model per drafted position (the daemon's
-/// decode profile says how many rows a proposal drafted): rows drafting
+/// decode profile says how many rows a proposal drafted, on average): rows drafting
 /// with the target's own weights (`smollm2-mlx`: nearly every draft
 /// accepted, so rows fall two tokens behind), a sampled row (drafts
 /// accepted by chance: it rests and sits proposals out), beside rows that
@@ -353,5 +353,7 @@ async fn rows_with_a_draft_model_draft_together_and_answer_as_without_drafts() {
         .filter_map(|l| l.split("draft models drafted ").nth(1))
         .filter_map(|rest| rest.split(' ').next()?.parse().ok())
         .collect();
-    assert!(rows.iter().any(|&r| r >= 2.0), "the draft model drafted rows one by one: {rows:?}\n{log}");
+    eprintln!("rows a proposal, per profile line: {rows:?}");
+    // Drafting apart reads 1.0 (one row a proposal); seen together: 2.2.
+    assert!(rows.iter().any(|&r| r > 1.5), "the draft model drafted rows one by one: {rows:?}\n{log}");
 }
