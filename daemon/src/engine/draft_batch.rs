@@ -180,6 +180,43 @@ impl DraftBatch {
         Ok(())
     }
 
+    /// Feeds the histories of `fresh` rows (all but each one's last token)
+    /// in one batch, left-padded to the longest, and joins them to the
+    /// batch, one behind: a burst of new sequences costs one prefill of the
+    /// draft model and one join, not one of each per row.
+    fn feed_fresh(&mut self, fresh: &[&DraftAsk]) -> Result<()> {
+        use mlx_rs::ops::indexing::IndexOp;
+        let Some(longest) = fresh.iter().map(|a| a.history.len() - 1).max() else { return Ok(()) };
+        let mut ids = Vec::with_capacity(fresh.len() * longest);
+        let mut pads = Vec::with_capacity(fresh.len());
+        for a in fresh {
+            let fed = &a.history[..a.history.len() - 1];
+            pads.push((longest - fed.len()) as i32);
+            ids.extend(std::iter::repeat_n(0, longest - fed.len()));
+            ids.extend_from_slice(fed);
+        }
+        let lm = &self.model.lm;
+        let ids = Array::from_slice(&ids, &[fresh.len() as i32, longest as i32]);
+        let mut cache = KvCache::batch(lm.num_layers(), pads);
+        for at in (0..longest).step_by(CATCH_UP_CHUNK) {
+            let end = (at + CATCH_UP_CHUNK).min(longest) as i32;
+            lm.forward(&lm.embed(&ids.index((.., at as i32..end)))?, &mut cache, &MediaPositions::default())?;
+            mlx_rs::transforms::eval(cache.arrays())?;
+        }
+        match self.cache.as_mut() {
+            Some(mine) => mine.join(cache)?,
+            None => self.cache = Some(cache),
+        }
+        self.rows.extend(fresh.iter().map(|a| Row {
+            seq: a.seq,
+            fed: a.history.len() - 1,
+            forget: 0,
+            drafts_fed: 0,
+            idle: 0,
+        }));
+        Ok(())
+    }
+
     /// The draft model's greedy continuations of the asked histories, in
     /// `asks`' order: `k` tokens each (fewer where it picks an id outside
     /// the tokenizer; none for a history too short to draft from), and the
@@ -193,8 +230,10 @@ impl DraftBatch {
             return Ok((out, 0.0));
         }
         let index = |rows: &[Row], seq: SeqId| rows.iter().position(|r| r.seq == seq);
-        // Rows that are new here, parked, or too far behind (or, were the
-        // history cut, ahead) catch up alone and join the batch one behind.
+        // Rows that are parked or too far behind (or, were the history
+        // cut, ahead) catch up alone and join the batch one behind; rows
+        // new here are fed together, then join it at once.
+        let mut fresh = Vec::new();
         for ask in asks.iter().filter(|a| a.history.len() >= 2) {
             let behind = |row: &Row| ask.history.len().checked_sub(row.fed).filter(|&b| b >= 1);
             let (mut alone, row) = match index(&self.rows, ask.seq) {
@@ -203,23 +242,21 @@ impl DraftBatch {
                 None => match self.parked.remove(&ask.seq) {
                     Some(parked) => parked,
                     None => {
-                        let row = Row { seq: ask.seq, fed: 0, forget: 0, drafts_fed: 0, idle: 0 };
-                        (KvCache::new(self.model.lm.num_layers()), row)
+                        fresh.push(ask);
+                        continue;
                     }
                 },
             };
-            let from = match behind(&row) {
-                Some(_) => row.fed,
-                // A history that is not a continuation of what the row
-                // holds (never so today): start over.
-                None => {
-                    alone = KvCache::new(self.model.lm.num_layers());
-                    0
-                }
-            };
-            self.catch_up(&mut alone, &ask.history, from)?;
+            // A history that is not a continuation of what the row holds
+            // (never so today): it starts over.
+            if behind(&row).is_none() {
+                fresh.push(ask);
+                continue;
+            }
+            self.catch_up(&mut alone, &ask.history, row.fed)?;
             self.put_in(alone, Row { fed: ask.history.len() - 1, forget: 0, drafts_fed: 0, idle: 0, ..row })?;
         }
+        self.feed_fresh(&fresh)?;
         // Rows that do not draft this time and sat out the last ones too
         // are parked.
         let asked = |seq: SeqId| asks.iter().find(|a| a.seq == seq && a.history.len() >= 2);
