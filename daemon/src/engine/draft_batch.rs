@@ -11,9 +11,10 @@
 //! accepted; the rejected ones are forgotten at its next proposal (with any
 //! other positions to forget, in one [`KvCache::trim_rows`]). A proposal
 //! first feeds what each history added since: rows a few tokens behind are
-//! fed together, a row that has only just asked or rested long catches up
-//! on its own (its row taken out of the batch, its history fed in chunks,
-//! then joined back); rows that do not draft this time are fed a filler
+//! fed together, rows that have only just asked are fed their histories in
+//! one left-padded batch and joined at once, a row that rested long catches
+//! up on its own (its row taken out of the batch, its history fed in
+//! chunks, then joined back); rows that do not draft this time are fed a filler
 //! they forget again, and one that rested long is parked outside the batch
 //! so that it costs no compute until it drafts again.
 
