@@ -356,14 +356,11 @@ impl DecodeBatch {
             allowed.push(along);
         }
         let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
-        if width == 1 {
+        let Some(cache) = self.cache.as_mut().filter(|_| width > 1) else {
             for (r, _) in drafted.iter().enumerate().filter(|(_, &d)| d) {
                 self.drafts_verified(r, &*seqs[r], 0);
                 seqs[r].verified(0, 0);
             }
-            return Ok((ended, false));
-        }
-        let Some(cache) = self.cache.as_mut() else {
             return Ok((ended, false));
         };
         let mut ids = Vec::with_capacity(drafts.len() * width);
@@ -434,10 +431,8 @@ impl DecodeBatch {
         let took = started.elapsed().as_secs_f64();
         self.profile.record(started, self.rows.len(), None, 0.0, took);
         self.costs.borrow_mut().verify_pass(self.rows.len() * width, (took - drafting_secs).max(0.0));
-        for (r, &accepted) in runs.iter().map(|run| run.len()).collect::<Vec<_>>().iter().enumerate() {
-            if drafted[r] {
-                self.drafts_verified(r, &*seqs[r], accepted);
-            }
+        for (r, run) in runs.iter().enumerate().filter(|&(r, _)| drafted[r]) {
+            self.drafts_verified(r, &*seqs[r], run.len());
         }
         for ((((row, s), d), run), &drafted) in
             self.rows.iter_mut().zip(seqs.iter_mut()).zip(&drafts).zip(runs).zip(&drafted)

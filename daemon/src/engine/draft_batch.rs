@@ -148,7 +148,7 @@ impl DraftBatch {
     /// positions it had to forget forgotten), taken out of the batch.
     fn take_out(&mut self, r: usize) -> Result<(KvCache, Row)> {
         let mut row = self.rows[r];
-        let mut alone = self.cache.clone().expect("a row has a cache");
+        let Some(mut alone) = self.cache.clone() else { anyhow::bail!("a draft row without a cache") };
         alone.keep_rows(&[r])?;
         if row.forget > 0 {
             anyhow::ensure!(alone.trim_rows(&[row.forget as i32])?, "a draft row could not forget its rejected drafts");
@@ -159,13 +159,13 @@ impl DraftBatch {
         Ok((alone, row))
     }
 
-    /// Adds a one-row cache as the batch's last row.
-    fn put_in(&mut self, alone: KvCache, row: Row) -> Result<()> {
+    /// Adds the rows of `cache` (theirs, in order) after the batch's.
+    fn put_in(&mut self, cache: KvCache, rows: impl IntoIterator<Item = Row>) -> Result<()> {
         match self.cache.as_mut() {
-            Some(cache) => cache.join(alone)?,
-            None => self.cache = Some(alone),
+            Some(mine) => mine.join(cache)?,
+            None => self.cache = Some(cache),
         }
-        self.rows.push(row);
+        self.rows.extend(rows);
         Ok(())
     }
 
@@ -204,18 +204,9 @@ impl DraftBatch {
             lm.forward(&lm.embed(&ids.index((.., at as i32..end)))?, &mut cache, &MediaPositions::default())?;
             mlx_rs::transforms::eval(cache.arrays())?;
         }
-        match self.cache.as_mut() {
-            Some(mine) => mine.join(cache)?,
-            None => self.cache = Some(cache),
-        }
-        self.rows.extend(fresh.iter().map(|a| Row {
-            seq: a.seq,
-            fed: a.history.len() - 1,
-            forget: 0,
-            drafts_fed: 0,
-            idle: 0,
-        }));
-        Ok(())
+        let rows =
+            fresh.iter().map(|a| Row { seq: a.seq, fed: a.history.len() - 1, forget: 0, drafts_fed: 0, idle: 0 });
+        self.put_in(cache, rows)
     }
 
     /// The draft model's greedy continuations of the asked histories, in
@@ -255,7 +246,7 @@ impl DraftBatch {
                 continue;
             }
             self.catch_up(&mut alone, &ask.history, row.fed)?;
-            self.put_in(alone, Row { fed: ask.history.len() - 1, forget: 0, drafts_fed: 0, idle: 0, ..row })?;
+            self.put_in(alone, [Row { fed: ask.history.len() - 1, forget: 0, drafts_fed: 0, idle: 0, ..row }])?;
         }
         self.feed_fresh(&fresh)?;
         // Rows that do not draft this time and sat out the last ones too

@@ -315,10 +315,7 @@ impl Sequence {
 
     /// Its prompt and answer so far.
     pub fn history(&self) -> Vec<u32> {
-        let mut history = Vec::with_capacity(self.setup.ids.len() + self.generated.len());
-        history.extend_from_slice(&self.setup.ids);
-        history.extend_from_slice(&self.generated);
-        history
+        [&self.setup.ids[..], &self.generated[..]].concat()
     }
 
     /// Its draft model, where its drafts come from one.
