@@ -14,6 +14,11 @@ use std::path::Path;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+/// How many draft models a target keeps loaded beside it: enough for the
+/// few drafts its clients name in turn (each load costs seconds), few
+/// enough that drafts nobody uses any more do not hold memory for long.
+pub const MOST_DRAFT_MODELS: usize = 3;
+
 const MIB: u64 = 1 << 20;
 
 /// A resident model of either kind.
@@ -420,7 +425,8 @@ impl Residency {
     /// The draft model for the resident model `name`: `asked` (a request's)
     /// else the one config.toml names for it, loaded beside it unless it
     /// is already (its memory counted with the target's, and unloaded
-    /// with it; another draft loaded for the target replaces the last).
+    /// with it; a target keeps its [`MOST_DRAFT_MODELS`] most recently
+    /// used drafts).
     /// `None` when neither names one; with the milliseconds a load took now
     /// (0 when it was resident). A draft that cannot serve its target
     /// (another tokenizer, a family whose cache cannot forget drafts, no
@@ -447,8 +453,14 @@ impl Residency {
             return Err(EngineError::BadRequest(why.clone()));
         }
         let resolved = registry.resolve(Some(&wanted))?;
-        if let Some(d) = target.draft.borrow().as_ref().filter(|d| d.name == resolved.name) {
-            return Ok((Some(d.model.clone()), 0.0));
+        {
+            let mut drafts = target.draft_models.borrow_mut();
+            if let Some(i) = drafts.iter().position(|d| d.name == resolved.name) {
+                let used = drafts.remove(i);
+                let model = used.model.clone();
+                drafts.push(used);
+                return Ok((Some(model), 0.0));
+            }
         }
         let t = Instant::now();
         let loaded = self.load_draft(name, &target, &resolved, form, fingerprints);
@@ -484,19 +496,28 @@ impl Residency {
                 "{draft} cannot draft for itself: a draft model is a smaller model with the same tokenizer"
             )));
         }
-        // Room beside the resident models, never by unloading the target.
+        // Room beside the resident models, never by unloading the target:
+        // its own least recently used drafts go first.
+        while target.draft_models.borrow().len() >= MOST_DRAFT_MODELS {
+            self.drop_oldest_draft(name, target);
+        }
         let estimate = estimated_bytes(&resolved.path, form.form);
-        let own = self.memory_of(name);
-        let others = self.models.iter().filter(|(n, _)| n.as_str() != name).map(|(n, r)| (n, &r.clock));
-        let victims = keep_alive::make_room(others, estimate, self.budget_bytes.saturating_sub(own), usize::MAX)
-            .map_err(|_| {
-                EngineError::OutOfMemory(format!(
-                    "the draft model {draft} (about {} MiB) does not fit beside {name} in the memory budget \
-                     of {} MiB",
-                    estimate / MIB,
-                    self.budget_bytes / MIB
-                ))
-            })?;
+        let victims = loop {
+            let own = self.memory_of(name);
+            let others = self.models.iter().filter(|(n, _)| n.as_str() != name).map(|(n, r)| (n, &r.clock));
+            match keep_alive::make_room(others, estimate, self.budget_bytes.saturating_sub(own), usize::MAX) {
+                Ok(victims) => break victims,
+                Err(_) if !target.draft_models.borrow().is_empty() => self.drop_oldest_draft(name, target),
+                Err(_) => {
+                    return Err(EngineError::OutOfMemory(format!(
+                        "the draft model {draft} (about {} MiB) does not fit beside {name} in the memory budget \
+                         of {} MiB",
+                        estimate / MIB,
+                        self.budget_bytes / MIB
+                    )))
+                }
+            }
+        };
         for victim in victims {
             tracing::info!(model = %victim, draft = %draft, "unloading the least recently used model to make room");
             self.unload(&victim);
@@ -529,16 +550,29 @@ impl Residency {
         })?;
         let bytes = mlx_rs::memory::active_memory().unwrap_or(0).saturating_sub(before) as u64;
         let model = Rc::new(model);
-        let old = target.draft.replace(Some(crate::model::AttachedDraft {
+        target.draft_models.borrow_mut().push(crate::model::AttachedDraft {
             name: draft.clone(),
             model: model.clone(),
             bytes,
-        }));
-        if let Some(r) = self.models.get_mut(name) {
-            r.clock.memory_bytes = r.clock.memory_bytes + bytes - old.map_or(0, |o| o.bytes).min(r.clock.memory_bytes);
-        }
+        });
+        self.add_memory(name, bytes);
         tracing::info!(model = %name, draft = %draft, load_ms = t.elapsed().as_secs_f64() * 1000.0, memory_bytes = bytes, "draft model loaded");
         Ok(model)
+    }
+
+    /// Unloads `target`'s least recently used draft model (sequences
+    /// drafting with it keep it until they end) and stops counting it in
+    /// the memory of `name`, the target.
+    fn drop_oldest_draft(&mut self, name: &str, target: &Model) {
+        let mut drafts = target.draft_models.borrow_mut();
+        if drafts.is_empty() {
+            return;
+        }
+        let old = drafts.remove(0);
+        if let Some(r) = self.models.get_mut(name) {
+            r.clock.memory_bytes = r.clock.memory_bytes.saturating_sub(old.bytes);
+        }
+        tracing::info!(model = %name, draft = %old.name, "draft model unloaded to make room for another");
     }
 
     /// `form` with dense copies only where the budget holds
@@ -708,9 +742,12 @@ impl Residency {
                 speculation: match &r.model {
                     Servable::Chat(m) if m.lm.verifies_drafts() => {
                         let mode = format!("{:?}", crate::decoding::lookup::configured()).to_lowercase();
-                        match m.draft.borrow().as_ref() {
-                            Some(d) => format!("{mode}, draft {}", d.name),
-                            None => mode,
+                        let attached = m.draft_models.borrow();
+                        let drafts: Vec<&str> = attached.iter().map(|d| d.name.as_str()).collect();
+                        match drafts.len() {
+                            0 => mode,
+                            1 => format!("{mode}, draft {}", drafts[0]),
+                            _ => format!("{mode}, drafts {}", drafts.join(", ")),
                         }
                     }
                     _ => "-".to_string(),

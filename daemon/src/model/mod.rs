@@ -15,6 +15,7 @@ pub mod kv_cache;
 pub mod layers;
 pub mod lm_reranker;
 pub mod lora;
+pub mod lora_kernel;
 pub mod options;
 pub mod positions;
 pub mod prompt;
@@ -342,9 +343,11 @@ pub struct Model {
     /// (catching up included), smoothed over its sequences: a new
     /// sequence's draft cost before it measures its own.
     pub draft_secs: std::cell::Cell<Option<f64>>,
-    /// The draft model loaded beside it (speculative decoding), if any:
-    /// its memory is counted with this model's, and it goes when this does.
-    pub draft: RefCell<Option<AttachedDraft>>,
+    /// The draft models loaded beside it (speculative decoding), the least
+    /// recently used first: their memory is counted with this model's, and
+    /// they go when this does. Several, so that requests naming different
+    /// drafts do not load them again in turn.
+    pub draft_models: RefCell<Vec<AttachedDraft>>,
     /// LoRA adapters loaded on it, by directory (loaded on first use, kept
     /// while it stays loaded).
     pub adapters: RefCell<std::collections::BTreeMap<std::path::PathBuf, std::rc::Rc<lora::LoraAdapter>>>,
@@ -353,7 +356,7 @@ pub struct Model {
     constraints: std::cell::OnceCell<Result<Arc<llguidance::ParserFactory>, String>>,
 }
 
-/// A draft model resident beside its target ([`Model::draft`]).
+/// A draft model resident beside its target ([`Model::draft_models`]).
 pub struct AttachedDraft {
     /// Its canonical name.
     pub name: String,
@@ -402,7 +405,7 @@ impl Model {
             adapters: Default::default(),
             drafts: Default::default(),
             draft_evidence: Default::default(),
-            draft: RefCell::default(),
+            draft_models: RefCell::default(),
             draft_secs: Default::default(),
             constraints: Default::default(),
         }

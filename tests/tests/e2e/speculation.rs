@@ -204,8 +204,9 @@ async fn by_default_drafts_are_verified_where_the_cost_model_expects_them_to_pay
 /// form (`smollm2-mlx`: nearly every draft accepted) and by a random
 /// two-layer model with SmolLM2's tokenizer (`tiny-qwen3`: nearly none),
 /// named per request (`--draft`) or in config.toml (`[models."NAME"]
-/// draft`). Either way the ids equal plain decoding's; the draft is loaded
-/// beside its model, shown by `mlxbc ps`, and a draft that cannot serve
+/// draft`). Either way the ids equal plain decoding's; the drafts are
+/// loaded beside their model, once each however requests alternate between
+/// them, shown by `mlxbc ps`, and a draft that cannot serve
 /// (another tokenizer, the model itself, none at all) is refused with a
 /// sentence while the daemon keeps answering.
 #[tokio::test(flavor = "multi_thread")]
@@ -247,8 +248,26 @@ async fn draft_models_draft_and_the_answer_is_the_same() {
     let tiny = ask_ok(&d, tiny).await;
     assert_eq!(tiny.token_ids, plain.token_ids, "drafting with {TINY} changed the answer");
     assert!(tiny.draft_tokens > 0, "the configured draft model should have drafted: {tiny:?}");
+    // Requests naming the two drafts in turn: both stay loaded beside
+    // SmolLM2, each loaded once.
+    for _ in 0..2 {
+        let mut again = greedy(Some(SMOLLM2), quote, 8);
+        (again.speculate, again.draft) = (Speculation::Draft, Some(SAME.into()));
+        assert_eq!(ask_ok(&d, again).await.token_ids[..], plain.token_ids[..8]);
+        let mut configured = greedy(Some(SMOLLM2), quote, 8);
+        configured.speculate = Speculation::Draft;
+        assert_eq!(ask_ok(&d, configured).await.token_ids[..], plain.token_ids[..8]);
+    }
+    let log = d.log_text();
+    for draft in [SAME, TINY] {
+        let loads = log.lines().filter(|l| l.contains("draft model loaded") && l.contains(draft)).count();
+        assert_eq!(loads, 1, "{draft} should have been loaded once, not again in turn with the other:\n{log}");
+    }
     let ps = String::from_utf8_lossy(&d.cli().arg("ps").output().unwrap().stdout).to_string();
-    assert!(ps.contains(&format!("draft {TINY}")), "mlxbc ps should name the draft model:\n{ps}");
+    assert!(
+        ps.contains(&format!("drafts {SAME}, {TINY}")),
+        "mlxbc ps should name both draft models, the most recently used last:\n{ps}"
+    );
 
     // Refusals, each a sentence, and the daemon answers afterwards.
     let refused = |model: &str, draft: Option<&str>| {
