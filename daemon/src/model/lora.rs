@@ -48,25 +48,45 @@ pub type BaseWeights<'a> = &'a dyn Fn(usize, usize) -> Result<(Array, Option<Arr
 /// `(y + xa · b) ⊙ rescale + shift` (DoRA's factors, and its bias kept out
 /// of the rescaling: `shift = (1 - rescale) ⊙ bias`; plain LoRA adds only).
 pub struct Update {
-    /// The input through the adapter's `A` (`[rows, L, Σ rank]`).
-    pub xa: Array,
+    /// The group's input (`[rows, L, in]`).
+    x: Array,
+    /// The adapter's `A` side by side over the group's parts (`[in, Σ
+    /// rank]`, or stacked per row `[rows, in, R]`), in `x`'s dtype.
+    a: Array,
+    /// `x A` where it was computed already (a group whose parts are applied
+    /// one by one shares it).
+    xa: Option<Array>,
     /// The adapter's `scale · B`, block-diagonal over the group's parts.
-    pub b: Array,
-    pub rescale: Option<Array>,
-    pub shift: Option<Array>,
+    b: Array,
+    rescale: Option<Array>,
+    shift: Option<Array>,
 }
 
 impl Update {
-    /// The update applied to `y`: plain LoRA as one fused multiply-add
-    /// (`addmm`): on a GPU a batched step is bound by the host's work per
-    /// operation, and an adapter's two products, casts and add in every
-    /// adapted group of every layer halved 16 clients' tokens per second
-    /// on the 8B shape (docs/measurements/h100-2026-12-06-rows.md).
+    /// The update applied to `y`. Plain LoRA on CUDA, in a decode step:
+    /// mlxbc's two kernels ([`crate::model::lora_kernel`]); elsewhere one
+    /// product and one fused multiply-add (`addmm`). On a GPU a batched
+    /// step is bound by the host's work per operation, and an adapter's
+    /// two products, casts and add in every adapted group of every layer
+    /// halved 16 clients' tokens per second on the 8B shape
+    /// (docs/measurements/h100-2026-12-06-rows.md).
     pub fn apply(&self, y: &Array) -> Result<Array, mlx_rs::error::Exception> {
-        if self.rescale.is_none() && self.shift.is_none() {
-            return mlx_rs::ops::addmm(y, &self.xa, self.b.as_dtype(y.dtype())?, 1.0, 1.0);
+        let plain = self.rescale.is_none() && self.shift.is_none();
+        if plain && self.xa.is_none() {
+            match crate::model::lora_kernel::add(y, &self.x, &self.a, &self.b) {
+                Ok(Some(out)) => return Ok(out),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("a LoRA update through mlxbc's kernels failed, MLX's matmuls instead: {e:#}"),
+            }
         }
-        let mut y = y.add(self.xa.matmul(&self.b)?.as_dtype(y.dtype())?)?;
+        let xa = match &self.xa {
+            Some(xa) => xa.clone(),
+            None => self.x.matmul(&self.a)?,
+        };
+        if plain {
+            return mlx_rs::ops::addmm(y, &xa, self.b.as_dtype(y.dtype())?, 1.0, 1.0);
+        }
+        let mut y = y.add(xa.matmul(&self.b)?.as_dtype(y.dtype())?)?;
         if let Some(f) = &self.rescale {
             y = y.multiply(f.as_dtype(y.dtype())?)?;
         }
@@ -79,6 +99,10 @@ impl Update {
     /// Cut at `points` of the last axis (a group's parts, kept separate).
     pub fn split(&self, points: &[i32]) -> Result<Vec<Update>, mlx_rs::error::Exception> {
         let cut = |a: &Array| a.split_at_indices(points, -1);
+        let xa = match &self.xa {
+            Some(xa) => xa.clone(),
+            None => self.x.matmul(&self.a)?,
+        };
         let bs = cut(&self.b)?;
         let rescales = self.rescale.as_ref().map(cut).transpose()?;
         let shifts = self.shift.as_ref().map(cut).transpose()?;
@@ -86,7 +110,9 @@ impl Update {
             .into_iter()
             .enumerate()
             .map(|(i, b)| Update {
-                xa: self.xa.clone(),
+                x: self.x.clone(),
+                a: self.a.clone(),
+                xa: Some(xa.clone()),
                 b,
                 rescale: rescales.as_ref().map(|r| r[i].clone()),
                 shift: shifts.as_ref().map(|s| s[i].clone()),
@@ -215,7 +241,9 @@ impl GroupUpdate {
     /// `x`'s dtype already, as loading makes it.)
     fn update(&self, x: &Array) -> Result<Update, mlx_rs::error::Exception> {
         Ok(Update {
-            xa: x.matmul(self.a.as_dtype(x.dtype())?)?,
+            x: x.clone(),
+            a: self.a.as_dtype(x.dtype())?,
+            xa: None,
             b: self.b.as_dtype(x.dtype())?,
             rescale: self.rescale.clone(),
             shift: self.shift.clone(),
@@ -494,7 +522,9 @@ impl RowAdapters {
     fn update(&self, layer: usize, group: Group, x: &Array) -> Result<Option<Update>, mlx_rs::error::Exception> {
         let Some(Some(g)) = self.groups.get(layer).map(|l| &l[group as usize]) else { return Ok(None) };
         Ok(Some(Update {
-            xa: x.matmul(g.a.as_dtype(x.dtype())?)?,
+            x: x.clone(),
+            a: g.a.as_dtype(x.dtype())?,
+            xa: None,
             b: g.b.as_dtype(x.dtype())?,
             rescale: g.rescale.clone(),
             shift: g.shift.clone(),
