@@ -355,11 +355,14 @@ mx.save_safetensors(f"{out}/adapters.safetensors", w)
 json.dump({"fine_tune_type": "lora", "num_layers": 16, "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0}},
           open(f"{out}/adapter_config.json", "w"))
 PYEOF
-  MLXBC_HOME=$home MLXBC_LOG=info "$B/bin/mlxbcd" --http 127.0.0.1:18084 2> $OUT/lora-daemon.log & pid=$!
+  # MLXBC_LORA_KERNEL=off (exported): MLX's matmuls for the updates, for a
+  # run beside one with mlxbc's kernels; its files are named -kernel-off.
+  tag=${MLXBC_LORA_KERNEL:+-kernel-$MLXBC_LORA_KERNEL}
+  MLXBC_HOME=$home MLXBC_LOG=info "$B/bin/mlxbcd" --http 127.0.0.1:18084 2> $OUT/lora-daemon$tag.log & pid=$!
   for _ in $(seq 300); do [[ -S $home/mlxbcd.sock ]] && break; sleep 0.1; done
   timeout ${LORA_TIMEOUT:-500} $PY scripts/bench.d/lora_bench.py "$B/bin/mlxbc" http://127.0.0.1:18084 $home "$1-4bit" \
-    /tmp/lora-seed $home/models ${ROUNDS:-3} 2>&1 | tee $OUT/lora-$1.md
-  grep -E "decode \(" $OUT/lora-daemon.log | cut -c60-220 | tail -4
+    /tmp/lora-seed $home/models ${ROUNDS:-3} 2>&1 | tee $OUT/lora-$1$tag.md
+  grep -E "LoRA updates|decode \(" $OUT/lora-daemon$tag.log | cut -c1-260 | tail -6
   kill $pid; wait $pid 2>/dev/null ;;
 mlxlm)
   timeout 500 $PY "$R/batch_mlxlm.py" "$1" "$(model_dir $1)" ${BATCHES:-16,64} 1 ${TOKENS:-128} "$OUT/mlxlm-$1.jsonl" ;;
