@@ -8,8 +8,10 @@
 //! step of a batch is bound by the host's work per operation, so on an 8B
 //! shape 16 clients under one adapter ran at half the bare base's speed
 //! (docs/measurements/h100-2026-12-06b-draft-rows.md). Here the same update
-//! is one pass that computes each row's `x A` in f32 (`lora_xa`) and one
-//! that adds `(x A) B` to the output (`lora_add`), for one adapter shared
+//! is one pass that computes each row's `x A` in f32 over slices of its
+//! features (`lora_xa`) and one that adds `(x A) B` to the output
+//! (`lora_add`, summing the slices: no atomics, the same order every
+//! step), for one adapter shared
 //! by every row or a stacked adapter per row ([`crate::model::lora::RowAdapters`]).
 //! The adapter's products are tiny (rank a few dozen); the kernels read `A`
 //! once per row and `B` once per output, coalesced.
@@ -30,12 +32,12 @@ use std::cell::OnceCell;
 /// kernels: decode steps and speculation's verify passes of a batch.
 pub const MOST_ROWS: i32 = 128;
 
-/// Threads of a `lora_xa` block; also the largest rank (Σ of a group's
-/// parts') it takes.
-const XA_THREADS: i32 = 256;
+/// Threads of a block of either kernel; also the largest rank (Σ of a
+/// group's parts') they take.
+const THREADS: i32 = 256;
 
-/// Threads of a `lora_add` block.
-const ADD_THREADS: i32 = 256;
+/// Slices of the input features that `lora_xa` sums apart (a block each).
+const SPLIT: i32 = 16;
 
 /// `MLXBC_LORA_KERNEL=off` (read once): MLX's matmuls for every LoRA update.
 static OFF: std::sync::LazyLock<bool> =
@@ -104,51 +106,66 @@ impl Shapes {
             }
             _ => return None,
         };
-        (1..=XA_THREADS).contains(&r).then_some(Shapes { m, k, r, n, per })
+        (1..=THREADS).contains(&r).then_some(Shapes { m, k, r, n, per })
     }
 }
 
-/// `xa[m, j] = Σ_k x[m, k] a[k, j]` in f32, one block a row: thread `t`
-/// walks the adapter's elements `t, t + active, ...` (contiguous across the
+/// `partial[m, s, j] = Σ_k x[m, k] a[k, j]` over slice `s` of the `SPLIT`
+/// slices of `k`, in f32, one block a (row, slice): thread `t` walks the
+/// slice's adapter elements `t, t + active, ...` (contiguous across the
 /// block, so `a` is read coalesced), each thread always on column `t % R`
-/// (`active` is a multiple of R); then the columns' partial sums are added.
+/// (`active` is a multiple of R); then the columns' sums are added. Slices
+/// give a step of few rows enough blocks, and each thread few elements.
 const XA_BODY: &str = r#"
     const int K = x_shape[1];
-    const int m = blockIdx.x;
+    const int m = blockIdx.x / SPLIT;
+    const int s = blockIdx.x % SPLIT;
     const int t = threadIdx.x;
+    const int chunk = (K + SPLIT - 1) / SPLIT;
+    const int k0 = min(K, s * chunk);
+    const int k1 = min(K, k0 + chunk);
     const int active = (THREADS / R) * R;
     const T* ap = a + (PER > 0 ? (size_t)(m / PER) * K * R : 0);
     const T* xp = x + (size_t)m * K;
     float acc = 0.f;
     if (t < active) {
-        for (int e = t; e < K * R; e += active) {
+#pragma unroll 4
+        for (int e = k0 * R + t; e < k1 * R; e += active) {
             acc = fmaf(static_cast<float>(xp[e / R]), static_cast<float>(ap[e]), acc);
         }
     }
-    __shared__ float partial[THREADS];
-    partial[t] = acc;
+    __shared__ float sums[THREADS];
+    sums[t] = acc;
     __syncthreads();
     if (t < R) {
-        float s = 0.f;
-        for (int i = t; i < active; i += R) s += partial[i];
-        xa[(size_t)m * R + t] = s;
+        float v = 0.f;
+        for (int i = t; i < active; i += R) v += sums[i];
+        partial[((size_t)m * SPLIT + s) * R + t] = v;
     }
 "#;
 
-/// `out[m, n] = y[m, n] + Σ_j xa[m, j] b[j, n]`, a thread an output
-/// (neighbouring threads read neighbouring `b`), rounded once.
+/// `out[m, n] = y[m, n] + Σ_j xa[m, j] b[j, n]`, one block a (row, tile of
+/// THREADS outputs): the row's `xa` summed from its slices into shared
+/// memory once, then a thread an output (neighbouring threads read
+/// neighbouring `b`), rounded once.
 const ADD_BODY: &str = r#"
-    const int M = y_shape[0];
     const int N = y_shape[1];
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)M * N) return;
-    const int m = (int)(i / N);
-    const int n = (int)(i % N);
+    const int tiles = (N + THREADS - 1) / THREADS;
+    const int m = blockIdx.x / tiles;
+    const int t = threadIdx.x;
+    const int n = (blockIdx.x % tiles) * THREADS + t;
+    __shared__ float xs[THREADS];
+    if (t < R) {
+        float v = 0.f;
+        for (int s = 0; s < SPLIT; ++s) v += partial[((size_t)m * SPLIT + s) * R + t];
+        xs[t] = v;
+    }
+    __syncthreads();
+    if (n >= N) return;
     const T* bp = b + (PER > 0 ? (size_t)(m / PER) * R * N : 0);
-    const float* xr = xa + (size_t)m * R;
     float acc = 0.f;
-    for (int j = 0; j < R; ++j) acc = fmaf(xr[j], static_cast<float>(bp[(size_t)j * N + n]), acc);
-    out[i] = static_cast<T>(static_cast<float>(y[i]) + acc);
+    for (int j = 0; j < R; ++j) acc = fmaf(xs[j], static_cast<float>(bp[(size_t)j * N + n]), acc);
+    out[(size_t)m * N + n] = static_cast<T>(static_cast<float>(y[(size_t)m * N + n]) + acc);
 "#;
 
 /// The two compiled kernels.
@@ -171,8 +188,8 @@ impl Kernels {
     fn new() -> Result<Kernels> {
         // Row-contiguous inputs: MLX copies a view first.
         Ok(Kernels {
-            xa: CudaKernel::new("mlxbc_lora_xa", &["x", "a"], &["xa"], XA_BODY, true)?,
-            add: CudaKernel::new("mlxbc_lora_add", &["y", "xa", "b"], &["out"], ADD_BODY, true)?,
+            xa: CudaKernel::new("mlxbc_lora_xa", &["x", "a"], &["partial"], XA_BODY, true)?,
+            add: CudaKernel::new("mlxbc_lora_add", &["y", "partial", "b"], &["out"], ADD_BODY, true)?,
         })
     }
 
@@ -184,28 +201,28 @@ impl Kernels {
             Template::Type(c"T", dtype),
             Template::Int(c"R", s.r),
             Template::Int(c"PER", s.per),
-            Template::Int(c"THREADS", XA_THREADS),
+            Template::Int(c"THREADS", THREADS),
+            Template::Int(c"SPLIT", SPLIT),
         ];
-        let xa = self.xa.apply(
+        let partial = self.xa.apply(
             &[&x2, a],
             &Launch {
-                output_shape: &[s.m, s.r],
+                output_shape: &[s.m, SPLIT, s.r],
                 output_dtype: Dtype::Float32,
-                grid: (s.m * XA_THREADS, 1, 1),
-                block: (XA_THREADS, 1, 1),
+                grid: (s.m * SPLIT * THREADS, 1, 1),
+                block: (THREADS, 1, 1),
                 templates: &templates,
             },
         )?;
-        let outputs = s.m * s.n;
-        let blocks = (outputs + ADD_THREADS - 1) / ADD_THREADS;
+        let tiles = (s.n + THREADS - 1) / THREADS;
         let out = self.add.apply(
-            &[&y2, &xa, b],
+            &[&y2, &partial, b],
             &Launch {
                 output_shape: &[s.m, s.n],
                 output_dtype: dtype,
-                grid: (blocks * ADD_THREADS, 1, 1),
-                block: (ADD_THREADS, 1, 1),
-                templates: &templates[..3],
+                grid: (s.m * tiles * THREADS, 1, 1),
+                block: (THREADS, 1, 1),
+                templates: &templates,
             },
         )?;
         Ok(out.reshape(y.shape())?)
