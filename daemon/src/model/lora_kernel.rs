@@ -118,6 +118,8 @@ impl Shapes {
 /// give a step of few rows enough blocks, and each thread few elements.
 const XA_BODY: &str = r#"
     const int K = x_shape[1];
+    const int R = STACKED ? a_shape[2] : a_shape[1];
+    const int PER = STACKED ? x_shape[0] / a_shape[0] : 0;
     const int m = blockIdx.x / SPLIT;
     const int s = blockIdx.x % SPLIT;
     const int t = threadIdx.x;
@@ -150,6 +152,8 @@ const XA_BODY: &str = r#"
 /// neighbouring `b`), rounded once.
 const ADD_BODY: &str = r#"
     const int N = y_shape[1];
+    const int R = partial_shape[2];
+    const int PER = STACKED ? y_shape[0] / b_shape[0] : 0;
     const int tiles = (N + THREADS - 1) / THREADS;
     const int m = blockIdx.x / tiles;
     const int t = threadIdx.x;
@@ -197,10 +201,12 @@ impl Kernels {
         let dtype = x.dtype();
         let x2 = x.reshape(&[s.m, s.k])?;
         let y2 = y.reshape(&[s.m, s.n])?;
+        // The rank and positions per adapter row are read from the shapes,
+        // not made template constants: each new constant would compile
+        // the kernels again (NVRTC) in front of a request.
         let templates = [
             Template::Type(c"T", dtype),
-            Template::Int(c"R", s.r),
-            Template::Int(c"PER", s.per),
+            Template::Int(c"STACKED", i32::from(s.per > 0)),
             Template::Int(c"THREADS", THREADS),
             Template::Int(c"SPLIT", SPLIT),
         ];
