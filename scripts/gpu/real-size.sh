@@ -5,9 +5,9 @@
 # Qwen2.5-0.5B shape), beside mlx-lm 0.32.2 on the same directories.
 # Staged here by `scripts/gpu/real-size.sh stage` into .dev/rs/c1..cN
 # (the bundle split under the 64 MiB a call carries; the last part with the
-# mlx/mlx-lm wheels and a Qwen tokenizer). On the device, call by call
-# (the machine keeps /tmp while warm):
-#   part N        copy part N (all but the last)
+# mlx/mlx-lm wheels; .dev/rs/ct a Qwen tokenizer). On the device, call by
+# call (the machine keeps /tmp while warm):
+#   part N        copy part N (all but the last; and `part t`, the tokenizer)
 #   install       the last part; extract the bundle, install the wheels,
 #                 write the models (~10 s for 8B)
 #   bursts MODEL  a fresh daemon (empty kernel cache): load, time the idle
@@ -84,7 +84,10 @@ if [[ $step == stage ]]; then # here, at no device time
   # The Qwen tokenizer, padded to the shapes' 151,936 ids (tiny-qwen3's is
   # SmolLM2's 49,152: two random picks in three fell outside it, and a
   # draft stops before such an id, docs/measurements/h100-2026-12-06b-draft-rows.md).
-  cp "${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}"/mlx/tiny-qwen3_5/tokenizer{,_config}.json "$last/"
+  # In a part of its own (`part t`): beside the last part of the bundle and
+  # the repository it passed what a call carries.
+  mkdir -p "$out/ct"
+  cp "${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}"/mlx/tiny-qwen3_5/tokenizer{,_config}.json "$out/ct/"
   # Whisper tiny.en for `whisper` (its weights in three, under what a call carries).
   fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}; wt=$fx/models/whisper-tiny.en
   mkdir -p "$out/w0" "$out/w1" "$out/w2"

@@ -18,7 +18,7 @@
 //!   elsewhere: [`crate::model::batch_attention`]),
 //! - `MLXBC_W4A16_ROWS=N`: on CUDA, 4-bit steps of up to N rows read the
 //!   packed weights through mlxbc's own kernel (default
-//!   [`crate::model::w4a16::DEFAULT_ROWS`]: off until measured; 0: never),
+//!   [`crate::model::w4a16::DEFAULT_ROWS`]: 4; 0: never),
 //! - `MLXBC_SPLIT_PARTS=copy|views`: whether a fused projection's parts are
 //!   copied for steps of several rows ([`SplitParts`]),
 //! - `MLXBC_DRAFT_ROWS=together|apart`: whether a decode batch's rows with

@@ -24,13 +24,15 @@ use std::cell::OnceCell;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// Steps of up to this many rows (all axes but the last) use the kernel by
-/// default; `MLXBC_W4A16_ROWS=N` turns it on for steps of up to N rows.
-/// Off (0): on an H100 it made one stream slower (110 against 131 tok/s
-/// on an 8B shape: the one-row step is bound by the host, and each call
-/// of a custom kernel costs the host more than MLX's own matmul) and 4
-/// clients faster (1.14x), though alone it reads the weights 2.3x faster
-/// than the dense copies (docs/measurements/h100-2026-12-05-w4a16.md).
-pub const DEFAULT_ROWS: i32 = 0;
+/// default; `MLXBC_W4A16_ROWS=N` for steps of up to N rows, 0 never. On an
+/// H100 (docs/measurements/h100-2026-12-06c-w4a16-lora.md, two daemons,
+/// rounds interleaved), 8B shape: one stream 213 against 147 tok/s, 2
+/// clients 374 against 249, 4 clients 525 against 441, 16 clients equal;
+/// the Qwen2.5-0.5B shape's one stream 514 against 440. (On 12-05 it made
+/// one stream slower, 110 against 131: the host's work per step was then
+/// the bound; since the step's host work shrank, MLX's packed
+/// matrix-vector kernel, reading ~0.75 TB/s, was.)
+pub const DEFAULT_ROWS: i32 = 4;
 
 /// The process's limit (set once at start by `mlxbcd`'s main).
 static ROWS: AtomicI32 = AtomicI32::new(DEFAULT_ROWS);
