@@ -376,3 +376,42 @@ async fn rows_with_a_draft_model_draft_together_and_answer_as_without_drafts() {
     // Drafting apart reads 1.0 (one row a proposal); seen together: 2.2.
     assert!(rows.iter().any(|&r| r > 1.5), "the draft model drafted rows one by one: {rows:?}\n{log}");
 }
+
+/// A model keeps its three most recently used draft models: a fourth
+/// unloads the least recently used (logged, gone from `mlxbc ps`), and
+/// asking for that one again loads it again; the answers stay plain
+/// decoding's throughout. (The drafts are one random two-layer model with
+/// SmolLM2's tokenizer under four names.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fourth_draft_model_unloads_the_least_recently_used() {
+    const DRAFTS: [&str; 4] = ["draft-a", "draft-b", "draft-c", "draft-d"];
+    let mut models = vec![(SMOLLM2, fixture(&format!("models/{SMOLLM2}")))];
+    models.extend(DRAFTS.iter().map(|&name| (name, fixture("mlx/tiny-qwen3"))));
+    let d = Daemon::start_with(DaemonOptions { models, args: vec![] });
+    let prompt = "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog.";
+    let mut plain = greedy(Some(SMOLLM2), prompt, 8);
+    plain.speculate = Speculation::Off;
+    let plain = ask_ok(&d, plain).await.token_ids;
+    let drafted = |draft: &str| {
+        let mut r = greedy(Some(SMOLLM2), prompt, 8);
+        (r.speculate, r.draft) = (Speculation::Draft, Some(draft.to_string()));
+        r
+    };
+    // a, b, c, then a again (now the most recent): d unloads b.
+    for draft in ["draft-a", "draft-b", "draft-c", "draft-a", "draft-d", "draft-b"] {
+        let answer = ask_ok(&d, drafted(draft)).await;
+        assert_eq!(answer.token_ids, plain, "drafting with {draft} changed the answer");
+        assert!(answer.draft_tokens > 0, "{draft} should have drafted: {answer:?}");
+    }
+    let log = d.log_text();
+    let count = |what: &str, draft: &str| log.lines().filter(|l| l.contains(what) && l.contains(draft)).count();
+    for (draft, loads, unloads) in [("draft-a", 1, 0), ("draft-b", 2, 1), ("draft-c", 1, 1), ("draft-d", 1, 0)] {
+        assert_eq!(
+            (count("draft model loaded", draft), count("draft model unloaded", draft)),
+            (loads, unloads),
+            "{draft}: loads and unloads\n{log}"
+        );
+    }
+    let ps = String::from_utf8_lossy(&d.cli().arg("ps").output().unwrap().stdout).to_string();
+    assert!(ps.contains("drafts draft-a, draft-d, draft-b"), "the three most recently used, the newest last:\n{ps}");
+}
