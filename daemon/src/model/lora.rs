@@ -76,7 +76,13 @@ impl Update {
             match crate::model::lora_kernel::add(y, &self.x, &self.a, &self.b) {
                 Ok(Some(out)) => return Ok(out),
                 Ok(None) => {}
-                Err(e) => tracing::warn!("a LoRA update through mlxbc's kernels failed, MLX's matmuls instead: {e:#}"),
+                Err(e) => {
+                    // Once: a failure would repeat in every adapted group of every step.
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    WARNED.call_once(|| {
+                        tracing::warn!("a LoRA update through mlxbc's kernels failed, MLX's matmuls instead: {e:#}")
+                    });
+                }
             }
         }
         let xa = match &self.xa {
