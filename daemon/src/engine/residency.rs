@@ -505,9 +505,16 @@ impl Residency {
         let victims = loop {
             let own = self.memory_of(name);
             let others = self.models.iter().filter(|(n, _)| n.as_str() != name).map(|(n, r)| (n, &r.clock));
-            match keep_alive::make_room(others, estimate, self.budget_bytes.saturating_sub(own), usize::MAX) {
+            let room = keep_alive::make_room(others, estimate, self.budget_bytes.saturating_sub(own), usize::MAX);
+            // Another model is unloaded (or the load refused) only when
+            // the target has no older draft left to give up first.
+            let needs_room = room.as_ref().map_or(true, |victims| !victims.is_empty());
+            if needs_room && !target.draft_models.borrow().is_empty() {
+                self.drop_oldest_draft(name, target);
+                continue;
+            }
+            match room {
                 Ok(victims) => break victims,
-                Err(_) if !target.draft_models.borrow().is_empty() => self.drop_oldest_draft(name, target),
                 Err(_) => {
                     return Err(EngineError::OutOfMemory(format!(
                         "the draft model {draft} (about {} MiB) does not fit beside {name} in the memory budget \
