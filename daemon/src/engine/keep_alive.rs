@@ -88,10 +88,54 @@ pub fn make_room<'a>(
     }
 }
 
+/// Room for a draft model of `need` bytes beside its target, which uses
+/// `own` bytes (its draft models' included; `drafts`: theirs, the least
+/// recently used first) among `others`: how many of the target's drafts
+/// to give up, oldest first, then which other models to unload. Another
+/// model is unloaded only where giving up every older draft is not enough.
+pub fn make_room_for_draft<'a>(
+    others: impl IntoIterator<Item = (&'a String, &'a Clock)>,
+    need: u64,
+    own: u64,
+    drafts: &[u64],
+    budget: u64,
+) -> Result<(usize, Vec<String>), NoRoom> {
+    let others: Vec<(&String, &Clock)> = others.into_iter().collect();
+    let mut own = own;
+    for given_up in 0..=drafts.len() {
+        let room = make_room(others.iter().copied(), need, budget.saturating_sub(own), usize::MAX);
+        match room {
+            Ok(victims) if victims.is_empty() => return Ok((given_up, victims)),
+            _ if given_up < drafts.len() => own = own.saturating_sub(drafts[given_up]),
+            room => return room.map(|victims| (given_up, victims)),
+        }
+    }
+    unreachable!("the last pass returns")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn a_new_draft_takes_the_room_of_its_targets_older_drafts_before_another_models() {
+        let now = Instant::now() + Duration::from_secs(1000);
+        let others = resident(&[("bystander", 100, Some(300), 50)], now);
+        let mib = |m: u64| m << 20;
+        // Target 500 MiB with drafts of 30 and 20 (oldest first); a new draft of 40.
+        let plan = |budget: u64| make_room_for_draft(&others, mib(40), mib(550), &[mib(30), mib(20)], mib(budget));
+        assert_eq!(plan(700), Ok((0, vec![])), "room for everything");
+        assert_eq!(plan(660), Ok((1, vec![])), "the oldest draft goes, the bystander stays");
+        assert_eq!(plan(640), Ok((2, vec![])), "both drafts go, the bystander stays");
+        assert_eq!(plan(600), Ok((2, vec!["bystander".to_string()])), "then the bystander");
+        assert_eq!(plan(30), Err(NoRoom::OverBudget));
+        let pinned = resident(&[("bystander", 100, None, 50)], now);
+        assert!(matches!(
+            make_room_for_draft(&pinned, mib(40), mib(550), &[mib(30)], mib(600)),
+            Err(NoRoom::Pinned { .. })
+        ));
+    }
 
     /// Models `(name, MiB, keep-alive seconds or None for pinned, used s ago)`.
     fn resident(list: &[(&str, u64, Option<u64>, u64)], now: Instant) -> HashMap<String, Clock> {

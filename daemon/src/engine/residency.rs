@@ -502,29 +502,21 @@ impl Residency {
             self.drop_oldest_draft(name, target);
         }
         let estimate = estimated_bytes(&resolved.path, form.form);
-        let victims = loop {
-            let own = self.memory_of(name);
-            let others = self.models.iter().filter(|(n, _)| n.as_str() != name).map(|(n, r)| (n, &r.clock));
-            let room = keep_alive::make_room(others, estimate, self.budget_bytes.saturating_sub(own), usize::MAX);
-            // Another model is unloaded (or the load refused) only when
-            // the target has no older draft left to give up first.
-            let needs_room = room.as_ref().map_or(true, |victims| !victims.is_empty());
-            if needs_room && !target.draft_models.borrow().is_empty() {
-                self.drop_oldest_draft(name, target);
-                continue;
-            }
-            match room {
-                Ok(victims) => break victims,
-                Err(_) => {
-                    return Err(EngineError::OutOfMemory(format!(
-                        "the draft model {draft} (about {} MiB) does not fit beside {name} in the memory budget \
-                         of {} MiB",
+        let drafts: Vec<u64> = target.draft_models.borrow().iter().map(|d| d.bytes).collect();
+        let others = self.models.iter().filter(|(n, _)| n.as_str() != name).map(|(n, r)| (n, &r.clock));
+        let (given_up, victims) =
+            keep_alive::make_room_for_draft(others, estimate, self.memory_of(name), &drafts, self.budget_bytes)
+                .map_err(|_| {
+                    EngineError::OutOfMemory(format!(
+                        "the draft model {draft} (about {} MiB) does not fit beside {name} in the memory budget of \
+                         {} MiB",
                         estimate / MIB,
                         self.budget_bytes / MIB
-                    )))
-                }
-            }
-        };
+                    ))
+                })?;
+        for _ in 0..given_up {
+            self.drop_oldest_draft(name, target);
+        }
         for victim in victims {
             tracing::info!(model = %victim, draft = %draft, "unloading the least recently used model to make room");
             self.unload(&victim);
