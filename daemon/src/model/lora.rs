@@ -85,10 +85,7 @@ impl Update {
                 }
             }
         }
-        let xa = match &self.xa {
-            Some(xa) => xa.clone(),
-            None => self.x.matmul(&self.a)?,
-        };
+        let xa = self.xa()?;
         if plain {
             return mlx_rs::ops::addmm(y, &xa, self.b.as_dtype(y.dtype())?, 1.0, 1.0);
         }
@@ -102,13 +99,18 @@ impl Update {
         Ok(y)
     }
 
+    /// `x A`: the one computed already, else queued now.
+    fn xa(&self) -> Result<Array, mlx_rs::error::Exception> {
+        match &self.xa {
+            Some(xa) => Ok(xa.clone()),
+            None => self.x.matmul(&self.a),
+        }
+    }
+
     /// Cut at `points` of the last axis (a group's parts, kept separate).
     pub fn split(&self, points: &[i32]) -> Result<Vec<Update>, mlx_rs::error::Exception> {
         let cut = |a: &Array| a.split_at_indices(points, -1);
-        let xa = match &self.xa {
-            Some(xa) => xa.clone(),
-            None => self.x.matmul(&self.a)?,
-        };
+        let xa = self.xa()?;
         let bs = cut(&self.b)?;
         let rescales = self.rescale.as_ref().map(cut).transpose()?;
         let shifts = self.shift.as_ref().map(cut).transpose()?;
