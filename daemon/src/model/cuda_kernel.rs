@@ -7,6 +7,16 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 use std::ffi::{CStr, CString};
 
+/// `MLXBC_STEP_FUSION=off` (read once): decode steps keep MLX's operations
+/// around the projections (norm and rope of q and k, SwiGLU, the residual
+/// adds) instead of the fused kernels of [`crate::model::qk_rope`] and
+/// [`crate::model::w4a16::matmul_add`]; for measuring them against.
+pub fn step_fusion_on() -> bool {
+    static OFF: std::sync::LazyLock<bool> =
+        std::sync::LazyLock::new(|| std::env::var("MLXBC_STEP_FUSION").is_ok_and(|v| v.eq_ignore_ascii_case("off")));
+    !*OFF
+}
+
 /// A template argument of a kernel's body.
 #[derive(Debug, Clone, Copy)]
 pub enum Template<'a> {

@@ -237,6 +237,19 @@ impl Linear {
         })
     }
 
+    /// `residual + x W^T (+ b)`: on CUDA, for steps of few rows, one kernel
+    /// that adds as it writes ([`crate::model::w4a16::matmul_add`]); else
+    /// the projection, then the add. The same numbers either way: the
+    /// kernel rounds the product before adding, as the two operations do.
+    pub fn forward_plus(&self, x: &Array, residual: &Array) -> Result<Array> {
+        if let Linear::Quantized { q, bias: None } = self {
+            if let Some(y) = crate::model::w4a16::matmul_add(x, q, residual)? {
+                return Ok(y);
+            }
+        }
+        Ok(residual.add(self.forward(x)?)?)
+    }
+
     /// Its weight `[out, in]`, dense (a quantized one's dense copy, or
     /// dequantized), and its bias.
     pub fn dense_weight(&self) -> Result<(Array, Option<Array>)> {
@@ -319,24 +332,7 @@ impl FusedLinear {
                     Some(u) => u.apply(&y)?,
                     None => y,
                 };
-                let parts = y.split_at_indices(splits, -1)?;
-                // For more than one row (positions, or a batch's sequences)
-                // each part is a strided view into one buffer, and MLX
-                // 0.32.2's CUDA rope misreads such a view that starts past
-                // the buffer's beginning (an H200: wrong keys in prefill,
-                // garbage answers, and in batched decode illegal memory
-                // accesses; exact for a single row:
-                // scripts/gpu/fused_qmm_check.py). A copy per part is little
-                // next to the matmuls' device time, but each is one more
-                // operation in a host-bound step; one row's decode keeps the
-                // views, and so does every step under [`SplitParts::Views`],
-                // where the caller copies what it ropes straight from here.
-                let rows = x.shape()[..x.shape().len().saturating_sub(1)].iter().product::<i32>();
-                if rows > 1 && !split_parts_as_views() {
-                    Ok(parts.iter().map(Array::contiguous).collect::<std::result::Result<_, _>>()?)
-                } else {
-                    Ok(parts)
-                }
+                Self::parts_of(y, splits, x)
             }
             FusedLinear::Separate(parts) => {
                 let ys: Vec<Array> = parts.iter().map(|p| p.forward(x)).collect::<Result<_>>()?;
@@ -344,6 +340,56 @@ impl FusedLinear {
                 let us = u.split(&split_points(parts))?;
                 Ok(ys.iter().zip(&us).map(|(y, u)| u.apply(y)).collect::<std::result::Result<_, _>>()?)
             }
+        }
+    }
+
+    /// The fused matrix's whole output for `x` (the parts side by side),
+    /// `update` applied; `None` for separate projections.
+    pub fn fused_output(&self, x: &Array, update: Option<&crate::model::lora::Update>) -> Result<Option<Array>> {
+        let FusedLinear::Fused { linear, .. } = self else { return Ok(None) };
+        let y = linear.forward(x)?;
+        Ok(Some(match update {
+            Some(u) => u.apply(&y)?,
+            None => y,
+        }))
+    }
+
+    /// The fused matrix, when this is one matrix of two equal parts (a
+    /// fused gate/up projection).
+    pub fn as_halves(&self) -> Option<&Linear> {
+        match self {
+            FusedLinear::Fused { linear, splits } if splits[..] == [linear.out_features() / 2] => Some(linear),
+            _ => None,
+        }
+    }
+
+    /// The fused matrix's output `y` of input `x` cut into the parts.
+    pub fn split_output(&self, y: Array, x: &Array) -> Result<Vec<Array>> {
+        match self {
+            FusedLinear::Fused { splits, .. } => Self::parts_of(y, splits, x),
+            FusedLinear::Separate(_) => anyhow::bail!("separate projections have no fused output to split"),
+        }
+    }
+
+    /// `y` (the fused output for input `x`) cut at `splits`.
+    fn parts_of(y: Array, splits: &[i32], x: &Array) -> Result<Vec<Array>> {
+        let parts = y.split_at_indices(splits, -1)?;
+        // For more than one row (positions, or a batch's sequences)
+        // each part is a strided view into one buffer, and MLX
+        // 0.32.2's CUDA rope misreads such a view that starts past
+        // the buffer's beginning (an H200: wrong keys in prefill,
+        // garbage answers, and in batched decode illegal memory
+        // accesses; exact for a single row:
+        // scripts/gpu/fused_qmm_check.py). A copy per part is little
+        // next to the matmuls' device time, but each is one more
+        // operation in a host-bound step; one row's decode keeps the
+        // views, and so does every step under [`SplitParts::Views`],
+        // where the caller copies what it ropes straight from here.
+        let rows = x.shape()[..x.shape().len().saturating_sub(1)].iter().product::<i32>();
+        if rows > 1 && !split_parts_as_views() {
+            Ok(parts.iter().map(Array::contiguous).collect::<std::result::Result<_, _>>()?)
+        } else {
+            Ok(parts)
         }
     }
 
@@ -448,6 +494,24 @@ fn fuse(parts: &[Linear]) -> Result<Option<FusedLinear>> {
         [] => return Ok(None),
     };
     Ok(Some(FusedLinear::Fused { linear, splits: split_points(parts) }))
+}
+
+/// `silu(gate) * up` as one fused kernel (compiled once per thread,
+/// shapeless), as mlx-lm's `swiglu`: one launch per layer instead of three.
+pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    type Swiglu =
+        Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, mlx_rs::error::Exception>>;
+    thread_local! {
+        static SWIGLU: std::cell::RefCell<Swiglu> = std::cell::RefCell::new(Box::new(
+            mlx_rs::transforms::compile::compile(
+                |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+                    g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
+                },
+                true,
+            ),
+        ));
+    }
+    Ok(SWIGLU.with(|f| (f.borrow_mut())((gate, up)))?)
 }
 
 /// Token id → vector lookup; doubles as the output head when embeddings are tied.

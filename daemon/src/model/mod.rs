@@ -19,6 +19,7 @@ pub mod lora_kernel;
 pub mod options;
 pub mod positions;
 pub mod prompt;
+pub mod qk_rope;
 pub mod quantized_attention;
 pub mod raw_prompt;
 pub mod sentence;

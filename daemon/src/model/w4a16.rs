@@ -11,6 +11,13 @@
 //! lane 16 bytes (32 values, one group) of each at a time, and turns nibbles
 //! into floats with bit operations (no integer conversion).
 //!
+//! Two more forms of the same kernel take work off the host, whose ~6 µs
+//! of launching per operation bounds a one-row step once the weights are
+//! read this fast: [`matmul_add`] adds the residual as it writes (an
+//! attention block's o_proj), [`swiglu_matmul_add`] also computes the
+//! SwiGLU of the fused gate/up output as it reads it (the MLP's down
+//! projection) — two and three operations in one, five fewer a layer.
+//!
 //! The kernel checks itself at its first use in the process against MLX's
 //! dequantized weights in f32 ([`Kernel::self_check`]); if it disagrees it
 //! is not used and the log says why. Off CUDA (Metal, CPU) nothing changes:
@@ -53,17 +60,65 @@ thread_local! {
 /// strided weight view, or the kernel failed its check): the caller takes
 /// MLX's path.
 pub fn matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
+    run(Form::Plain, x, q, None)
+}
+
+/// `residual + x W^T`, the sum written by the kernel (rounded as MLX's
+/// separate matmul and add round it), or `None` as [`matmul`].
+pub fn matmul_add(x: &Array, q: &Quantized, residual: &Array) -> Result<Option<Array>> {
+    run(Form::Residual, x, q, Some(residual))
+}
+
+/// `residual + swiglu(gate, up) W^T` where `gate_up` holds gate and up side
+/// by side on its last axis (a fused gate/up projection's output), or
+/// `None` as [`matmul`].
+pub fn swiglu_matmul_add(gate_up: &Array, q: &Quantized, residual: &Array) -> Result<Option<Array>> {
+    run(Form::SwigluResidual, gate_up, q, Some(residual))
+}
+
+/// What the kernel does around its product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Form {
+    /// `x W^T`.
+    Plain,
+    /// `res + x W^T`.
+    Residual,
+    /// `res + swiglu(x's halves) W^T`.
+    SwigluResidual,
+}
+
+impl Form {
+    /// Features of the product's input, of `width` features given.
+    fn inner(self, width: i32) -> i32 {
+        match self {
+            Form::SwigluResidual => width / 2,
+            _ => width,
+        }
+    }
+}
+
+fn run(form: Form, x: &Array, q: &Quantized, residual: Option<&Array>) -> Result<Option<Array>> {
     let limit = ROWS.load(Ordering::Relaxed);
-    let k = *x.shape().last().unwrap_or(&0);
+    let width = *x.shape().last().unwrap_or(&0);
     let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
-    if rows < 1 || rows > limit || !Kernel::takes(x, q, k) {
+    if rows < 1
+        || rows > limit
+        || width % 2 != 0
+        || (form != Form::Plain && !crate::model::cuda_kernel::step_fusion_on())
+        || !Kernel::takes(x, q, form.inner(width))
+    {
+        return Ok(None);
+    }
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("x has an axis") = q.weight.shape()[0];
+    if residual.is_some_and(|r| r.shape() != shape.as_slice() || r.dtype() != x.dtype()) {
         return Ok(None);
     }
     KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
         Some(kernel) => {
-            let mut shape = x.shape().to_vec();
-            *shape.last_mut().expect("x has an axis") = q.weight.shape()[0];
-            Ok(Some(kernel.apply(&x.reshape(&[rows, k])?, q, rows)?.reshape(&shape)?))
+            let residual = residual.map(|r| r.reshape(&[rows, -1])).transpose()?;
+            let y = kernel.apply(form, &x.reshape(&[rows, width])?, q, residual.as_ref(), rows)?;
+            Ok(Some(y.reshape(&shape)?))
         }
         None => Ok(None),
     })
@@ -91,20 +146,60 @@ static FORCED_VARIANT: std::sync::LazyLock<Option<(i32, i32, i32)>> = std::sync:
     }
 });
 
-/// Declares the names the body uses from MLX's shape arguments.
-const PRELUDE: &str = r#"
-    const int K = x_shape[1];
-    const int N = w_shape[0];
-    const int GROUP = K / scales_shape[1];
-"#;
+/// Declares the names the body uses from MLX's shape arguments, and how it
+/// reads x and writes out, per [`Form`].
+fn prelude(form: Form) -> String {
+    let k = match form {
+        Form::SwigluResidual => "const int K = x_shape[1] / 2;",
+        _ => "const int K = x_shape[1];",
+    };
+    let load = match form {
+        Form::SwigluResidual => SWIGLU_LOAD,
+        _ => "auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };",
+    };
+    let finish = match form {
+        Form::Plain => "auto finish = [&](float v, size_t) -> T { return static_cast<T>(v); };",
+        // Rounded first, then added: what MLX's matmul and add would give.
+        _ => {
+            "auto finish = [&](float v, size_t i) -> T {
+                return static_cast<T>(static_cast<float>(static_cast<T>(v)) + static_cast<float>(res[i])); };"
+        }
+    };
+    format!(
+        "{k}\n    const int N = w_shape[0];\n    const int GROUP = K / scales_shape[1];\n    {load}\n    {finish}\n"
+    )
+}
+
+/// x's row m holds gate then up (K each); 8 values of
+/// `gate * sigmoid(gate) * up`, each operation rounded to T as MLX's
+/// compiled `swiglu` rounds it.
+const SWIGLU_LOAD: &str = r#"auto load8 = [&](int m, int k) -> uint4 {
+        const T* row = x + (size_t)m * 2 * K + k;
+        uint4 g4 = *reinterpret_cast<const uint4*>(row);
+        uint4 u4 = *reinterpret_cast<const uint4*>(row + K);
+        const T* g = reinterpret_cast<const T*>(&g4);
+        const T* u = reinterpret_cast<const T*>(&u4);
+        uint4 h4;
+        T* h = reinterpret_cast<T*>(&h4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float gv = static_cast<float>(g[i]);
+            const float s = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-gv))));
+            const float p = static_cast<float>(static_cast<T>(gv * s));
+            h[i] = static_cast<T>(p * static_cast<float>(u[i]));
+        }
+        return h4;
+    };"#;
 
 /// The kernel's body (shared with scripts/gpu/w4a16_cupy.py, which checks
 /// and times it on the device without MLX).
 const BODY: &str = include_str!("w4a16_body.cu");
 
-/// The compiled kernel.
+/// The compiled kernel, one per [`Form`].
 struct Kernel {
-    cuda: CudaKernel,
+    plain: CudaKernel,
+    residual: CudaKernel,
+    swiglu_residual: CudaKernel,
 }
 
 /// True when `a` is row-contiguous from its first element (no copy needed).
@@ -158,12 +253,24 @@ impl Kernel {
     fn new() -> Result<Kernel> {
         // Row-contiguous inputs: `x` may be a view, which MLX then copies
         // (the weights are checked contiguous by `takes`).
-        let source = format!("{PRELUDE}{BODY}");
-        Ok(Kernel { cuda: CudaKernel::new("mlxbc_w4a16", &["x", "w", "scales", "biases"], &["out"], &source, true)? })
+        let kernel = |name: &str, form: Form| {
+            let inputs: &[&str] = match form {
+                Form::Plain => &["x", "w", "scales", "biases"],
+                _ => &["x", "w", "scales", "biases", "res"],
+            };
+            CudaKernel::new(name, inputs, &["out"], &format!("{}{BODY}", prelude(form)), true)
+        };
+        Ok(Kernel {
+            plain: kernel("mlxbc_w4a16", Form::Plain)?,
+            residual: kernel("mlxbc_w4a16_res", Form::Residual)?,
+            swiglu_residual: kernel("mlxbc_w4a16_swiglu_res", Form::SwigluResidual)?,
+        })
     }
 
-    /// `x` `[rows, k]` times `q`'s dequantized weights transposed: `[rows, n]`.
-    fn apply(&self, x: &Array, q: &Quantized, rows: i32) -> Result<Array> {
+    /// `x` `[rows, k]` (`[rows, 2k]`: gate and up, for the SwiGLU form)
+    /// times `q`'s dequantized weights transposed, plus `residual` `[rows,
+    /// n]` for the forms that add one: `[rows, n]`.
+    fn apply(&self, form: Form, x: &Array, q: &Quantized, residual: Option<&Array>, rows: i32) -> Result<Array> {
         let n = q.weight.shape()[0];
         let (r, warps, dq) = variant();
         let blocks = (n / r + warps - 1) / warps;
@@ -181,12 +288,20 @@ impl Kernel {
             block: (warps * 32, 1, 1),
             templates: &templates,
         };
-        self.cuda.apply(&[x, &q.weight, &q.scales, &q.biases], &launch)
+        let (cuda, residual) = match (form, residual) {
+            (Form::Plain, _) => (&self.plain, None),
+            (Form::Residual, Some(r)) => (&self.residual, Some(r)),
+            (Form::SwigluResidual, Some(r)) => (&self.swiglu_residual, Some(r)),
+            (form, None) => bail!("the {form:?} form of the W4A16 kernel needs a residual"),
+        };
+        let inputs: Vec<&Array> = [x, &q.weight, &q.scales, &q.biases].into_iter().chain(residual).collect();
+        cuda.apply(&inputs, &launch)
     }
 
-    /// Runs the kernel on random weights (both float types, groups of 32
-    /// and 64, one row and several, a strided input) and compares with the
-    /// dequantized weights' product in f32. Passes when the kernel's largest
+    /// Runs the kernel in each form on random weights (both float types,
+    /// groups of 32 and 64, one row and several, a strided input) and
+    /// compares with the dequantized weights' product in f32 (the residual
+    /// added, the SwiGLU taken by MLX's own operations). Passes when the kernel's largest
     /// error is within twice MLX's own quantized matmul's in the same dtype
     /// (plus 1e-3 of the largest value): rounding, not a wrong nibble.
     fn self_check(&self) -> Result<String> {
@@ -203,26 +318,48 @@ impl Kernel {
             let w = normal(seed as u64 * 3 + 11, &[n, k])?.multiply(Array::from_f32(0.02))?.as_dtype(dtype)?;
             let (packed, scales, biases) = ops::quantize(&w, group, 4)?;
             let q = Quantized::new(packed, scales, biases, group, 4);
+            let seed = seed as u64 * 5;
             // A transposed (strided) view, which MLX copies to rows first.
-            let x = normal(seed as u64 * 3 + 12, &[k, rows])?.as_dtype(dtype)?.t();
-            let reference = x.as_dtype(Dtype::Float32)?.matmul(q.dequantize()?.as_dtype(Dtype::Float32)?.t())?;
-            let theirs = ops::quantized_matmul(&x, &q.weight, &q.scales, &q.biases, true, group, 4)?;
-            let ours = self.apply(&x.reshape(&[rows, k])?, &q, rows)?;
-            // Evaluated here, so a kernel that fails to compile is an error
-            // returned (the kernel is then not used), not a panic in `item`.
-            let scalar = |x: Array| -> Result<f32> {
-                x.eval()?;
-                Ok(x.item_exact::<f32>())
-            };
-            let err = |y: &Array| -> Result<f32> {
-                scalar(y.as_dtype(Dtype::Float32)?.subtract(&reference)?.abs()?.max(None)?)
-            };
-            let (e_ours, e_mlx) = (err(&ours)?, err(&theirs)?);
-            let largest = scalar(reference.abs()?.max(None)?)?;
-            if e_ours.is_nan() || e_ours > 2.0 * e_mlx + 1e-3 * largest {
-                bail!("{dtype:?}, group {group}, {rows} rows: max error {e_ours:.2e} against MLX's {e_mlx:.2e}");
+            let x = normal(seed + 12, &[k, rows])?.as_dtype(dtype)?.t();
+            let residual = normal(seed + 13, &[rows, n])?.as_dtype(dtype)?;
+            // For the SwiGLU form: gate and up side by side, and what the
+            // separate operations make of them.
+            let gate_up = normal(seed + 14, &[rows, 2 * k])?.multiply(Array::from_f32(3.0))?.as_dtype(dtype)?;
+            let halves = gate_up.split_at_indices(&[k], -1)?;
+            let h = crate::model::layers::swiglu(&halves[0], &halves[1])?;
+            for form in [Form::Plain, Form::Residual, Form::SwigluResidual] {
+                let (input, product_of) = match form {
+                    Form::SwigluResidual => (&gate_up, &h),
+                    _ => (&x, &x),
+                };
+                let mut reference =
+                    product_of.as_dtype(Dtype::Float32)?.matmul(q.dequantize()?.as_dtype(Dtype::Float32)?.t())?;
+                let mut theirs = ops::quantized_matmul(product_of, &q.weight, &q.scales, &q.biases, true, group, 4)?;
+                let res = (form != Form::Plain).then_some(&residual);
+                if let Some(r) = res {
+                    reference = reference.add(r.as_dtype(Dtype::Float32)?)?;
+                    theirs = theirs.add(r)?;
+                }
+                let width = input.shape()[input.ndim() - 1];
+                let ours = self.apply(form, &input.reshape(&[rows, width])?, &q, res, rows)?;
+                // Evaluated here, so a kernel that fails to compile is an error
+                // returned (the kernel is then not used), not a panic in `item`.
+                let scalar = |x: Array| -> Result<f32> {
+                    x.eval()?;
+                    Ok(x.item_exact::<f32>())
+                };
+                let err = |y: &Array| -> Result<f32> {
+                    scalar(y.as_dtype(Dtype::Float32)?.subtract(&reference)?.abs()?.max(None)?)
+                };
+                let (e_ours, e_mlx) = (err(&ours)?, err(&theirs)?);
+                let largest = scalar(reference.abs()?.max(None)?)?;
+                if e_ours.is_nan() || e_ours > 2.0 * e_mlx + 1e-3 * largest {
+                    bail!(
+                        "{form:?}, {dtype:?}, group {group}, {rows} rows: max error {e_ours:.2e} against MLX's {e_mlx:.2e}"
+                    );
+                }
+                worst = (worst.0.max(e_ours), worst.1.max(e_mlx));
             }
-            worst = (worst.0.max(e_ours), worst.1.max(e_mlx));
         }
         Ok(format!("checked against MLX: max error {:.1e}, MLX's own {:.1e}", worst.0, worst.1))
     }

@@ -5,7 +5,10 @@
     // nibble becomes a float: 0 shift and mask, 1 byte permute), K, N, GROUP.
     // x [ROWS, K] T row-contiguous, 16-byte aligned rows; w [N, K / 8];
     // scales, biases [N, K / GROUP]; out [ROWS, N]. Needs K % 32 == 0,
-    // GROUP % 32 == 0, N % R == 0.
+    // GROUP % 32 == 0, N % R == 0. The prelude defines `load8(m, k)` (8
+    // values of x's row m from feature k, as a uint4 of T) and
+    // `finish(v, i)` (what out[i] gets for the sum v): plain, or with a
+    // SwiGLU of x's two halves on load and a residual added on write.
     //
     // Each lane takes 16 bytes (32 values) of each of its warp's R weight
     // rows at a time, so a warp reads R rows' bytes once, coalesced; the 32
@@ -35,12 +38,11 @@
             s[r] = static_cast<float>(scales[(size_t)(n0 + r) * groups + g]);
             b[r] = static_cast<float>(biases[(size_t)(n0 + r) * groups + g]);
         }
-        const T* xc = x + c * 32;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             uint4 xv[ROWS];
 #pragma unroll
-            for (int m = 0; m < ROWS; ++m) xv[m] = *reinterpret_cast<const uint4*>(xc + (size_t)m * K + j * 8);
+            for (int m = 0; m < ROWS; ++m) xv[m] = load8(m, c * 32 + j * 8);
             uint32_t word[R], lo[R], hi[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -87,13 +89,13 @@
         for (int m = 0; m < ROWS; ++m) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (lane == r * ROWS + m) out[(size_t)m * N + n0 + r] = static_cast<T>(acc[m][r]);
+                if (lane == r * ROWS + m) out[(size_t)m * N + n0 + r] = finish(acc[m][r], (size_t)m * N + n0 + r);
             }
         }
     } else if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < ROWS; ++m) {
 #pragma unroll
-            for (int r = 0; r < R; ++r) out[(size_t)m * N + n0 + r] = static_cast<T>(acc[m][r]);
+            for (int r = 0; r < R; ++r) out[(size_t)m * N + n0 + r] = finish(acc[m][r], (size_t)m * N + n0 + r);
         }
     }

@@ -7,15 +7,17 @@ use crate::distributed::Shard;
 use crate::model::batch_attention;
 use crate::model::family::{DecodeGraph, LanguageModel};
 use crate::model::kv_cache::{KvCache, KvView};
-use crate::model::layers::{from_heads, to_heads, Embedding, FusedLinear, Linear};
+use crate::model::layers::{from_heads, swiglu, to_heads, Embedding, FusedLinear, Linear};
 use crate::model::lora::Group;
 use crate::model::positions::{MediaPositions, MropePositions};
+use crate::model::qk_rope::QkRope;
 use crate::model::quantized_attention;
 use crate::model::sharding::Split;
+use crate::model::w4a16;
 use crate::model::weights::TensorMap;
 use anyhow::{bail, Result};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{
-    error::Exception,
     fast::{self, ScaledDotProductAttentionMask},
     Array,
 };
@@ -62,6 +64,8 @@ pub struct Transformer {
     kv_heads: i32,
     /// How the model is cut over a group ([`Split::whole`] when it is not).
     split: Split,
+    /// The settings of the one-kernel norm and rope of decode steps.
+    qk_rope: QkRope,
 }
 
 impl Transformer {
@@ -125,7 +129,9 @@ impl Transformer {
         split.log();
         let rope_freqs = config.rope_scaling.as_ref().map(|s| llama3_rope_freqs(&config, s));
         let scale = (config.head_dim as f64).powf(-0.5) as f32;
+        let qk_rope = QkRope::new(heads, kv_heads, hd, config.rope_theta, rope_freqs.as_ref(), config.rms_norm_eps);
         Ok(Self {
+            qk_rope,
             embed_tokens,
             norm: t.float("model.norm.weight")?,
             layers,
@@ -173,30 +179,32 @@ impl Transformer {
         if row_offsets.is_some() && self.config.mrope_section.is_some() {
             bail!("a batch of padded rows with multimodal rope is not supported yet");
         }
+        let step_position =
+            (len == 1 && crate::model::options::cuda_available()).then(|| Array::from_slice(&[offset], &[1]));
         let at = match &row_offsets {
             Some(rows) => Position::Rows(rows),
-            None => Position::Fixed(offset),
+            None => Position::Fixed(offset, step_position.as_ref()),
         };
         // The LoRA adapters the rows run under, if any.
         let adapters = cache.lora()?;
         for (i, layer) in self.layers.iter().enumerate() {
             let lora = Some((&adapters, i)).filter(|_| adapters.adapts(i));
-            let r = self.attention(
+            let h2 = self.attention(
                 &layer.attn,
                 &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?,
+                &h,
                 cache,
                 media.mrope,
                 i,
                 at,
                 lora,
             )?;
-            let h2 = h.add(&r)?;
-            let r = self.mlp(
+            h = self.mlp(
                 &layer.mlp,
                 &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
+                &h2,
                 lora,
             )?;
-            h = h2.add(&r)?;
             if let Some(deepstack) = media.deepstack {
                 if let Some(added) = deepstack.addend(i, offset, len)? {
                     h = h.add(&added)?;
@@ -239,11 +247,13 @@ impl Transformer {
         Ok(self.split.gather_vocab(logits.reshape(&[b * l, -1])?)?.reshape(&[b, l, -1])?)
     }
 
+    /// `residual` plus the attention block's output for `x` (the normed `residual`).
     #[expect(clippy::too_many_arguments, reason = "a layer's inputs, each used once; a struct would only rename them")]
     fn attention(
         &self,
         a: &Attention,
         x: &Array,
+        residual: &Array,
         cache: &mut KvCache,
         mrope: Option<&MropePositions>,
         layer: usize,
@@ -279,7 +289,7 @@ impl Transformer {
                 quantized_attention::attend(&q, &keys, &values, quantization, self.scale, mask)?
             }
         };
-        self.output(a, o, lora)
+        self.output(a, o, residual, lora)
     }
 
     /// q, k, v `[batch, heads, L, head_dim]` of `x`, with rope applied to q
@@ -294,8 +304,27 @@ impl Transformer {
                 None => y,
             })
         };
-        let [q, k, v]: [Array; 3] =
-            a.qkv.forward_adding(x, lora_update(lora, Group::Qkv, x)?)?.try_into().expect("three projections");
+        let update = lora_update(lora, Group::Qkv, x)?;
+        let parts = match a.qkv.fused_output(x, update.as_ref())? {
+            Some(y) => {
+                // One position per row: q and k normed and roped by one
+                // kernel on CUDA (crate::model::qk_rope), v a view.
+                let positions = match at {
+                    Position::Fixed(_, Some(position)) if l == 1 && rope => Some(position.clone()),
+                    Position::Rows(rows) if l == 1 && rope => Some(rows.clone()),
+                    _ => None,
+                };
+                if let Some(positions) = positions {
+                    if let Some((q, k)) = self.qk_rope.apply(&y, a.q_norm.as_ref(), a.k_norm.as_ref(), &positions)? {
+                        let v = y.index((.., .., (self.heads + self.kv_heads) * c.head_dim..));
+                        return Ok((q, k, heads(v, self.kv_heads, &None)?));
+                    }
+                }
+                a.qkv.split_output(y, x)?
+            }
+            None => a.qkv.forward_adding(x, update)?,
+        };
+        let [q, k, v]: [Array; 3] = parts.try_into().expect("three projections");
         // Parts handed on as views (layers::SplitParts::Views) that rope will
         // read straight from the fused output are copied: MLX 0.32.2's CUDA
         // rope misreads a multi-row view. A normed part is a fresh array.
@@ -315,15 +344,20 @@ impl Transformer {
         Ok((self.rope(&q, at)?, self.rope(&k, at)?, v))
     }
 
-    /// Attention output `[batch, heads, L, head_dim]` → `[batch, L, hidden]` through o_proj.
-    fn output(&self, a: &Attention, o: Array, lora: Lora) -> Result<Array> {
+    /// `residual` plus attention output `[batch, heads, L, head_dim]` →
+    /// `[batch, L, hidden]` through o_proj (one operation on CUDA for a
+    /// step of few rows: [`Linear::forward_plus`]).
+    fn output(&self, a: &Attention, o: Array, residual: &Array, lora: Lora) -> Result<Array> {
         let o = from_heads(&o)?;
+        if lora.is_none() && self.split.shard.is_none() {
+            return a.o_proj.forward_plus(&o, residual);
+        }
         let y = a.o_proj.forward(&o)?;
         let y = match lora_update(lora, Group::O, &o)? {
             Some(u) => u.apply(&y)?,
             None => y,
         };
-        self.split.sum(y, self.split.attention)
+        Ok(residual.add(self.split.sum(y, self.split.attention)?)?)
     }
 
     fn rope(&self, x: &Array, at: Position) -> Result<Array> {
@@ -332,7 +366,7 @@ impl Transformer {
             None => (self.config.head_dim, Some(self.config.rope_theta), None),
         };
         Ok(match at {
-            Position::Fixed(offset) => fast::rope(x, d, false, base, 1.0, offset, freqs)?,
+            Position::Fixed(offset, _) => fast::rope(x, d, false, base, 1.0, offset, freqs)?,
             Position::Dynamic(offset) | Position::Rows(offset) => {
                 fast::rope_dynamic(x, d, false, base, 1.0, offset, freqs)?
             }
@@ -366,20 +400,34 @@ impl Transformer {
                     fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask, None)?
                 }
             };
-            let h2 = h.add(&self.output(&layer.attn, o, None)?)?;
-            let r = self.mlp(
+            let h2 = self.output(&layer.attn, o, &h, None)?;
+            h = self.mlp(
                 &layer.mlp,
                 &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
+                &h2,
                 None,
             )?;
-            h = h2.add(&r)?;
             outputs.extend([keys, values]);
         }
         outputs.insert(0, self.logits_last(&h)?);
         Ok(outputs)
     }
 
-    fn mlp(&self, m: &Mlp, x: &Array, lora: Lora) -> Result<Array> {
+    /// `residual` plus the MLP's output for `x` (the normed `residual`). On
+    /// CUDA, for a step of few rows, the SwiGLU and the add happen inside
+    /// the down projection's kernel ([`w4a16::swiglu_matmul_add`]): two
+    /// operations, not five.
+    fn mlp(&self, m: &Mlp, x: &Array, residual: &Array, lora: Lora) -> Result<Array> {
+        if lora.is_none() && self.split.shard.is_none() {
+            if let (Some(gate_up), Linear::Quantized { q, bias: None }) = (m.gate_up.as_halves(), &m.down_proj) {
+                let y = gate_up.forward(x)?;
+                if let Some(h) = w4a16::swiglu_matmul_add(&y, q, residual)? {
+                    return Ok(h);
+                }
+                let [gate, up]: [Array; 2] = m.gate_up.split_output(y, x)?.try_into().expect("two projections");
+                return m.down_proj.forward_plus(&swiglu(&gate, &up)?, residual);
+            }
+        }
         let [gate, up]: [Array; 2] =
             m.gate_up.forward_adding(x, lora_update(lora, Group::GateUp, x)?)?.try_into().expect("two projections");
         let h = swiglu(&gate, &up)?;
@@ -388,7 +436,7 @@ impl Transformer {
             Some(u) => u.apply(&y)?,
             None => y,
         };
-        self.split.sum(y, self.split.mlp)
+        Ok(residual.add(self.split.sum(y, self.split.mlp)?)?)
     }
 }
 
@@ -403,12 +451,13 @@ fn lora_update(lora: Lora, group: Group, x: &Array) -> Result<Option<crate::mode
     }
 }
 
-/// Where new positions start: a number fixed in the graph, an array so
-/// that one compiled graph serves every position, or one offset per row
-/// (`[B]`) for a padded batch.
+/// Where new positions start: a number fixed in the graph (and, for a
+/// step of one position on CUDA, the same as `[1]` int32 for the one-kernel
+/// norm and rope, made once a step), an array so that one compiled graph
+/// serves every position, or one offset per row (`[B]`) for a padded batch.
 #[derive(Clone, Copy)]
 enum Position<'a> {
-    Fixed(i32),
+    Fixed(i32, Option<&'a Array>),
     Dynamic(&'a Array),
     Rows(&'a Array),
 }
@@ -440,23 +489,6 @@ fn slice_update_dynamic(src: &Array, update: &Array, start: &Array, axis: i32) -
         );
         Ok(out)
     }
-}
-
-/// `silu(gate) * up` as one fused kernel (compiled once per thread,
-/// shapeless), as mlx-lm's `swiglu`: one launch per layer instead of three.
-pub(crate) fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
-    type Swiglu = Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
-    thread_local! {
-        static SWIGLU: std::cell::RefCell<Swiglu> = std::cell::RefCell::new(Box::new(
-            mlx_rs::transforms::compile::compile(
-                |(g, u): (&Array, &Array)| -> std::result::Result<Array, Exception> {
-                    g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
-                },
-                true,
-            ),
-        ));
-    }
-    Ok(SWIGLU.with(|f| (f.borrow_mut())((gate, up)))?)
 }
 
 /// cos/sin `[1, 1, L, head_dim]` of Qwen2-VL's "chunked" multimodal rope, as

@@ -9,10 +9,10 @@
 use super::config::Qwen35TextConfig;
 use super::gated_delta;
 use crate::distributed::Shard;
-use crate::families::llama::model::swiglu;
 use crate::model::batch_attention;
 use crate::model::family::LanguageModel;
 use crate::model::kv_cache::KvCache;
+use crate::model::layers::swiglu;
 use crate::model::layers::{Embedding, Linear};
 use crate::model::positions::{MediaPositions, MropePositions};
 use crate::model::sharding::Split;
