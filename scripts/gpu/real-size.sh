@@ -24,7 +24,8 @@
 #                 MLXBC_BATCH_ATTENTION=mask: interleaved rounds of 16 and 64
 #                 clients (scripts/gpu/real/attention_ab.py), greedy ids
 #                 compared; first scripts/gpu/prefill_shapes.py
-#   sweep MODEL   several warm daemons, each with its own environment
+#   sweep MODEL   (MODEL_NAME= for a model not written here, e.g. SmolLM2's
+#                 GGUF after spart 0..2) several warm daemons, each with its own environment
 #                 (SWEEP="label:VAR=1,VAR2=2 label2:..."; "base:" for none):
 #                 interleaved rounds at LEVELS (scripts/gpu/real/env_sweep.py);
 #                 at most two 8B daemons on an 80 GB H100 (three slowed one
@@ -208,7 +209,7 @@ ab)
   for h in "$ha" "$hb"; do MLXBC_HOME=$h "$B/bin/mlxbc" stop; done
   cp "$ha/daemon.log" "$OUT/daemon-ab-a-$1.log"; cp "$hb/daemon.log" "$OUT/daemon-ab-b-$1.log" ;;
 sweep)
-  m=$1-4bit; args=()
+  m=${MODEL_NAME:-$1-4bit}; args=()
   for spec in ${SWEEP:?}; do
     label=${spec%%:*}; envs=${spec#*:}; h=/tmp/home-sweep-$label-$RANDOM
     daemon "$h" ${envs//,/ } || exit 1
@@ -220,10 +221,14 @@ sweep)
     "$OUT/sweep-$1.jsonl" "${args[@]}" 2>&1 | tee "$OUT/sweep-$1.txt"
   for a in "${args[@]}"; do
     h=${a#*=}; echo "## ${a%%=*}"; grep -E "decode \(" "$h/daemon.log" | cut -c60-200 | tail -6
+    grep -E "own CUDA kernel|failed its check|was not built" "$h/daemon.log" | cut -c1-260
     MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-sweep-${a%%=*}.log"
   done ;;
 spart)
-  mkdir -p /tmp/smol; cp -r ".dev/rs/s$1/." /tmp/smol/; ls -la /tmp/smol ;;
+  mkdir -p /tmp/smol; cp -r ".dev/rs/s$1/." /tmp/smol/; ls -la /tmp/smol
+  # With the last part there, SmolLM2 joins the models (MODEL_NAME=SmolLM2-135M-Instruct.Q4_1 for `sweep`).
+  [[ -f /tmp/smol/smol.2 ]] && cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 \
+    > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf && ls -la /tmp/models ;;
 spec)
   # SmolLM2's rows need its parts (spart 0..2); ONLY=batched,long do not.
   [[ -f /tmp/smol/smol.2 ]] && { cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 \
