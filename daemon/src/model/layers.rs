@@ -606,6 +606,29 @@ mod tests {
                 assert_eq!(g.shape(), want.shape());
                 assert!(g.eq_values(&want).unwrap(), "part differs at {len} positions");
             }
+            // The whole output, cut afterwards, is the same parts.
+            match fused.fused_output(&x, None).unwrap() {
+                Some(y) => {
+                    for (g, w) in fused.split_output(y, &x).unwrap().iter().zip(&got) {
+                        assert!(g.eq_values(w).unwrap(), "a part cut from the whole output differs");
+                    }
+                }
+                None => assert!(!expect_fused, "a fused projection has a whole output"),
+            }
+        }
+        let halves = parts.len() == 2 && parts[0].out_features() == parts[1].out_features();
+        assert_eq!(fused.as_halves().is_some(), expect_fused && halves);
+    }
+
+    /// `residual + x W^T` is the projection then the add, exactly (on CUDA
+    /// the kernel that adds as it writes checks itself against the same).
+    #[test]
+    fn forward_plus_is_the_projection_then_the_add() {
+        for linear in [quantized(64, 64, 4, false), quantized(64, 64, 8, true), dense(64, 64)] {
+            let x = mlx_rs::random::normal::<f32>(&[2, 1, 64], None, None, None).unwrap();
+            let residual = mlx_rs::random::normal::<f32>(&[2, 1, 64], None, None, None).unwrap();
+            let want = residual.add(linear.forward(&x).unwrap()).unwrap();
+            assert!(linear.forward_plus(&x, &residual).unwrap().eq_values(&want).unwrap());
         }
     }
 
