@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Compiles mlxbc's CUDA kernel bodies (the W4A16 matmul in its three forms,
+the q/k norm and rope) with NVRTC on this machine, no GPU needed, inside a
+wrapper shaped like the one MLX's custom-kernel API generates (inputs as
+pointers, `NAME_shape` arrays, the template arguments): a syntax or type
+error shows here, not as a kernel that failed to build in a device lease.
+
+Usage: nvrtc_check.py REPO WHEELS (WHEELS: nvidia-cuda-nvrtc-cu12 and
+nvidia-cuda-runtime-cu12 unpacked; scripts/gpu/nvrtc-check fetches them)."""
+import ctypes, os, re, sys
+WHEELS = sys.argv[2]
+lib = ctypes.CDLL(os.path.join(WHEELS, "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"))
+INC = os.path.join(WHEELS, "nvidia/cuda_runtime/include")
+
+def compile_(src, name_expr, label):
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None)
+    assert rc == 0, rc
+    lib.nvrtcAddNameExpression(prog, name_expr.encode())
+    opts = [b"--std=c++17", b"-arch=compute_90", ("-I" + INC).encode()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    print(f"{label}: {'OK' if rc == 0 else 'FAILED'}")
+    if log.value.strip():
+        print(log.value.decode()[:3000])
+    return rc == 0
+
+def rust_const(path, name):
+    s = open(path).read()
+    m = re.search(r'const ' + name + r': &str = r#"(.*?)"#;', s, re.S)
+    return m.group(1)
+
+HDR = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\ntypedef unsigned int uint32_t;\ntypedef int int32_t;\n"
+root = sys.argv[1]
+body = open(f"{root}/daemon/src/model/w4a16_body.cu").read()
+w4 = open(f"{root}/daemon/src/model/w4a16.rs").read()
+swiglu = rust_const(f"{root}/daemon/src/model/w4a16.rs", "SWIGLU_LOAD")
+plain_load = "auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };"
+plain_finish = "auto finish = [&](float v, size_t) -> T { return static_cast<T>(v); };"
+res_finish = """auto finish = [&](float v, size_t i) -> T {
+                return static_cast<T>(static_cast<float>(static_cast<T>(v)) + static_cast<float>(res[i])); };"""
+ok = True
+for label, k, load, finish, res in [
+    ("w4a16 plain", "const int K = x_shape[1];", plain_load, plain_finish, False),
+    ("w4a16 residual", "const int K = x_shape[1];", plain_load, res_finish, True),
+    ("w4a16 swiglu+residual", "const int K = x_shape[1] / 2;", swiglu, res_finish, True),
+]:
+    prelude = f"{k}\n const int N = w_shape[0];\n const int GROUP = K / scales_shape[1];\n {load}\n {finish}\n"
+    args = "const T* x, const uint32_t* w, const T* scales, const T* biases, " + ("const T* res, " if res else "") + \
+        "const int* x_shape, const int* w_shape, const int* scales_shape, T* out"
+    src = HDR + f"template <typename T, int ROWS, int R, int NW, int DQ>\n__global__ void k({args}) {{\n{prelude}{body}\n}}\n"
+    for t in ["__half", "__nv_bfloat16"]:
+        ok &= compile_(src, f"k<{t},4,4,4,1>", f"{label} {t}")
+qk = rust_const(f"{root}/daemon/src/model/qk_rope.rs", "SOURCE")
+args = "const T* y, const T* qw, const T* kw, const float* freqs, const float* params, const int32_t* positions, " \
+    "const int* y_shape, const int* positions_shape, T* out"
+src = HDR + f"template <typename T, int D, int HQ, int NORM, int FREQS>\n__global__ void k({args}) {{\n{qk}\n}}\n"
+for t in ["__half", "__nv_bfloat16"]:
+    ok &= compile_(src, f"k<{t},128,32,1,0>", f"qk_rope {t} norm")
+    ok &= compile_(src, f"k<{t},64,9,0,1>", f"qk_rope {t} freqs")
+sys.exit(0 if ok else 1)
