@@ -37,24 +37,25 @@ def rust_const(path, name):
 HDR = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\ntypedef unsigned int uint32_t;\ntypedef int int32_t;\n"
 root = sys.argv[1]
 body = open(f"{root}/daemon/src/model/w4a16_body.cu").read()
-w4 = open(f"{root}/daemon/src/model/w4a16.rs").read()
-swiglu = rust_const(f"{root}/daemon/src/model/w4a16.rs", "SWIGLU_LOAD")
-plain_load = "auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };"
-plain_finish = "auto finish = [&](float v, size_t) -> T { return static_cast<T>(v); };"
-res_finish = """auto finish = [&](float v, size_t i) -> T {
-                return static_cast<T>(static_cast<float>(static_cast<T>(v)) + static_cast<float>(res[i])); };"""
+w4 = f"{root}/daemon/src/model/w4a16.rs"
+plain_rows = "auto wrow = [&](int n0, int r) -> int { return n0 + r; };"
+swiglu_rows = "auto wrow = [&](int n0, int r) -> int { return (r & 1) ? N / 2 + n0 / 2 + r / 2 : n0 / 2 + r / 2; };"
+plain_store = "auto store = [&](int m, int n0, int r, float v, float) { out[(size_t)m * N + n0 + r] = static_cast<T>(v); };"
 ok = True
-for label, k, load, finish, res in [
-    ("w4a16 plain", "const int K = x_shape[1];", plain_load, plain_finish, False),
-    ("w4a16 residual", "const int K = x_shape[1];", plain_load, res_finish, True),
-    ("w4a16 swiglu+residual", "const int K = x_shape[1] / 2;", swiglu, res_finish, True),
+for label, rows, store, res in [
+    ("w4a16 plain", plain_rows, plain_store, False),
+    ("w4a16 residual", plain_rows, rust_const(w4, "RESIDUAL_STORE"), True),
+    ("w4a16 gate/up SwiGLU", swiglu_rows, rust_const(w4, "SWIGLU_STORE"), False),
 ]:
-    prelude = f"{k}\n const int N = w_shape[0];\n const int GROUP = K / scales_shape[1];\n {load}\n {finish}\n"
+    prelude = ("const int K = x_shape[1];\n const int N = w_shape[0];\n const int GROUP = K / scales_shape[1];\n"
+               "auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };\n"
+               f"{rows}\n{store}\n")
     args = "const T* x, const uint32_t* w, const T* scales, const T* biases, " + ("const T* res, " if res else "") + \
         "const int* x_shape, const int* w_shape, const int* scales_shape, T* out"
     src = HDR + f"template <typename T, int ROWS, int R, int NW, int DQ>\n__global__ void k({args}) {{\n{prelude}{body}\n}}\n"
     for t in ["__half", "__nv_bfloat16"]:
-        ok &= compile_(src, f"k<{t},4,4,4,1>", f"{label} {t}")
+        for rr in (1, 4):
+            ok &= compile_(src, f"k<{t},{rr},4,4,1>", f"{label} {t} rows {rr}")
 qk = rust_const(f"{root}/daemon/src/model/qk_rope.rs", "SOURCE")
 args = "const T* y, const T* qw, const T* kw, const float* freqs, const float* params, const int32_t* positions, " \
     "const int* y_shape, const int* positions_shape, T* out"

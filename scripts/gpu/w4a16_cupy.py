@@ -24,7 +24,8 @@ __global__ void w4a16(const T* __restrict__ x, const unsigned int* __restrict__ 
                       const T* __restrict__ biases, T* __restrict__ out, int K, int N, int GROUP) {
   typedef unsigned int uint32_t;
   auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };
-  auto finish = [&](float v, size_t) -> T { return static_cast<T>(v); };
+  auto wrow = [&](int n0, int r) -> int { return n0 + r; };
+  auto store = [&](int m, int n0, int r, float v, float) { out[(size_t)m * N + n0 + r] = static_cast<T>(v); };
 """ + BODY + "\n}\n"
 
 ROWS = [int(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "1,2,3,4,6,8,16").split(",")]

@@ -156,8 +156,8 @@ const SOURCE: &str = r#"
 /// The compiled kernel, and the stand-ins for inputs a model does not have.
 struct Kernel {
     cuda: CudaKernel,
-    /// Read in place of norm weights or frequencies a model has none of
-    /// (the kernel's templates say not to read them).
+    /// Read in place of frequencies a model has none of (the kernel's
+    /// templates say not to read them).
     unused: Array,
 }
 
@@ -199,9 +199,10 @@ impl Kernel {
             block: (warps_per_block * 32, 1, 1),
             templates: &templates,
         };
-        let unused = &self.unused;
-        let (qw, kw) = norm.unwrap_or((unused, unused));
-        let freqs = rope.freqs.as_ref().unwrap_or(unused);
+        // Stand-ins of the types the body declares them with (MLX types
+        // each input by its dtype): `y` for the norms, f32 for frequencies.
+        let (qw, kw) = norm.unwrap_or((y, y));
+        let freqs = rope.freqs.as_ref().unwrap_or(&self.unused);
         self.cuda.apply(&[y, qw, kw, freqs, &rope.params, positions], &launch)
     }
 

@@ -13,10 +13,10 @@
 //!
 //! Two more forms of the same kernel take work off the host, whose ~6 µs
 //! of launching per operation bounds a one-row step once the weights are
-//! read this fast: [`matmul_add`] adds the residual as it writes (an
-//! attention block's o_proj), [`swiglu_matmul_add`] also computes the
-//! SwiGLU of the fused gate/up output as it reads it (the MLP's down
-//! projection) — two and three operations in one, five fewer a layer.
+//! read this fast: [`matmul_add`] adds the residual as it writes (o_proj
+//! and the MLP's down projection), [`gate_up_swiglu`] computes a fused
+//! gate/up projection's rows in pairs (gate j beside up j) and writes
+//! their SwiGLU — four operations fewer a layer.
 //!
 //! The kernel checks itself at its first use in the process against MLX's
 //! dequantized weights in f32 ([`Kernel::self_check`]); if it disagrees it
@@ -69,11 +69,11 @@ pub fn matmul_add(x: &Array, q: &Quantized, residual: &Array) -> Result<Option<A
     run(Form::Residual, x, q, Some(residual))
 }
 
-/// `residual + swiglu(gate, up) W^T` where `gate_up` holds gate and up side
-/// by side on its last axis (a fused gate/up projection's output), or
-/// `None` as [`matmul`].
-pub fn swiglu_matmul_add(gate_up: &Array, q: &Quantized, residual: &Array) -> Result<Option<Array>> {
-    run(Form::SwigluResidual, gate_up, q, Some(residual))
+/// `swiglu(x G^T, x U^T)` for a fused gate/up matrix `q` (G's rows, then
+/// U's), each product rounded to the float type first as MLX's matmul and
+/// its compiled `swiglu` round them: `[.., out / 2]`; or `None` as [`matmul`].
+pub fn gate_up_swiglu(x: &Array, q: &Quantized) -> Result<Option<Array>> {
+    run(Form::GateUpSwiglu, x, q, None)
 }
 
 /// What the kernel does around its product.
@@ -83,16 +83,16 @@ enum Form {
     Plain,
     /// `res + x W^T`.
     Residual,
-    /// `res + swiglu(x's halves) W^T`.
-    SwigluResidual,
+    /// `swiglu(x W^T's halves)`.
+    GateUpSwiglu,
 }
 
 impl Form {
-    /// Features of the product's input, of `width` features given.
-    fn inner(self, width: i32) -> i32 {
+    /// Features written, of `n` weight rows.
+    fn outputs(self, n: i32) -> i32 {
         match self {
-            Form::SwigluResidual => width / 2,
-            _ => width,
+            Form::GateUpSwiglu => n / 2,
+            _ => n,
         }
     }
 }
@@ -103,14 +103,14 @@ fn run(form: Form, x: &Array, q: &Quantized, residual: Option<&Array>) -> Result
     let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
     if rows < 1
         || rows > limit
-        || width % 2 != 0
         || (form != Form::Plain && !crate::model::cuda_kernel::step_fusion_on())
-        || !Kernel::takes(x, q, form.inner(width))
+        || (form == Form::GateUpSwiglu && (variant().0 % 2 != 0 || q.weight.shape()[0] % 2 != 0))
+        || !Kernel::takes(x, q, width)
     {
         return Ok(None);
     }
     let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("x has an axis") = q.weight.shape()[0];
+    *shape.last_mut().expect("x has an axis") = form.outputs(q.weight.shape()[0]);
     if residual.is_some_and(|r| r.shape() != shape.as_slice() || r.dtype() != x.dtype()) {
         return Ok(None);
     }
@@ -147,48 +147,44 @@ static FORCED_VARIANT: std::sync::LazyLock<Option<(i32, i32, i32)>> = std::sync:
 });
 
 /// Declares the names the body uses from MLX's shape arguments, and how it
-/// reads x and writes out, per [`Form`].
+/// reads x, which weight rows a warp takes and how it writes out, per [`Form`].
 fn prelude(form: Form) -> String {
-    let k = match form {
-        Form::SwigluResidual => "const int K = x_shape[1] / 2;",
-        _ => "const int K = x_shape[1];",
-    };
-    let load = match form {
-        Form::SwigluResidual => SWIGLU_LOAD,
-        _ => "auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };",
-    };
-    let finish = match form {
-        Form::Plain => "auto finish = [&](float v, size_t) -> T { return static_cast<T>(v); };",
-        // Rounded first, then added: what MLX's matmul and add would give.
-        _ => {
-            "auto finish = [&](float v, size_t i) -> T {
-                return static_cast<T>(static_cast<float>(static_cast<T>(v)) + static_cast<float>(res[i])); };"
+    let rows = match form {
+        // The warp's outputs in pairs: gate j, then up j (U's rows follow G's).
+        Form::GateUpSwiglu => {
+            "auto wrow = [&](int n0, int r) -> int { return (r & 1) ? N / 2 + n0 / 2 + r / 2 : n0 / 2 + r / 2; };"
         }
+        _ => "auto wrow = [&](int n0, int r) -> int { return n0 + r; };",
+    };
+    let store = match form {
+        Form::Plain => "auto store = [&](int m, int n0, int r, float v, float) { out[(size_t)m * N + n0 + r] = static_cast<T>(v); };",
+        // Rounded first, then added: what MLX's matmul and add would give.
+        Form::Residual => RESIDUAL_STORE,
+        Form::GateUpSwiglu => SWIGLU_STORE,
     };
     format!(
-        "{k}\n    const int N = w_shape[0];\n    const int GROUP = K / scales_shape[1];\n    {load}\n    {finish}\n"
+        "const int K = x_shape[1];\n    const int N = w_shape[0];\n    const int GROUP = K / scales_shape[1];\n    \
+         auto load8 = [&](int m, int k) -> uint4 {{ return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); }};\n    \
+         {rows}\n    {store}\n"
     )
 }
 
-/// x's row m holds gate then up (K each); 8 values of
-/// `gate * sigmoid(gate) * up`, each operation rounded to T as MLX's
-/// compiled `swiglu` rounds it.
-const SWIGLU_LOAD: &str = r#"auto load8 = [&](int m, int k) -> uint4 {
-        const T* row = x + (size_t)m * 2 * K + k;
-        uint4 g4 = *reinterpret_cast<const uint4*>(row);
-        uint4 u4 = *reinterpret_cast<const uint4*>(row + K);
-        const T* g = reinterpret_cast<const T*>(&g4);
-        const T* u = reinterpret_cast<const T*>(&u4);
-        uint4 h4;
-        T* h = reinterpret_cast<T*>(&h4);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float gv = static_cast<float>(g[i]);
-            const float s = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-gv))));
-            const float p = static_cast<float>(static_cast<T>(gv * s));
-            h[i] = static_cast<T>(p * static_cast<float>(u[i]));
-        }
-        return h4;
+/// `res + x W^T`, the product rounded to T before the add.
+const RESIDUAL_STORE: &str = r#"auto store = [&](int m, int n0, int r, float v, float) {
+        const size_t i = (size_t)m * N + n0 + r;
+        out[i] = static_cast<T>(static_cast<float>(static_cast<T>(v)) + static_cast<float>(res[i]));
+    };"#;
+
+/// The even lane of a (gate, up) pair writes `gate * sigmoid(gate) * up`,
+/// each operation rounded to T as the separate matmul and MLX's compiled
+/// `swiglu` round it.
+const SWIGLU_STORE: &str = r#"auto store = [&](int m, int n0, int r, float v, float other) {
+        if (r & 1) return;
+        const float g = static_cast<float>(static_cast<T>(v));
+        const float u = static_cast<float>(static_cast<T>(other));
+        const float s = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-g))));
+        const float p = static_cast<float>(static_cast<T>(g * s));
+        out[(size_t)m * (N / 2) + n0 / 2 + r / 2] = static_cast<T>(p * u);
     };"#;
 
 /// The kernel's body (shared with scripts/gpu/w4a16_cupy.py, which checks
@@ -199,7 +195,7 @@ const BODY: &str = include_str!("w4a16_body.cu");
 struct Kernel {
     plain: CudaKernel,
     residual: CudaKernel,
-    swiglu_residual: CudaKernel,
+    gate_up_swiglu: CudaKernel,
 }
 
 /// True when `a` is row-contiguous from its first element (no copy needed).
@@ -255,21 +251,21 @@ impl Kernel {
         // (the weights are checked contiguous by `takes`).
         let kernel = |name: &str, form: Form| {
             let inputs: &[&str] = match form {
-                Form::Plain => &["x", "w", "scales", "biases"],
-                _ => &["x", "w", "scales", "biases", "res"],
+                Form::Residual => &["x", "w", "scales", "biases", "res"],
+                _ => &["x", "w", "scales", "biases"],
             };
             CudaKernel::new(name, inputs, &["out"], &format!("{}{BODY}", prelude(form)), true)
         };
         Ok(Kernel {
             plain: kernel("mlxbc_w4a16", Form::Plain)?,
             residual: kernel("mlxbc_w4a16_res", Form::Residual)?,
-            swiglu_residual: kernel("mlxbc_w4a16_swiglu_res", Form::SwigluResidual)?,
+            gate_up_swiglu: kernel("mlxbc_w4a16_gate_up_swiglu", Form::GateUpSwiglu)?,
         })
     }
 
-    /// `x` `[rows, k]` (`[rows, 2k]`: gate and up, for the SwiGLU form)
-    /// times `q`'s dequantized weights transposed, plus `residual` `[rows,
-    /// n]` for the forms that add one: `[rows, n]`.
+    /// `x` `[rows, k]` times `q`'s dequantized weights transposed `[rows,
+    /// n]`, plus `residual` `[rows, n]` for [`Form::Residual`]; for
+    /// [`Form::GateUpSwiglu`] the SwiGLU of its halves, `[rows, n / 2]`.
     fn apply(&self, form: Form, x: &Array, q: &Quantized, residual: Option<&Array>, rows: i32) -> Result<Array> {
         let n = q.weight.shape()[0];
         let (r, warps, dq) = variant();
@@ -282,7 +278,7 @@ impl Kernel {
             Template::Int(c"DQ", dq),
         ];
         let launch = Launch {
-            output_shape: &[rows, n],
+            output_shape: &[rows, form.outputs(n)],
             output_dtype: x.dtype(),
             grid: (blocks * warps * 32, 1, 1),
             block: (warps * 32, 1, 1),
@@ -290,9 +286,9 @@ impl Kernel {
         };
         let (cuda, residual) = match (form, residual) {
             (Form::Plain, _) => (&self.plain, None),
+            (Form::GateUpSwiglu, _) => (&self.gate_up_swiglu, None),
             (Form::Residual, Some(r)) => (&self.residual, Some(r)),
-            (Form::SwigluResidual, Some(r)) => (&self.swiglu_residual, Some(r)),
-            (form, None) => bail!("the {form:?} form of the W4A16 kernel needs a residual"),
+            (Form::Residual, None) => bail!("the residual form of the W4A16 kernel needs a residual"),
         };
         let inputs: Vec<&Array> = [x, &q.weight, &q.scales, &q.biases].into_iter().chain(residual).collect();
         cuda.apply(&inputs, &launch)
@@ -301,7 +297,7 @@ impl Kernel {
     /// Runs the kernel in each form on random weights (both float types,
     /// groups of 32 and 64, one row and several, a strided input) and
     /// compares with the dequantized weights' product in f32 (the residual
-    /// added, the SwiGLU taken by MLX's own operations). Passes when the kernel's largest
+    /// added; the SwiGLU of its halves), against MLX's packed matmul's error. Passes when the kernel's largest
     /// error is within twice MLX's own quantized matmul's in the same dtype
     /// (plus 1e-3 of the largest value): rounding, not a wrong nibble.
     fn self_check(&self) -> Result<String> {
@@ -322,26 +318,21 @@ impl Kernel {
             // A transposed (strided) view, which MLX copies to rows first.
             let x = normal(seed + 12, &[k, rows])?.as_dtype(dtype)?.t();
             let residual = normal(seed + 13, &[rows, n])?.as_dtype(dtype)?;
-            // For the SwiGLU form: gate and up side by side, and what the
-            // separate operations make of them.
-            let gate_up = normal(seed + 14, &[rows, 2 * k])?.multiply(Array::from_f32(3.0))?.as_dtype(dtype)?;
-            let halves = gate_up.split_at_indices(&[k], -1)?;
-            let h = crate::model::layers::swiglu(&halves[0], &halves[1])?;
-            for form in [Form::Plain, Form::Residual, Form::SwigluResidual] {
-                let (input, product_of) = match form {
-                    Form::SwigluResidual => (&gate_up, &h),
-                    _ => (&x, &x),
+            let exact = x.as_dtype(Dtype::Float32)?.matmul(q.dequantize()?.as_dtype(Dtype::Float32)?.t())?;
+            let packed = ops::quantized_matmul(&x, &q.weight, &q.scales, &q.biases, true, group, 4)?;
+            // The SwiGLU of the product's halves (gate rows, then up rows).
+            let swiglu_of = |y: &Array| -> Result<Array> {
+                let halves = y.split_at_indices(&[n / 2], -1)?;
+                crate::model::layers::swiglu(&halves[0], &halves[1])
+            };
+            for form in [Form::Plain, Form::Residual, Form::GateUpSwiglu] {
+                let (reference, theirs) = match form {
+                    Form::Plain => (exact.clone(), packed.clone()),
+                    Form::Residual => (exact.add(residual.as_dtype(Dtype::Float32)?)?, packed.add(&residual)?),
+                    Form::GateUpSwiglu => (swiglu_of(&exact)?, swiglu_of(&packed)?),
                 };
-                let mut reference =
-                    product_of.as_dtype(Dtype::Float32)?.matmul(q.dequantize()?.as_dtype(Dtype::Float32)?.t())?;
-                let mut theirs = ops::quantized_matmul(product_of, &q.weight, &q.scales, &q.biases, true, group, 4)?;
-                let res = (form != Form::Plain).then_some(&residual);
-                if let Some(r) = res {
-                    reference = reference.add(r.as_dtype(Dtype::Float32)?)?;
-                    theirs = theirs.add(r)?;
-                }
-                let width = input.shape()[input.ndim() - 1];
-                let ours = self.apply(form, &input.reshape(&[rows, width])?, &q, res, rows)?;
+                let res = (form == Form::Residual).then_some(&residual);
+                let ours = self.apply(form, &x.reshape(&[rows, k])?, &q, res, rows)?;
                 // Evaluated here, so a kernel that fails to compile is an error
                 // returned (the kernel is then not used), not a panic in `item`.
                 let scalar = |x: Array| -> Result<f32> {

@@ -6,9 +6,11 @@
     // x [ROWS, K] T row-contiguous, 16-byte aligned rows; w [N, K / 8];
     // scales, biases [N, K / GROUP]; out [ROWS, N]. Needs K % 32 == 0,
     // GROUP % 32 == 0, N % R == 0. The prelude defines `load8(m, k)` (8
-    // values of x's row m from feature k, as a uint4 of T) and
-    // `finish(v, i)` (what out[i] gets for the sum v): plain, or with a
-    // SwiGLU of x's two halves on load and a residual added on write.
+    // values of x's row m from feature k, as a uint4 of T), `wrow(n0, r)`
+    // (the weight row of the warp's r-th output) and `store(m, n0, r, v,
+    // other)` (writes the warp's r-th output of row m, sum v; `other` is
+    // the sum of its pair r ^ 1): plain, with a residual added, or a fused
+    // gate/up's rows taken in pairs (gate j, up j) and SwiGLU written.
     //
     // Each lane takes 16 bytes (32 values) of each of its warp's R weight
     // rows at a time, so a warp reads R rows' bytes once, coalesced; the 32
@@ -19,7 +21,7 @@
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * R;
     if (n0 >= N) return;
-    const uint4* wp = reinterpret_cast<const uint4*>(w) + (size_t)n0 * chunks;
+    const uint4* w4 = reinterpret_cast<const uint4*>(w);
     float acc[ROWS][R];
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) {
@@ -30,13 +32,13 @@
     for (int c = lane; c < chunks; c += 32) {
         uint4 q[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) q[r] = __ldg(wp + (size_t)r * chunks + c);
+        for (int r = 0; r < R; ++r) q[r] = __ldg(w4 + (size_t)wrow(n0, r) * chunks + c);
         const int g = (c * 32) / GROUP;
         float s[R], b[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            s[r] = static_cast<float>(scales[(size_t)(n0 + r) * groups + g]);
-            b[r] = static_cast<float>(biases[(size_t)(n0 + r) * groups + g]);
+            s[r] = static_cast<float>(scales[(size_t)wrow(n0, r) * groups + g]);
+            b[r] = static_cast<float>(biases[(size_t)wrow(n0, r) * groups + g]);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -83,19 +85,19 @@
             acc[m][r] = v;
         }
     }
-    // Lane r * ROWS + m writes out[m, n0 + r] (ROWS * R <= 32), else lane 0 all.
+    // Lane r * ROWS + m stores (m, r) (ROWS * R <= 32), else lane 0 all.
     if (ROWS * R <= 32) {
 #pragma unroll
         for (int m = 0; m < ROWS; ++m) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (lane == r * ROWS + m) out[(size_t)m * N + n0 + r] = finish(acc[m][r], (size_t)m * N + n0 + r);
+                if (lane == r * ROWS + m) store(m, n0, r, acc[m][r], acc[m][R > 1 ? (r ^ 1) : r]);
             }
         }
     } else if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < ROWS; ++m) {
 #pragma unroll
-            for (int r = 0; r < R; ++r) out[(size_t)m * N + n0 + r] = finish(acc[m][r], (size_t)m * N + n0 + r);
+            for (int r = 0; r < R; ++r) store(m, n0, r, acc[m][r], acc[m][R > 1 ? (r ^ 1) : r]);
         }
     }

@@ -414,19 +414,18 @@ impl Transformer {
     }
 
     /// `residual` plus the MLP's output for `x` (the normed `residual`). On
-    /// CUDA, for a step of few rows, the SwiGLU and the add happen inside
-    /// the down projection's kernel ([`w4a16::swiglu_matmul_add`]): two
-    /// operations, not five.
+    /// CUDA, for a step of few rows, the gate/up kernel writes the SwiGLU
+    /// ([`w4a16::gate_up_swiglu`]) and the down kernel adds the residual
+    /// ([`Linear::forward_plus`]): two operations, not six.
     fn mlp(&self, m: &Mlp, x: &Array, residual: &Array, lora: Lora) -> Result<Array> {
         if lora.is_none() && self.split.shard.is_none() {
-            if let (Some(gate_up), Linear::Quantized { q, bias: None }) = (m.gate_up.as_halves(), &m.down_proj) {
-                let y = gate_up.forward(x)?;
-                if let Some(h) = w4a16::swiglu_matmul_add(&y, q, residual)? {
-                    return Ok(h);
+            if let Some(Linear::Quantized { q, bias: None }) = m.gate_up.as_halves() {
+                if let Some(h) = w4a16::gate_up_swiglu(x, q)? {
+                    return m.down_proj.forward_plus(&h, residual);
                 }
-                let [gate, up]: [Array; 2] = m.gate_up.split_output(y, x)?.try_into().expect("two projections");
-                return m.down_proj.forward_plus(&swiglu(&gate, &up)?, residual);
             }
+            let [gate, up]: [Array; 2] = m.gate_up.forward(x)?.try_into().expect("two projections");
+            return m.down_proj.forward_plus(&swiglu(&gate, &up)?, residual);
         }
         let [gate, up]: [Array; 2] =
             m.gate_up.forward_adding(x, lora_update(lora, Group::GateUp, x)?)?.try_into().expect("two projections");
