@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Compiles mlxbc's CUDA kernel bodies (the W4A16 matmul in its three forms,
-the q/k norm and rope) with NVRTC on this machine, no GPU needed, inside a
+the q/k norm and rope, the LoRA update's two, the padded batch's attention)
+with NVRTC on this machine, no GPU needed, inside a
 wrapper shaped like the one MLX's custom-kernel API generates (inputs as
 pointers, `NAME_shape` arrays, the template arguments): a syntax or type
 error shows here, not as a kernel that failed to build in a device lease.
@@ -63,4 +64,36 @@ src = HDR + f"template <typename T, int D, int HQ, int NORM, int FREQS>\n__globa
 for t in ["__half", "__nv_bfloat16"]:
     ok &= compile_(src, f"k<{t},128,32,1,0>", f"qk_rope {t} norm")
     ok &= compile_(src, f"k<{t},64,9,0,1>", f"qk_rope {t} freqs")
+
+
+def wrapped(body, templates, inputs, output):
+    """`body` inside a kernel of `templates` over `inputs` [(name, C type)]
+    writing `output` (name, C type), with `NAME_shape` / `NAME_strides`
+    declared for each input the body refers to them by, as MLX does."""
+    params = []
+    for name, ctype in inputs:
+        params.append(f"const {ctype}* {name}")
+        if f"{name}_shape" in body:
+            params.append(f"const int* {name}_shape")
+        if f"{name}_strides" in body:
+            params.append(f"const long long* {name}_strides")
+    params.append(f"{output[1]}* {output[0]}")
+    tpl = ", ".join(templates)
+    return HDR + f"template <{tpl}>\n__global__ void k({', '.join(params)}) {{\n{body}\n}}\n"
+
+
+# The LoRA update's two kernels (model/lora_kernel.rs) and the padded
+# batch's attention (model/batch_attention.rs).
+lora = f"{root}/daemon/src/model/lora_kernel.rs"
+lora_t = ["typename T", "int STACKED", "int THREADS", "int SPLIT"]
+xa = wrapped(rust_const(lora, "XA_BODY"), lora_t, [("x", "T"), ("a", "T")], ("partial", "float"))
+add = wrapped(rust_const(lora, "ADD_BODY"), lora_t, [("y", "T"), ("partial", "float"), ("b", "T")], ("out", "T"))
+att = wrapped(rust_const(f"{root}/daemon/src/model/batch_attention.rs", "SOURCE"),
+              ["typename T", "int D", "int NW", "int SCALE_BITS"],
+              [("q", "T"), ("k", "T"), ("v", "T"), ("starts", "int32_t"), ("ends", "int32_t")], ("out", "T"))
+for t in ["__half", "__nv_bfloat16"]:
+    for stacked in (0, 1):
+        ok &= compile_(xa, f"k<{t},{stacked},256,16>", f"lora_xa {t} stacked {stacked}")
+        ok &= compile_(add, f"k<{t},{stacked},256,16>", f"lora_add {t} stacked {stacked}")
+    ok &= compile_(att, f"k<{t},128,16,1035993203>", f"padded attention {t}")
 sys.exit(0 if ok else 1)
