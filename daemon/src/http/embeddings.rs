@@ -13,8 +13,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
 use mlxbc_shared::{EmbedRequest, Embeddings, ErrorKind, KeepAlive, Response as Wire};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use std::sync::Arc;
 
 /// The longest an embedding request may wait for the engine.
@@ -106,27 +106,78 @@ pub async fn openai(State(state): State<Arc<AppState>>, body: axum::body::Bytes)
         Ok(e) => e,
         Err((kind, message)) => return error_response(kind, message),
     };
-    let data: Vec<Value> = e
+    let data: Vec<OpenAiEmbedding> = e
         .vectors
         .iter()
         .enumerate()
-        .map(|(i, v)| {
+        .map(|(index, v)| {
             let embedding = if base64 {
                 let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                Vector::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
             } else {
-                json!(v)
+                Vector::Floats(v)
             };
-            json!({"object": "embedding", "index": i, "embedding": embedding})
+            OpenAiEmbedding { object: "embedding", index, embedding }
         })
         .collect();
-    Json(json!({
-        "object": "list",
-        "data": data,
-        "model": e.model,
-        "usage": {"prompt_tokens": e.prompt_tokens, "total_tokens": e.prompt_tokens},
-    }))
+    Json(OpenAiEmbeddings {
+        object: "list",
+        data,
+        model: &e.model,
+        usage: Usage { prompt_tokens: e.prompt_tokens, total_tokens: e.prompt_tokens },
+    })
     .into_response()
+}
+
+// The answers are serialized from these types, not through `json!`: a
+// `serde_json::Value` holds an f32 as an f64, written with 17 digits
+// (0.10000000149011612 for 0.1), twice the text a client parses for the
+// same vector as f32's shortest form.
+
+/// A vector as floats, or as base64 of its little-endian f32 bytes.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Vector<'a> {
+    Floats(&'a [f32]),
+    Base64(String),
+}
+
+#[derive(Serialize)]
+struct OpenAiEmbedding<'a> {
+    object: &'static str,
+    index: usize,
+    embedding: Vector<'a>,
+}
+
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: u64,
+    total_tokens: u64,
+}
+
+/// `POST /v1/embeddings`' answer.
+#[derive(Serialize)]
+struct OpenAiEmbeddings<'a> {
+    object: &'static str,
+    data: Vec<OpenAiEmbedding<'a>>,
+    model: &'a str,
+    usage: Usage,
+}
+
+/// `POST /api/embed`'s answer.
+#[derive(Serialize)]
+struct OllamaEmbeddings<'a> {
+    model: &'a str,
+    embeddings: &'a [Vec<f32>],
+    total_duration: u64,
+    load_duration: u64,
+    prompt_eval_count: u64,
+}
+
+/// `POST /api/embeddings`' answer (one vector).
+#[derive(Serialize)]
+struct OllamaLegacyEmbedding<'a> {
+    embedding: &'a [f32],
 }
 
 #[derive(Deserialize)]
@@ -191,14 +242,42 @@ async fn ollama_answer(state: &AppState, body: &[u8], legacy: bool) -> Response 
         Err((kind, message)) => return ollama::error(kind, message),
     };
     if legacy {
-        return Json(json!({"embedding": e.vectors.into_iter().next().unwrap_or_default()})).into_response();
+        return Json(OllamaLegacyEmbedding { embedding: e.vectors.first().map_or(&[], Vec::as_slice) }).into_response();
     }
-    Json(json!({
-        "model": e.model,
-        "embeddings": e.vectors,
-        "total_duration": started.elapsed().as_nanos() as u64,
-        "load_duration": (e.load_ms * 1e6) as u64,
-        "prompt_eval_count": e.prompt_tokens,
-    }))
+    Json(OllamaEmbeddings {
+        model: &e.model,
+        embeddings: &e.vectors,
+        total_duration: started.elapsed().as_nanos() as u64,
+        load_duration: (e.load_ms * 1e6) as u64,
+        prompt_eval_count: e.prompt_tokens,
+    })
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Vectors are written as f32's shortest form (what a client parses),
+    /// not as the 17 digits of an f64 that `json!` would write.
+    #[test]
+    fn vectors_are_written_in_f32_shortest_form() {
+        let vectors = vec![vec![0.1f32, -0.033_417_6]];
+        let ollama = OllamaEmbeddings {
+            model: "m",
+            embeddings: &vectors,
+            total_duration: 0,
+            load_duration: 0,
+            prompt_eval_count: 2,
+        };
+        let text = serde_json::to_string(&ollama).unwrap();
+        assert!(text.contains(r#""embeddings":[[0.1,-0.0334176]]"#), "{text}");
+        let openai = OpenAiEmbedding { object: "embedding", index: 0, embedding: Vector::Floats(&vectors[0]) };
+        assert_eq!(
+            serde_json::to_string(&openai).unwrap(),
+            r#"{"object":"embedding","index":0,"embedding":[0.1,-0.0334176]}"#
+        );
+        let legacy = serde_json::to_string(&OllamaLegacyEmbedding { embedding: &vectors[0] }).unwrap();
+        assert_eq!(legacy, r#"{"embedding":[0.1,-0.0334176]}"#);
+    }
 }
