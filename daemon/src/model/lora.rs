@@ -492,7 +492,13 @@ impl RowAdapters {
                 // and the rows under none share one pair of zeros.
                 let mut a_rows = Vec::with_capacity(parts.len());
                 let mut b_rows = Vec::with_capacity(parts.len());
-                let mut zeros: Option<(Array, Array)> = None;
+                let zeros = match parts.iter().any(Option::is_none) {
+                    true => Some((
+                        mlx_rs::ops::zeros_dtype(&[inputs, width], dtype)?,
+                        mlx_rs::ops::zeros_dtype(&[width, outputs], dtype)?,
+                    )),
+                    false => None,
+                };
                 for p in &parts {
                     let (a, b) = match p {
                         Some(u) if u.a.shape()[1] == width => (u.a.clone(), u.b.clone()),
@@ -502,17 +508,7 @@ impl RowAdapters {
                             let pad_b: &[(i32, i32)] = &[(0, width - r), (0, 0)];
                             (mlx_rs::ops::pad(&u.a, pad_a, None, None)?, mlx_rs::ops::pad(&u.b, pad_b, None, None)?)
                         }
-                        None => match &zeros {
-                            Some(pair) => pair.clone(),
-                            None => {
-                                let pair = (
-                                    mlx_rs::ops::zeros_dtype(&[inputs, width], dtype)?,
-                                    mlx_rs::ops::zeros_dtype(&[width, outputs], dtype)?,
-                                );
-                                zeros = Some(pair.clone());
-                                pair
-                            }
-                        },
+                        None => zeros.clone().expect("made when a row has no adapter"),
                     };
                     a_rows.push(a);
                     b_rows.push(b);

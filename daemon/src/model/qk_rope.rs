@@ -45,15 +45,10 @@ pub struct QkRope {
 impl QkRope {
     /// The settings of a model with `heads` query and `kv_heads` key/value
     /// heads of `head_dim`, rope `base` (or Llama 3's `freqs`), norm `eps`.
-    pub fn new(heads: i32, kv_heads: i32, head_dim: i32, base: f32, freqs: Option<&Array>, eps: f32) -> Self {
+    pub fn new(heads: i32, kv_heads: i32, head_dim: i32, base: f32, freqs: Option<&Array>, eps: f32) -> Result<Self> {
         let params = Array::from_slice(&[eps, base.log2()], &[2]);
-        Self {
-            heads,
-            kv_heads,
-            head_dim,
-            params,
-            freqs: freqs.map(|f| f.as_dtype(Dtype::Float32)).transpose().ok().flatten(),
-        }
+        let freqs = freqs.map(|f| f.as_dtype(Dtype::Float32)).transpose()?;
+        Ok(Self { heads, kv_heads, head_dim, params, freqs })
     }
 
     /// q `[b, heads, 1, D]` and k `[b, kv_heads, 1, D]` of the fused q/k/v
@@ -231,7 +226,7 @@ impl Kernel {
                         .and_then(|f| Ok(f.abs()?.multiply(Array::from_f32(50.0))?.add(Array::from_f32(1.0))?))
                 })
                 .transpose()?;
-            let rope = QkRope::new(heads, kv_heads, d, 10000.0, freqs.as_ref(), 1e-6);
+            let rope = QkRope::new(heads, kv_heads, d, 10000.0, freqs.as_ref(), 1e-6)?;
             let y = normal(seed + 1, &[b, 1, (heads + 2 * kv_heads) * d])?
                 .multiply(Array::from_f32(2.0))?
                 .as_dtype(dtype)?;

@@ -129,7 +129,7 @@ impl Transformer {
         split.log();
         let rope_freqs = config.rope_scaling.as_ref().map(|s| llama3_rope_freqs(&config, s));
         let scale = (config.head_dim as f64).powf(-0.5) as f32;
-        let qk_rope = QkRope::new(heads, kv_heads, hd, config.rope_theta, rope_freqs.as_ref(), config.rms_norm_eps);
+        let qk_rope = QkRope::new(heads, kv_heads, hd, config.rope_theta, rope_freqs.as_ref(), config.rms_norm_eps)?;
         Ok(Self {
             qk_rope,
             embed_tokens,
@@ -179,8 +179,8 @@ impl Transformer {
         if row_offsets.is_some() && self.config.mrope_section.is_some() {
             bail!("a batch of padded rows with multimodal rope is not supported yet");
         }
-        let step_position =
-            (len == 1 && crate::model::options::cuda_available()).then(|| Array::from_slice(&[offset], &[1]));
+        let step_position = (len == 1 && row_offsets.is_none() && crate::model::options::cuda_available())
+            .then(|| Array::from_slice(&[offset], &[1]));
         let at = match &row_offsets {
             Some(rows) => Position::Rows(rows),
             None => Position::Fixed(offset, step_position.as_ref()),
