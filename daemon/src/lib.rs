@@ -3,6 +3,7 @@
 //! [`run`], so tests can also boot the daemon in-process.
 
 pub mod audio;
+pub mod blas_core;
 pub mod catalog;
 pub mod cluster;
 pub mod decoding;

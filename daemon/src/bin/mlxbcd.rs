@@ -40,6 +40,10 @@ struct Args {
     /// (default: `[cluster] backend`, or ring).
     #[arg(long)]
     backend: Option<String>,
+    /// Print the OpenBLAS kernels this daemon runs MLX's matmuls on and
+    /// exit (scripts give a reference the same: `OPENBLAS_CORETYPE`).
+    #[arg(long, hide = true)]
+    openblas_core: bool,
 }
 
 /// Where this daemon stands in a group: flags, else config.toml's
@@ -136,7 +140,13 @@ fn cuda_server_defaults(settings: &Settings) {
 }
 
 fn main() -> Result<()> {
+    // First of all: it may execute this program again (blas_core.rs).
+    mlxbc_daemon::blas_core::restart_with_wider_kernels();
     let args = Args::parse();
+    if args.openblas_core {
+        println!("{}", mlxbc_daemon::blas_core::openblas_core().unwrap_or_default());
+        return Ok(());
+    }
     // Before any thread exists: it clears LISTEN_* from the environment.
     let inherited = mlxbc_daemon::server::activation::take_inherited()?;
     let mut settings = Settings::from_env()?;

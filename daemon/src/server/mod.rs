@@ -61,6 +61,7 @@ pub async fn run(
         idle_exit_s = idle_exit.map(|d| d.as_secs()),
         device = %engine.device,
         blas = crate::BLAS,
+        blas_kernels = crate::blas_core::describe().unwrap_or_default(),
         models = %settings.models_dir.display(),
         "mlxbcd {} listening",
         env!("CARGO_PKG_VERSION")
