@@ -16,6 +16,13 @@ pub fn enabled() -> bool {
     std::env::var("MLXBC_CPU_MATH").map_or(true, |v| v != "mlx")
 }
 
+/// True unless `MLXBC_CPU_MATH` is `polynomial` (these polynomials as MLX
+/// operations) or `mlx`: softmax and GELU computed by `cpu_native` over
+/// MLX's buffers, vectorized and on every core.
+pub fn native() -> bool {
+    std::env::var("MLXBC_CPU_MATH").map_or(true, |v| v != "mlx" && v != "polynomial")
+}
+
 /// Makes glibc keep freed buffers of up to 32 MiB (its largest mmap
 /// threshold) on the heap for reuse, and up to 256 MiB of them before
 /// returning memory to the system. MLX's CPU backend allocates every op's
@@ -39,9 +46,9 @@ pub fn keep_freed_memory() {
 
 /// Eigen's `generic_fast_erf_float`: erf(x) = x·P(x²)/Q(x²) on [-4, 4]
 /// (|erf(x)| rounds to 1 in f32 beyond), within 6e-7 of `erf`.
-const ERF_P: [f32; 7] =
+pub(crate) const ERF_P: [f32; 7] =
     [-2.726_142_3e-10, 2.770_681_4e-8, -2.101_024e-6, -5.692_506_4e-5, -7.349_906_3e-4, -2.954_6e-3, -1.609_603_4e-2];
-const ERF_Q: [f32; 5] = [-1.456_607_2e-5, -2.133_740_6e-4, -1.682_827e-3, -7.373_329_2e-3, -1.426_474e-2];
+pub(crate) const ERF_Q: [f32; 5] = [-1.456_607_2e-5, -2.133_740_6e-4, -1.682_827e-3, -7.373_329_2e-3, -1.426_474e-2];
 
 /// 2^f on [0, 1): Taylor terms of e^(f·ln 2), within 2e-7 relative.
 const EXP2: [f32; 8] = [
@@ -54,6 +61,9 @@ const EXP2: [f32; 8] = [
     1.540_353e-4,
     1.525_273_4e-5,
 ];
+
+/// `EXP2` highest degree first, as Horner's rule takes it.
+pub(crate) const EXP2_HIGH_FIRST: [f32; 8] = [EXP2[7], EXP2[6], EXP2[5], EXP2[4], EXP2[3], EXP2[2], EXP2[1], EXP2[0]];
 
 fn horner(x: &Array, coefficients: &[f32]) -> Result<Array, Exception> {
     let mut p = Array::from_f32(coefficients[0]);
@@ -70,8 +80,18 @@ pub fn erf(x: &Array) -> Result<Array, Exception> {
     horner(&x2, &ERF_P)?.multiply(&x)?.divide(horner(&x2, &ERF_Q)?)
 }
 
-/// GELU with the exact erf (BERT's `gelu`): x·(1 + erf(x/√2))/2.
+/// GELU with the exact erf (BERT's `gelu`): x·(1 + erf(x/√2))/2, f32;
+/// by `cpu_native` unless `MLXBC_CPU_MATH=polynomial`.
 pub fn gelu(x: &Array) -> Result<Array, Exception> {
+    if native() {
+        super::cpu_native::gelu(x)
+    } else {
+        gelu_polynomial(x)
+    }
+}
+
+/// [`gelu`] as MLX operations.
+pub fn gelu_polynomial(x: &Array) -> Result<Array, Exception> {
     let e = erf(&x.multiply(Array::from_f32(std::f32::consts::FRAC_1_SQRT_2))?)?;
     x.multiply(e.add(Array::from_f32(1.0))?)?.multiply(Array::from_f32(0.5))
 }
@@ -82,13 +102,24 @@ pub fn gelu(x: &Array) -> Result<Array, Exception> {
 fn exp_nonpositive(x: &Array) -> Result<Array, Exception> {
     let y = mlx_rs::ops::maximum(x, Array::from_f32(-87.0))?.multiply(Array::from_f32(std::f32::consts::LOG2_E))?;
     let k = y.floor()?;
-    let two_f = horner(&y.subtract(&k)?, &EXP2.iter().rev().copied().collect::<Vec<_>>())?;
+    let two_f = horner(&y.subtract(&k)?, &EXP2_HIGH_FIRST)?;
     // (k + 127) << 23 is the f32 whose value is 2^k.
     let bits = k.as_dtype(mlx_rs::Dtype::Int32)?.add(Array::from_int(127))?.multiply(Array::from_int(1 << 23))?;
     two_f.multiply(bits.view::<f32>()?)
 }
 
-/// Softmax over the last axis, f32.
+/// Softmax over the last axis of `scores + bias` (attention's scores
+/// `[B, heads, queries, keys]`, a bias `[B or 1, 1, queries or 1, keys]`),
+/// f32; by `cpu_native` unless `MLXBC_CPU_MATH=polynomial`.
+pub fn softmax_biased(scores: &Array, bias: &Array) -> Result<Array, Exception> {
+    if native() {
+        super::cpu_native::softmax_biased(scores, bias)
+    } else {
+        softmax_last(&scores.add(bias)?)
+    }
+}
+
+/// Softmax over the last axis, f32, as MLX operations.
 pub fn softmax_last(x: &Array) -> Result<Array, Exception> {
     let e = exp_nonpositive(&x.subtract(x.max_axis(-1, true)?)?)?;
     e.divide(e.sum_axis(-1, true)?)
@@ -111,7 +142,7 @@ mod tests {
     fn erf_and_gelu_agree_with_mlx_to_float_precision() {
         let x = values(10_000, 6.0);
         assert!(max_abs(&erf(&x).unwrap(), &mlx_rs::ops::erf(&x).unwrap()) < 1e-6);
-        assert!(max_abs(&gelu(&x).unwrap(), &mlx_rs::nn::gelu(&x).unwrap()) < 5e-6);
+        assert!(max_abs(&gelu_polynomial(&x).unwrap(), &mlx_rs::nn::gelu(&x).unwrap()) < 5e-6);
     }
 
     #[test]

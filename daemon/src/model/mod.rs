@@ -5,6 +5,7 @@
 pub mod batch_attention;
 pub mod chat_template;
 pub mod cpu_math;
+pub mod cpu_native;
 pub mod cuda_kernel;
 pub mod decode_step;
 pub mod decoder_embedder;

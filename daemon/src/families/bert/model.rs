@@ -135,7 +135,7 @@ pub(crate) fn attend(
     Ok(match cpu_bias {
         Some(bias) => {
             let scores = q.multiply(Array::from_f32(scale))?.matmul(k.transpose_axes(&[0, 1, 3, 2])?)?;
-            cpu_math::softmax_last(&scores.add(bias)?)?.matmul(v)?
+            cpu_math::softmax_biased(&scores, bias)?.matmul(v)?
         }
         None => fast::scaled_dot_product_attention(q, k, v, scale, ScaledDotProductAttentionMask::Array(mask), None)?,
     })

@@ -89,7 +89,7 @@ impl ModernBertEncoder {
         let scale = 1.0 / (self.config.head_dim() as f32).sqrt();
         Ok(if self.cpu_math {
             let scores = q.multiply(Array::from_f32(scale))?.matmul(k.transpose_axes(&[0, 1, 3, 2])?)?;
-            cpu_math::softmax_last(&scores.add(bias)?)?.matmul(v)?
+            cpu_math::softmax_biased(&scores, bias)?.matmul(v)?
         } else {
             fast::scaled_dot_product_attention(q, k, v, scale, ScaledDotProductAttentionMask::Array(bias), None)?
         })

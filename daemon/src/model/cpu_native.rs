@@ -1,0 +1,297 @@
+//! Attention's softmax and GELU for encoders on MLX's CPU backend, computed
+//! here over MLX's buffers instead of as MLX operations.
+//!
+//! MLX's x86 CPU backend runs element-wise work as scalar loops on one
+//! thread per stream, one pass over memory per operation: the polynomial
+//! softmax of `cpu_math` is ~27 passes over a `[B, heads, L, L]` score
+//! array, and on this project's machine it took as long as all of a
+//! MiniLM layer's matrix products (135 against 140 ms for 8 texts of 240
+//! tokens, `scripts/bench.d/mlx_cpu_ops.py`). Here each row is read once
+//! and written twice while in cache, in loops the compiler vectorizes
+//! (AVX2 or AVX-512 when the CPU has them, chosen at run time), on every
+//! core. The formulas are `cpu_math`'s, term for term, so the results
+//! agree with it to rounding.
+//!
+//! The price is an evaluation in the middle of the layer's graph (the
+//! scores must exist before their softmax is computed here).
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+
+/// Lanes the loops keep apart so that the compiler can vectorize their
+/// reductions (a max and a sum in order would be a serial chain).
+const LANES: usize = 16;
+
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+#[inline(always)]
+fn horner(x: f32, coefficients: &[f32]) -> f32 {
+    let mut p = coefficients[0];
+    for &c in &coefficients[1..] {
+        p = p * x + c;
+    }
+    p
+}
+
+/// `cpu_math::exp_nonpositive`, one element.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    let y = x.max(-87.0) * LOG2_E;
+    let k = y.floor();
+    let two_f = horner(y - k, &super::cpu_math::EXP2_HIGH_FIRST);
+    // (k + 127) << 23 is the f32 whose value is 2^k (k in [-126, 0]).
+    two_f * f32::from_bits((((k as i32) + 127) << 23) as u32)
+}
+
+/// `cpu_math::gelu`, one element.
+#[inline(always)]
+fn gelu_one(x: f32) -> f32 {
+    let t = (x * std::f32::consts::FRAC_1_SQRT_2).clamp(-4.0, 4.0);
+    let t2 = t * t;
+    let erf = horner(t2, &super::cpu_math::ERF_P) * t / horner(t2, &super::cpu_math::ERF_Q);
+    x * (erf + 1.0) * 0.5
+}
+
+/// Softmax of one row of `scores + bias` into `out`.
+#[inline(always)]
+fn softmax_row(scores: &[f32], bias: &[f32], out: &mut [f32]) {
+    let n = scores.len();
+    let whole = n - n % LANES;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for ((o, s), b) in
+        out[..whole].chunks_exact_mut(LANES).zip(scores.chunks_exact(LANES)).zip(bias.chunks_exact(LANES))
+    {
+        for l in 0..LANES {
+            o[l] = s[l] + b[l];
+            lanes[l] = lanes[l].max(o[l]);
+        }
+    }
+    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    for j in whole..n {
+        out[j] = scores[j] + bias[j];
+        max = max.max(out[j]);
+    }
+    let mut sums = [0.0f32; LANES];
+    for o in out[..whole].chunks_exact_mut(LANES) {
+        for l in 0..LANES {
+            o[l] = exp_nonpositive(o[l] - max);
+            sums[l] += o[l];
+        }
+    }
+    let mut sum: f32 = sums.iter().sum();
+    for o in &mut out[whole..] {
+        *o = exp_nonpositive(*o - max);
+        sum += *o;
+    }
+    let inverse = 1.0 / sum;
+    for o in out.iter_mut() {
+        *o *= inverse;
+    }
+}
+
+/// Where a row's bias starts: `bias` is `[Bb, 1, Qb, L]` with Bb 1 or the
+/// batch and Qb 1 or the query rows, broadcast over the rest.
+#[derive(Clone, Copy)]
+struct BiasLayout {
+    heads: usize,
+    queries: usize,
+    keys: usize,
+    per_batch: bool,
+    per_query: bool,
+}
+
+impl BiasLayout {
+    fn offset(&self, row: usize) -> usize {
+        let batch = row / (self.heads * self.queries);
+        let query = row % self.queries;
+        let rows_per_batch = if self.per_query { self.queries } else { 1 };
+        (usize::from(self.per_batch) * batch * rows_per_batch + usize::from(self.per_query) * query) * self.keys
+    }
+}
+
+/// The rows `first..` of `out` (whole rows of `layout.keys`).
+#[inline(always)]
+fn softmax_rows(scores: &[f32], bias: &[f32], layout: BiasLayout, first: usize, out: &mut [f32]) {
+    let keys = layout.keys;
+    for (i, o) in out.chunks_exact_mut(keys).enumerate() {
+        let row = first + i;
+        let b = layout.offset(row);
+        softmax_row(&scores[row * keys..(row + 1) * keys], &bias[b..b + keys], o);
+    }
+}
+
+#[inline(always)]
+fn gelu_all(x: &[f32], out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = gelu_one(v);
+    }
+}
+
+/// Compiles `$body` (a call of an `#[inline(always)]` function) three
+/// times: for AVX-512, for AVX2 with FMA, and for the baseline, and runs
+/// the widest this CPU has.
+macro_rules! widest {
+    ($name:ident($($arg:ident: $ty:ty),*) => $body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
+            unsafe fn avx512($($arg: $ty),*) { $body }
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($arg: $ty),*) { $body }
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512dq")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
+                // SAFETY: the CPU has the features the function is compiled for.
+                return unsafe { avx512($($arg),*) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: as above.
+                return unsafe { avx2($($arg),*) };
+            }
+        }
+        #[allow(unreachable_code)]
+        {
+            $body
+        }
+    }};
+}
+
+fn softmax_rows_widest(scores: &[f32], bias: &[f32], layout: BiasLayout, first: usize, out: &mut [f32]) {
+    widest!(softmax_rows(scores: &[f32], bias: &[f32], layout: BiasLayout, first: usize, out: &mut [f32])
+        => softmax_rows(scores, bias, layout, first, out))
+}
+
+fn gelu_widest(x: &[f32], out: &mut [f32]) {
+    widest!(gelu_all(x: &[f32], out: &mut [f32]) => gelu_all(x, out))
+}
+
+/// Runs `work(first_unit, out_part)` over `out` cut at whole `unit`s into
+/// one part per core.
+fn on_every_core(out: &mut [f32], unit: usize, work: impl Fn(usize, &mut [f32]) + Sync) {
+    let units = out.len() / unit.max(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+    // Parts of at least 64 KiB: below that a thread costs more than it saves.
+    let parts = cores.min((out.len() / (16 << 10)).max(1)).min(units.max(1));
+    let per = units.div_ceil(parts) * unit;
+    if parts <= 1 {
+        return work(0, out);
+    }
+    std::thread::scope(|scope| {
+        for (i, part) in out.chunks_mut(per).enumerate() {
+            let work = &work;
+            scope.spawn(move || work(i * per / unit, part));
+        }
+    });
+}
+
+fn f32_data(a: &Array) -> Result<Array, Exception> {
+    let a = if a.dtype() == Dtype::Float32 { a.contiguous()? } else { a.as_dtype(Dtype::Float32)?.contiguous()? };
+    a.eval()?;
+    Ok(a)
+}
+
+fn slice(a: &Array) -> Result<&[f32], Exception> {
+    a.try_as_slice::<f32>().map_err(|e| Exception::custom(format!("reading an array on the CPU: {e}")))
+}
+
+/// Softmax over the last axis of `scores + bias`, f32: `scores`
+/// `[B, heads, queries, keys]`, `bias` `[B or 1, 1, queries or 1, keys]`.
+pub fn softmax_biased(scores: &Array, bias: &Array) -> Result<Array, Exception> {
+    let shape = scores.shape().to_vec();
+    let bias_shape = bias.shape();
+    let fits = shape.len() == 4
+        && bias_shape.len() == 4
+        && bias_shape[1] == 1
+        && bias_shape[3] == shape[3]
+        && (bias_shape[0] == 1 || bias_shape[0] == shape[0])
+        && (bias_shape[2] == 1 || bias_shape[2] == shape[2]);
+    if !fits {
+        return Err(Exception::custom(format!("softmax_biased: scores {shape:?} with a bias of {bias_shape:?}")));
+    }
+    let layout = BiasLayout {
+        heads: shape[1] as usize,
+        queries: shape[2] as usize,
+        keys: shape[3] as usize,
+        per_batch: bias_shape[0] > 1,
+        per_query: bias_shape[2] > 1,
+    };
+    let (scores, bias) = (f32_data(scores)?, f32_data(bias)?);
+    let (s, b) = (slice(&scores)?, slice(&bias)?);
+    let mut out = vec![0.0f32; s.len()];
+    on_every_core(&mut out, layout.keys, |first, part| softmax_rows_widest(s, b, layout, first, part));
+    Ok(Array::from_slice(&out, &shape))
+}
+
+/// GELU with `cpu_math`'s erf, f32, any shape.
+pub fn gelu(x: &Array) -> Result<Array, Exception> {
+    let shape = x.shape().to_vec();
+    let x = f32_data(x)?;
+    let v = slice(&x)?;
+    let mut out = vec![0.0f32; v.len()];
+    on_every_core(&mut out, 1, |first, part| gelu_widest(&v[first..first + part.len()], part));
+    Ok(Array::from_slice(&out, &shape))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
+
+    fn values(n: i32, scale: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * 2.0 * scale).collect()
+    }
+
+    #[test]
+    fn softmax_agrees_with_mlx_for_every_bias_layout() {
+        // 37 keys: two whole lane groups and a tail; 2 x 3 heads x 5 queries.
+        let scores = Array::from_slice(&values(2 * 3 * 5 * 37, 30.0), &[2, 3, 5, 37]);
+        let mut padding = vec![0.0f32; 2 * 37];
+        padding[37 + 30..].iter_mut().for_each(|b| *b = -1e9);
+        let layouts = [
+            Array::from_slice(&padding, &[2, 1, 1, 37]),
+            Array::from_slice(&values(2 * 5 * 37, 3.0), &[2, 1, 5, 37]),
+            Array::from_slice(&values(37, 3.0), &[1, 1, 1, 37]),
+        ];
+        for bias in &layouts {
+            let want = mlx_rs::ops::softmax_axis(scores.add(bias).unwrap(), -1, None).unwrap();
+            let got = softmax_biased(&scores, bias).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            // Relative to each value, masked ones (~0) included.
+            let close = got.subtract(&want).unwrap().abs().unwrap();
+            let bound = want.multiply(Array::from_f32(2e-6)).unwrap().add(Array::from_f32(1e-30)).unwrap();
+            assert!(
+                close.le(&bound).unwrap().all(None).unwrap().try_item_cast::<bool>().unwrap(),
+                "bias {:?}",
+                bias.shape()
+            );
+        }
+        // The padded keys of the second text weigh nothing.
+        let got = softmax_biased(&scores, &layouts[0]).unwrap();
+        let second = got.index((1, .., .., 30..));
+        assert!(second.max(None).unwrap().try_item_cast::<f32>().unwrap() < 1e-30);
+    }
+
+    #[test]
+    fn softmax_refuses_a_bias_that_does_not_broadcast() {
+        let scores = Array::zeros::<f32>(&[2, 3, 5, 8]).unwrap();
+        assert!(softmax_biased(&scores, &Array::zeros::<f32>(&[3, 1, 1, 8]).unwrap()).is_err());
+        assert!(softmax_biased(&scores, &Array::zeros::<f32>(&[2, 1, 1, 7]).unwrap()).is_err());
+    }
+
+    #[test]
+    fn gelu_agrees_with_mlx_to_float_precision() {
+        // Past the parallel threshold (several parts) and a tail.
+        let x = Array::from_slice(&values(100_003, 6.0), &[100_003]);
+        let got = gelu(&x).unwrap();
+        let want = mlx_rs::nn::gelu(&x).unwrap();
+        let worst = got.subtract(&want).unwrap().abs().unwrap().max(None).unwrap().try_item_cast::<f32>().unwrap();
+        assert!(worst < 5e-6, "{worst}");
+        // And the same as cpu_math's polynomial in MLX operations, to rounding.
+        let polynomial = super::super::cpu_math::gelu_polynomial(&x).unwrap();
+        assert!(
+            got.subtract(&polynomial).unwrap().abs().unwrap().max(None).unwrap().try_item_cast::<f32>().unwrap() < 1e-6
+        );
+    }
+}
