@@ -24,6 +24,18 @@ const LANES: usize = 16;
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
+/// The larger of two floats as one vector instruction takes it (`f32::max`
+/// also orders NaNs, which keeps the compiler from vectorizing); a NaN in
+/// `a` gives `b`.
+#[inline(always)]
+fn larger(a: f32, b: f32) -> f32 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
 #[inline(always)]
 fn horner(x: f32, coefficients: &[f32]) -> f32 {
     let mut p = coefficients[0];
@@ -36,17 +48,27 @@ fn horner(x: f32, coefficients: &[f32]) -> f32 {
 /// `cpu_math::exp_nonpositive`, one element.
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
-    let y = x.max(-87.0) * LOG2_E;
+    let y = larger(x, -87.0) * LOG2_E;
     let k = y.floor();
     let two_f = horner(y - k, &super::cpu_math::EXP2_HIGH_FIRST);
-    // (k + 127) << 23 is the f32 whose value is 2^k (k in [-126, 0]).
-    two_f * f32::from_bits((((k as i32) + 127) << 23) as u32)
+    // SAFETY: k is whole and in [-126, 0] (y is in [-125.6, 0] and never
+    // NaN: `larger` gives -87 for one), so it fits an i32.
+    let k = unsafe { k.to_int_unchecked::<i32>() };
+    // (k + 127) << 23 is the f32 whose value is 2^k.
+    two_f * f32::from_bits(((k + 127) << 23) as u32)
 }
 
 /// `cpu_math::gelu`, one element.
 #[inline(always)]
 fn gelu_one(x: f32) -> f32 {
-    let t = (x * std::f32::consts::FRAC_1_SQRT_2).clamp(-4.0, 4.0);
+    let t = x * std::f32::consts::FRAC_1_SQRT_2;
+    let t = if t < -4.0 {
+        -4.0
+    } else if t > 4.0 {
+        4.0
+    } else {
+        t
+    };
     let t2 = t * t;
     let erf = horner(t2, &super::cpu_math::ERF_P) * t / horner(t2, &super::cpu_math::ERF_Q);
     x * (erf + 1.0) * 0.5
@@ -63,13 +85,13 @@ fn softmax_row(scores: &[f32], bias: &[f32], out: &mut [f32]) {
     {
         for l in 0..LANES {
             o[l] = s[l] + b[l];
-            lanes[l] = lanes[l].max(o[l]);
+            lanes[l] = larger(o[l], lanes[l]);
         }
     }
-    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| larger(b, a));
     for j in whole..n {
         out[j] = scores[j] + bias[j];
-        max = max.max(out[j]);
+        max = larger(out[j], max);
     }
     let mut sums = [0.0f32; LANES];
     for o in out[..whole].chunks_exact_mut(LANES) {
@@ -186,6 +208,31 @@ fn on_every_core(out: &mut [f32], unit: usize, work: impl Fn(usize, &mut [f32]) 
     });
 }
 
+/// An MLX array over `data` without copying it: MLX drops the vector when
+/// it no longer needs the buffer (on the CPU, MLX's buffers are plain
+/// memory).
+fn array_of(data: Vec<f32>, shape: &[i32]) -> Array {
+    assert_eq!(data.len(), shape.iter().map(|&d| d as usize).product::<usize>());
+    unsafe extern "C" fn drop_vector(payload: *mut std::ffi::c_void) {
+        // SAFETY: the payload is the Box made below, dropped once by MLX.
+        drop(unsafe { Box::from_raw(payload.cast::<Vec<f32>>()) });
+    }
+    let data = Box::new(data);
+    let pointer = data.as_ptr() as *mut std::ffi::c_void;
+    // SAFETY: the buffer lives in the box until MLX calls `drop_vector`
+    // with it; the shape outlives the call; the dtype is the vector's.
+    unsafe {
+        Array::from_ptr(mlx_sys::mlx_array_new_data_managed_payload(
+            pointer,
+            shape.as_ptr(),
+            shape.len() as i32,
+            mlx_sys::mlx_dtype__MLX_FLOAT32,
+            Box::into_raw(data).cast(),
+            Some(drop_vector),
+        ))
+    }
+}
+
 fn f32_data(a: &Array) -> Result<Array, Exception> {
     let a = if a.dtype() == Dtype::Float32 { a.contiguous()? } else { a.as_dtype(Dtype::Float32)?.contiguous()? };
     a.eval()?;
@@ -221,7 +268,7 @@ pub fn softmax_biased(scores: &Array, bias: &Array) -> Result<Array, Exception> 
     let (s, b) = (slice(&scores)?, slice(&bias)?);
     let mut out = vec![0.0f32; s.len()];
     on_every_core(&mut out, layout.keys, |first, part| softmax_rows_widest(s, b, layout, first, part));
-    Ok(Array::from_slice(&out, &shape))
+    Ok(array_of(out, &shape))
 }
 
 /// GELU with `cpu_math`'s erf, f32, any shape.
@@ -231,7 +278,7 @@ pub fn gelu(x: &Array) -> Result<Array, Exception> {
     let v = slice(&x)?;
     let mut out = vec![0.0f32; v.len()];
     on_every_core(&mut out, 1, |first, part| gelu_widest(&v[first..first + part.len()], part));
-    Ok(Array::from_slice(&out, &shape))
+    Ok(array_of(out, &shape))
 }
 
 #[cfg(test)]
