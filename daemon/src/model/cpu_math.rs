@@ -119,6 +119,18 @@ pub fn softmax_biased(scores: &Array, bias: &Array) -> Result<Array, Exception> 
     }
 }
 
+/// `norm(a + b)` (a post-norm encoder's residual and its norm), f32; by
+/// `cpu_native` unless `MLXBC_CPU_MATH` is `polynomial` or `mlx` (MLX's CPU
+/// layer norm is several operations, each a pass on one thread).
+pub fn add_layer_norm(a: &Array, b: &Array, norm: &super::layers::LayerNorm) -> anyhow::Result<Array> {
+    if native() {
+        let (weight, bias, eps) = norm.parts();
+        Ok(super::cpu_native::add_layer_norm(a, b, weight, bias, eps)?)
+    } else {
+        norm.forward(&a.add(b)?)
+    }
+}
+
 /// Softmax over the last axis, f32, as MLX operations.
 pub fn softmax_last(x: &Array) -> Result<Array, Exception> {
     let e = exp_nonpositive(&x.subtract(x.max_axis(-1, true)?)?)?;

@@ -61,14 +61,8 @@ fn exp_nonpositive(x: f32) -> f32 {
 /// `cpu_math::gelu`, one element.
 #[inline(always)]
 fn gelu_one(x: f32) -> f32 {
-    let t = x * std::f32::consts::FRAC_1_SQRT_2;
-    let t = if t < -4.0 {
-        -4.0
-    } else if t > 4.0 {
-        4.0
-    } else {
-        t
-    };
+    // Two comparisons, not `clamp` (whose NaN checks keep the loop scalar).
+    let t = larger(-4.0, -larger(-4.0, -(x * std::f32::consts::FRAC_1_SQRT_2)));
     let t2 = t * t;
     let erf = horner(t2, &super::cpu_math::ERF_P) * t / horner(t2, &super::cpu_math::ERF_Q);
     x * (erf + 1.0) * 0.5
@@ -142,6 +136,48 @@ fn softmax_rows(scores: &[f32], bias: &[f32], layout: BiasLayout, first: usize, 
     }
 }
 
+/// `(a + b)` normalized over each row of `weight.len()`, scaled and
+/// shifted, as MLX's layer norm computes it (mean, then the mean square
+/// of the centred values).
+#[inline(always)]
+fn add_layer_norm_rows(a: &[f32], b: &[f32], weight: &[f32], bias: &[f32], eps: f32, first: usize, out: &mut [f32]) {
+    let d = weight.len();
+    let whole = d - d % LANES;
+    for (i, o) in out.chunks_exact_mut(d).enumerate() {
+        let at = (first + i) * d;
+        let (a, b) = (&a[at..at + d], &b[at..at + d]);
+        let mut sums = [0.0f32; LANES];
+        for ((o, a), b) in o[..whole].chunks_exact_mut(LANES).zip(a.chunks_exact(LANES)).zip(b.chunks_exact(LANES)) {
+            for l in 0..LANES {
+                o[l] = a[l] + b[l];
+                sums[l] += o[l];
+            }
+        }
+        let mut sum: f32 = sums.iter().sum();
+        for j in whole..d {
+            o[j] = a[j] + b[j];
+            sum += o[j];
+        }
+        let mean = sum / d as f32;
+        let mut squares = [0.0f32; LANES];
+        for o in o[..whole].chunks_exact_mut(LANES) {
+            for l in 0..LANES {
+                o[l] -= mean;
+                squares[l] += o[l] * o[l];
+            }
+        }
+        let mut square: f32 = squares.iter().sum();
+        for v in &mut o[whole..] {
+            *v -= mean;
+            square += *v * *v;
+        }
+        let scale = 1.0 / (square / d as f32 + eps).sqrt();
+        for ((v, w), s) in o.iter_mut().zip(weight).zip(bias) {
+            *v = *v * scale * w + s;
+        }
+    }
+}
+
 #[inline(always)]
 fn gelu_all(x: &[f32], out: &mut [f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
@@ -183,6 +219,12 @@ macro_rules! widest {
 fn softmax_rows_widest(scores: &[f32], bias: &[f32], layout: BiasLayout, first: usize, out: &mut [f32]) {
     widest!(softmax_rows(scores: &[f32], bias: &[f32], layout: BiasLayout, first: usize, out: &mut [f32])
         => softmax_rows(scores, bias, layout, first, out))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn add_layer_norm_widest(a: &[f32], b: &[f32], w: &[f32], s: &[f32], eps: f32, first: usize, out: &mut [f32]) {
+    widest!(add_layer_norm_rows(a: &[f32], b: &[f32], w: &[f32], s: &[f32], eps: f32, first: usize, out: &mut [f32])
+        => add_layer_norm_rows(a, b, w, s, eps, first, out))
 }
 
 fn gelu_widest(x: &[f32], out: &mut [f32]) {
@@ -271,6 +313,42 @@ pub fn softmax_biased(scores: &Array, bias: &Array) -> Result<Array, Exception> 
     Ok(array_of(out, &shape))
 }
 
+/// Layer norm of `a + b` over the last axis (`weight`'s length), f32;
+/// `bias` none: no shift.
+pub fn add_layer_norm(
+    a: &Array,
+    b: &Array,
+    weight: &Array,
+    bias: Option<&Array>,
+    eps: f32,
+) -> Result<Array, Exception> {
+    let shape = a.shape().to_vec();
+    if b.shape() != shape.as_slice() || weight.ndim() != 1 || shape.last().copied() != Some(weight.shape()[0]) {
+        return Err(Exception::custom(format!(
+            "add_layer_norm: {shape:?} + {:?} over {:?}",
+            b.shape(),
+            weight.shape()
+        )));
+    }
+    let d = weight.shape()[0] as usize;
+    let zeros;
+    let bias = match bias {
+        Some(bias) => f32_data(bias)?,
+        None => {
+            zeros = Array::zeros::<f32>(&[d as i32])?;
+            f32_data(&zeros)?
+        }
+    };
+    let (a, b, weight) = (f32_data(a)?, f32_data(b)?, f32_data(weight)?);
+    let (av, bv, wv, sv) = (slice(&a)?, slice(&b)?, slice(&weight)?, slice(&bias)?);
+    if sv.len() != d {
+        return Err(Exception::custom(format!("add_layer_norm: a shift of {} for rows of {d}", sv.len())));
+    }
+    let mut out = vec![0.0f32; av.len()];
+    on_every_core(&mut out, d, |first, part| add_layer_norm_widest(av, bv, wv, sv, eps, first, part));
+    Ok(array_of(out, &shape))
+}
+
 /// GELU with `cpu_math`'s erf, f32, any shape.
 pub fn gelu(x: &Array) -> Result<Array, Exception> {
     let shape = x.shape().to_vec();
@@ -325,6 +403,24 @@ mod tests {
         let scores = Array::zeros::<f32>(&[2, 3, 5, 8]).unwrap();
         assert!(softmax_biased(&scores, &Array::zeros::<f32>(&[3, 1, 1, 8]).unwrap()).is_err());
         assert!(softmax_biased(&scores, &Array::zeros::<f32>(&[2, 1, 1, 7]).unwrap()).is_err());
+    }
+
+    #[test]
+    fn add_layer_norm_agrees_with_mlx() {
+        // Rows of 37 (lane groups and a tail), enough rows for several parts.
+        let (rows, d) = (1_000, 37);
+        let a = Array::from_slice(&values(rows * d, 3.0), &[10, rows / 10, d]);
+        let b = a.multiply(Array::from_f32(-0.3)).unwrap().add(Array::from_f32(0.7)).unwrap();
+        let weight = Array::from_slice(&values(d, 2.0), &[d]);
+        let shift = Array::from_slice(&values(d, 0.5), &[d]);
+        for bias in [Some(&shift), None] {
+            let want = mlx_rs::fast::layer_norm(a.add(&b).unwrap(), &weight, bias, 1e-12).unwrap();
+            let got = add_layer_norm(&a, &b, &weight, bias, 1e-12).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            let worst = got.subtract(&want).unwrap().abs().unwrap().max(None).unwrap().try_item_cast::<f32>().unwrap();
+            assert!(worst < 1e-5, "{worst}");
+        }
+        assert!(add_layer_norm(&a, &b, &shift.index(..3), None, 1e-12).is_err());
     }
 
     #[test]

@@ -34,6 +34,11 @@ impl LayerNorm {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::layer_norm(x, &self.weight, self.bias.as_ref(), self.eps)?)
     }
+
+    /// Its scale, shift and epsilon.
+    pub fn parts(&self) -> (&Array, Option<&Array>, f32) {
+        (&self.weight, self.bias.as_ref(), self.eps)
+    }
 }
 
 /// How quantized matrices serve a step (one row, a decode batch, a prompt

@@ -105,12 +105,23 @@ impl BertEncoder {
             let v = to_heads(&layer.value.forward(&x)?, b, l, n)?;
             let o = attend(&q, &k, &v, scale, &mask, bias.as_ref())?;
             let o = layer.attention_out.forward(&from_heads(&o)?)?;
-            x = layer.attention_norm.forward(&o.add(&x)?)?;
+            x = self.add_norm(&o, &x, &layer.attention_norm)?;
             let h = layer.intermediate.forward(&x)?;
             let h = if self.cpu_math { cpu_math::gelu(&h)? } else { nn::gelu(h)? };
-            x = layer.output_norm.forward(&layer.output.forward(&h)?.add(&x)?)?;
+            x = self.add_norm(&layer.output.forward(&h)?, &x, &layer.output_norm)?;
         }
         Ok(x)
+    }
+}
+
+impl BertEncoder {
+    /// `norm(a + b)`: on the CPU by `cpu_math` (one pass on every core).
+    fn add_norm(&self, a: &Array, b: &Array, norm: &LayerNorm) -> Result<Array> {
+        if self.cpu_math {
+            cpu_math::add_layer_norm(a, b, norm)
+        } else {
+            norm.forward(&a.add(b)?)
+        }
     }
 }
 
