@@ -24,8 +24,9 @@ pub const LAYERS: &[&[&str]] = &[
     &["families"],
     &["model"],
     &["audio"],
-    // Foundations (`distributed`: MLX's process groups and collectives).
-    &["error", "limits", "logging", "distributed", "metrics"],
+    // Foundations (`distributed`: MLX's process groups and collectives;
+    // `blas_core`: which OpenBLAS kernels MLX's products run on).
+    &["error", "limits", "logging", "distributed", "metrics", "blas_core"],
 ];
 
 /// Items of the crate root anyone may use (`lib.rs`).
