@@ -10,8 +10,8 @@
 //! Its kernels can only be chosen by `OPENBLAS_CORETYPE` in the
 //! environment before it loads, and it loads with the executable (it is
 //! linked to win symbol lookup over the MLX wheel's reference BLAS:
-//! build.rs). So mlxbcd, when OpenBLAS picked kernels narrower than the
-//! CPU's vector units, sets `OPENBLAS_CORETYPE` and executes itself again
+//! build.rs). So mlxbcd, when OpenBLAS fell back to SSE-era kernels (it did not
+//! recognize the CPU) on a CPU with AVX2 or AVX-512, sets `OPENBLAS_CORETYPE` and executes itself again
 //! (same pid, arguments and inherited sockets) before anything else runs.
 //! A `OPENBLAS_CORETYPE` already set is left alone: the user's choice, and
 //! what stops a second restart.
@@ -82,17 +82,19 @@ fn widest_for_this_cpu() -> Option<(&'static str, u8)> {
     None
 }
 
-/// The `OPENBLAS_CORETYPE` that would give this CPU wider kernels than
-/// OpenBLAS picked (`detected`), or `None` where its pick is as wide as
-/// the CPU allows or not known here.
+/// The `OPENBLAS_CORETYPE` that would give this CPU wider kernels where
+/// OpenBLAS fell back to SSE-era ones (`detected`: it did not recognize
+/// the CPU), or `None`. A pick OpenBLAS made knowingly (AVX2 "Zen" on a
+/// Zen 4 with AVX-512, say) is left alone: its results are what the
+/// committed references of such machines were made with.
 pub fn better_core(detected: &str) -> Option<&'static str> {
     let have = vector_class(detected)?;
     let (name, class) = widest_for_this_cpu()?;
-    (class > have).then_some(name)
+    (have == 0 && class > have).then_some(name)
 }
 
-/// At the start of `main`, before any thread exists: when OpenBLAS chose
-/// kernels narrower than this CPU runs, executes this program again with
+/// At the start of `main`, before any thread exists: when OpenBLAS fell back
+/// to SSE-era kernels on a CPU with wider ones ([`better_core`]), executes this program again with
 /// `OPENBLAS_CORETYPE` set to the widest (it does not return then). Does
 /// nothing where the variable is already set, off Linux, or where the
 /// restart fails (it runs on with the kernels it has).
@@ -130,13 +132,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_narrower_known_kernels_are_replaced() {
+    fn only_kernels_of_an_unrecognized_cpu_are_replaced() {
         match widest_for_this_cpu() {
             Some((name, class)) => {
                 assert_eq!(better_core("Prescott"), Some(name));
                 assert_eq!(better_core("Nehalem"), Some(name));
                 assert_eq!(better_core("SkylakeX"), None, "nothing is wider than AVX-512");
-                assert_eq!(better_core("Haswell").is_some(), class == 3);
+                assert_eq!(better_core("Haswell"), None, "a recognized CPU keeps its kernels ({class})");
+                assert_eq!(better_core("Sandybridge"), None);
             }
             None => assert_eq!(better_core("Prescott"), None),
         }

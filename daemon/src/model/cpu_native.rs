@@ -349,6 +349,118 @@ pub fn add_layer_norm(
     Ok(array_of(out, &shape))
 }
 
+/// `cblas_sgemm` of the BLAS MLX's products land in (OpenBLAS, or the
+/// wheel's), looked up once.
+type Sgemm =
+    unsafe extern "C" fn(i32, i32, i32, i32, i32, i32, f32, *const f32, i32, *const f32, i32, f32, *mut f32, i32);
+
+fn sgemm() -> Option<Sgemm> {
+    static FOUND: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let address = *FOUND.get_or_init(|| {
+        // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
+        let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"cblas_sgemm".as_ptr()) };
+        (!p.is_null()).then_some(p as usize)
+    });
+    // SAFETY: the symbol is CBLAS's `cblas_sgemm`, of this signature.
+    address.map(|a| unsafe { std::mem::transmute::<usize, Sgemm>(a) })
+}
+
+const ROW_MAJOR: i32 = 101;
+const NO_TRANSPOSE: i32 = 111;
+const TRANSPOSE: i32 = 112;
+
+/// Attention for an encoder, heads read where the projections put them:
+/// q, k, v `[B, L, width]` (heads side by side in `width`), `bias`
+/// `[B, 1, 1, L]` (0 to attend, -1e9 at padding), f32; the result
+/// `[B, L, width]`, as the output projection takes it. Per text and head:
+/// the scores by one BLAS product with the rows' stride (no head is
+/// transposed or copied out), [`softmax_biased`]'s softmax while they are
+/// in cache, and the weighted sum of v written straight into its columns
+/// of the result. `None` where no CBLAS is found.
+pub fn attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    heads: usize,
+    scale: f32,
+    bias: &Array,
+) -> Result<Option<Array>, Exception> {
+    let Some(sgemm) = sgemm() else { return Ok(None) };
+    let shape = q.shape().to_vec();
+    let (b, l) = (shape.first().copied().unwrap_or(0), shape.get(1).copied().unwrap_or(0));
+    let fits = shape.len() == 3
+        && k.shape() == shape.as_slice()
+        && v.shape() == shape.as_slice()
+        && heads > 0
+        && (shape[2] as usize).is_multiple_of(heads)
+        && bias.shape() == [b, 1, 1, l];
+    if !fits {
+        return Err(Exception::custom(format!(
+            "attention: q {shape:?}, k {:?}, v {:?}, {heads} heads, bias {:?}",
+            k.shape(),
+            v.shape(),
+            bias.shape()
+        )));
+    }
+    let (texts, tokens, width) = (b as usize, l as usize, shape[2] as usize);
+    let d = width / heads;
+    let (q, k, v, bias) = (f32_data(q)?, f32_data(k)?, f32_data(v)?, f32_data(bias)?);
+    let (qv, kv, vv, bv) = (slice(&q)?, slice(&k)?, slice(&v)?, slice(&bias)?);
+    let mut out = vec![0.0f32; qv.len()];
+    let mut scores = vec![0.0f32; tokens * tokens];
+    let mut weights = vec![0.0f32; tokens * tokens];
+    let layout = BiasLayout { heads: 1, queries: tokens, keys: tokens, per_batch: false, per_query: false };
+    let (n, w) = (tokens as i32, width as i32);
+    for text in 0..texts {
+        let at = text * tokens * width;
+        for head in 0..heads {
+            let column = at + head * d;
+            // SAFETY: every pointer is into a slice holding the rows it
+            // names: `tokens` rows of stride `width` from `column`, d wide
+            // (q, k, v, out), and the tokens × tokens buffers.
+            unsafe {
+                sgemm(
+                    ROW_MAJOR,
+                    NO_TRANSPOSE,
+                    TRANSPOSE,
+                    n,
+                    n,
+                    d as i32,
+                    scale,
+                    qv.as_ptr().add(column),
+                    w,
+                    kv.as_ptr().add(column),
+                    w,
+                    0.0,
+                    scores.as_mut_ptr(),
+                    n,
+                );
+            }
+            softmax_rows_widest(&scores, &bv[text * tokens..(text + 1) * tokens], layout, 0, &mut weights);
+            // SAFETY: as above.
+            unsafe {
+                sgemm(
+                    ROW_MAJOR,
+                    NO_TRANSPOSE,
+                    NO_TRANSPOSE,
+                    n,
+                    d as i32,
+                    n,
+                    1.0,
+                    weights.as_ptr(),
+                    n,
+                    vv.as_ptr().add(column),
+                    w,
+                    0.0,
+                    out.as_mut_ptr().add(column),
+                    w,
+                );
+            }
+        }
+    }
+    Ok(Some(array_of(out, &shape)))
+}
+
 /// GELU with `cpu_math`'s erf, f32, any shape.
 pub fn gelu(x: &Array) -> Result<Array, Exception> {
     let shape = x.shape().to_vec();
@@ -403,6 +515,41 @@ mod tests {
         let scores = Array::zeros::<f32>(&[2, 3, 5, 8]).unwrap();
         assert!(softmax_biased(&scores, &Array::zeros::<f32>(&[3, 1, 1, 8]).unwrap()).is_err());
         assert!(softmax_biased(&scores, &Array::zeros::<f32>(&[2, 1, 1, 7]).unwrap()).is_err());
+    }
+
+    #[test]
+    fn attention_agrees_with_mlx_without_moving_heads() {
+        // 3 texts of 21 tokens (a lane group and a tail), 4 heads of 8.
+        let (b, l, heads, d) = (3, 21, 4, 8);
+        let make = |scale: f32, shift: usize| {
+            let v = values(b * l * heads * d + shift as i32, scale)[shift..].to_vec();
+            Array::from_slice(&v, &[b, l, heads * d])
+        };
+        let (q, k, v) = (make(2.0, 0), make(2.0, 7), make(1.0, 13));
+        let mut keep = vec![true; (b * l) as usize];
+        keep[(l + 15) as usize..(2 * l) as usize].iter_mut().for_each(|x| *x = false);
+        let keep = Array::from_slice(&keep, &[b, 1, 1, l]);
+        let bias = mlx_rs::ops::select(&keep, Array::from_f32(0.0), Array::from_f32(-1e9)).unwrap();
+        let scale = 1.0 / (d as f32).sqrt();
+        let to_heads = |x: &Array| x.reshape(&[b, l, heads, d]).unwrap().transpose_axes(&[0, 2, 1, 3]).unwrap();
+        let want = mlx_rs::fast::scaled_dot_product_attention(
+            to_heads(&q),
+            to_heads(&k),
+            to_heads(&v),
+            scale,
+            mlx_rs::fast::ScaledDotProductAttentionMask::Array(&keep),
+            None,
+        )
+        .unwrap()
+        .transpose_axes(&[0, 2, 1, 3])
+        .unwrap()
+        .reshape(&[b, l, heads * d])
+        .unwrap();
+        let got = attention(&q, &k, &v, heads as usize, scale, &bias).unwrap().expect("MLX's CBLAS is linked");
+        assert_eq!(got.shape(), want.shape());
+        let worst = got.subtract(&want).unwrap().abs().unwrap().max(None).unwrap().try_item_cast::<f32>().unwrap();
+        assert!(worst < 1e-5, "{worst}");
+        assert!(attention(&q, &k, &v, 5, scale, &bias).is_err(), "32 features in 5 heads");
     }
 
     #[test]

@@ -100,6 +100,16 @@ impl BertEncoder {
         // takes e^-87 there, 1.6e-38 of the row's largest).
         let bias = if self.cpu_math { Some(padding_bias(&mask)?) } else { None };
         for layer in &self.layers {
+            if let Some(bias) = bias.as_ref().filter(|_| cpu_math::native()) {
+                // On the CPU: heads read where the projections put them.
+                let (q, k, v) = (layer.query.forward(&x)?, layer.key.forward(&x)?, layer.value.forward(&x)?);
+                if let Some(o) = crate::model::cpu_native::attention(&q, &k, &v, n as usize, scale, bias)? {
+                    x = self.add_norm(&layer.attention_out.forward(&o)?, &x, &layer.attention_norm)?;
+                    let h = cpu_math::gelu(&layer.intermediate.forward(&x)?)?;
+                    x = self.add_norm(&layer.output.forward(&h)?, &x, &layer.output_norm)?;
+                    continue;
+                }
+            }
             let q = to_heads(&layer.query.forward(&x)?, b, l, n)?;
             let k = to_heads(&layer.key.forward(&x)?, b, l, n)?;
             let v = to_heads(&layer.value.forward(&x)?, b, l, n)?;
