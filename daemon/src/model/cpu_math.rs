@@ -17,10 +17,12 @@ pub fn enabled() -> bool {
 }
 
 /// True unless `MLXBC_CPU_MATH` is `polynomial` (these polynomials as MLX
-/// operations) or `mlx`: softmax and GELU computed by `cpu_native` over
-/// MLX's buffers, vectorized and on every core.
+/// operations) or `mlx`: softmax, GELU and add+norm computed by
+/// `cpu_native` over MLX's buffers, vectorized and on every core. Read
+/// once (it is asked every layer).
 pub fn native() -> bool {
-    std::env::var("MLXBC_CPU_MATH").map_or(true, |v| v != "mlx" && v != "polynomial")
+    static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NATIVE.get_or_init(|| std::env::var("MLXBC_CPU_MATH").map_or(true, |v| v != "mlx" && v != "polynomial"))
 }
 
 /// Makes glibc keep freed buffers of up to 32 MiB (its largest mmap

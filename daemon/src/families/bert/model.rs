@@ -100,31 +100,40 @@ impl BertEncoder {
         // takes e^-87 there, 1.6e-38 of the row's largest).
         let bias = if self.cpu_math { Some(padding_bias(&mask)?) } else { None };
         for layer in &self.layers {
-            if let Some(bias) = bias.as_ref().filter(|_| cpu_math::native()) {
-                // On the CPU: heads read where the projections put them.
-                let (q, k, v) = (layer.query.forward(&x)?, layer.key.forward(&x)?, layer.value.forward(&x)?);
-                if let Some(o) = crate::model::cpu_native::attention(&q, &k, &v, n as usize, scale, bias)? {
-                    x = self.add_norm(&layer.attention_out.forward(&o)?, &x, &layer.attention_norm)?;
-                    let h = cpu_math::gelu(&layer.intermediate.forward(&x)?)?;
-                    x = self.add_norm(&layer.output.forward(&h)?, &x, &layer.output_norm)?;
-                    continue;
+            let o = match self.attention_in_place(layer, &x, n, scale, bias.as_ref())? {
+                Some(o) => o,
+                None => {
+                    let q = to_heads(&layer.query.forward(&x)?, b, l, n)?;
+                    let k = to_heads(&layer.key.forward(&x)?, b, l, n)?;
+                    let v = to_heads(&layer.value.forward(&x)?, b, l, n)?;
+                    from_heads(&attend(&q, &k, &v, scale, &mask, bias.as_ref())?)?
                 }
-            }
-            let q = to_heads(&layer.query.forward(&x)?, b, l, n)?;
-            let k = to_heads(&layer.key.forward(&x)?, b, l, n)?;
-            let v = to_heads(&layer.value.forward(&x)?, b, l, n)?;
-            let o = attend(&q, &k, &v, scale, &mask, bias.as_ref())?;
-            let o = layer.attention_out.forward(&from_heads(&o)?)?;
-            x = self.add_norm(&o, &x, &layer.attention_norm)?;
+            };
+            x = self.add_norm(&layer.attention_out.forward(&o)?, &x, &layer.attention_norm)?;
             let h = layer.intermediate.forward(&x)?;
             let h = if self.cpu_math { cpu_math::gelu(&h)? } else { nn::gelu(h)? };
             x = self.add_norm(&layer.output.forward(&h)?, &x, &layer.output_norm)?;
         }
         Ok(x)
     }
-}
 
-impl BertEncoder {
+    /// On the CPU (`cpu_bias`, native math): attention `[B, L, hidden]`
+    /// with each head read where the projections put it
+    /// (`cpu_native::attention`); `None` elsewhere, or where no CBLAS is
+    /// found.
+    fn attention_in_place(
+        &self,
+        layer: &Layer,
+        x: &Array,
+        heads: i32,
+        scale: f32,
+        cpu_bias: Option<&Array>,
+    ) -> Result<Option<Array>> {
+        let Some(bias) = cpu_bias.filter(|_| cpu_math::native()) else { return Ok(None) };
+        let (q, k, v) = (layer.query.forward(x)?, layer.key.forward(x)?, layer.value.forward(x)?);
+        Ok(crate::model::cpu_native::attention(&q, &k, &v, heads as usize, scale, bias)?)
+    }
+
     /// `norm(a + b)`: on the CPU by `cpu_math` (one pass on every core).
     fn add_norm(&self, a: &Array, b: &Array, norm: &LayerNorm) -> Result<Array> {
         if self.cpu_math {
