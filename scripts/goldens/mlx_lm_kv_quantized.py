@@ -7,7 +7,7 @@ tiny Qwen3 (grouped-query heads 32 wide: groups of 32), for the test prompts, in
 settings: 8 and 4 bits from the start, and 8 bits starting after 48
 positions (the short prompts' caches are quantized during decode, the long
 one's after its prefill). Also the full-precision answers, for counting how
-many quantized answers equal them. Written to
+many quantized answers equal them, and each step's five best tokens. Written to
 tests/fixtures/reference/kv-quantized.json (tests need no Python).
 
 Usage: mlx_lm_kv_quantized.py FIXTURES_DIR OUT_DIR
@@ -26,6 +26,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mlx_lm_reference import PROMPTS, long_prompt  # noqa: E402
 
 MAX_TOKENS = 32
+# Each step's best tokens: where a sum's last bits differ (another BLAS's
+# kernels, another batch's row count) greedy ids may part at a near tie, and
+# the test checks the parting token against these.
+TOP = 5
 SETTINGS = [
     {"bits": 8, "group_size": 64, "start": 0},
     {"bits": 4, "group_size": 64, "start": 0},
@@ -39,14 +43,16 @@ def run(model, tokenizer, prompt, setting):
     if setting:
         kwargs = {"kv_bits": setting["bits"], "kv_group_size": setting["group_size"],
                   "quantized_kv_start": setting["start"]}
-    ids, logprobs = [], []
+    ids, logprobs, top = [], [], []
     for token, lp in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS, **kwargs):
         token = int(token)
         if token in tokenizer.eos_token_ids:
             break
         ids.append(token)
         logprobs.append(lp[token].item())
-    return ids, logprobs
+        best = mx.argsort(-lp)[:TOP].tolist()
+        top.append([[i, lp[i].item()] for i in best])
+    return ids, logprobs, top
 
 
 def main():
@@ -64,9 +70,9 @@ def main():
         for messages in PROMPTS + [long_prompt(tokenizer)]:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             for setting in settings:
-                ids, logprobs = run(model, tokenizer, prompt, setting)
+                ids, logprobs, top = run(model, tokenizer, prompt, setting)
                 cases.append({"messages": messages, "prompt_tokens": len(prompt), "kv": setting,
-                              "generated_ids": ids, "logprobs": logprobs})
+                              "generated_ids": ids, "logprobs": logprobs, "top_logprobs": top})
                 print(name, setting, repr(tokenizer.decode(ids))[:70])
         result["models"][name] = {"weights_sha256": hashes[name], "cases": cases}
     (out / "kv-quantized.json").write_text(json.dumps(result, indent=1) + "\n")
