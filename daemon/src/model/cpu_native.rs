@@ -233,7 +233,7 @@ fn gelu_widest(x: &[f32], out: &mut [f32]) {
 
 /// Runs `work(first_unit, out_part)` over `out` cut at whole `unit`s into
 /// one part per core.
-fn on_every_core(out: &mut [f32], unit: usize, work: impl Fn(usize, &mut [f32]) + Sync) {
+pub(crate) fn on_every_core(out: &mut [f32], unit: usize, work: impl Fn(usize, &mut [f32]) + Sync) {
     let units = out.len() / unit.max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
     // Parts of at least 64 KiB: below that a thread costs more than it saves.
@@ -253,7 +253,7 @@ fn on_every_core(out: &mut [f32], unit: usize, work: impl Fn(usize, &mut [f32]) 
 /// An MLX array over `data` without copying it: MLX drops the vector when
 /// it no longer needs the buffer (on the CPU, MLX's buffers are plain
 /// memory).
-fn array_of(data: Vec<f32>, shape: &[i32]) -> Array {
+pub(crate) fn array_of(data: Vec<f32>, shape: &[i32]) -> Array {
     assert_eq!(data.len(), shape.iter().map(|&d| d as usize).product::<usize>());
     unsafe extern "C" fn drop_vector(payload: *mut std::ffi::c_void) {
         // SAFETY: the payload is the Box made below, dropped once by MLX.
@@ -275,13 +275,13 @@ fn array_of(data: Vec<f32>, shape: &[i32]) -> Array {
     }
 }
 
-fn f32_data(a: &Array) -> Result<Array, Exception> {
+pub(crate) fn f32_data(a: &Array) -> Result<Array, Exception> {
     let a = if a.dtype() == Dtype::Float32 { a.contiguous()? } else { a.as_dtype(Dtype::Float32)?.contiguous()? };
     a.eval()?;
     Ok(a)
 }
 
-fn slice(a: &Array) -> Result<&[f32], Exception> {
+pub(crate) fn slice(a: &Array) -> Result<&[f32], Exception> {
     a.try_as_slice::<f32>().map_err(|e| Exception::custom(format!("reading an array on the CPU: {e}")))
 }
 
@@ -351,10 +351,10 @@ pub fn add_layer_norm(
 
 /// `cblas_sgemm` of the BLAS MLX's products land in (OpenBLAS, or the
 /// wheel's), looked up once.
-type Sgemm =
+pub(crate) type Sgemm =
     unsafe extern "C" fn(i32, i32, i32, i32, i32, i32, f32, *const f32, i32, *const f32, i32, f32, *mut f32, i32);
 
-fn sgemm() -> Option<Sgemm> {
+pub(crate) fn sgemm() -> Option<Sgemm> {
     static FOUND: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let address = *FOUND.get_or_init(|| {
         // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
@@ -369,14 +369,176 @@ const ROW_MAJOR: i32 = 101;
 const NO_TRANSPOSE: i32 = 111;
 const TRANSPOSE: i32 = 112;
 
+/// The result of [`attention`], written by several threads at once, each
+/// into columns of its own.
+struct SharedOut(*mut f32);
+// SAFETY: the threads write disjoint elements (see `HeadsOf::one`).
+unsafe impl Sync for SharedOut {}
+
+/// Rows of a BLAS call in [`attention`] such that rows × tokens × d stays
+/// under OpenBLAS's threading threshold (65,536 × 4 multiply-adds): each
+/// call then runs in the thread that makes it, and the cores share the
+/// heads between them instead of OpenBLAS's threads waking for each small
+/// product (with 2 cores, a quarter of the time went to their yielding).
+fn rows_per_call(tokens: usize, d: usize) -> usize {
+    ((65_536 * 4 - 1) / (tokens * d).max(1)).clamp(1, tokens.max(1))
+}
+
+/// One layer's q, k, v (rows of `stride`, the heads side by side from
+/// each slice's start) and padding bias, for [`attention_into`].
+struct HeadsOf<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    bias: &'a [f32],
+    tokens: usize,
+    stride: usize,
+    width: usize,
+    d: usize,
+    scale: f32,
+}
+
+impl HeadsOf<'_> {
+    /// Head `head` of text `text` into its columns of `out`: the scores by
+    /// BLAS products with the rows' stride, the softmax while they are in
+    /// cache, the weighted sum of v.
+    ///
+    /// # Safety
+    /// `out` holds `texts × tokens × width` floats, and no other thread
+    /// writes this text's rows in this head's columns.
+    unsafe fn one(
+        &self,
+        sgemm: Sgemm,
+        text: usize,
+        head: usize,
+        out: *mut f32,
+        scores: &mut [f32],
+        weights: &mut [f32],
+    ) {
+        let (tokens, width, d) = (self.tokens, self.width, self.d);
+        let column = text * tokens * self.stride + head * d;
+        let written = text * tokens * width + head * d;
+        let (n, w) = (tokens as i32, self.stride as i32);
+        let step = rows_per_call(tokens, d);
+        for first in (0..tokens).step_by(step) {
+            let rows = step.min(tokens - first);
+            // SAFETY: `rows` query rows of stride `width` from `column +
+            // first × width`, d wide; all `tokens` key rows; `rows` rows of
+            // the tokens × tokens buffer.
+            unsafe {
+                sgemm(
+                    ROW_MAJOR,
+                    NO_TRANSPOSE,
+                    TRANSPOSE,
+                    rows as i32,
+                    n,
+                    d as i32,
+                    self.scale,
+                    self.q.as_ptr().add(column + first * self.stride),
+                    w,
+                    self.k.as_ptr().add(column),
+                    w,
+                    0.0,
+                    scores.as_mut_ptr().add(first * tokens),
+                    n,
+                );
+            }
+        }
+        let layout = BiasLayout { heads: 1, queries: tokens, keys: tokens, per_batch: false, per_query: false };
+        softmax_rows_widest(scores, &self.bias[text * tokens..(text + 1) * tokens], layout, 0, weights);
+        for first in (0..tokens).step_by(step) {
+            let rows = step.min(tokens - first);
+            // SAFETY: `rows` rows of the weights; all of v's rows in this
+            // head's columns; `rows` rows of `out` in them (the caller's).
+            unsafe {
+                sgemm(
+                    ROW_MAJOR,
+                    NO_TRANSPOSE,
+                    NO_TRANSPOSE,
+                    rows as i32,
+                    d as i32,
+                    n,
+                    1.0,
+                    weights.as_ptr().add(first * tokens),
+                    n,
+                    self.v.as_ptr().add(column),
+                    w,
+                    0.0,
+                    out.add(written + first * width),
+                    width as i32,
+                );
+            }
+        }
+    }
+}
+
+/// The sizes of one [`attention_into`] call.
+#[derive(Clone, Copy)]
+pub(crate) struct Attention {
+    pub texts: usize,
+    pub tokens: usize,
+    pub heads: usize,
+    /// Width of a row of the result (all heads).
+    pub width: usize,
+    /// Distance between rows of q, k and v (`width`, or 3 × `width` where
+    /// they are one fused projection's thirds).
+    pub stride: usize,
+    pub scale: f32,
+}
+
+/// [`attention`] over slices: q, k, v of rows `shape.stride` apart (each
+/// slice starting at its first head), `bias` `[texts, tokens]`, into `out`
+/// `[texts, tokens, width]`; the (text, head) pairs shared among the cores.
+pub(crate) fn attention_into(
+    sgemm: Sgemm,
+    qkv: (&[f32], &[f32], &[f32]),
+    bias: &[f32],
+    shape: Attention,
+    out: &mut [f32],
+) {
+    let Attention { texts, tokens, heads, width, stride, scale } = shape;
+    let (q, k, v) = qkv;
+    let rows_end = texts.saturating_sub(1) * tokens * stride + tokens.saturating_sub(1) * stride + width;
+    assert!(texts * tokens == 0 || (q.len() >= rows_end && k.len() >= rows_end && v.len() >= rows_end));
+    assert!(out.len() == texts * tokens * width && bias.len() == texts * tokens && width.is_multiple_of(heads));
+    let heads_of = HeadsOf { q, k, v, bias, tokens, stride, width, d: width / heads, scale };
+    // Every (text, head) on some core, each core a range of them.
+    let units = texts * heads;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16).min(units.max(1));
+    let per = units.div_ceil(cores.max(1));
+    let written = SharedOut(out.as_mut_ptr());
+    std::thread::scope(|scope| {
+        for first in (0..units).step_by(per.max(1)) {
+            let heads_of = &heads_of;
+            let written = &written;
+            let work = move || {
+                let mut scores = vec![0.0f32; tokens * tokens];
+                let mut weights = vec![0.0f32; tokens * tokens];
+                for unit in first..(first + per).min(units) {
+                    // SAFETY: each unit writes only its own head's columns
+                    // of its own text's rows; units are disjoint; the
+                    // slices hold the rows asserted above.
+                    unsafe { heads_of.one(sgemm, unit / heads, unit % heads, written.0, &mut scores, &mut weights) };
+                }
+            };
+            if first + per >= units {
+                work(); // the last range on this thread
+            } else {
+                scope.spawn(work);
+            }
+        }
+    });
+}
+
 /// Attention for an encoder, heads read where the projections put them:
 /// q, k, v `[B, L, width]` (heads side by side in `width`), `bias`
 /// `[B, 1, 1, L]` (0 to attend, -1e9 at padding), f32; the result
-/// `[B, L, width]`, as the output projection takes it. Per text and head:
-/// the scores by one BLAS product with the rows' stride (no head is
-/// transposed or copied out), [`softmax_biased`]'s softmax while they are
-/// in cache, and the weighted sum of v written straight into its columns
-/// of the result. `None` where no CBLAS is found.
+/// `[B, L, width]`, as the output projection takes it. Per text and head,
+/// the (text, head) pairs shared among the cores: the scores by BLAS
+/// products with the rows' stride (no head is transposed or copied out),
+/// [`softmax_biased`]'s softmax while they are in cache, and the weighted
+/// sum of v written straight into its columns of the result. `None` where
+/// no CBLAS is found.
 pub fn attention(
     q: &Array,
     k: &Array,
@@ -403,62 +565,131 @@ pub fn attention(
         )));
     }
     let (texts, tokens, width) = (b as usize, l as usize, shape[2] as usize);
-    let d = width / heads;
     let (q, k, v, bias) = (f32_data(q)?, f32_data(k)?, f32_data(v)?, f32_data(bias)?);
-    let (qv, kv, vv, bv) = (slice(&q)?, slice(&k)?, slice(&v)?, slice(&bias)?);
-    let mut out = vec![0.0f32; qv.len()];
-    let mut scores = vec![0.0f32; tokens * tokens];
-    let mut weights = vec![0.0f32; tokens * tokens];
-    let layout = BiasLayout { heads: 1, queries: tokens, keys: tokens, per_batch: false, per_query: false };
-    let (n, w) = (tokens as i32, width as i32);
-    for text in 0..texts {
-        let at = text * tokens * width;
-        for head in 0..heads {
-            let column = at + head * d;
-            // SAFETY: every pointer is into a slice holding the rows it
-            // names: `tokens` rows of stride `width` from `column`, d wide
-            // (q, k, v, out), and the tokens × tokens buffers.
-            unsafe {
-                sgemm(
-                    ROW_MAJOR,
-                    NO_TRANSPOSE,
-                    TRANSPOSE,
-                    n,
-                    n,
-                    d as i32,
-                    scale,
-                    qv.as_ptr().add(column),
-                    w,
-                    kv.as_ptr().add(column),
-                    w,
-                    0.0,
-                    scores.as_mut_ptr(),
-                    n,
-                );
-            }
-            softmax_rows_widest(&scores, &bv[text * tokens..(text + 1) * tokens], layout, 0, &mut weights);
-            // SAFETY: as above.
-            unsafe {
-                sgemm(
-                    ROW_MAJOR,
-                    NO_TRANSPOSE,
-                    NO_TRANSPOSE,
-                    n,
-                    d as i32,
-                    n,
-                    1.0,
-                    weights.as_ptr(),
-                    n,
-                    vv.as_ptr().add(column),
-                    w,
-                    0.0,
-                    out.as_mut_ptr().add(column),
-                    w,
-                );
-            }
+    let mut out = vec![0.0f32; texts * tokens * width];
+    let shape_of = Attention { texts, tokens, heads, width, stride: width, scale };
+    attention_into(sgemm, (slice(&q)?, slice(&k)?, slice(&v)?), slice(&bias)?, shape_of, &mut out);
+    Ok(Some(array_of(out, &shape)))
+}
+
+/// `c = a W^T + beta c`: `a` `[rows, inner]`, `w` `[outputs, inner]`, `c`
+/// `[rows, outputs]`, row-major f32, by CBLAS.
+pub(crate) fn gemm_nt(sgemm: Sgemm, a: &[f32], inner: usize, w: &[f32], beta: f32, c: &mut [f32]) {
+    let outputs = w.len() / inner.max(1);
+    let rows = a.len() / inner.max(1);
+    assert!(inner > 0 && a.len() == rows * inner && w.len() == outputs * inner && c.len() == rows * outputs);
+    // SAFETY: the three slices hold exactly the matrices named (asserted).
+    unsafe {
+        sgemm(
+            ROW_MAJOR,
+            NO_TRANSPOSE,
+            TRANSPOSE,
+            rows as i32,
+            outputs as i32,
+            inner as i32,
+            1.0,
+            a.as_ptr(),
+            inner as i32,
+            w.as_ptr(),
+            inner as i32,
+            beta,
+            c.as_mut_ptr(),
+            outputs as i32,
+        );
+    }
+}
+
+/// Every row of `c` set to `row`, on every core (a product's bias before
+/// a BLAS call that adds to it, as MLX's `addmm` does).
+pub(crate) fn fill_rows(c: &mut [f32], row: &[f32]) {
+    on_every_core(c, row.len(), |_, part| {
+        for r in part.chunks_exact_mut(row.len()) {
+            r.copy_from_slice(row);
+        }
+    });
+}
+
+#[inline(always)]
+fn bias_gelu_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v = gelu_one(*v + b);
         }
     }
-    Ok(Some(array_of(out, &shape)))
+}
+
+fn bias_gelu_widest(x: &mut [f32], bias: &[f32]) {
+    widest!(bias_gelu_rows(x: &mut [f32], bias: &[f32]) => bias_gelu_rows(x, bias))
+}
+
+/// `x = gelu(x + bias)` over rows of `bias.len()`, in place, on every core.
+pub(crate) fn bias_gelu_in_place(x: &mut [f32], bias: &[f32]) {
+    on_every_core(x, bias.len(), |_, part| bias_gelu_widest(part, bias));
+}
+
+/// `x = layer_norm(x + (a + a_bias))` a row at a time: the post-norm
+/// layer's residual, its sublayer's product and that product's bias (the
+/// sum in the order `addmm` then the residual add give it), normalized as
+/// [`add_layer_norm_rows`] does.
+#[inline(always)]
+fn residual_norm_rows(x: &mut [f32], a: &[f32], a_bias: &[f32], weight: &[f32], shift: &[f32], eps: f32) {
+    let d = weight.len();
+    let whole = d - d % LANES;
+    for (o, a) in x.chunks_exact_mut(d).zip(a.chunks_exact(d)) {
+        let mut sums = [0.0f32; LANES];
+        for ((o, a), b) in o[..whole].chunks_exact_mut(LANES).zip(a.chunks_exact(LANES)).zip(a_bias.chunks_exact(LANES))
+        {
+            for l in 0..LANES {
+                o[l] += a[l] + b[l];
+                sums[l] += o[l];
+            }
+        }
+        let mut sum: f32 = sums.iter().sum();
+        for j in whole..d {
+            o[j] += a[j] + a_bias[j];
+            sum += o[j];
+        }
+        let mean = sum / d as f32;
+        let mut squares = [0.0f32; LANES];
+        for o in o[..whole].chunks_exact_mut(LANES) {
+            for l in 0..LANES {
+                o[l] -= mean;
+                squares[l] += o[l] * o[l];
+            }
+        }
+        let mut square: f32 = squares.iter().sum();
+        for v in &mut o[whole..] {
+            *v -= mean;
+            square += *v * *v;
+        }
+        let scale = 1.0 / (square / d as f32 + eps).sqrt();
+        for ((v, w), s) in o.iter_mut().zip(weight).zip(shift) {
+            *v = *v * scale * w + s;
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn residual_norm_widest(x: &mut [f32], a: &[f32], a_bias: &[f32], w: &[f32], s: &[f32], eps: f32) {
+    widest!(residual_norm_rows(x: &mut [f32], a: &[f32], a_bias: &[f32], w: &[f32], s: &[f32], eps: f32)
+        => residual_norm_rows(x, a, a_bias, w, s, eps))
+}
+
+/// `x = layer_norm(x + a + a_bias)` over rows of `weight.len()`, scaled by
+/// `weight` and shifted by `shift`, in place, on every core.
+pub(crate) fn residual_norm_in_place(
+    x: &mut [f32],
+    a: &[f32],
+    a_bias: &[f32],
+    weight: &[f32],
+    shift: &[f32],
+    eps: f32,
+) {
+    let d = weight.len();
+    assert!(a.len() == x.len() && a_bias.len() == d && shift.len() == d && x.len().is_multiple_of(d));
+    on_every_core(x, d, |first, part| {
+        residual_norm_widest(part, &a[first * d..first * d + part.len()], a_bias, weight, shift, eps)
+    });
 }
 
 /// GELU with `cpu_math`'s erf, f32, any shape.

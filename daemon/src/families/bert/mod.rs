@@ -16,6 +16,7 @@
 mod config;
 mod gguf;
 mod model;
+mod native;
 
 pub(crate) use gguf::gguf_settings;
 pub use gguf::load_gguf;

@@ -2,23 +2,24 @@
 //! as Hugging Face's `BertModel` and mlx-embeddings' `bert.py` compute it.
 
 use super::config::BertConfig;
-use crate::model::cpu_math;
+use super::native::NativeLayer;
 use crate::model::layers::{from_heads, to_heads, Embedding, LayerNorm, Linear};
 use crate::model::weights::TensorMap;
+use crate::model::{cpu_math, cpu_native};
 use anyhow::{Context, Result};
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{nn, Array};
 
-struct Layer {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    attention_out: Linear,
-    attention_norm: LayerNorm,
-    intermediate: Linear,
-    output: Linear,
-    output_norm: LayerNorm,
+pub(super) struct Layer {
+    pub(super) query: Linear,
+    pub(super) key: Linear,
+    pub(super) value: Linear,
+    pub(super) attention_out: Linear,
+    pub(super) attention_norm: LayerNorm,
+    pub(super) intermediate: Linear,
+    pub(super) output: Linear,
+    pub(super) output_norm: LayerNorm,
 }
 
 /// The encoder's weights.
@@ -34,6 +35,9 @@ pub struct BertEncoder {
     /// and adds (`model::cpu_math`), 3-4x faster there than MLX's `erf`
     /// and `exp`; attention as two matrix products around that softmax.
     pub cpu_math: bool,
+    /// On the CPU with native math and a CBLAS: the layers as
+    /// `super::native` runs them (`None` where a weight is not dense f32).
+    native: Option<Vec<NativeLayer>>,
 }
 
 impl BertEncoder {
@@ -58,7 +62,7 @@ impl BertEncoder {
                 output_norm: LayerNorm::load(t, &format!("{p}.output.LayerNorm"), eps)?,
             });
         }
-        Ok(Self { config, words, positions, token_types, embeddings_norm, layers, cpu_math: false })
+        Ok(Self { config, words, positions, token_types, embeddings_norm, layers, cpu_math: false, native: None })
     }
 
     /// Bytes of a row's largest intermediate at `tokens` tokens: its
@@ -99,6 +103,9 @@ impl BertEncoder {
         // The CPU path's mask as a bias: -1e9 at padding (its softmax
         // takes e^-87 there, 1.6e-38 of the row's largest).
         let bias = if self.cpu_math { Some(padding_bias(&mask)?) } else { None };
+        if let (Some(layers), Some(sgemm), Some(bias)) = (&self.native, cpu_native::sgemm(), &bias) {
+            return super::native::forward(sgemm, layers, &x, bias, n as usize);
+        }
         for layer in &self.layers {
             let o = match self.attention_in_place(layer, &x, n, scale, bias.as_ref())? {
                 Some(o) => o,
@@ -132,6 +139,12 @@ impl BertEncoder {
         let Some(bias) = cpu_bias.filter(|_| cpu_math::native()) else { return Ok(None) };
         let (q, k, v) = (layer.query.forward(x)?, layer.key.forward(x)?, layer.value.forward(x)?);
         Ok(crate::model::cpu_native::attention(&q, &k, &v, heads as usize, scale, bias)?)
+    }
+
+    /// Whether its layers run natively (`super::native`).
+    #[cfg(test)]
+    pub(super) fn native_layers(&self) -> bool {
+        self.native.is_some()
     }
 
     /// `norm(a + b)`: on the CPU by `cpu_math` (one pass on every core).
@@ -186,6 +199,8 @@ impl super::Encoder for BertEncoder {
 
     fn use_cpu_math(&mut self, on: bool) {
         self.cpu_math = on;
+        let native = on && cpu_math::native() && cpu_native::sgemm().is_some();
+        self.native = if native { self.layers.iter().map(NativeLayer::of).collect() } else { None };
     }
 }
 

@@ -1,0 +1,249 @@
+//! The BERT encoder's layers on MLX's CPU backend as BLAS products and
+//! native passes over buffers of the encoder's own, with no MLX operation
+//! between the embeddings and the last layer.
+//!
+//! Why: MLX's matrix products of a MiniLM batch ran at ~185 GFLOP/s on
+//! this project's machine where the same `cblas_sgemm` called directly ran
+//! at ~290 (`[15360, 384] × [384, 1536]`, 2 cores: MLX allocates every
+//! output afresh, so each product's pages fault in again, and its bias
+//! fill is a one-thread broadcast copy), and every MLX operation between
+//! the products ran on one core while OpenBLAS's other thread waited.
+//! Here the layer's buffers are allocated once per batch and reused by
+//! every layer; q, k and v are one product (their weights side by side);
+//! the biases, GELU and the residual adds with their layer norms are
+//! passes on every core (`model::cpu_native`). The arithmetic is MLX's
+//! path's, term for term (each product adds its bias as `addmm` does), so
+//! the two agree to rounding.
+
+use super::model::Layer;
+use crate::model::cpu_native::{self as native, Attention, Sgemm};
+use crate::model::layers::{LayerNorm, Linear};
+use anyhow::{bail, Result};
+use mlx_rs::{Array, Dtype};
+
+/// A dense f32 projection with a bias, evaluated.
+struct Dense {
+    weight: Array,
+    bias: Array,
+}
+
+impl Dense {
+    fn of(linear: &Linear) -> Option<Self> {
+        match linear {
+            Linear::Dense { weight, bias: Some(bias) }
+                if weight.dtype() == Dtype::Float32 && bias.dtype() == Dtype::Float32 =>
+            {
+                let (weight, bias) = (native::f32_data(weight).ok()?, native::f32_data(bias).ok()?);
+                Some(Self { weight, bias })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A layer norm's scale, shift and epsilon, evaluated.
+struct Norm {
+    weight: Array,
+    shift: Array,
+    eps: f32,
+}
+
+impl Norm {
+    fn of(norm: &LayerNorm) -> Option<Self> {
+        let (weight, shift, eps) = norm.parts();
+        Some(Self { weight: native::f32_data(weight).ok()?, shift: native::f32_data(shift?).ok()?, eps })
+    }
+}
+
+/// One layer's weights as the native path reads them.
+pub(super) struct NativeLayer {
+    /// q, k and v's weights one under another `[3 × hidden, hidden]`, and
+    /// their biases.
+    qkv_weight: Vec<f32>,
+    qkv_bias: Vec<f32>,
+    attention_out: Dense,
+    attention_norm: Norm,
+    intermediate: Dense,
+    output: Dense,
+    output_norm: Norm,
+}
+
+impl NativeLayer {
+    /// `None` where a projection is not dense f32 with a bias, or a norm has
+    /// no shift (a GGUF's quantized weights, say): MLX's path serves those.
+    pub(super) fn of(layer: &Layer) -> Option<Self> {
+        let (q, k, v) = (Dense::of(&layer.query)?, Dense::of(&layer.key)?, Dense::of(&layer.value)?);
+        let mut qkv_weight = Vec::new();
+        let mut qkv_bias = Vec::new();
+        for part in [&q, &k, &v] {
+            qkv_weight.extend_from_slice(native::slice(&part.weight).ok()?);
+            qkv_bias.extend_from_slice(native::slice(&part.bias).ok()?);
+        }
+        Some(Self {
+            qkv_weight,
+            qkv_bias,
+            attention_out: Dense::of(&layer.attention_out)?,
+            attention_norm: Norm::of(&layer.attention_norm)?,
+            intermediate: Dense::of(&layer.intermediate)?,
+            output: Dense::of(&layer.output)?,
+            output_norm: Norm::of(&layer.output_norm)?,
+        })
+    }
+}
+
+/// The layers' buffers for one batch of `rows` token rows.
+struct Buffers {
+    qkv: Vec<f32>,
+    attention: Vec<f32>,
+    projected: Vec<f32>,
+    intermediate: Vec<f32>,
+}
+
+/// Runs `layers` over `x` (`[texts, tokens, hidden]`, the embeddings'
+/// normalized output) with the padding bias `bias` (`[texts, 1, 1,
+/// tokens]`: 0 to attend, -1e9 at padding).
+pub(super) fn forward(sgemm: Sgemm, layers: &[NativeLayer], x: &Array, bias: &Array, heads: usize) -> Result<Array> {
+    let shape = x.shape().to_vec();
+    let &[texts, tokens, hidden] = shape.as_slice() else { bail!("native BERT: states of shape {shape:?}") };
+    let (texts, tokens, hidden) = (texts as usize, tokens as usize, hidden as usize);
+    if heads == 0 || !hidden.is_multiple_of(heads) {
+        bail!("native BERT: {hidden} wide states in {heads} heads");
+    }
+    let rows = texts * tokens;
+    let bias = native::f32_data(bias)?;
+    let bias = native::slice(&bias)?;
+    let mut states = native::slice(&native::f32_data(x)?)?.to_vec();
+    let inner = layers.first().map_or(0, |l| native::slice(&l.intermediate.bias).map_or(0, |b| b.len()));
+    let mut b = Buffers {
+        qkv: vec![0.0; rows * 3 * hidden],
+        attention: vec![0.0; rows * hidden],
+        projected: vec![0.0; rows * hidden],
+        intermediate: vec![0.0; rows * inner],
+    };
+    let shape_of = Attention {
+        texts,
+        tokens,
+        heads,
+        width: hidden,
+        stride: 3 * hidden,
+        scale: 1.0 / ((hidden / heads) as f32).sqrt(),
+    };
+    for layer in layers {
+        // q, k, v: one product that adds to their biases.
+        native::fill_rows(&mut b.qkv, &layer.qkv_bias);
+        native::gemm_nt(sgemm, &states, hidden, &layer.qkv_weight, 1.0, &mut b.qkv);
+        let (q, k, v) = (&b.qkv[..], &b.qkv[hidden..], &b.qkv[2 * hidden..]);
+        native::attention_into(sgemm, (q, k, v), bias, shape_of, &mut b.attention);
+        sublayer(
+            sgemm,
+            &b.attention,
+            hidden,
+            &layer.attention_out,
+            &layer.attention_norm,
+            &mut b.projected,
+            &mut states,
+        )?;
+        let weight = native::slice(&layer.intermediate.weight)?;
+        if b.intermediate.len() != rows * (weight.len() / hidden) {
+            bail!("native BERT: layers of different intermediate widths");
+        }
+        native::gemm_nt(sgemm, &states, hidden, weight, 0.0, &mut b.intermediate);
+        native::bias_gelu_in_place(&mut b.intermediate, native::slice(&layer.intermediate.bias)?);
+        sublayer(sgemm, &b.intermediate, inner, &layer.output, &layer.output_norm, &mut b.projected, &mut states)?;
+    }
+    Ok(native::array_of(states, &shape))
+}
+
+/// `states = norm(states + input W^T + b)`: a post-norm sublayer's output
+/// projection (into `projected`), residual and layer norm.
+fn sublayer(
+    sgemm: Sgemm,
+    input: &[f32],
+    inner: usize,
+    projection: &Dense,
+    norm: &Norm,
+    projected: &mut [f32],
+    states: &mut [f32],
+) -> Result<()> {
+    native::gemm_nt(sgemm, input, inner, native::slice(&projection.weight)?, 0.0, projected);
+    let (weight, shift) = (native::slice(&norm.weight)?, native::slice(&norm.shift)?);
+    native::residual_norm_in_place(states, projected, native::slice(&projection.bias)?, weight, shift, norm.eps);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::config::BertConfig;
+    use super::super::model::BertEncoder;
+    use crate::model::weights::{TensorMap, WeightForm};
+    use mlx_rs::Array;
+    use std::collections::HashMap;
+
+    /// A two-layer BERT of random weights (64 wide, 4 heads).
+    fn tiny() -> BertEncoder {
+        let config = BertConfig::from_json(&serde_json::json!({
+            "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": 40, "intermediate_size": 128, "vocab_size": 50
+        }))
+        .unwrap();
+        let mut tensors = HashMap::new();
+        let mut seed = 0u64;
+        let mut random = |shape: &[i32], scale: f32| {
+            seed += 1;
+            let key = mlx_rs::random::key(seed).unwrap();
+            let a = mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap();
+            a.multiply(Array::from_f32(scale)).unwrap()
+        };
+        tensors.insert("embeddings.word_embeddings.weight".into(), random(&[50, 64], 1.0));
+        tensors.insert("embeddings.position_embeddings.weight".into(), random(&[40, 64], 0.1));
+        tensors.insert("embeddings.token_type_embeddings.weight".into(), random(&[2, 64], 0.1));
+        let norm = |t: &mut HashMap<String, Array>, p: &str, random: &mut dyn FnMut(&[i32], f32) -> Array| {
+            t.insert(format!("{p}.weight"), random(&[64], 0.1).add(Array::from_f32(1.0)).unwrap());
+            t.insert(format!("{p}.bias"), random(&[64], 0.1));
+        };
+        norm(&mut tensors, "embeddings.LayerNorm", &mut random);
+        for i in 0..2 {
+            let p = format!("encoder.layer.{i}");
+            for (name, out, inp) in [
+                ("attention.self.query", 64, 64),
+                ("attention.self.key", 64, 64),
+                ("attention.self.value", 64, 64),
+                ("attention.output.dense", 64, 64),
+                ("intermediate.dense", 128, 64),
+                ("output.dense", 64, 128),
+            ] {
+                tensors.insert(format!("{p}.{name}.weight"), random(&[out, inp], 0.2));
+                tensors.insert(format!("{p}.{name}.bias"), random(&[out], 0.1));
+            }
+            norm(&mut tensors, &format!("{p}.attention.output.LayerNorm"), &mut random);
+            norm(&mut tensors, &format!("{p}.output.LayerNorm"), &mut random);
+        }
+        let mut t = TensorMap::from_arrays(tensors, 64, WeightForm::DenseF32);
+        BertEncoder::load(config, &mut t).unwrap()
+    }
+
+    /// The native layers give MLX's path's states: two texts, one padded.
+    #[test]
+    fn native_layers_agree_with_mlx() {
+        if crate::model::cpu_native::sgemm().is_none() {
+            panic!("no cblas_sgemm in this process: the native path cannot run (link OpenBLAS: scripts/install-deps)");
+        }
+        let mut encoder = tiny();
+        let ids = Array::from_slice(&[5i32, 7, 9, 11, 13, 2, 3, 4, 0, 0], &[2, 5]);
+        let keep = Array::from_slice(&[true, true, true, true, true, true, true, true, false, false], &[2, 5]);
+        let reference = encoder.forward(&ids, &keep, None).unwrap();
+        use super::super::Encoder;
+        encoder.use_cpu_math(true);
+        assert!(encoder.native_layers(), "the native path was not taken");
+        let native = encoder.forward(&ids, &keep, None).unwrap();
+        assert_eq!(native.shape(), reference.shape());
+        let (a, b) = (native.as_slice::<f32>(), reference.as_slice::<f32>());
+        // Real tokens only (padding rows are never read by pooling).
+        for text in 0..2 {
+            let real = if text == 0 { 5 } else { 3 };
+            for i in text * 5 * 64..(text * 5 + real) * 64 {
+                assert!((a[i] - b[i]).abs() < 1e-4, "state {i}: native {} against MLX {}", a[i], b[i]);
+            }
+        }
+    }
+}
