@@ -143,7 +143,7 @@ impl BertEncoder {
 
     /// Whether its layers run natively (`super::native`).
     #[cfg(test)]
-    pub(super) fn native_layers(&self) -> bool {
+    pub(super) fn computes_natively(&self) -> bool {
         self.native.is_some()
     }
 

@@ -8,8 +8,10 @@
 //! output afresh, so each product's pages fault in again, and its bias
 //! fill is a one-thread broadcast copy), and every MLX operation between
 //! the products ran on one core while OpenBLAS's other thread waited.
-//! Here the layer's buffers are allocated once per batch and reused by
-//! every layer; q, k and v are one product (their weights side by side);
+//! Here the layers' buffers are allocated once per part of a batch (parts
+//! as `super::PART_BYTES` bounds them, computed one after another: their
+//! passes stay in cache) and reused by every layer; q, k and v are one
+//! product (their weights side by side);
 //! the biases, GELU and the residual adds with their layer norms are
 //! passes on every core (`model::cpu_native`). The arithmetic is MLX's
 //! path's, term for term (each product adds its bias as `addmm` does), so
@@ -234,7 +236,7 @@ mod tests {
         let reference = encoder.forward(&ids, &keep, None).unwrap();
         use super::super::Encoder;
         encoder.use_cpu_math(true);
-        assert!(encoder.native_layers(), "the native path was not taken");
+        assert!(encoder.computes_natively(), "the native path was not taken");
         let native = encoder.forward(&ids, &keep, None).unwrap();
         assert_eq!(native.shape(), reference.shape());
         let (a, b) = (native.as_slice::<f32>(), reference.as_slice::<f32>());
