@@ -136,6 +136,32 @@ fn softmax_rows(scores: &[f32], bias: &[f32], layout: BiasLayout, first: usize, 
     }
 }
 
+/// A row whose elements sum to `sum`, normalized in place as MLX's layer
+/// norm computes it (mean, then the mean square of the centred values),
+/// scaled and shifted.
+#[inline(always)]
+fn normalize_summed(o: &mut [f32], sum: f32, weight: &[f32], shift: &[f32], eps: f32) {
+    let d = o.len();
+    let whole = d - d % LANES;
+    let mean = sum / d as f32;
+    let mut squares = [0.0f32; LANES];
+    for o in o[..whole].chunks_exact_mut(LANES) {
+        for l in 0..LANES {
+            o[l] -= mean;
+            squares[l] += o[l] * o[l];
+        }
+    }
+    let mut square: f32 = squares.iter().sum();
+    for v in &mut o[whole..] {
+        *v -= mean;
+        square += *v * *v;
+    }
+    let scale = 1.0 / (square / d as f32 + eps).sqrt();
+    for ((v, w), s) in o.iter_mut().zip(weight).zip(shift) {
+        *v = *v * scale * w + s;
+    }
+}
+
 /// `(a + b)` normalized over each row of `weight.len()`, scaled and
 /// shifted, as MLX's layer norm computes it (mean, then the mean square
 /// of the centred values).
@@ -158,23 +184,7 @@ fn add_layer_norm_rows(a: &[f32], b: &[f32], weight: &[f32], bias: &[f32], eps: 
             o[j] = a[j] + b[j];
             sum += o[j];
         }
-        let mean = sum / d as f32;
-        let mut squares = [0.0f32; LANES];
-        for o in o[..whole].chunks_exact_mut(LANES) {
-            for l in 0..LANES {
-                o[l] -= mean;
-                squares[l] += o[l] * o[l];
-            }
-        }
-        let mut square: f32 = squares.iter().sum();
-        for v in &mut o[whole..] {
-            *v -= mean;
-            square += *v * *v;
-        }
-        let scale = 1.0 / (square / d as f32 + eps).sqrt();
-        for ((v, w), s) in o.iter_mut().zip(weight).zip(bias) {
-            *v = *v * scale * w + s;
-        }
+        normalize_summed(o, sum, weight, bias, eps);
     }
 }
 
@@ -649,23 +659,7 @@ fn residual_norm_rows(x: &mut [f32], a: &[f32], a_bias: &[f32], weight: &[f32], 
             o[j] += a[j] + a_bias[j];
             sum += o[j];
         }
-        let mean = sum / d as f32;
-        let mut squares = [0.0f32; LANES];
-        for o in o[..whole].chunks_exact_mut(LANES) {
-            for l in 0..LANES {
-                o[l] -= mean;
-                squares[l] += o[l] * o[l];
-            }
-        }
-        let mut square: f32 = squares.iter().sum();
-        for v in &mut o[whole..] {
-            *v -= mean;
-            square += *v * *v;
-        }
-        let scale = 1.0 / (square / d as f32 + eps).sqrt();
-        for ((v, w), s) in o.iter_mut().zip(weight).zip(shift) {
-            *v = *v * scale * w + s;
-        }
+        normalize_summed(o, sum, weight, shift, eps);
     }
 }
 
