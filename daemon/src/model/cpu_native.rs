@@ -432,26 +432,14 @@ impl HeadsOf<'_> {
         let step = rows_per_call(tokens, d);
         for first in (0..tokens).step_by(step) {
             let rows = step.min(tokens - first);
-            // SAFETY: `rows` query rows of stride `width` from `column +
-            // first × width`, d wide; all `tokens` key rows; `rows` rows of
+            // SAFETY: `rows` query rows of stride `stride` from `column +
+            // first × stride`, d wide; all `tokens` key rows; `rows` rows of
             // the tokens × tokens buffer.
             unsafe {
-                sgemm(
-                    ROW_MAJOR,
-                    NO_TRANSPOSE,
-                    TRANSPOSE,
-                    rows as i32,
-                    n,
-                    d as i32,
-                    self.scale,
-                    self.q.as_ptr().add(column + first * self.stride),
-                    w,
-                    self.k.as_ptr().add(column),
-                    w,
-                    0.0,
-                    scores.as_mut_ptr().add(first * tokens),
-                    n,
-                );
+                let q = self.q.as_ptr().add(column + first * self.stride);
+                let k = self.k.as_ptr().add(column);
+                let scores = scores.as_mut_ptr().add(first * tokens);
+                product(sgemm, true, (rows, tokens, d), self.scale, (q, w), (k, w), 0.0, (scores, n));
             }
         }
         let layout = BiasLayout { heads: 1, queries: tokens, keys: tokens, per_batch: false, per_query: false };
@@ -461,21 +449,17 @@ impl HeadsOf<'_> {
             // SAFETY: `rows` rows of the weights; all of v's rows in this
             // head's columns; `rows` rows of `out` in them (the caller's).
             unsafe {
-                sgemm(
-                    ROW_MAJOR,
-                    NO_TRANSPOSE,
-                    NO_TRANSPOSE,
-                    rows as i32,
-                    d as i32,
-                    n,
+                let p = weights.as_ptr().add(first * tokens);
+                let o = out.add(written + first * width);
+                product(
+                    sgemm,
+                    false,
+                    (rows, d, tokens),
                     1.0,
-                    weights.as_ptr().add(first * tokens),
-                    n,
-                    self.v.as_ptr().add(column),
-                    w,
+                    (p, n),
+                    (self.v.as_ptr().add(column), w),
                     0.0,
-                    out.add(written + first * width),
-                    width as i32,
+                    (o, width as i32),
                 );
             }
         }
@@ -582,30 +566,49 @@ pub fn attention(
     Ok(Some(array_of(out, &shape)))
 }
 
+/// `c = alpha a b + beta c` by CBLAS, row-major: `a` `[m, k]`, `b` `[k,
+/// n]` (`[n, k]` read transposed where `b_transposed`), `c` `[m, n]`, each
+/// with its rows' stride.
+///
+/// # Safety
+/// Each pointer holds its matrix at its stride.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    sgemm: Sgemm,
+    b_transposed: bool,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    (a, lda): (*const f32, i32),
+    (b, ldb): (*const f32, i32),
+    beta: f32,
+    (c, ldc): (*mut f32, i32),
+) {
+    let transpose = if b_transposed { TRANSPOSE } else { NO_TRANSPOSE };
+    // SAFETY: the caller's.
+    unsafe {
+        sgemm(ROW_MAJOR, NO_TRANSPOSE, transpose, m as i32, n as i32, k as i32, alpha, a, lda, b, ldb, beta, c, ldc)
+    }
+}
+
 /// `c = a W^T + beta c`: `a` `[rows, inner]`, `w` `[outputs, inner]`, `c`
 /// `[rows, outputs]`, row-major f32, by CBLAS.
 pub(crate) fn gemm_nt(sgemm: Sgemm, a: &[f32], inner: usize, w: &[f32], beta: f32, c: &mut [f32]) {
     let outputs = w.len() / inner.max(1);
     let rows = a.len() / inner.max(1);
     assert!(inner > 0 && a.len() == rows * inner && w.len() == outputs * inner && c.len() == rows * outputs);
+    let (ai, oi) = (inner as i32, outputs as i32);
     // SAFETY: the three slices hold exactly the matrices named (asserted).
     unsafe {
-        sgemm(
-            ROW_MAJOR,
-            NO_TRANSPOSE,
-            TRANSPOSE,
-            rows as i32,
-            outputs as i32,
-            inner as i32,
+        product(
+            sgemm,
+            true,
+            (rows, outputs, inner),
             1.0,
-            a.as_ptr(),
-            inner as i32,
-            w.as_ptr(),
-            inner as i32,
+            (a.as_ptr(), ai),
+            (w.as_ptr(), ai),
             beta,
-            c.as_mut_ptr(),
-            outputs as i32,
-        );
+            (c.as_mut_ptr(), oi),
+        )
     }
 }
 
