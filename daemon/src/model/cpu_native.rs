@@ -594,21 +594,32 @@ unsafe fn product(
 /// `[rows, outputs]`, row-major f32, by CBLAS.
 pub(crate) fn gemm_nt(sgemm: Sgemm, a: &[f32], inner: usize, w: &[f32], beta: f32, c: &mut [f32]) {
     let outputs = w.len() / inner.max(1);
+    gemm_nt_columns(sgemm, a, inner, w, beta, c, 0, outputs)
+}
+
+/// [`gemm_nt`] into columns `first..first + outputs` of `c`'s rows of
+/// `stride` (the thirds of a fused q/k/v buffer, say).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_nt_columns(
+    sgemm: Sgemm,
+    a: &[f32],
+    inner: usize,
+    w: &[f32],
+    beta: f32,
+    c: &mut [f32],
+    first: usize,
+    stride: usize,
+) {
+    let outputs = w.len() / inner.max(1);
     let rows = a.len() / inner.max(1);
-    assert!(inner > 0 && a.len() == rows * inner && w.len() == outputs * inner && c.len() == rows * outputs);
-    let (ai, oi) = (inner as i32, outputs as i32);
-    // SAFETY: the three slices hold exactly the matrices named (asserted).
+    assert!(inner > 0 && a.len() == rows * inner && w.len() == outputs * inner);
+    assert!(first + outputs <= stride && c.len() == rows * stride);
+    let (ai, ci) = (inner as i32, stride as i32);
+    // SAFETY: a and w hold exactly the matrices named, and c `rows` rows of
+    // `stride` with these columns inside them (asserted).
     unsafe {
-        product(
-            sgemm,
-            true,
-            (rows, outputs, inner),
-            1.0,
-            (a.as_ptr(), ai),
-            (w.as_ptr(), ai),
-            beta,
-            (c.as_mut_ptr(), oi),
-        )
+        let c = c.as_mut_ptr().add(first);
+        product(sgemm, true, (rows, outputs, inner), 1.0, (a.as_ptr(), ai), (w.as_ptr(), ai), beta, (c, ci))
     }
 }
 
