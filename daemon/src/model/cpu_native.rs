@@ -241,11 +241,109 @@ fn gelu_widest(x: &[f32], out: &mut [f32]) {
     widest!(gelu_all(x: &[f32], out: &mut [f32]) => gelu_all(x, out))
 }
 
+thread_local! {
+    /// Set while the thread runs one part of a batch beside others
+    /// ([`on_this_core`]): the passes here then stay on it.
+    static ONE_CORE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The cores the passes here spread over: every core (at most 16), or
+/// only the calling thread inside [`on_this_core`].
+pub(crate) fn cores() -> usize {
+    if ONE_CORE.with(std::cell::Cell::get) {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(16)
+    }
+}
+
+/// Runs `work` with every pass and attention here on the calling thread
+/// (for threads that each take a part of a batch: with [`BlasThreads`]
+/// held, nothing of theirs waits on another core).
+pub(crate) fn on_this_core<R>(work: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ONE_CORE.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(ONE_CORE.with(|c| c.replace(true)));
+    work()
+}
+
+type SetThreads = unsafe extern "C" fn(i32);
+type GetThreads = unsafe extern "C" fn() -> i32;
+
+/// OpenBLAS's `openblas_set_num_threads` and `openblas_get_num_threads`,
+/// looked up once (absent with another BLAS: Accelerate, say).
+fn openblas_threads() -> Option<(SetThreads, GetThreads)> {
+    static FOUND: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    let (set, get) = (*FOUND.get_or_init(|| {
+        // SAFETY: dlsym with RTLD_DEFAULT and NUL-terminated names only reads.
+        let (set, get) = unsafe {
+            (
+                libc::dlsym(libc::RTLD_DEFAULT, c"openblas_set_num_threads".as_ptr()),
+                libc::dlsym(libc::RTLD_DEFAULT, c"openblas_get_num_threads".as_ptr()),
+            )
+        };
+        (!set.is_null() && !get.is_null()).then_some((set as usize, get as usize))
+    }))?;
+    // SAFETY: the symbols are OpenBLAS's, of these signatures.
+    Some(unsafe { (std::mem::transmute::<usize, SetThreads>(set), std::mem::transmute::<usize, GetThreads>(get)) })
+}
+
+/// While one lives, OpenBLAS runs every call on one thread, the caller's,
+/// so that threads of our own can each make BLAS calls on a part of a batch
+/// at once. (OpenBLAS's threading is process-wide: its idle threads spin
+/// in `sched_yield` between the calls they share, and with 2 cores a fifth
+/// of an embedding batch's time went there while other threads of ours
+/// wanted the cores.) The count before the first is restored when the last
+/// is dropped; other work in the process meanwhile gets one-thread BLAS
+/// calls, on cores the parts keep busy anyway. `None` where the BLAS is
+/// not OpenBLAS.
+pub(crate) struct BlasThreads(());
+
+/// Live [`BlasThreads`], and OpenBLAS's thread count before the first.
+static BLAS_THREADS_HELD: std::sync::Mutex<(usize, i32)> = std::sync::Mutex::new((0, 0));
+
+impl BlasThreads {
+    /// Whether OpenBLAS's thread count can be set here.
+    pub(crate) fn available() -> bool {
+        openblas_threads().is_some()
+    }
+
+    /// OpenBLAS on one thread until the last of these is dropped.
+    pub(crate) fn one() -> Option<Self> {
+        let (set, get) = openblas_threads()?;
+        let mut held = BLAS_THREADS_HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.0 == 0 {
+            // SAFETY: OpenBLAS's own functions, callable from any thread.
+            held.1 = unsafe { get() };
+            unsafe { set(1) };
+        }
+        held.0 += 1;
+        Some(Self(()))
+    }
+}
+
+impl Drop for BlasThreads {
+    fn drop(&mut self) {
+        let mut held = BLAS_THREADS_HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.0 -= 1;
+        if held.0 == 0 {
+            if let Some((set, _)) = openblas_threads() {
+                // SAFETY: as in `one`.
+                unsafe { set(held.1.max(1)) };
+            }
+        }
+    }
+}
+
 /// Runs `work(first_unit, out_part)` over `out` cut at whole `unit`s into
 /// one part per core.
 pub(crate) fn on_every_core(out: &mut [f32], unit: usize, work: impl Fn(usize, &mut [f32]) + Sync) {
     let units = out.len() / unit.max(1);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+    let cores = cores();
     // Parts of at least 64 KiB: below that a thread costs more than it saves.
     let parts = cores.min((out.len() / (16 << 10)).max(1)).min(units.max(1));
     let per = units.div_ceil(parts) * unit;
@@ -390,7 +488,14 @@ unsafe impl Sync for SharedOut {}
 /// call then runs in the thread that makes it, and the cores share the
 /// heads between them instead of OpenBLAS's threads waking for each small
 /// product (with 2 cores, a quarter of the time went to their yielding).
+/// Inside [`on_this_core`] (OpenBLAS held at one thread) every call is
+/// the caller's anyway: a head's rows go in one call, so its keys are
+/// packed once (MiniLM, 300 chunks: 31.0 against 27.7 texts/s in calls
+/// of 34 rows, `scripts/bench.d/embed_ab.py 4`).
 fn rows_per_call(tokens: usize, d: usize) -> usize {
+    if ONE_CORE.with(std::cell::Cell::get) {
+        return tokens.max(1);
+    }
     ((65_536 * 4 - 1) / (tokens * d).max(1)).clamp(1, tokens.max(1))
 }
 
@@ -498,7 +603,7 @@ pub(crate) fn attention_into(
     let heads_of = HeadsOf { q, k, v, bias, tokens, stride, width, d: width / heads, scale };
     // Every (text, head) on some core, each core a range of them.
     let units = texts * heads;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16).min(units.max(1));
+    let cores = cores().min(units.max(1));
     let per = units.div_ceil(cores.max(1));
     let written = SharedOut(out.as_mut_ptr());
     std::thread::scope(|scope| {

@@ -93,6 +93,60 @@ impl NativeLayer {
     }
 }
 
+/// A projection's weight and bias as slices (threads share these: MLX's
+/// arrays are not `Sync`).
+#[derive(Clone, Copy)]
+struct DenseView<'a> {
+    weight: &'a [f32],
+    bias: &'a [f32],
+}
+
+impl<'a> DenseView<'a> {
+    fn of(dense: &'a Dense) -> Result<Self> {
+        Ok(Self { weight: native::slice(&dense.weight)?, bias: native::slice(&dense.bias)? })
+    }
+}
+
+/// A layer norm's scale and shift as slices.
+#[derive(Clone, Copy)]
+struct NormView<'a> {
+    weight: &'a [f32],
+    shift: &'a [f32],
+    eps: f32,
+}
+
+impl<'a> NormView<'a> {
+    fn of(norm: &'a Norm) -> Result<Self> {
+        Ok(Self { weight: native::slice(&norm.weight)?, shift: native::slice(&norm.shift)?, eps: norm.eps })
+    }
+}
+
+/// One layer's weights as slices, for the threads that run parts.
+struct LayerView<'a> {
+    qkv: [&'a [f32]; 3],
+    qkv_bias: &'a [f32],
+    attention_out: DenseView<'a>,
+    attention_norm: NormView<'a>,
+    intermediate: DenseView<'a>,
+    output: DenseView<'a>,
+    output_norm: NormView<'a>,
+}
+
+impl<'a> LayerView<'a> {
+    fn of(layer: &'a NativeLayer) -> Result<Self> {
+        let [q, k, v] = &layer.qkv;
+        Ok(Self {
+            qkv: [native::slice(&q.weight)?, native::slice(&k.weight)?, native::slice(&v.weight)?],
+            qkv_bias: &layer.qkv_bias,
+            attention_out: DenseView::of(&layer.attention_out)?,
+            attention_norm: NormView::of(&layer.attention_norm)?,
+            intermediate: DenseView::of(&layer.intermediate)?,
+            output: DenseView::of(&layer.output)?,
+            output_norm: NormView::of(&layer.output_norm)?,
+        })
+    }
+}
+
 /// The layers' buffers for one batch of `rows` token rows.
 struct Buffers {
     qkv: Vec<f32>,
@@ -101,9 +155,28 @@ struct Buffers {
     intermediate: Vec<f32>,
 }
 
+/// How many threads [`forward`] runs a batch of `texts` on: one per core
+/// (at most one per text) where OpenBLAS's threads can be held at one
+/// (`BlasThreads`), else 1 (every pass and product spread over the cores
+/// instead).
+fn threads_for(texts: usize) -> usize {
+    let cores = native::cores();
+    if cores > 1 && texts > 1 && native::BlasThreads::available() {
+        cores.min(texts)
+    } else {
+        1
+    }
+}
+
 /// Runs `layers` over `x` (`[texts, tokens, hidden]`, the embeddings'
 /// normalized output) with the padding bias `bias` (`[texts, 1, 1,
 /// tokens]`: 0 to attend, -1e9 at padding).
+///
+/// Where it can (`threads_for`), the texts are cut into one run of texts
+/// per core, each run through all the layers on its own thread with its
+/// own buffers and one-thread BLAS calls: the threads never wait on one
+/// another, and each run's passes stay in its core's cache. (MiniLM, 1,000
+/// chunks of ~236 tokens on 2 cores: see `docs/measurements`.)
 pub(super) fn forward(sgemm: Sgemm, layers: &[NativeLayer], x: &Array, bias: &Array, heads: usize) -> Result<Array> {
     let shape = x.shape().to_vec();
     let &[texts, tokens, hidden] = shape.as_slice() else { bail!("native BERT: states of shape {shape:?}") };
@@ -111,52 +184,85 @@ pub(super) fn forward(sgemm: Sgemm, layers: &[NativeLayer], x: &Array, bias: &Ar
     if heads == 0 || !hidden.is_multiple_of(heads) {
         bail!("native BERT: {hidden} wide states in {heads} heads");
     }
-    let rows = texts * tokens;
     let bias = native::f32_data(bias)?;
     let bias = native::slice(&bias)?;
     let mut states = native::slice(&native::f32_data(x)?)?.to_vec();
-    let inner = layers.first().map_or(0, |l| native::slice(&l.intermediate.bias).map_or(0, |b| b.len()));
-    let mut b = Buffers {
-        qkv: vec![0.0; rows * 3 * hidden],
-        attention: vec![0.0; rows * hidden],
-        projected: vec![0.0; rows * hidden],
-        intermediate: vec![0.0; rows * inner],
-    };
-    let shape_of = Attention {
-        texts,
-        tokens,
-        heads,
-        width: hidden,
-        stride: 3 * hidden,
-        scale: 1.0 / ((hidden / heads) as f32).sqrt(),
-    };
-    for layer in layers {
-        // q, k, v: products that add to their biases, side by side.
-        native::fill_rows(&mut b.qkv, &layer.qkv_bias);
-        for (i, part) in layer.qkv.iter().enumerate() {
-            let weight = native::slice(&part.weight)?;
-            native::gemm_nt_columns(sgemm, &states, hidden, weight, 1.0, &mut b.qkv, i * hidden, 3 * hidden);
-        }
-        let (q, k, v) = (&b.qkv[..], &b.qkv[hidden..], &b.qkv[2 * hidden..]);
-        native::attention_into(sgemm, (q, k, v), bias, shape_of, &mut b.attention);
-        sublayer(
-            sgemm,
-            &b.attention,
-            hidden,
-            &layer.attention_out,
-            &layer.attention_norm,
-            &mut b.projected,
-            &mut states,
-        )?;
-        let weight = native::slice(&layer.intermediate.weight)?;
-        if b.intermediate.len() != rows * (weight.len() / hidden) {
-            bail!("native BERT: layers of different intermediate widths");
-        }
-        native::gemm_nt(sgemm, &states, hidden, weight, 0.0, &mut b.intermediate);
-        native::bias_gelu_in_place(&mut b.intermediate, native::slice(&layer.intermediate.bias)?);
-        sublayer(sgemm, &b.intermediate, inner, &layer.output, &layer.output_norm, &mut b.projected, &mut states)?;
+    let views = layers.iter().map(LayerView::of).collect::<Result<Vec<_>>>()?;
+    let run = Run { sgemm, layers: &views, tokens, hidden, heads };
+    let threads = threads_for(texts);
+    let blas = (threads > 1).then(native::BlasThreads::one).flatten();
+    if blas.is_none() {
+        run.layers_over(&mut states, bias)?;
+        return Ok(native::array_of(states, &shape));
     }
+    let per = texts.div_ceil(threads);
+    let results = std::thread::scope(|scope| {
+        let mut parts = states.chunks_mut(per * tokens * hidden).zip(bias.chunks(per * tokens));
+        let last = parts.next_back();
+        let handles: Vec<_> =
+            parts.map(|(s, b)| scope.spawn(move || native::on_this_core(|| run.layers_over(s, b)))).collect();
+        let mut results = vec![last.map_or(Ok(()), |(s, b)| native::on_this_core(|| run.layers_over(s, b)))];
+        results.extend(
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| bail!("native BERT: a part's thread panicked"))),
+        );
+        results
+    });
+    drop(blas);
+    results.into_iter().collect::<Result<Vec<_>>>()?;
     Ok(native::array_of(states, &shape))
+}
+
+/// What every part's run shares: the weights and the batch's sizes.
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    sgemm: Sgemm,
+    layers: &'a [LayerView<'a>],
+    tokens: usize,
+    hidden: usize,
+    heads: usize,
+}
+
+impl Run<'_> {
+    /// Every layer over `states` (`[texts, tokens, hidden]`, in place) with
+    /// the padding bias `bias` (`[texts, tokens]`).
+    fn layers_over(&self, states: &mut [f32], bias: &[f32]) -> Result<()> {
+        let Self { sgemm, tokens, hidden, heads, .. } = *self;
+        let rows = states.len() / hidden;
+        let texts = rows / tokens.max(1);
+        let inner = self.layers.first().map_or(0, |l| l.intermediate.bias.len());
+        let mut b = Buffers {
+            qkv: vec![0.0; rows * 3 * hidden],
+            attention: vec![0.0; rows * hidden],
+            projected: vec![0.0; rows * hidden],
+            intermediate: vec![0.0; rows * inner],
+        };
+        let shape_of = Attention {
+            texts,
+            tokens,
+            heads,
+            width: hidden,
+            stride: 3 * hidden,
+            scale: 1.0 / ((hidden / heads) as f32).sqrt(),
+        };
+        for layer in self.layers {
+            // q, k, v: products that add to their biases, side by side.
+            native::fill_rows(&mut b.qkv, layer.qkv_bias);
+            for (i, weight) in layer.qkv.iter().enumerate() {
+                native::gemm_nt_columns(sgemm, states, hidden, weight, 1.0, &mut b.qkv, i * hidden, 3 * hidden);
+            }
+            let (q, k, v) = (&b.qkv[..], &b.qkv[hidden..], &b.qkv[2 * hidden..]);
+            native::attention_into(sgemm, (q, k, v), bias, shape_of, &mut b.attention);
+            sublayer(sgemm, &b.attention, hidden, layer.attention_out, layer.attention_norm, &mut b.projected, states);
+            let weight = layer.intermediate.weight;
+            if b.intermediate.len() != rows * (weight.len() / hidden) {
+                bail!("native BERT: layers of different intermediate widths");
+            }
+            native::gemm_nt(sgemm, states, hidden, weight, 0.0, &mut b.intermediate);
+            native::bias_gelu_in_place(&mut b.intermediate, layer.intermediate.bias);
+            sublayer(sgemm, &b.intermediate, inner, layer.output, layer.output_norm, &mut b.projected, states);
+        }
+        Ok(())
+    }
 }
 
 /// `states = norm(states + input W^T + b)`: a post-norm sublayer's output
@@ -165,15 +271,13 @@ fn sublayer(
     sgemm: Sgemm,
     input: &[f32],
     inner: usize,
-    projection: &Dense,
-    norm: &Norm,
+    projection: DenseView,
+    norm: NormView,
     projected: &mut [f32],
     states: &mut [f32],
-) -> Result<()> {
-    native::gemm_nt(sgemm, input, inner, native::slice(&projection.weight)?, 0.0, projected);
-    let (weight, shift) = (native::slice(&norm.weight)?, native::slice(&norm.shift)?);
-    native::residual_norm_in_place(states, projected, native::slice(&projection.bias)?, weight, shift, norm.eps);
-    Ok(())
+) {
+    native::gemm_nt(sgemm, input, inner, projection.weight, 0.0, projected);
+    native::residual_norm_in_place(states, projected, projection.bias, norm.weight, norm.shift, norm.eps);
 }
 
 #[cfg(test)]
