@@ -18,8 +18,10 @@ other engine than the last), medians:
   ms-marco-MiniLM-L-6-v2's shape (MiniLM's encoder weights and a random
   one-label head: no real reranker ships on PyPI; the cost is the shape's).
 Also the smallest cosine between the two engines' vectors (a check, not a
-speed). fastembed is not measured: it downloads its ONNX models from the
-Hugging Face hub, which this machine cannot reach. With BASELINE_URL, a
+speed). With FASTEMBED=DIR (an ONNX export of the same weights,
+scripts/bench.d/export_onnx.py: fastembed's own export comes from the
+Hugging Face hub, which this machine cannot reach), fastembed (onnxruntime,
+CPU) computes the same chunks in the same rounds. With BASELINE_URL, a
 second daemon (the same build with MLXBC_CPU_MATH=mlx: MLX's own erf and
 exp on the CPU) is measured in the same rounds as "mlxbcd mlx-math".
 With REFERENCE=none (the GPU machine, which has torch but not
@@ -37,6 +39,7 @@ if REFERENCE:
     from sentence_transformers import CrossEncoder, SentenceTransformer, __version__ as st_version
 
 base, rounds, minilm, cross = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+FASTEMBED = os.environ.get("FASTEMBED") if REFERENCE else None
 daemons = {"mlxbcd": base}
 if len(sys.argv) > 5:
     daemons["mlxbcd mlx-math"] = sys.argv[5]
@@ -91,6 +94,18 @@ if REFERENCE:
     tokens = [min(len(st.tokenizer(t)["input_ids"]), 256) for t in texts]
     print(f"{len(texts)} chunks, {statistics.mean(tokens):.0f} tokens on average (cut at 256); "
           f"sentence-transformers {st_version}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+if FASTEMBED:
+    import onnxruntime
+    from fastembed import TextEmbedding, __version__ as fe_version
+    from fastembed.common.model_description import ModelSource, PoolingType
+
+    # A custom model over the local export: mean pooling and normalization,
+    # as fastembed's own entry for all-MiniLM-L6-v2 declares.
+    TextEmbedding.add_custom_model(model="local/all-MiniLM-L6-v2", pooling=PoolingType.MEAN, normalization=True,
+                                   sources=ModelSource(hf="sentence-transformers/all-MiniLM-L6-v2"), dim=384,
+                                   model_file="model.onnx")
+    fe = TextEmbedding(model_name="local/all-MiniLM-L6-v2", specific_model_path=FASTEMBED)
+    print(f"fastembed {fe_version}, onnxruntime {onnxruntime.__version__} (CPU; its threads: all cores)")
 else:
     # The daemon's own count (ollama's prompt_eval_count), for the table's heading.
     counted = post("/api/embed", {"model": "all-MiniLM-L6-v2", "input": texts[:100]}).get("prompt_eval_count", 0)
@@ -102,7 +117,11 @@ for url in daemons.values():
     post("/v1/rerank", {"model": "minilm-cross-encoder", "query": "warm", "documents": ["up"]}, url)
 if REFERENCE:
     st.encode(["warm"]), ce.predict([("warm", "up")])
+if FASTEMBED:
+    list(fe.embed(["warm"]))
 rows = {k: [] for k in (["st", "rerank st"] if REFERENCE else [])}
+if FASTEMBED:
+    rows["fastembed"] = []
 for name in daemons:
     rows.update({name: [], f"{name} store": [], f"{name} store b64": [], f"rerank {name}": []})
 worst = 1.0
@@ -111,6 +130,8 @@ for r in range(rounds):
     query = f"round {r}: how does the daemon keep a model resident and stream tokens back?"
     docs = texts[:100]
     order = [*daemons, "st"] if REFERENCE else [*daemons]
+    if FASTEMBED:
+        order.append("fastembed")
     order = order[r % len(order):] + order[:r % len(order)]
     for who in order:
         if who in daemons:
@@ -131,6 +152,10 @@ for r in range(rounds):
             t = time.monotonic()
             post("/v1/rerank", {"model": "minilm-cross-encoder", "query": query, "documents": docs}, url)
             rows[f"rerank {who}"].append(time.monotonic() - t)
+        elif who == "fastembed":
+            t = time.monotonic()
+            theirs_fe = np.array(list(fe.embed(batch, batch_size=32)))
+            rows["fastembed"].append(len(batch) / (time.monotonic() - t))
         else:
             t = time.monotonic()
             theirs = st.encode(batch, batch_size=32)
@@ -140,7 +165,8 @@ for r in range(rounds):
             rows["rerank st"].append(time.monotonic() - t)
     a = np.array(mine["embeddings"])
     if REFERENCE:
-        worst = min(worst, float(np.min(np.sum(a * theirs, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(theirs, axis=1))))
+        for ref in [theirs, theirs_fe] if FASTEMBED else [theirs]:
+            worst = min(worst, float(np.min(np.sum(a * ref, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(ref, axis=1))))
     print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in rows.items()), flush=True)
 
 med = {k: statistics.median(v) for k, v in rows.items()}
@@ -150,6 +176,9 @@ compute_s = CHUNKS / med["mlxbcd"]
 print(f"\n| all-MiniLM-L6-v2, {CHUNKS} chunks of ~{statistics.mean(tokens):.0f} tokens | mlxbcd | sentence-transformers | mlxbcd speed / st |")
 print("|---|---:|---:|---:|")
 print(f"| texts/s, computed | {med['mlxbcd']:.1f} | {med['st']:.1f} | {med['mlxbcd'] / med['st']:.2f}x |")
+if FASTEMBED:
+    print(f"| texts/s, computed: fastembed (onnxruntime) in its column | {med['mlxbcd']:.1f} | {med['fastembed']:.1f} | "
+          f"{med['mlxbcd'] / med['fastembed']:.2f}x |")
 print(f"| the same {CHUNKS} again, from the store | {med['mlxbcd store'] * 1000:.0f} ms "
       f"({100 * med['mlxbcd store'] / compute_s:.1f}% of computing them) | - | - |")
 print(f"| the same through /v1/embeddings, base64 (the openai SDK's default), from the store | "
