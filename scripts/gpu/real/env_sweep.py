@@ -32,6 +32,8 @@ def main():
             if n == 1 and res[0]:
                 alone[label] = res[0].get("text", "")
         print(f"{label}: warm", flush=True)
+        # The whole text, for finding where two daemons part.
+        log.write(json.dumps({"daemon": label, "alone_text": alone.get(label, "")}) + "\n")
     # One stream is deterministic (a batch's rows change with arrival), so
     # its greedy answer must be the same whatever the switches.
     base = daemons[0][0]
