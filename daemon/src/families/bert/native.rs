@@ -338,21 +338,35 @@ mod tests {
             panic!("no cblas_sgemm in this process: the native path cannot run (link OpenBLAS: scripts/install-deps)");
         }
         let mut encoder = tiny();
-        let ids = Array::from_slice(&[5i32, 7, 9, 11, 13, 2, 3, 4, 0, 0], &[2, 5]);
-        let keep = Array::from_slice(&[true, true, true, true, true, true, true, true, false, false], &[2, 5]);
-        let reference = encoder.forward(&ids, &keep, None).unwrap();
-        use super::super::Encoder;
-        encoder.use_cpu_math(true);
-        assert!(encoder.computes_natively(), "the native path was not taken");
-        let native = encoder.forward(&ids, &keep, None).unwrap();
-        assert_eq!(native.shape(), reference.shape());
-        let (a, b) = (native.as_slice::<f32>(), reference.as_slice::<f32>());
-        // Real tokens only (padding rows are never read by pooling).
-        for text in 0..2 {
-            let real = if text == 0 { 5 } else { 3 };
-            for i in text * 5 * 64..(text * 5 + real) * 64 {
-                assert!((a[i] - b[i]).abs() < 1e-4, "state {i}: native {} against MLX {}", a[i], b[i]);
+        // Three texts (runs of 2 and 1 on two cores: uneven), then one
+        // (a single run, every pass spread over the cores).
+        let lengths = [5, 3, 4];
+        let ids: Vec<i32> = (0..15).map(|i| if i % 5 < lengths[i / 5] { 2 + (i as i32 * 7) % 45 } else { 0 }).collect();
+        let keep: Vec<bool> = (0..15).map(|i| i % 5 < lengths[i / 5]).collect();
+        for texts in [3usize, 1] {
+            let n = texts * 5;
+            let ids = Array::from_slice(&ids[..n], &[texts as i32, 5]);
+            let keep = Array::from_slice(&keep[..n], &[texts as i32, 5]);
+            encoder.use_cpu_math(false);
+            let reference = encoder.forward(&ids, &keep, None).unwrap();
+            use super::super::Encoder;
+            encoder.use_cpu_math(true);
+            assert!(encoder.computes_natively(), "the native path was not taken");
+            let native = encoder.forward(&ids, &keep, None).unwrap();
+            assert_eq!(native.shape(), reference.shape());
+            let (a, b) = (native.as_slice::<f32>(), reference.as_slice::<f32>());
+            // Real tokens only (padding rows are never read by pooling).
+            for (text, &real) in lengths.iter().enumerate().take(texts) {
+                for i in text * 5 * 64..(text * 5 + real) * 64 {
+                    assert!(
+                        (a[i] - b[i]).abs() < 1e-4,
+                        "{texts} texts, state {i}: native {} against MLX {}",
+                        a[i],
+                        b[i]
+                    );
+                }
             }
         }
+        assert_eq!(super::threads_for(1), 1, "one text is one run");
     }
 }
