@@ -8,7 +8,8 @@
 # mlx/mlx-lm wheels; .dev/rs/ct a Qwen tokenizer). On the device, call by
 # call (the machine keeps /tmp while warm):
 #   part N        copy part N (all but the last; and `part t`, the tokenizer)
-#   install       the last part; extract the bundle, install the wheels,
+#   install       the last part (carry .dev/rs/ctz with it, and no `part t`
+#                 is needed); extract the bundle, install the wheels,
 #                 write the models (~10 s for 8B)
 #   bursts MODEL  a fresh daemon (empty kernel cache): load, time the idle
 #                 warming of batch sizes, then 16, 16, 64, 64 clients (first
@@ -89,6 +90,10 @@ if [[ $step == stage ]]; then # here, at no device time
   # the repository it passed what a call carries.
   mkdir -p "$out/ct"
   cp "${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}"/mlx/tiny-qwen3_5/tokenizer{,_config}.json "$out/ct/"
+  # The same gzipped (1.9 MB): small enough to ride with the last part, so
+  # `install N` carried with [.dev/rs/cN, .dev/rs/ctz] needs no `part t`.
+  mkdir -p "$out/ctz"; gzip -9 -c "$out/ct/tokenizer.json" > "$out/ctz/tokenizer.json.gz"
+  cp "$out/ct/tokenizer_config.json" "$out/ctz/"
   # Whisper tiny.en for `whisper` (its weights in three, under what a call carries).
   fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}; wt=$fx/models/whisper-tiny.en
   mkdir -p "$out/w0" "$out/w1" "$out/w2"
@@ -132,6 +137,9 @@ part)
   cp -r ".dev/rs/c$1/." /tmp/stage/; ls -la /tmp/stage; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader ;;
 install)
   cp -r ".dev/rs/c$1/." /tmp/stage/
+  if [[ -f .dev/rs/ctz/tokenizer.json.gz ]]; then # carried beside the last part
+    zcat .dev/rs/ctz/tokenizer.json.gz > /tmp/stage/tokenizer.json; cp .dev/rs/ctz/tokenizer_config.json /tmp/stage/
+  fi
   cat /tmp/stage/part* | tar -C /tmp -xzf - || exit 1
   B=$(ls -d /tmp/mlxbc-*-cuda13); ln -sfn "$SP/nvidia" "$B/bin/nvidia"
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/*.whl
