@@ -139,11 +139,14 @@ impl Engine {
                 self.publish();
             }
             // One batch of one embedding request per pass, likewise.
-            if let Some((job, outcome)) = self.embeddings.step(self.store.as_ref()) {
+            let metrics = &self.metrics;
+            let counted = |job: &super::embed::EmbedJob, outcome: &Result<_, EngineError>| {
+                let kind = outcome.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
+                metrics.embedding(job.api(), job.model().0, &kind, outcome.as_ref().ok());
+            };
+            if let Some((job, _)) = self.embeddings.step(self.store.as_ref(), counted) {
                 let (model, keep_alive) = job.model();
                 self.residency.touch(model, keep_alive);
-                let kind = outcome.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
-                self.metrics.embedding(job.api(), model, &kind, outcome.as_ref().ok());
             }
             if !self.scheduler.is_empty() {
                 // The prompt cache's RAM tier counts in the budget.
