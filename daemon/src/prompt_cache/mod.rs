@@ -721,23 +721,20 @@ impl PromptCache {
         if let Some((end, hash)) = keys.tail {
             spans.push((hash, end / BLOCK_TOKENS * BLOCK_TOKENS, end));
         }
-        let mut fresh: Vec<(BlockHash, Array, usize)> = Vec::new();
-        for (hash, from, to) in spans {
-            if to > have || self.ram.contains(&hash) {
-                continue;
-            }
+        spans.retain(|&(hash, _, to)| {
             // With no RAM tier a block already on disk needs nothing.
-            if self.ram_budget == 0 && self.disk.as_ref().is_some_and(|d| d.contains(&hash)) {
-                continue;
+            to <= have
+                && !self.ram.contains(&hash)
+                && !(self.ram_budget == 0 && self.disk.as_ref().is_some_and(|d| d.contains(&hash)))
+        });
+        let positions: Vec<(i32, i32)> = spans.iter().map(|&(_, from, to)| (from as i32, to as i32)).collect();
+        let mut fresh: Vec<(BlockHash, Array, usize)> = match cache.blocks(row, &positions) {
+            Ok(blocks) => spans.iter().zip(blocks).map(|(&(hash, from, to), data)| (hash, data, to - from)).collect(),
+            Err(e) => {
+                tracing::debug!(error = %format!("{e:#}"), "prompt cache: blocks not stored");
+                return;
             }
-            match cache.positions(row, from as i32, to as i32) {
-                Ok(data) => fresh.push((hash, data, to - from)),
-                Err(e) => {
-                    tracing::debug!(error = %format!("{e:#}"), "prompt cache: block not stored");
-                    return;
-                }
-            }
-        }
+        };
         if let Some((at, states)) = checkpoint {
             let Some((link, _)) = keys.links().into_iter().find(|&(_, end)| end == at) else { return };
             let name = state_name(&link);
