@@ -442,9 +442,43 @@ pub struct PromptCache {
     /// The hashes in RAM and the measured costs, shared with `read_stored`
     /// off the engine thread.
     shared: Arc<Mutex<SharedIndex>>,
-    writer: Option<std::sync::mpsc::SyncSender<(BlockHash, Features)>>,
+    writer: Option<DiskWriter>,
     disk: Option<Arc<BlockStore>>,
     pub counters: PromptCacheCounters,
+}
+
+/// The most bytes of blocks waiting for the disk writer at once; a block
+/// that would go over is dropped (counted in `writes_dropped`), never
+/// waited for. Bounded by bytes, not blocks: a 30k-token prompt is ~480
+/// blocks, all offered at once, and a bound of 256 blocks dropped its end
+/// whenever the disk wrote slower than the engine copied (after a restart
+/// only the prefix before the first dropped block is reused), while 256
+/// blocks of a wide model may be gigabytes.
+const WRITER_QUEUE_BYTES: u64 = 1 << 30;
+
+/// The way to the disk writer's thread, and the bytes queued on it.
+struct DiskWriter {
+    queue: std::sync::mpsc::Sender<(BlockHash, Features)>,
+    queued_bytes: Arc<std::sync::atomic::AtomicU64>,
+    /// [`WRITER_QUEUE_BYTES`] (smaller in tests).
+    limit: u64,
+}
+
+impl DiskWriter {
+    /// Queues `block` unless the queue is full; false when it was dropped.
+    fn offer(&self, hash: BlockHash, block: Features) -> bool {
+        use std::sync::atomic::Ordering;
+        let bytes = block.data.len() as u64;
+        if self.queued_bytes.fetch_add(bytes, Ordering::SeqCst) + bytes > self.limit {
+            self.queued_bytes.fetch_sub(bytes, Ordering::SeqCst);
+            return false;
+        }
+        if self.queue.send((hash, block)).is_err() {
+            self.queued_bytes.fetch_sub(bytes, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
 }
 
 impl PromptCache {
@@ -458,9 +492,11 @@ impl PromptCache {
     /// (if any) from a thread of its own.
     pub fn new(ram_budget: u64, disk: Option<Arc<BlockStore>>, shared: Arc<Mutex<SharedIndex>>) -> Self {
         let writer = disk.clone().map(|disk| {
-            // A bounded queue: when the disk falls behind, blocks are
-            // dropped (counted), never waited for.
-            let (tx, rx) = std::sync::mpsc::sync_channel::<(BlockHash, Features)>(256);
+            // Bounded by bytes (DiskWriter::offer): when the disk falls
+            // behind, blocks are dropped (counted), never waited for.
+            let (queue, rx) = std::sync::mpsc::channel::<(BlockHash, Features)>();
+            let queued_bytes = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let written = queued_bytes.clone();
             std::thread::Builder::new()
                 .name("mlxbc-kv-writer".into())
                 .spawn(move || {
@@ -468,10 +504,11 @@ impl PromptCache {
                         if let Err(e) = disk.write(&hash, &block) {
                             tracing::warn!(error = %e, "could not write a prompt cache block");
                         }
+                        written.fetch_sub(block.data.len() as u64, std::sync::atomic::Ordering::SeqCst);
                     }
                 })
                 .expect("spawning the prompt cache writer");
-            tx
+            DiskWriter { queue, queued_bytes, limit: WRITER_QUEUE_BYTES }
         });
         Self {
             ram: LruCache::unbounded(),
@@ -758,7 +795,7 @@ impl PromptCache {
         for (hash, data, positions) in fresh {
             if let Some(w) = &self.writer {
                 if let Some(f) = to_features(&data) {
-                    if w.try_send((hash, f)).is_err() {
+                    if !w.offer(hash, f) {
                         self.counters.writes_dropped += 1;
                     }
                 }
@@ -885,6 +922,29 @@ mod tests {
         let reuse = cache.lookup(&keys, stored, &[(1, 2)], per_position, &Vec::new(), None).expect("all three blocks");
         assert_eq!((reuse.ram_tokens, reuse.disk_tokens), (2 * BLOCK_TOKENS, BLOCK_TOKENS));
         assert_eq!(reuse.cache.offset, 3 * BLOCK_TOKENS as i32);
+    }
+
+    /// The disk writer's queue holds blocks up to its bytes, drops the one
+    /// that would go over, and takes more once the writer has written some.
+    #[test]
+    fn the_disk_writers_queue_is_bounded_by_bytes() {
+        use std::sync::atomic::Ordering;
+        let (queue, rx) = std::sync::mpsc::channel();
+        let writer = DiskWriter { queue, queued_bytes: Arc::default(), limit: 1000 };
+        let block = |n: usize| Features { dtype: FeatureDtype::U16, shape: vec![n as u32 / 2], data: vec![0; n] };
+        let hash = [0u8; 32];
+        assert!(writer.offer(hash, block(600)));
+        assert!(writer.offer(hash, block(400)), "exactly the limit fits");
+        assert!(!writer.offer(hash, block(2)), "over the limit: dropped");
+        assert_eq!(writer.queued_bytes.load(Ordering::SeqCst), 1000, "a dropped block leaves no bytes counted");
+        // The writer takes the first and says so, as its thread does.
+        let (_, first) = rx.try_recv().unwrap();
+        writer.queued_bytes.fetch_sub(first.data.len() as u64, Ordering::SeqCst);
+        assert!(writer.offer(hash, block(500)));
+        assert!(!writer.offer(hash, block(200)));
+        drop(rx);
+        assert!(!writer.offer(hash, block(1)), "no writer: dropped");
+        assert_eq!(writer.queued_bytes.load(Ordering::SeqCst), 900);
     }
 
     #[test]
