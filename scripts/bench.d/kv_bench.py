@@ -3,13 +3,16 @@
 bits, groups of 64), side by side on one warm daemon, through ollama's
 /api/chat (`options.kv_bits`): time to the first token (the prompt's
 prefill, ollama's `prompt_eval_duration`) and decode tokens per second
-(`eval_count / eval_duration`), rounds interleaved (each round starts with
+(`eval_count / eval_duration`), and from the stream as it arrives the
+pause between the first and second tokens (where the prompt's blocks go
+to the prompt cache) and the decode rate after the second token; rounds
+interleaved (each round starts with
 another setting), medians; every prompt new to the prompt cache (a round
 tag leads it). KV bytes per position and how many such sequences a memory
 budget admits are the daemon's own arithmetic (`Model::kv_bytes_per_position_as`),
 printed for the model's shape.
     kv_bench.py BASE_URL MODEL TOKENS ROUNDS KV_VALUES_PER_POSITION BYTES_PER_VALUE BUDGET_BYTES"""
-import json, statistics, subprocess, sys, urllib.request
+import json, statistics, subprocess, sys, time, urllib.request
 
 base, model, tokens, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 values, full_bytes, budget = int(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
@@ -21,6 +24,20 @@ def post(path, body):
     req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=3600) as r:
         return json.loads(r.read())
+
+
+def streamed(body):
+    """The final message (the daemon's counts) and the arrival times of the
+    tokens, in seconds from the request."""
+    req = urllib.request.Request(base + "/api/chat", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    start, arrivals, last = time.perf_counter(), [], None
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            last = json.loads(line)
+            if last.get("message", {}).get("content"):
+                arrivals.append(time.perf_counter() - start)
+    return last, arrivals
 
 
 try:
@@ -41,7 +58,7 @@ probe = post("/api/chat", {"model": model, "stream": False, "options": {"tempera
                            "messages": [{"role": "user", "content": "[probe] " + " ".join(words[:PROBE])}]})
 per_word = max(probe["prompt_eval_count"] / PROBE, 1.0)
 text = " ".join(words[: int(tokens / per_word)])
-rows = {name: {"ttft": [], "decode": [], "prompt": []} for name, _ in SETTINGS}
+rows = {name: {"ttft": [], "decode": [], "prompt": [], "gap": [], "steady": []} for name, _ in SETTINGS}
 for r in range(rounds):
     order = SETTINGS[r % len(SETTINGS):] + SETTINGS[: r % len(SETTINGS)]
     for name, bits in order:
@@ -49,22 +66,28 @@ for r in range(rounds):
         if bits:
             options["kv_bits"] = bits
         prompt = f"[round {r}, {name}] Summarize this code:\n{text}"
-        a = post("/api/chat", {"model": model, "stream": False, "options": options,
-                               "messages": [{"role": "user", "content": prompt}]})
+        a, arrivals = streamed({"model": model, "options": options, "messages": [{"role": "user", "content": prompt}]})
         rows[name]["ttft"].append(a["prompt_eval_duration"] / 1e9)
         rows[name]["decode"].append(a["eval_count"] / (a["eval_duration"] / 1e9))
         rows[name]["prompt"].append(a["prompt_eval_count"])
+        if len(arrivals) < 3:
+            sys.exit(f"{name}: the answer stopped after {len(arrivals)} tokens; the stream's rates need 3 or more")
+        rows[name]["gap"].append(arrivals[1] - arrivals[0])
+        rows[name]["steady"].append((len(arrivals) - 2) / (arrivals[-1] - arrivals[1]))
         print(f"round {r}, {name}: {a['prompt_eval_count']} prompt tokens, TTFT {rows[name]['ttft'][-1]:.1f} s, "
-              f"decode {rows[name]['decode'][-1]:.1f} tok/s", flush=True)
+              f"decode {rows[name]['decode'][-1]:.1f} tok/s, second token after {1000 * rows[name]['gap'][-1]:.0f} ms, "
+              f"then {rows[name]['steady'][-1]:.1f} tok/s", flush=True)
 
 n = statistics.median(rows["full precision"]["prompt"])
 print(f"\n| {model}, {n:.0f}-token prompt | KV bytes / position | KV of this prompt | KV at 32,768 | "
-      f"32k sequences in {budget / 2**30:.0f} GiB | TTFT, s | decode tok/s |")
-print("|---|---:|---:|---:|---:|---:|---:|")
+      f"32k sequences in {budget / 2**30:.0f} GiB | TTFT, s | decode tok/s | first-to-second token, ms | "
+      f"after the second, tok/s |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for name, bits in SETTINGS:
     per_value = full_bytes if not bits else bits / 8 + 2 * full_bytes / 64
     per_position = values * per_value
     print(f"| {name} | {per_position:,.0f} | {per_position * n / 2**20:,.0f} MiB | {per_position * 32768 / 2**20:,.0f} MiB | "
           f"{int(budget // (per_position * 32768))} | {statistics.median(rows[name]['ttft']):.1f} | "
-          f"{statistics.median(rows[name]['decode']):.1f} |")
+          f"{statistics.median(rows[name]['decode']):.1f} | {1000 * statistics.median(rows[name]['gap']):.0f} | "
+          f"{statistics.median(rows[name]['steady']):.1f} |")
 print(f"\nrounds: {rounds}; {GENERATE} tokens generated each")
