@@ -50,6 +50,8 @@ struct ModelCounters {
     embedded_inputs: u64,
     embedded_from_store: u64,
     embedded_tokens: u64,
+    /// Seconds of audio in finished transcriptions.
+    transcribed_audio_seconds: f64,
     loads: u64,
     load_seconds: f64,
 }
@@ -95,6 +97,16 @@ impl Metrics {
             c.embedded_inputs += e.vectors.len() as u64;
             c.embedded_from_store += u64::from(e.cached);
             c.embedded_tokens += e.prompt_tokens;
+        }
+    }
+
+    /// A transcription ended: `outcome` as for a generation; the audio's
+    /// length when it was transcribed.
+    pub fn transcription(&self, model: &str, outcome: &str, audio_seconds: Option<f64>) {
+        let mut m = lock(&self.0);
+        *m.requests.entry(("transcribe", model.to_string(), outcome.to_string())).or_default() += 1;
+        if let Some(seconds) = audio_seconds {
+            m.models.entry(model.to_string()).or_default().transcribed_audio_seconds += seconds;
         }
     }
 
@@ -188,7 +200,7 @@ pub fn render(metrics: &Metrics, status: &DaemonStatus, store: Option<&CacheRepo
         &mut out,
         "mlxbc_requests_total",
         "counter",
-        "Generations and embedding requests by kind, model and outcome.",
+        "Generations, embedding, reranking and transcription requests by kind, model and outcome.",
     );
     for ((kind, model, outcome), n) in &m.requests {
         let _ = writeln!(
@@ -198,7 +210,7 @@ pub fn render(metrics: &Metrics, status: &DaemonStatus, store: Option<&CacheRepo
             label(outcome)
         );
     }
-    let per_model: [PerModel; 9] = [
+    let per_model: [PerModel; 10] = [
         ("mlxbc_prompt_tokens_total", "Prompt tokens of finished generations.", |c| c.prompt_tokens as f64),
         ("mlxbc_generated_tokens_total", "Tokens generated.", |c| c.generated_tokens as f64),
         ("mlxbc_cached_prompt_tokens_total", "Prompt tokens reused from the prompt cache.", |c| {
@@ -209,6 +221,7 @@ pub fn render(metrics: &Metrics, status: &DaemonStatus, store: Option<&CacheRepo
             c.embedded_from_store as f64
         }),
         ("mlxbc_embedded_tokens_total", "Tokens of embedded texts.", |c| c.embedded_tokens as f64),
+        ("mlxbc_transcribed_audio_seconds_total", "Seconds of audio transcribed.", |c| c.transcribed_audio_seconds),
         ("mlxbc_model_loads_total", "Model loads.", |c| c.loads as f64),
         ("mlxbc_model_load_seconds_total", "Time spent loading models.", |c| c.load_seconds),
         ("mlxbc_generations_timed_total", "Generations in the latency histograms.", |c| c.ttft.count as f64),

@@ -9,6 +9,7 @@
 use crate::audio::AudioInput;
 use crate::error::EngineError;
 use crate::media::SharedStore;
+use crate::metrics::Metrics;
 use crate::model::family::{SpeechRecognizer, SpeechTask};
 use mlx_rs::{Array, Dtype};
 use mlxbc_cache::{FeatureKey, Features, Modality};
@@ -92,20 +93,25 @@ impl ActiveTranscription {
     }
 
     /// Encodes (or finds) and decodes the next window; answers when done.
-    pub fn step(mut self, store: Option<&SharedStore>) -> Progress {
+    /// The request is counted in `metrics` before its client hears the
+    /// end, so a scrape right after the answer finds it.
+    pub fn step(mut self, store: Option<&SharedStore>, metrics: &Metrics) -> Progress {
         if self.cancel.load(Ordering::Relaxed) || self.events.is_closed() {
             tracing::info!("transcription cancelled: the client went away");
+            metrics.transcription(&self.stats.model, "cancelled", None);
             return self.ended();
         }
         match self.advance(store) {
             Ok(true) => Progress::Going(self),
-            Ok(false) => self.answer(),
+            Ok(false) => self.answer(metrics),
+            // The client sends the audio in a new request: this one is not an outcome.
             Err(Stop::NeedBytes) => {
                 let _ = self.events.send(Response::NeedMedia { missing: vec![self.sha256] });
                 self.ended()
             }
             Err(Stop::Failed(e)) => {
                 tracing::warn!(message = %e, "transcription failed");
+                metrics.transcription(&self.stats.model, &format!("{:?}", e.kind()), None);
                 let _ = self.events.send(e.into_response());
                 self.ended()
             }
@@ -149,13 +155,14 @@ impl ActiveTranscription {
         Ok(true)
     }
 
-    fn answer(mut self) -> Progress {
+    fn answer(mut self, metrics: &Metrics) -> Progress {
         self.stats.windows = self.task.windows();
         self.stats.total_ms = self.received.elapsed().as_secs_f64() * 1000.0;
         let Self { task, events, stats, keep_alive, .. } = self;
         let name = stats.model.clone();
         match task.finish() {
             Ok(r) => {
+                metrics.transcription(&name, "done", Some(stats.audio_seconds));
                 let _ = events.send(Response::Transcribed(Transcript {
                     text: r.text,
                     language: r.language,
@@ -164,7 +171,9 @@ impl ActiveTranscription {
                 }));
             }
             Err(e) => {
-                let _ = events.send(EngineError::inference(e).into_response());
+                let e = EngineError::inference(e);
+                metrics.transcription(&name, &format!("{:?}", e.kind()), None);
+                let _ = events.send(e.into_response());
             }
         }
         Progress::Ended { model: name, keep_alive }
@@ -214,9 +223,13 @@ impl Transcriptions {
 
     /// Runs one window of the transcription whose turn it is; when it
     /// ended, the model it was using and its keep-alive.
-    pub fn step(&mut self, store: Option<&SharedStore>) -> Option<(String, Option<mlxbc_shared::KeepAlive>)> {
+    pub fn step(
+        &mut self,
+        store: Option<&SharedStore>,
+        metrics: &Metrics,
+    ) -> Option<(String, Option<mlxbc_shared::KeepAlive>)> {
         let t = self.queue.pop_front()?;
-        match t.step(store) {
+        match t.step(store, metrics) {
             Progress::Going(t) => {
                 self.queue.push_back(t);
                 None

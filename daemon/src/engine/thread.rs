@@ -134,7 +134,7 @@ impl Engine {
                 }
             }
             // One window of one transcription per pass, taking turns.
-            if let Some((model, keep_alive)) = self.transcriptions.step(self.store.as_ref()) {
+            if let Some((model, keep_alive)) = self.transcriptions.step(self.store.as_ref(), &self.metrics) {
                 self.residency.touch(&model, keep_alive);
                 self.publish();
             }
@@ -297,11 +297,19 @@ impl Engine {
                     Ok((name, model, load_ms)) => {
                         self.publish();
                         let begun = speech::ActiveTranscription::begin(
-                            name, model, &request, audio, events, cancel, received, load_ms,
+                            name.clone(),
+                            model,
+                            &request,
+                            audio,
+                            events,
+                            cancel,
+                            received,
+                            load_ms,
                         );
                         match begun {
                             Ok(t) => self.transcriptions.add(t),
                             Err((e, events)) => {
+                                self.metrics.transcription(&name, &format!("{:?}", e.kind()), None);
                                 let _ = events.send(e.into_response());
                             }
                         }

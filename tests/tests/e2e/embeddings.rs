@@ -203,8 +203,14 @@ async fn a_nomic_bert_embeds_from_its_directory_and_its_gguf_with_its_prompts() 
 #[test]
 fn metrics_parse_and_move_as_requests_are_served() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let _d = Daemon::start_with(options(vec!["--http".into(), format!("127.0.0.1:{port}")]));
-    crate::http::run_client_script("metrics.py", &[&format!("http://127.0.0.1:{port}"), SMOLLM2, MINILM]);
+    let mut with_speech = options(vec!["--http".into(), format!("127.0.0.1:{port}")]);
+    with_speech.models.push(("whisper-tiny.en", fixture("models/whisper-tiny.en")));
+    let _d = Daemon::start_with(with_speech);
+    let wav = fixture("whisper/clips/s1.wav");
+    crate::http::run_client_script(
+        "metrics.py",
+        &[&format!("http://127.0.0.1:{port}"), SMOLLM2, MINILM, "whisper-tiny.en", wav.to_str().unwrap()],
+    );
 }
 
 const RERANKER: &str = "tiny-cross-encoder";
