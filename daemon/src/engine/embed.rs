@@ -547,14 +547,13 @@ impl EmbedJobs {
     }
 
     /// One batch of the first job; a job that is done (or failed) is
-    /// answered and leaves. `ended` sees it and its outcome before the
-    /// client is answered, so a client that reads the metrics right after
-    /// its answer finds its request counted. Returns the job that ended, if
-    /// one did.
+    /// counted in `metrics` and then answered (so a client that reads the
+    /// metrics right after its answer finds its request counted), and
+    /// leaves. Returns the job that ended, and its outcome, if one did.
     pub fn step(
         &mut self,
         store: Option<&SharedStore>,
-        ended: impl FnOnce(&EmbedJob, &Result<Embeddings, EngineError>),
+        metrics: &crate::metrics::Metrics,
     ) -> Option<(EmbedJob, Result<Embeddings, EngineError>)> {
         let mut job = self.0.pop_front()?;
         let outcome = match job.step(store) {
@@ -565,7 +564,8 @@ impl EmbedJobs {
             Ok(true) => job.finish(),
             Err(e) => Err(e),
         };
-        ended(&job, &outcome);
+        let kind = outcome.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
+        metrics.embedding(job.api(), &job.name, &kind, outcome.as_ref().ok());
         job.answer(&outcome);
         Some((job, outcome))
     }
@@ -671,9 +671,9 @@ mod tests {
         let job = EmbedJob::begin("m", model.clone(), None, request, arrival).ok().unwrap();
         let mut jobs = EmbedJobs::default();
         jobs.add(job);
-        assert!(jobs.step(None, |_, _| {}).is_none(), "the first batch leaves misses");
+        assert!(jobs.step(None, &Default::default()).is_none(), "the first batch leaves misses");
         assert!(answer.try_recv().is_err(), "not answered yet");
-        let (_, outcome) = jobs.step(None, |_, _| {}).expect("the second batch ends it");
+        let (_, outcome) = jobs.step(None, &Default::default()).expect("the second batch ends it");
         assert!(jobs.is_empty());
         assert_eq!(model.0.get(), 2);
         assert_eq!(model.1.get(), 99, "the repeat (not next to its twin once sorted) is computed once");

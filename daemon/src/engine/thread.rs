@@ -139,12 +139,7 @@ impl Engine {
                 self.publish();
             }
             // One batch of one embedding request per pass, likewise.
-            let metrics = &self.metrics;
-            let counted = |job: &super::embed::EmbedJob, outcome: &Result<_, EngineError>| {
-                let kind = outcome.as_ref().map_or_else(|e| format!("{:?}", e.kind()), |_| "done".into());
-                metrics.embedding(job.api(), job.model().0, &kind, outcome.as_ref().ok());
-            };
-            if let Some((job, _)) = self.embeddings.step(self.store.as_ref(), counted) {
+            if let Some((job, _)) = self.embeddings.step(self.store.as_ref(), &self.metrics) {
                 let (model, keep_alive) = job.model();
                 self.residency.touch(model, keep_alive);
             }

@@ -465,19 +465,21 @@ struct DiskWriter {
 }
 
 impl DiskWriter {
-    /// Queues `block` unless the queue is full; false when it was dropped.
-    fn offer(&self, hash: BlockHash, block: Features) -> bool {
+    /// Queues the block of `bytes` bytes that `block` makes, unless the
+    /// queue has no room for it (then `block` is never run: a dropped
+    /// block costs no host copy); false when it was dropped.
+    fn offer(&self, hash: BlockHash, bytes: u64, block: impl FnOnce() -> Option<Features>) -> bool {
         use std::sync::atomic::Ordering;
-        let bytes = block.data.len() as u64;
         if self.queued_bytes.fetch_add(bytes, Ordering::SeqCst) + bytes > self.limit {
             self.queued_bytes.fetch_sub(bytes, Ordering::SeqCst);
             return false;
         }
-        if self.queue.send((hash, block)).is_err() {
+        // The writer gives back what it was sent: `bytes` must be it.
+        let sent = block().filter(|b| b.data.len() as u64 == bytes).is_some_and(|b| self.queue.send((hash, b)).is_ok());
+        if !sent {
             self.queued_bytes.fetch_sub(bytes, Ordering::SeqCst);
-            return false;
         }
-        true
+        sent
     }
 }
 
@@ -794,10 +796,8 @@ impl PromptCache {
         }
         for (hash, data, positions) in fresh {
             if let Some(w) = &self.writer {
-                if let Some(f) = to_features(&data) {
-                    if !w.offer(hash, f) {
-                        self.counters.writes_dropped += 1;
-                    }
+                if !w.offer(hash, data.nbytes() as u64, || to_features(&data)) {
+                    self.counters.writes_dropped += 1;
                 }
             }
             self.put_ram(hash, data, positions);
@@ -933,17 +933,18 @@ mod tests {
         let writer = DiskWriter { queue, queued_bytes: Arc::default(), limit: 1000 };
         let block = |n: usize| Features { dtype: FeatureDtype::U16, shape: vec![n as u32 / 2], data: vec![0; n] };
         let hash = [0u8; 32];
-        assert!(writer.offer(hash, block(600)));
-        assert!(writer.offer(hash, block(400)), "exactly the limit fits");
-        assert!(!writer.offer(hash, block(2)), "over the limit: dropped");
+        let offer = |n: usize| writer.offer(hash, n as u64, || Some(block(n)));
+        assert!(offer(600));
+        assert!(offer(400), "exactly the limit fits");
+        assert!(!writer.offer(hash, 2, || panic!("a block with no room is not copied")), "over the limit: dropped");
         assert_eq!(writer.queued_bytes.load(Ordering::SeqCst), 1000, "a dropped block leaves no bytes counted");
         // The writer takes the first and says so, as its thread does.
         let (_, first) = rx.try_recv().unwrap();
         writer.queued_bytes.fetch_sub(first.data.len() as u64, Ordering::SeqCst);
-        assert!(writer.offer(hash, block(500)));
-        assert!(!writer.offer(hash, block(200)));
+        assert!(offer(500));
+        assert!(!offer(200));
         drop(rx);
-        assert!(!writer.offer(hash, block(1)), "no writer: dropped");
+        assert!(!offer(1), "no writer: dropped");
         assert_eq!(writer.queued_bytes.load(Ordering::SeqCst), 900);
     }
 
