@@ -37,6 +37,9 @@
 #                 scripts/bench.d/speculative_bench.py with MODEL for the
 #                 code rows (CODE_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf:
 #                 real weights there too) and SmolLM2 for the quotation and chat rows
+#   qpart N       copy Qwen2.5-Coder-0.5B Q4_K_M (real weights) part N (0..13,
+#                 staged by `stage-coder`); `spec` with CODE_MODEL= and
+#                 SMALL_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
 #   draftrows MODEL  rows drafting with a draft model together / apart /
 #                 off: two daemons (scripts/bench.d/draft_rows_bench.py;
@@ -115,6 +118,13 @@ if [[ $step == stage ]]; then # here, at no device time
   for i in 0 1 2; do mkdir -p "$out/s$i"; mv "$out/smol.$i" "$out/s$i/"; done
   echo "$n parts"; du -sh "$out"/c* "$out"/w* "$out"/s* "$out"/e*
   exit 0
+fi
+if [[ $step == stage-coder ]]; then # here: Qwen2.5-Coder-0.5B Q4_K_M (real weights, 469 MiB) in 14 parts
+  set -e
+  out=.dev/rs; rm -rf "$out"/q*; fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}
+  split -b 34M -d -a 2 "$fx/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" "$out/coder."
+  for f in "$out"/coder.*; do i=$((10#${f##*.})); mkdir -p "$out/q$i"; mv "$f" "$out/q$i/"; done
+  ls -d "$out"/q* | wc -l; exit 0
 fi
 PY=/opt/torch/.venv/bin/python3
 SP=$($PY -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
@@ -237,6 +247,14 @@ spart)
   # With the last part there, SmolLM2 joins the models (MODEL_NAME=SmolLM2-135M-Instruct.Q4_1 for `sweep`).
   [[ -f /tmp/smol/smol.2 ]] && cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 \
     > /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf && ls -la /tmp/models ;;
+qpart)
+  # Qwen2.5-Coder-0.5B part N (stage-coder); with every part there it joins
+  # the models (CODE_MODEL=SMALL_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf for `spec`).
+  mkdir -p /tmp/coder; cp -r ".dev/rs/q$1/." /tmp/coder/; ls /tmp/coder | wc -l
+  if [[ $(ls /tmp/coder | wc -l) == "${2:-14}" ]]; then
+    cat /tmp/coder/coder.* > /tmp/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+    sha256sum /tmp/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+  fi ;;
 spec)
   # SmolLM2's rows need its parts (spart 0..2); ONLY=batched,long do not.
   [[ -f /tmp/smol/smol.2 ]] && { cat /tmp/smol/smol.0 /tmp/smol/smol.1 /tmp/smol/smol.2 \
@@ -250,7 +268,7 @@ spec)
     done
   fi
   ONLY=${ONLY:-alone,batched,long,draft} DRAFT_TARGET=$1-4bit DRAFTS=qwen2.5-0.5b-4bit \
-  CODE_MODEL=${CODE_MODEL:-$1-4bit} SMALL_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf timeout ${SPEC_TIMEOUT:-560} \
+  CODE_MODEL=${CODE_MODEL:-$1-4bit} SMALL_MODEL=${SMALL_MODEL:-SmolLM2-135M-Instruct.Q4_1.gguf} timeout ${SPEC_TIMEOUT:-560} \
     $PY scripts/bench.d/speculative_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/spec-$1.txt"
   for h in $(printf '%s\n' "${hs[@]}" | sort -u); do
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
