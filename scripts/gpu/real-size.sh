@@ -264,15 +264,16 @@ spec)
     h=/tmp/home-spec-one-$RANDOM; daemon "$h" || exit 1; hs=("$h" "$h" "$h")
   else
     for mode in off auto ngram; do
-      h=/tmp/home-spec-$mode-$RANDOM; daemon "$h" MLXBC_SPECULATE=$mode || exit 1; hs+=("$h")
+      # SPEC_ENV: more of the daemons' environment (e.g. MLXBC_FEW_QUERIES=mlx for an A/B).
+      h=/tmp/home-spec-$mode-$RANDOM; daemon "$h" MLXBC_SPECULATE=$mode ${SPEC_ENV:-} || exit 1; hs+=("$h")
     done
   fi
   ONLY=${ONLY:-alone,batched,long,draft} DRAFT_TARGET=$1-4bit DRAFTS=qwen2.5-0.5b-4bit \
   CODE_MODEL=${CODE_MODEL:-$1-4bit} SMALL_MODEL=${SMALL_MODEL:-SmolLM2-135M-Instruct.Q4_1.gguf} timeout ${SPEC_TIMEOUT:-560} \
-    $PY scripts/bench.d/speculative_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/spec-$1.txt"
+    $PY scripts/bench.d/speculative_bench.py "$B/bin/mlxbc" "${hs[@]}" ${ROUNDS:-3} 2>&1 | tee "$OUT/spec-$1${SPEC_LABEL:+-$SPEC_LABEL}.txt"
   for h in $(printf '%s\n' "${hs[@]}" | sort -u); do
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
-    MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec-$(basename "$h").log"
+    MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec${SPEC_LABEL:+-$SPEC_LABEL}-$(basename "$h").log"
   done ;;
 draftrows)
   # A batch's rows drafting with a draft model, together (the default)
