@@ -173,7 +173,6 @@ fn main() -> Result<()> {
     let options =
         mlxbc_daemon::model::options::EngineOptions::from_settings_and_env(&settings).map_err(anyhow::Error::msg)?;
     mlxbc_daemon::model::batch_attention::configure(options.attention);
-    mlxbc_daemon::model::few_queries::configure(options.few_queries);
     mlxbc_daemon::model::layers::configure(options.split_parts);
     mlxbc_daemon::model::w4a16::configure(options.w4a16_rows.unwrap_or(mlxbc_daemon::model::w4a16::DEFAULT_ROWS));
     mlxbc_daemon::decoding::lookup::configure(options.speculate);

@@ -21,7 +21,6 @@
 //! stays: their fused kernels take the mask.
 
 use crate::model::cuda_kernel::{CudaKernel, Launch, Template};
-use crate::model::few_queries::{self, Visible};
 use crate::model::kv_cache::KvCache;
 use anyhow::{bail, Result};
 use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, Array, Dtype};
@@ -115,10 +114,6 @@ pub fn padded(
     let Some(mask) = cache.padding_mask(offset, l, total, window)? else {
         bail!("a padded cache without a padding mask");
     };
-    // A batched verify pass: a few positions a row (no cuDNN plan per length).
-    if let Some(o) = few_queries::attend(q, k, v, scale, Visible::Mask(&mask))? {
-        return Ok(Some(o));
-    }
     let mask = ScaledDotProductAttentionMask::Array(&mask);
     Ok(Some(fast::scaled_dot_product_attention(q, k, v, scale, mask, None)?))
 }

@@ -10,7 +10,6 @@ pub mod cuda_kernel;
 pub mod decode_step;
 pub mod decoder_embedder;
 pub mod family;
-pub mod few_queries;
 pub mod gguf;
 pub mod image;
 pub mod kv_cache;

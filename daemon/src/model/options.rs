@@ -21,17 +21,12 @@
 //!   [`crate::model::w4a16::DEFAULT_ROWS`]: 4; 0: never),
 //! - `MLXBC_SPLIT_PARTS=copy|views`: whether a fused projection's parts are
 //!   copied for steps of several rows ([`SplitParts`]),
-//! - `MLXBC_FEW_QUERIES=ops|mlx`: on CUDA, whether attention of a few
-//!   query positions over a longer cache (a verify pass) runs as plain
-//!   operations (the default) or MLX's fused attention, which builds a
-//!   cuDNN plan per key length ([`crate::model::few_queries`]),
 //! - `MLXBC_DRAFT_ROWS=together|apart`: whether a decode batch's rows with
 //!   one draft model draft in one batch of it (the default) or each alone
 //!   ([`DraftRows`]).
 
 use crate::model::batch_attention::BatchAttention;
 use crate::model::decode_step::DecodeMode;
-use crate::model::few_queries::FewQueries;
 use crate::model::layers::{BatchWeights, SplitParts};
 use crate::model::weights::WeightForm;
 
@@ -87,8 +82,6 @@ pub struct EngineOptions {
     pub split_parts: SplitParts,
     /// Whether a batch's rows with one draft model draft together.
     pub draft_rows: DraftRows,
-    /// How few-query attention runs on CUDA.
-    pub few_queries: FewQueries,
 }
 
 /// How a decode batch's rows with one draft model are drafted
@@ -225,24 +218,7 @@ impl EngineOptions {
             Some((_, v)) if v == "apart" => DraftRows::Apart,
             Some(other) => return Err(bad(&other, "together, apart")),
         };
-        let few_queries = match env("MLXBC_FEW_QUERIES") {
-            None => Default::default(),
-            Some((_, v)) if v == "ops" => FewQueries::Ops,
-            Some((_, v)) if v == "mlx" => FewQueries::Mlx,
-            Some(other) => return Err(bad(&other, "ops, mlx")),
-        };
-        Ok(Self {
-            weights,
-            decode,
-            fusion,
-            batch,
-            attention,
-            speculate,
-            w4a16_rows,
-            split_parts,
-            draft_rows,
-            few_queries,
-        })
+        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows, split_parts, draft_rows })
     }
 }
 
@@ -272,7 +248,6 @@ mod tests {
             "MLXBC_W4A16_ROWS",
             "MLXBC_SPLIT_PARTS",
             "MLXBC_DRAFT_ROWS",
-            "MLXBC_FEW_QUERIES",
         ] {
             std::env::remove_var(v);
         }
@@ -305,12 +280,6 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_BATCH_ATTENTION") && e.contains("auto, mask"), "{e}");
         std::env::remove_var("MLXBC_BATCH_ATTENTION");
-        std::env::set_var("MLXBC_FEW_QUERIES", "mlx");
-        assert_eq!(EngineOptions::from_settings_and_env(&settings(None, None)).unwrap().few_queries, FewQueries::Mlx);
-        std::env::set_var("MLXBC_FEW_QUERIES", "cudnn");
-        let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
-        assert!(e.contains("MLXBC_FEW_QUERIES") && e.contains("ops, mlx"), "{e}");
-        std::env::remove_var("MLXBC_FEW_QUERIES");
         std::env::set_var("MLXBC_SPECULATE", "ngram");
         let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
         assert_eq!(o.speculate, Speculate::Ngram);

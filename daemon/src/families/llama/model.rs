@@ -6,7 +6,6 @@ use super::config::{Architecture, TextConfig};
 use crate::distributed::Shard;
 use crate::model::batch_attention;
 use crate::model::family::{DecodeGraph, LanguageModel};
-use crate::model::few_queries::{self, Visible};
 use crate::model::kv_cache::{KvCache, KvView};
 use crate::model::layers::{from_heads, swiglu, to_heads, Embedding, FusedLinear, Linear};
 use crate::model::lora::Group;
@@ -274,14 +273,10 @@ impl Transformer {
         let o = match cache.update_view(layer, k, v)? {
             KvView::Full(k, v) => match batch_attention::padded(&q, &k, &v, self.scale, cache, offset, None)? {
                 Some(o) => o,
-                None => match few_queries::attend(&q, &k, &v, self.scale, Visible::Causal)? {
-                    // A one-row verify pass (no cuDNN plan per key length).
-                    Some(o) => o,
-                    None => {
-                        let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
-                        fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?
-                    }
-                },
+                None => {
+                    let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+                    fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?
+                }
             },
             KvView::Quantized { keys, values, q: quantization } => {
                 let total = keys[0].shape()[2];
