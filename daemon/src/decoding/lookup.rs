@@ -161,9 +161,27 @@ impl Drafter {
         true
     }
 
-    /// The next draft for `history` (empty: take a plain step, and rest).
-    pub fn draft(&mut self, history: &[u32]) -> Vec<u32> {
-        self.proposed(propose(history, self.k))
+    /// The next draft for `history`, at most `most` tokens (empty: take a
+    /// plain step, and rest).
+    pub fn draft(&mut self, history: &[u32], most: usize) -> Vec<u32> {
+        self.proposed(propose(history, self.most().min(most)))
+    }
+
+    /// The most tokens a draft may propose: `k` where drafts are forced;
+    /// under `auto` the widest a pass may be ([`MAX_DRAFT`]), since the
+    /// cost model chooses the width from the acceptance rate and the
+    /// measured pass costs (`crate::engine::draft_costs`), and `k`'s cut
+    /// to the last draft's accepted length would hide the wide passes
+    /// that pay where a pass costs several plain steps (an H100: a one-row
+    /// pass of 9 positions ~3x a step; auto took 26 drafts where forced
+    /// drafting took 149 on the same code edit, at 82% acceptance:
+    /// docs/measurements/h100-2026-12-07b-kv-verify.md).
+    pub fn most(&self) -> usize {
+        if self.forced {
+            self.k
+        } else {
+            MAX_DRAFT
+        }
     }
 
     /// `drafts` proposed elsewhere (a draft model) for the next step: rests
@@ -263,6 +281,20 @@ mod tests {
         assert_eq!((d.drafted, d.accepted), (23, 15));
     }
 
+    /// Forced drafts stay within `k`; under `auto` a draft fills the width
+    /// the cost model chose, whatever the last draft's accepted length.
+    #[test]
+    fn auto_drafts_fill_the_chosen_width_and_forced_drafts_keep_to_k() {
+        let history: Vec<u32> = (1..=12).chain(1..=3).collect();
+        for (forced, want) in [(true, 1), (false, 6)] {
+            let mut d = Drafter::new(forced, 0.5);
+            d.verified(8, 1);
+            assert_eq!(d.k(), 1);
+            assert_eq!(d.draft(&history, 6), (4..=9).take(want).collect::<Vec<u32>>(), "forced: {forced}");
+        }
+        assert_eq!(Drafter::new(false, 0.5).draft(&history, MAX_DRAFT).len(), MAX_DRAFT);
+    }
+
     #[test]
     fn the_acceptance_rate_follows_recent_drafts() {
         let mut d = Drafter::default();
@@ -293,17 +325,17 @@ mod tests {
         let mut d = Drafter::default();
         let rests = |d: &mut Drafter| (0..40).take_while(|_| !d.try_now()).count();
         assert_eq!(rests(&mut d), 0);
-        assert!(d.draft(&[1, 2, 3]).is_empty());
+        assert!(d.draft(&[1, 2, 3], MAX_DRAFT).is_empty());
         assert_eq!(rests(&mut d), 1);
         d.verified(4, 0);
         assert_eq!(rests(&mut d), 2);
         for want in [4, 8, 16, 16] {
-            assert!(d.draft(&[7, 8, 9]).is_empty());
+            assert!(d.draft(&[7, 8, 9], MAX_DRAFT).is_empty());
             assert_eq!(rests(&mut d), want);
         }
         d.verified(2, 1);
         assert!(d.try_now(), "an accepted draft: no rest");
-        assert!(d.draft(&[5, 6]).is_empty());
+        assert!(d.draft(&[5, 6], MAX_DRAFT).is_empty());
         assert_eq!(rests(&mut d), 1, "the rests start over");
     }
 

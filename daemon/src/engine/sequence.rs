@@ -290,7 +290,9 @@ impl Sequence {
         let d = self.drafter.as_ref()?;
         let draft_secs = self.draft_run.as_ref().and_then(DraftRun::secs_per_token).unwrap_or(0.0);
         let explore = d.explores(self.generated.len());
-        Some((Drafting { k: d.k(), rate: d.rate(), draft_secs, explore }, d.forced))
+        // A draft model's drafts cost its steps: its own `k` bounds them.
+        let k = if self.draft_run.is_some() { d.k() } else { d.most() };
+        Some((Drafting { k, rate: d.rate(), draft_secs, explore }, d.forced))
     }
 
     /// Tokens drafted to follow its prompt and answer so far (at most
@@ -308,8 +310,7 @@ impl Sequence {
             return Drafts::Model(d.k().min(room));
         }
         let history = [&self.setup.ids[..], &self.generated[..]].concat();
-        let mut drafts = d.draft(&history);
-        drafts.truncate(room);
+        let drafts = d.draft(&history, room);
         Drafts::Ready(drafts)
     }
 
