@@ -10,7 +10,8 @@ Then the batched row: 16 clients at once on code edits, total tok/s per
 daemon; and the long-prompt row: an 8k-token agent-style prompt.
 
 Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS
-(ONLY=alone,batched,long, the default: those rows; draft: SmolLM2's rows
+(ONLY=alone,batched,long, the default: those rows; TASKS=0,1: only
+those of the rows alone; draft: SmolLM2's rows
 with draft models named per request, DRAFTS=tiny-qwen3,smollm2-mlx,
 DRAFT_TARGET=another model for them; CODE_MODEL and
 SMALL_MODEL name other models for the Qwen2.5-Coder and SmolLM2 rows, as
@@ -156,7 +157,9 @@ def main():
                 ask(home, model, 4, prompt)
         wait_warm(mlxbc, home)
     rows = []
-    for name, model, max_tokens, prompt in TASKS if "alone" in only else []:
+    # TASKS=0,1: only those rows alone (a short device lease: the code edits).
+    picked = [int(i) for i in os.environ["TASKS"].split(",")] if os.environ.get("TASKS") else range(len(TASKS))
+    for name, model, max_tokens, prompt in [TASKS[i] for i in picked] if "alone" in only else []:
         def alone(home, model=model, max_tokens=max_tokens, prompt=prompt):
             s = ask(home, model, max_tokens, prompt)
             return s["decode_tokens_per_s"], [s]
