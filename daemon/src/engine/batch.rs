@@ -65,8 +65,11 @@ struct Profile {
     steps: u32,
     /// Steps built with the compiled single-row graph.
     compiled: u32,
-    /// Speculation's verify passes among the steps (always eager).
+    /// Speculation's verify passes among the steps (always eager), and
+    /// their own queueing and waiting (also in the totals).
     verified: u32,
+    verify_queue_s: f64,
+    verify_wait_s: f64,
     /// Draft models' proposals, and the rows they drafted for.
     proposals: u32,
     proposed_rows: usize,
@@ -91,7 +94,11 @@ impl Profile {
         self.since.get_or_insert(started);
         self.steps += 1;
         self.compiled += u32::from(mode == Some(DecodeMode::Compiled));
-        self.verified += u32::from(mode.is_none());
+        if mode.is_none() {
+            self.verified += 1;
+            self.verify_queue_s += queue_s;
+            self.verify_wait_s += wait_s;
+        }
         self.rows += rows;
         self.queue_s += queue_s;
         self.wait_s += wait_s;
@@ -110,11 +117,21 @@ impl Profile {
                 c if c == self.steps - self.verified => "Compiled",
                 _ => "Compiled alone, Eager batched",
             };
+            // A verify pass's own split says what bounds speculation.
+            let pass = |v: u32| {
+                let per_pass = |x: f64| x * 1e3 / f64::from(v);
+                format!(
+                    "{v} verifying drafts, a pass queueing {:.2} ms and waiting {:.2}",
+                    per_pass(self.verify_queue_s),
+                    per_pass(self.verify_wait_s)
+                )
+            };
             let verified = match (self.verified, self.proposals) {
                 (0, _) => String::new(),
-                (v, 0) => format!(" ({v} verifying drafts)"),
+                (v, 0) => format!(" ({})", pass(v)),
                 (v, p) => format!(
-                    " ({v} verifying drafts; draft models drafted {:.1} rows a proposal)",
+                    " ({}; draft models drafted {:.1} rows a proposal)",
+                    pass(v),
                     self.proposed_rows as f64 / f64::from(p)
                 ),
             };
@@ -392,6 +409,10 @@ impl DecodeBatch {
         queued.extend(first.iter().flatten());
         queued.extend(masked.iter().flatten());
         queued.extend(seqs.iter().flat_map(|s| s.logprob_arrays()));
+        // Dispatched, then waited for: the log's split of a pass into its
+        // host work (drafting, building, launching) and the device's.
+        async_eval(queued.clone()).map_err(EngineError::inference)?;
+        let dispatched = started.elapsed().as_secs_f64();
         mlx_rs::transforms::eval(queued).map_err(EngineError::inference)?;
         let all = all.as_slice::<u32>();
         let mut forget = Vec::with_capacity(drafts.len());
@@ -429,7 +450,7 @@ impl DecodeBatch {
             return Err(EngineError::Internal("a verified cache could not forget its rejected drafts".into()));
         }
         let took = started.elapsed().as_secs_f64();
-        self.profile.record(started, self.rows.len(), None, 0.0, took);
+        self.profile.record(started, self.rows.len(), None, dispatched, took - dispatched);
         self.costs.borrow_mut().verify_pass(self.rows.len() * width, (took - drafting_secs).max(0.0));
         for (r, run) in runs.iter().enumerate().filter(|&(r, _)| drafted[r]) {
             self.drafts_verified(r, &*seqs[r], run.len());
