@@ -124,7 +124,9 @@ if [[ $step == stage-coder ]]; then # here: Qwen2.5-Coder-0.5B Q4_K_M (real weig
   out=.dev/rs; rm -rf "$out"/q*; fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}
   split -b 34M -d -a 2 "$fx/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" "$out/coder."
   for f in "$out"/coder.*; do i=$((10#${f##*.})); mkdir -p "$out/q$i"; mv "$f" "$out/q$i/"; done
-  ls -d "$out"/q* | wc -l; exit 0
+  # The whole file's hash and the part count ride with part 0: `qpart` joins and checks.
+  (cd "$fx/models" && sha256sum qwen2.5-coder-0.5b-instruct-q4_k_m.gguf) > "$out/q0/coder.sha256"
+  ls -d "$out"/q* | wc -l | tee "$out/q0/coder.parts"; exit 0
 fi
 PY=/opt/torch/.venv/bin/python3
 SP=$($PY -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
@@ -250,10 +252,10 @@ spart)
 qpart)
   # Qwen2.5-Coder-0.5B part N (stage-coder); with every part there it joins
   # the models (CODE_MODEL=SMALL_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf for `spec`).
-  mkdir -p /tmp/coder; cp -r ".dev/rs/q$1/." /tmp/coder/; ls /tmp/coder | wc -l
-  if [[ $(ls /tmp/coder | wc -l) == "${2:-14}" ]]; then
-    cat /tmp/coder/coder.* > /tmp/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-    sha256sum /tmp/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+  mkdir -p /tmp/coder; cp -r ".dev/rs/q$1/." /tmp/coder/; ls /tmp/coder/coder.[0-9]* | wc -l
+  if [[ -f /tmp/coder/coder.parts && $(ls /tmp/coder/coder.[0-9]* | wc -l) == "$(cat /tmp/coder/coder.parts)" ]]; then
+    cat /tmp/coder/coder.[0-9]* > /tmp/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+    (cd /tmp/models && sha256sum -c /tmp/coder/coder.sha256) || exit 1
   fi ;;
 spec)
   # SmolLM2's rows need its parts (spart 0..2); ONLY=batched,long do not.

@@ -1,6 +1,9 @@
-"""One forward of 1 and of 9 positions over a growing KV cache, mlx-lm's
-Qwen2.5-0.5B shape on the GPU: what a speculative verify pass costs MLX
-itself (the cuDNN plan per key length?). Run after `real-size.sh install`."""
+"""Forwards of 1, 2, 4 and 9 positions over a growing KV cache (30 each,
+from 600 positions), mlx-lm's model of the Qwen2.5-0.5B shape on the GPU:
+what a speculative verify pass costs MLX itself; with
+MLX_CUDA_USE_CUDNN_SDPA=0 without cuDNN's attention, which builds a plan
+per key length (docs/measurements/h100-2026-12-07b-kv-verify.md).
+Run after `real-size.sh install`."""
 import time, sys
 import mlx.core as mx
 from mlx_lm import load
