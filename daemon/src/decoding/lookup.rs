@@ -167,20 +167,6 @@ impl Drafter {
         self.proposed(propose(history, self.most().min(most)))
     }
 
-    /// The next draft for a history whose last token is not known yet (a
-    /// pipelined verify pass is built while the pass that picks that token
-    /// runs: `crate::engine::pipelined`): `history` ends before it, the
-    /// lookup's first token stands for it, and the draft is what follows
-    /// (at most `most` tokens; empty: take no drafts, and rest), with the
-    /// token guessed. Where the guess is wrong the model rejects the
-    /// draft, and nothing else changes.
-    pub fn draft_beyond(&mut self, history: &[u32], most: usize) -> (Vec<u32>, Option<u32>) {
-        let mut lookup = propose(history, self.most().min(most) + 1);
-        let guess = lookup.first().copied();
-        let drafts = if lookup.is_empty() { lookup } else { lookup.split_off(1) };
-        (self.proposed(drafts), guess)
-    }
-
     /// The most tokens a draft may propose: `k` where drafts are forced;
     /// under `auto` the widest a pass may be ([`MAX_DRAFT`]), since the
     /// cost model chooses the width from the acceptance rate and the
@@ -254,19 +240,6 @@ pub fn accepted_prefix(drafts: &[u32], picks: &[u32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_draft_beyond_an_unknown_token_guesses_it_and_drafts_what_follows() {
-        let mut d = Drafter::new(true, 0.5);
-        // "1 2 3 4 5" earlier; the history ends in "1 2": 3 stands for the
-        // unknown token, 4 5 are the draft.
-        let (drafts, guess) = d.draft_beyond(&[1, 2, 3, 4, 5, 9, 1, 2], 2);
-        assert_eq!((drafts, guess), (vec![4, 5], Some(3)));
-        // Only the guess follows the match: no draft (and it rests).
-        let (drafts, guess) = d.draft_beyond(&[3, 7, 7], 4);
-        assert_eq!((drafts, guess), (vec![], Some(7)));
-        assert!(!d.try_now(), "an empty draft rests");
-    }
 
     #[test]
     fn the_latest_longest_match_proposes_what_followed_it() {

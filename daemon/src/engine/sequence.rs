@@ -314,22 +314,6 @@ impl Sequence {
         Drafts::Ready(drafts)
     }
 
-    /// Prompt lookup's draft (at most `most` tokens) to follow `pending`
-    /// and then a token not yet known: `pending` are drafts of a verify
-    /// pass still running, taken as if the model accepts them all, and the
-    /// unknown token is that pass's pick after them (`Drafter::draft_beyond`).
-    /// Empty without a prompt-lookup drafter or room to generate; with
-    /// the unknown token's guess.
-    pub fn draft_beyond(&mut self, pending: &[u32], most: usize) -> (Vec<u32>, Option<u32>) {
-        let Some(d) = self.drafter.as_mut().filter(|_| self.draft_run.is_none()) else { return (Vec::new(), None) };
-        let room = self.setup.limit.saturating_sub(self.generated.len() + pending.len() + 1).min(most);
-        if room == 0 {
-            return (Vec::new(), None);
-        }
-        let history = [&self.setup.ids[..], &self.generated[..], pending].concat();
-        d.draft_beyond(&history, room)
-    }
-
     /// Its prompt and answer so far.
     pub fn history(&self) -> Vec<u32> {
         [&self.setup.ids[..], &self.generated[..]].concat()

@@ -169,61 +169,6 @@ async fn drafting_rows_share_a_batch_with_rows_that_do_not_draft() {
     }
 }
 
-/// Greedy rows that draft by prompt lookup pipeline their verify passes
-/// (the next built on the running one's picks before they are read): in a
-/// batch whose rows join and leave while a pass runs, accept different
-/// numbers of drafts and stop inside accepted runs, every answer is plain
-/// decoding's, and the log shows the pipelined passes. The same batch with
-/// pipelining off (`MLXBC_SPEC_PIPELINE=off`) answers the same.
-#[tokio::test(flavor = "multi_thread")]
-async fn pipelined_verify_passes_answer_as_plain_decoding_while_rows_come_and_go() {
-    let unpipelined = {
-        let opts = DaemonOptions { models: vec![(QWEN25, fixture(&format!("models/{QWEN25}")))], args: vec![] };
-        let mut d = Daemon::prepare(&opts);
-        d.extra_env.push(("MLXBC_SPECULATE".into(), "ngram".into()));
-        d.extra_env.push(("MLXBC_SPEC_PIPELINE".into(), "off".into()));
-        d.spawn(&opts.args);
-        d
-    };
-    let (drafting, plain) = (daemon("ngram"), daemon("off"));
-    let edit = |what: &str| format!("{what} Answer with the code only.\n\n{FUNCTION}");
-    let mut stopped = greedy(Some(QWEN25), &edit("Rename the variable `total` to `acc` in this function."), 64);
-    stopped.stop = vec!["count += 1".into()];
-    let mut auto = greedy(Some(QWEN25), &edit("Rename `values` to `numbers` in this function."), 40);
-    auto.speculate = Speculation::Auto;
-    let requests = [
-        greedy(Some(QWEN25), &edit("Rename the variable `count` to `n` in this function."), 72),
-        greedy(Some(QWEN25), &edit("Add type hints to this function."), 56),
-        greedy(Some(QWEN25), "Write a haiku about rivers.", 20),
-        stopped,
-        greedy(Some(QWEN25), &edit("Rename `average` to `mean` in this function."), 11),
-        auto,
-    ];
-    let names = ["rename", "type hints", "haiku", "stop string", "11 tokens", "auto"];
-    let delays = [0, 0, 40, 90, 150, 220];
-    let (with, without, apart) = tokio::join!(
-        together(&drafting, &requests, &delays),
-        together(&plain, &requests, &delays),
-        together(&unpipelined, &requests, &delays)
-    );
-    let mut accepted = 0;
-    for (((name, (_, w)), (_, p)), (_, a)) in names.iter().zip(&with).zip(&without).zip(&apart) {
-        assert_eq!(w.token_ids, p.token_ids, "{name}: ids with pipelined drafts differ from plain decoding");
-        assert_eq!(a.token_ids, p.token_ids, "{name}: ids with unpipelined drafts differ from plain decoding");
-        assert_eq!((w.stop_reason, &w.stop_string), (p.stop_reason, &p.stop_string), "{name}");
-        assert!(w.accepted_draft_tokens <= w.draft_tokens, "{name}: {w:?}");
-        accepted += w.accepted_draft_tokens;
-        eprintln!(
-            "{name}: {} tokens; pipelined {} of {} drafted accepted, unpipelined {} of {}",
-            w.generated_tokens, w.accepted_draft_tokens, w.draft_tokens, a.accepted_draft_tokens, a.draft_tokens
-        );
-    }
-    assert!(accepted >= 40, "code edits copy their prompt: drafts should be accepted ({accepted} were)");
-    let log = drafting.log_text();
-    assert!(log.contains(" pipelined, "), "the drafting daemon's step profile shows no pipelined pass:\n{log}");
-    assert!(!unpipelined.log_text().contains(" pipelined, "), "MLXBC_SPEC_PIPELINE=off still pipelined");
-}
-
 /// The default (`auto`): a lone code edit, whose drafts are accepted
 /// often, drafts where the measured costs say it pays, with the ids of
 /// plain decoding; drafts off for a request means none.

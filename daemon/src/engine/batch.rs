@@ -11,8 +11,6 @@
 //! the cache: computed by the step in flight, or (for a row that has just
 //! joined) the first token, which its prefill already streamed.
 
-mod pipelined;
-
 use super::draft_batch::{DraftAsk, DraftBatch};
 use super::draft_costs::{self, PassCosts};
 use super::sequence::{Drafts, Sequence};
@@ -57,12 +55,6 @@ pub struct DecodeBatch {
     plain_before: Option<usize>,
     /// Per draft model its rows use, their drafting together.
     drafters: Vec<DraftBatch>,
-    /// A verify pass queued and not yet read (`pipelined`); while there
-    /// is one, `ahead` is `None`: the rows' tokens ahead are its picks.
-    pending: Option<pipelined::Pass>,
-    /// When the last pass of a pipelined run was read (its successor's
-    /// cost runs from there).
-    settled: Option<std::time::Instant>,
 }
 
 /// Where a batch's steps spend host time, logged every [`PROFILE_EVERY`]
@@ -78,10 +70,6 @@ struct Profile {
     verified: u32,
     verify_queue_s: f64,
     verify_wait_s: f64,
-    /// Of the verify passes, those queued while another ran, and the
-    /// rows whose pass was lost (built on drafts the pass before rejected).
-    pipelined: u32,
-    stale_rows: usize,
     /// Draft models' proposals, and the rows they drafted for.
     proposals: u32,
     proposed_rows: usize,
@@ -119,14 +107,6 @@ impl Profile {
         }
     }
 
-    /// A pipelined verify pass (`pipelined`): `queue_s` building the next
-    /// pass, `wait_s` reading the one before, `stale` rows lost.
-    fn record_pipelined(&mut self, started: std::time::Instant, rows: usize, queue_s: f64, wait_s: f64, stale: usize) {
-        self.pipelined += 1;
-        self.stale_rows += stale;
-        self.record(started, rows, None, queue_s, wait_s);
-    }
-
     /// Logs what was recorded and starts over.
     fn flush(&mut self) {
         if let Some(since) = self.since.filter(|_| self.steps > 0) {
@@ -148,9 +128,6 @@ impl Profile {
             };
             let verified = match (self.verified, self.proposals) {
                 (0, _) => String::new(),
-                (v, 0) if self.pipelined > 0 => {
-                    format!(" ({}; {} pipelined, {} rows' passes lost)", pass(v), self.pipelined, self.stale_rows)
-                }
                 (v, 0) => format!(" ({})", pass(v)),
                 (v, p) => format!(
                     " ({}; draft models drafted {:.1} rows a proposal)",
@@ -185,8 +162,6 @@ impl DecodeBatch {
             costs,
             plain_before: None,
             drafters: Vec::new(),
-            pending: None,
-            settled: None,
         }
     }
 
@@ -207,14 +182,6 @@ impl DecodeBatch {
     /// Adds sequences whose prefill is done: their cache (one row each, in
     /// order) and their first tokens `[rows, 1]`, which were streamed already.
     pub fn join(&mut self, seqs: &[SeqId], cache: KvCache, first: Array) -> Result<(), EngineError> {
-        if let (Some(mine), Some(pass)) = (self.cache.as_mut(), self.pending.as_mut()) {
-            // A pass is running: the new rows sit it out.
-            mine.join(cache).map_err(EngineError::inference)?;
-            first.eval().map_err(EngineError::inference)?;
-            pass.join_rows(first.as_slice::<u32>())?;
-            self.rows.extend(seqs.iter().map(|&seq| Row { seq, taken: true }));
-            return Ok(());
-        }
         match (self.cache.as_mut(), self.ahead.take()) {
             (Some(mine), Some(ahead)) => {
                 mine.join(cache).map_err(EngineError::inference)?;
@@ -244,12 +211,7 @@ impl DecodeBatch {
             self.rows.clear();
             self.cache = None;
             self.ahead = None;
-            self.pending = None;
-            self.settled = None;
             return Ok(());
-        }
-        if let Some(pass) = self.pending.as_mut() {
-            pass.keep_rows(&keep)?;
         }
         if let Some(cache) = self.cache.as_mut() {
             cache.keep_rows(&keep).map_err(EngineError::inference)?;
@@ -278,18 +240,11 @@ impl DecodeBatch {
         // Rows whose tokens a verify pass handed over and that ended there.
         let mut ended = Vec::new();
         if self.model.lm.verifies_drafts() {
-            if self.pending.is_some() || self.pipelines(&seqs) {
-                match self.step_pipelined(&mut seqs)? {
-                    pipelined::Pipelined::Stepped(over) => return Ok(over),
-                    pipelined::Pipelined::Plain(over) => ended = over,
-                }
-            } else {
-                let (over, stepped) = self.verify_rows(&mut seqs)?;
-                if stepped {
-                    return Ok(over);
-                }
-                ended = over;
+            let (over, stepped) = self.verify_rows(&mut seqs)?;
+            if stepped {
+                return Ok(over);
             }
+            ended = over;
         }
         let (Some(cache), Some(ahead)) = (self.cache.as_mut(), self.ahead.take()) else {
             return Ok(Vec::new());
@@ -363,7 +318,14 @@ impl DecodeBatch {
         let Some(ahead) = self.ahead.as_ref().filter(|_| cache_fits && wants.contains(&true)) else {
             return Ok((Vec::new(), false));
         };
-        let width = self.pass_width(seqs, &wants);
+        // How wide a pass pays (1: not at all), unless a row insists.
+        let outlooks: Vec<_> =
+            seqs.iter().zip(&wants).filter(|(_, &w)| w).filter_map(|(s, _)| s.draft_outlook()).collect();
+        let drafting: Vec<_> = outlooks.iter().map(|(d, _)| *d).collect();
+        let width = match outlooks.iter().any(|(_, forced)| *forced) {
+            true => 1 + drafting.iter().map(|d| d.k).max().unwrap_or(0),
+            false => draft_costs::choose_width(&self.costs.borrow(), self.rows.len(), &drafting),
+        };
         if width == 1 {
             return Ok((Vec::new(), false));
         }
@@ -510,18 +472,6 @@ impl DecodeBatch {
         }
         self.ahead = Some(Array::from_slice(&next, &[next.len() as i32, 1]));
         Ok((ended, true))
-    }
-
-    /// How wide a verify pass pays for rows that want to draft (`wants`):
-    /// the cost model's choice, unless a row insists (1: not at all).
-    fn pass_width(&self, seqs: &[&mut Sequence], wants: &[bool]) -> usize {
-        let outlooks: Vec<_> =
-            seqs.iter().zip(wants).filter(|(_, &w)| w).filter_map(|(s, _)| s.draft_outlook()).collect();
-        let drafting: Vec<_> = outlooks.iter().map(|(d, _)| *d).collect();
-        match outlooks.iter().any(|(_, forced)| *forced) {
-            true => 1 + drafting.iter().map(|d| d.k).max().unwrap_or(0),
-            false => draft_costs::choose_width(&self.costs.borrow(), self.rows.len(), &drafting),
-        }
     }
 
     /// The drafts of the rows `asks` (row, how many) that come from draft
