@@ -18,7 +18,14 @@ const WEIGHT: f64 = 0.25;
 
 /// Plain steps in a row that the cost model may refuse before it lets one
 /// verify pass through anyway (costs drift; a stale refusal would stick).
+/// Each revisit that the cost model then refuses again doubles the wait, up
+/// to [`REVISIT_AT_MOST`]; a pass taken on its merits starts it over. A
+/// revisit of a wide batch is dear: on an H100 a 16-row pass of 9
+/// positions of Qwen2.5-Coder-0.5B took ~49 ms against a ~6 ms step, so one
+/// every 64 steps cost the batch ~5%
+/// (docs/measurements/h100-2026-12-07c-pipelined-verify.md).
 const REVISIT_AFTER: u32 = 64;
+const REVISIT_AT_MOST: u32 = 1024;
 
 /// Measured wall time of a model's forward passes (seconds), per kind.
 #[derive(Debug, Default)]
@@ -34,6 +41,8 @@ pub struct PassCosts {
     warmed: std::collections::BTreeSet<usize>,
     /// Plain steps taken since the last verify pass.
     refused: u32,
+    /// Refusals before the next revisit (0: [`REVISIT_AFTER`]).
+    revisit_after: u32,
 }
 
 fn blend(slot: &mut f64, secs: f64) {
@@ -50,6 +59,12 @@ impl PassCosts {
     /// A verify pass of `positions` took `secs` (the first of its size is
     /// only noted: see `warmed`).
     pub fn verify_pass(&mut self, positions: usize, secs: f64) {
+        // A revisit waits twice as long next time; a pass on its merits
+        // (taken before a revisit was due) starts the wait over.
+        self.revisit_after = match self.revisit() {
+            true => (self.revisit_interval() * 2).min(REVISIT_AT_MOST),
+            false => REVISIT_AFTER,
+        };
         self.refused = 0;
         if self.warmed.insert(positions) {
             return;
@@ -80,7 +95,15 @@ impl PassCosts {
 
     /// True when a refusal has stood long enough to try a pass again.
     fn revisit(&self) -> bool {
-        self.refused >= REVISIT_AFTER
+        self.refused >= self.revisit_interval()
+    }
+
+    /// Refusals that make a revisit due now.
+    fn revisit_interval(&self) -> u32 {
+        match self.revisit_after {
+            0 => REVISIT_AFTER,
+            n => n,
+        }
     }
 }
 
@@ -181,6 +204,39 @@ mod tests {
             c.verify_pass(n, t);
         }
         c
+    }
+
+    #[test]
+    fn refused_revisits_come_less_and_less_often_until_a_pass_pays() {
+        // A 16-row batch whose 9-wide pass costs 8 steps: never pays.
+        let mut c = costs(&[(16, 0.006)], &[(16 * 9, 0.049)]);
+        let rows = vec![Drafting { k: 8, rate: 0.8, draft_secs: 0.0, explore: false }; 16];
+        let mut gaps = Vec::new();
+        for _ in 0..5 {
+            let mut gap = 0;
+            while choose_width(&c, 16, &rows) == 1 {
+                c.plain_step(16, 0.006);
+                gap += 1;
+            }
+            gaps.push(gap);
+            c.verify_pass(16 * 9, 0.049);
+        }
+        assert_eq!(gaps, [64, 128, 256, 512, 1024]);
+        // A pass taken on its merits (the pass got cheap) starts over.
+        for _ in 0..8 {
+            c.verify_pass(16 * 9, 0.007);
+        }
+        assert!(choose_width(&c, 16, &rows) > 1);
+        c.verify_pass(16 * 9, 0.049 * 4.0);
+        for _ in 0..8 {
+            c.verify_pass(16 * 9, 0.049);
+        }
+        let mut gap = 0;
+        while choose_width(&c, 16, &rows) == 1 {
+            c.plain_step(16, 0.006);
+            gap += 1;
+        }
+        assert_eq!(gap, 64);
     }
 
     #[test]
