@@ -17,6 +17,18 @@ pub fn step_fusion_on() -> bool {
     !*OFF
 }
 
+/// `MLXBC_PASS_FUSION=off` (read once): passes of several positions of one
+/// sequence (speculation's verify passes) keep MLX's operations where a
+/// one-position step takes our kernels ([`crate::model::qk_rope`] for up
+/// to [`crate::model::qk_rope::MOST_POSITIONS`] positions a row,
+/// [`crate::model::w4a16`] for up to its `ONE_SEQUENCE_ROWS`); for
+/// measuring them against.
+pub fn pass_fusion_on() -> bool {
+    static OFF: std::sync::LazyLock<bool> =
+        std::sync::LazyLock::new(|| std::env::var("MLXBC_PASS_FUSION").is_ok_and(|v| v.eq_ignore_ascii_case("off")));
+    step_fusion_on() && !*OFF
+}
+
 /// A template argument of a kernel's body.
 #[derive(Debug, Clone, Copy)]
 pub enum Template<'a> {

@@ -10,6 +10,12 @@
 //! straight from the fused output and writes both, normed and roped, in one
 //! launch: a warp a head, the norm's sum by shuffles.
 //!
+//! A pass of several positions a row (speculation's verify pass: the token
+//! ahead and up to 8 drafts) takes it too, each position roped at its
+//! row's offset plus its index, as MLX's `rope` does; checked apart at its
+//! first such use ([`Kernel::check_positions`]), so a disagreement there
+//! leaves one-position steps fused.
+//!
 //! Its arithmetic follows MLX's: the norm rounds `x · rsqrt(mean(x²) + eps)`
 //! to the float type before the weight's product; rope's inverse frequency
 //! is `exp2(-i / (D/2) · log2(base))` (or `1 / freqs[i]` for Llama 3's
@@ -27,7 +33,14 @@ thread_local! {
     /// This thread's kernel, built (and checked) on first use; `None` when
     /// not on CUDA or when it failed its check.
     static KERNEL: OnceCell<Option<Kernel>> = const { OnceCell::new() };
+    /// Whether it passed its check of several positions a row (at the
+    /// first such use).
+    static POSITIONS_CHECKED: OnceCell<bool> = const { OnceCell::new() };
 }
+
+/// The most positions a row the kernel takes in one pass: a verify pass's
+/// (`crate::decoding::lookup::MAX_DRAFT` drafts and the token ahead) with room.
+pub const MOST_POSITIONS: i32 = 16;
 
 /// A model's rope and norm settings, as the kernel reads them.
 #[derive(Clone)]
@@ -51,11 +64,13 @@ impl QkRope {
         Ok(Self { heads, kv_heads, head_dim, params, freqs })
     }
 
-    /// q `[b, heads, 1, D]` and k `[b, kv_heads, 1, D]` of the fused q/k/v
-    /// output `y` `[b, 1, (heads + 2 kv_heads) · D]` of one position per row,
-    /// each head RMS-normed by `q_norm` / `k_norm` (both or neither) and
-    /// roped at `positions` (`[1]` or `[b]`, int32); `None` where the kernel
-    /// does not apply (not CUDA, another shape, or it failed its check).
+    /// q `[b, heads, L, D]` and k `[b, kv_heads, L, D]` of the fused q/k/v
+    /// output `y` `[b, L, (heads + 2 kv_heads) · D]` of `L` positions per
+    /// row (up to [`MOST_POSITIONS`]), each head RMS-normed by `q_norm` /
+    /// `k_norm` (both or neither) and roped at `positions` (`[1]` or `[b]`,
+    /// int32: each row's first position, the others after it); `None`
+    /// where the kernel does not apply (not CUDA, another shape, several
+    /// positions with `MLXBC_PASS_FUSION=off`, or it failed its check).
     pub fn apply(
         &self,
         y: &Array,
@@ -73,7 +88,9 @@ impl QkRope {
         let width = (self.heads + 2 * self.kv_heads) * d;
         if !crate::model::cuda_kernel::step_fusion_on()
             || shape.len() != 3
-            || shape[1] != 1
+            || shape[1] < 1
+            || shape[1] > MOST_POSITIONS
+            || (shape[1] > 1 && !crate::model::cuda_kernel::pass_fusion_on())
             || shape[2] != width
             || d % 64 != 0
             || d > 256
@@ -86,7 +103,10 @@ impl QkRope {
         }
         KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
             Some(kernel) => {
-                let both = kernel.apply(self, &y.reshape(&[shape[0], width])?, norm, positions)?;
+                if shape[1] > 1 && !POSITIONS_CHECKED.with(|c| *c.get_or_init(|| kernel.positions_checked())) {
+                    return Ok(None);
+                }
+                let both = kernel.apply(self, y, norm, positions)?;
                 Ok(Some((both.index((.., ..self.heads)), both.index((.., self.heads..)))))
             }
             None => Ok(None),
@@ -98,20 +118,23 @@ impl QkRope {
 /// the pairs (j, j + D/2) for j = l, l + 32, ... (rope's halves), sums their
 /// squares for the norm, then rotates them.
 const SOURCE: &str = r#"
-    // y [B, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
+    // y [B, L, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
     // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
-    // positions [1] or [B] int32; out [B, HQ + HKV, 1, D].
+    // positions [1] or [B] int32 (a row's first position); out [B, HQ + HKV, L, D].
     constexpr int P = D / 64;
-    const int W = y_shape[1];
+    const int L = y_shape[1];
+    const int W = y_shape[2];
     const int HKV = (W / D - HQ) / 2;
     const int heads = HQ + HKV;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    const int b = warp / heads;
+    const int row = warp / heads; // b * L + l
     const int h = warp % heads;
-    if (b >= y_shape[0]) return;
-    const T* src = y + (size_t)b * W + (size_t)h * D;
-    const float pos = static_cast<float>(positions[positions_shape[0] == 1 ? 0 : b]);
+    if (row >= y_shape[0] * L) return;
+    const int b = row / L;
+    const int l = row % L;
+    const T* src = y + (size_t)row * W + (size_t)h * D;
+    const float pos = static_cast<float>(positions[positions_shape[0] == 1 ? 0 : b] + l);
     float lo[P], hi[P];
 #pragma unroll
     for (int t = 0; t < P; ++t) {
@@ -135,7 +158,7 @@ const SOURCE: &str = r#"
                 static_cast<float>(static_cast<T>(hi[t] * r))));
         }
     }
-    T* dst = out + ((size_t)b * heads + h) * D;
+    T* dst = out + (((size_t)b * heads + h) * L + l) * D;
 #pragma unroll
     for (int t = 0; t < P; ++t) {
         const int j = lane + 32 * t;
@@ -174,12 +197,12 @@ impl Kernel {
         })
     }
 
-    /// `y` `[b, W]`: out `[b, heads + kv_heads, 1, D]`.
+    /// `y` `[b, L, W]`: out `[b, heads + kv_heads, L, D]`.
     fn apply(&self, rope: &QkRope, y: &Array, norm: Option<(&Array, &Array)>, positions: &Array) -> Result<Array> {
-        let (b, d) = (y.shape()[0], rope.head_dim);
+        let (b, l, d) = (y.shape()[0], y.shape()[1], rope.head_dim);
         let heads = rope.heads + rope.kv_heads;
         let warps_per_block = 4;
-        let blocks = (b * heads + warps_per_block - 1) / warps_per_block;
+        let blocks = (b * l * heads + warps_per_block - 1) / warps_per_block;
         let templates = [
             Template::Type(c"T", y.dtype()),
             Template::Int(c"D", d),
@@ -188,7 +211,7 @@ impl Kernel {
             Template::Int(c"FREQS", i32::from(rope.freqs.is_some())),
         ];
         let launch = Launch {
-            output_shape: &[b, heads, 1, d],
+            output_shape: &[b, heads, l, d],
             output_dtype: y.dtype(),
             grid: (blocks * warps_per_block * 32, 1, 1),
             block: (warps_per_block * 32, 1, 1),
@@ -207,6 +230,30 @@ impl Kernel {
     /// when every value is within four of the float type's steps at the
     /// largest value: rounding, not a wrong rotation.
     fn self_check(&self) -> Result<String> {
+        self.check(1)
+    }
+
+    /// [`Self::self_check`]'s cases at 9 positions a row (a verify pass's
+    /// widest), logged; false when the kernel disagrees there.
+    fn positions_checked(&self) -> bool {
+        match self.check(9) {
+            Ok(report) => {
+                tracing::info!(
+                    "verify passes' queries and keys are normed and roped by mlxbc's own CUDA kernel ({report})"
+                );
+                true
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "verify passes' queries and keys keep MLX's norm and rope: the kernel failed its check: {e:#}"
+                );
+                false
+            }
+        }
+    }
+
+    /// Against MLX at `l` positions a row (see [`Self::self_check`]).
+    fn check(&self, l: i32) -> Result<String> {
         let mut worst = 0.0f32;
         let normal = |seed: u64, shape: &[i32]| -> Result<Array> {
             let key = mlx_rs::random::key(seed)?;
@@ -227,18 +274,19 @@ impl Kernel {
                 })
                 .transpose()?;
             let rope = QkRope::new(heads, kv_heads, d, 10000.0, freqs.as_ref(), 1e-6)?;
-            let y = normal(seed + 1, &[b, 1, (heads + 2 * kv_heads) * d])?
+            let y = normal(seed + 1, &[b, l, (heads + 2 * kv_heads) * d])?
                 .multiply(Array::from_f32(2.0))?
                 .as_dtype(dtype)?;
             let qw = normal(seed + 2, &[d])?.as_dtype(dtype)?;
             let kw = normal(seed + 3, &[d])?.as_dtype(dtype)?;
             let norms = norm.then_some((&qw, &kw));
             let at = Array::from_slice(&positions, &[b]);
-            let ours = self.apply(&rope, &y.reshape(&[b, -1])?, norms, &at)?;
+            let ours = self.apply(&rope, &y, norms, &at)?;
             // MLX's path: the parts as heads, normed, roped.
             let parts = y.split_at_indices(&[heads * d, (heads + kv_heads) * d], -1)?;
             let theirs = |part: &Array, n: i32, w: &Array| -> Result<Array> {
-                let x = part.reshape(&[b, n, 1, d])?;
+                // (Contiguous: MLX 0.32.2's CUDA rope misreads a multi-row view.)
+                let x = part.contiguous()?.reshape(&[b, l, n, d])?.transpose_axes(&[0, 2, 1, 3])?.contiguous()?;
                 let x = if norm { fast::rms_norm(&x, Some(w), 1e-6)? } else { x };
                 let base = if llama3 { None } else { Some(10000.0) };
                 Ok(fast::rope_dynamic(&x, d, false, base, 1.0, &at, freqs.as_ref())?)
