@@ -10,11 +10,12 @@
 //! straight from the fused output and writes both, normed and roped, in one
 //! launch: a warp a head, the norm's sum by shuffles.
 //!
-//! A pass of several positions a row (speculation's verify pass: the token
-//! ahead and up to 8 drafts) takes it too, each position roped at its
-//! row's offset plus its index, as MLX's `rope` does; checked apart at its
-//! first such use ([`Kernel::check_positions`]), so a disagreement there
-//! leaves one-position steps fused.
+//! With `MLXBC_PASS_FUSION=on`, a pass of several positions a row
+//! (speculation's verify pass: the token ahead and up to 8 drafts) takes a
+//! kernel of the same body too (`SOURCE_POSITIONS`), each position roped
+//! at its row's offset plus its index, as MLX's `rope` does; built and
+//! checked apart at its first such use (`Kernel::build_positions`), so a
+//! failure there leaves one-position steps as they are.
 //!
 //! Its arithmetic follows MLX's: the norm rounds `x · rsqrt(mean(x²) + eps)`
 //! to the float type before the weight's product; rope's inverse frequency
@@ -33,9 +34,6 @@ thread_local! {
     /// This thread's kernel, built (and checked) on first use; `None` when
     /// not on CUDA or when it failed its check.
     static KERNEL: OnceCell<Option<Kernel>> = const { OnceCell::new() };
-    /// Whether it passed its check of several positions a row (at the
-    /// first such use).
-    static POSITIONS_CHECKED: OnceCell<bool> = const { OnceCell::new() };
 }
 
 /// The most positions a row the kernel takes in one pass: a verify pass's
@@ -70,7 +68,7 @@ impl QkRope {
     /// `k_norm` (both or neither) and roped at `positions` (`[1]` or `[b]`,
     /// int32: each row's first position, the others after it); `None`
     /// where the kernel does not apply (not CUDA, another shape, several
-    /// positions with `MLXBC_PASS_FUSION=off`, or it failed its check).
+    /// positions without `MLXBC_PASS_FUSION=on`, or it failed its check).
     pub fn apply(
         &self,
         y: &Array,
@@ -103,10 +101,14 @@ impl QkRope {
         }
         KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
             Some(kernel) => {
-                if shape[1] > 1 && !POSITIONS_CHECKED.with(|c| *c.get_or_init(|| kernel.positions_checked())) {
-                    return Ok(None);
-                }
-                let both = kernel.apply(self, y, norm, positions)?;
+                let cuda = match shape[1] {
+                    1 => &kernel.cuda,
+                    _ => match kernel.positions.get_or_init(|| kernel.build_positions()) {
+                        Some(k) => k,
+                        None => return Ok(None),
+                    },
+                };
+                let both = kernel.apply(cuda, self, y, norm, positions)?;
                 Ok(Some((both.index((.., ..self.heads)), both.index((.., self.heads..)))))
             }
             None => Ok(None),
@@ -118,6 +120,59 @@ impl QkRope {
 /// the pairs (j, j + D/2) for j = l, l + 32, ... (rope's halves), sums their
 /// squares for the norm, then rotates them.
 const SOURCE: &str = r#"
+    // y [B, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
+    // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
+    // positions [1] or [B] int32; out [B, HQ + HKV, 1, D].
+    constexpr int P = D / 64;
+    const int W = y_shape[1];
+    const int HKV = (W / D - HQ) / 2;
+    const int heads = HQ + HKV;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    const int b = warp / heads;
+    const int h = warp % heads;
+    if (b >= y_shape[0]) return;
+    const T* src = y + (size_t)b * W + (size_t)h * D;
+    const float pos = static_cast<float>(positions[positions_shape[0] == 1 ? 0 : b]);
+    float lo[P], hi[P];
+#pragma unroll
+    for (int t = 0; t < P; ++t) {
+        lo[t] = static_cast<float>(src[lane + 32 * t]);
+        hi[t] = static_cast<float>(src[lane + 32 * t + D / 2]);
+    }
+    if (NORM) {
+        float ss = 0.f;
+#pragma unroll
+        for (int t = 0; t < P; ++t) ss += lo[t] * lo[t] + hi[t] * hi[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float r = rsqrtf(ss / D + params[0]);
+        const T* wn = h < HQ ? qw : kw;
+#pragma unroll
+        for (int t = 0; t < P; ++t) {
+            const int j = lane + 32 * t;
+            lo[t] = static_cast<float>(static_cast<T>(static_cast<float>(wn[j]) *
+                static_cast<float>(static_cast<T>(lo[t] * r))));
+            hi[t] = static_cast<float>(static_cast<T>(static_cast<float>(wn[j + D / 2]) *
+                static_cast<float>(static_cast<T>(hi[t] * r))));
+        }
+    }
+    T* dst = out + ((size_t)b * heads + h) * D;
+#pragma unroll
+    for (int t = 0; t < P; ++t) {
+        const int j = lane + 32 * t;
+        const float inv_freq = FREQS ? 1.f / freqs[j] : exp2f(-(static_cast<float>(j) / (D / 2)) * params[1]);
+        const float theta = pos * inv_freq;
+        const float c = cosf(theta);
+        const float s = sinf(theta);
+        dst[j] = static_cast<T>(lo[t] * c - hi[t] * s);
+        dst[j + D / 2] = static_cast<T>(lo[t] * s + hi[t] * c);
+    }
+"#;
+
+/// The same for `L` positions a row (a verify pass): a warp takes one head
+/// of one position, roped at its row's first position plus its index.
+const SOURCE_POSITIONS: &str = r#"
     // y [B, L, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
     // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
     // positions [1] or [B] int32 (a row's first position); out [B, HQ + HKV, L, D].
@@ -173,7 +228,11 @@ const SOURCE: &str = r#"
 
 /// The compiled kernel, and the stand-ins for inputs a model does not have.
 struct Kernel {
+    /// One position a row.
     cuda: CudaKernel,
+    /// Several positions a row, built and checked at its first use
+    /// (`None`: it failed; MLX's operations serve such passes).
+    positions: OnceCell<Option<CudaKernel>>,
     /// Read in place of frequencies a model has none of (the kernel's
     /// templates say not to read them).
     unused: Array,
@@ -193,13 +252,23 @@ impl Kernel {
         let inputs = ["y", "qw", "kw", "freqs", "params", "positions"];
         Ok(Kernel {
             cuda: CudaKernel::new("mlxbc_qk_norm_rope", &inputs, &["out"], SOURCE, true)?,
+            positions: OnceCell::new(),
             unused: Array::from_slice(&[0.0f32], &[1]),
         })
     }
 
-    /// `y` `[b, L, W]`: out `[b, heads + kv_heads, L, D]`.
-    fn apply(&self, rope: &QkRope, y: &Array, norm: Option<(&Array, &Array)>, positions: &Array) -> Result<Array> {
+    /// `y` `[b, L, W]`: out `[b, heads + kv_heads, L, D]`, by `cuda` (the
+    /// one-position kernel, which reads `y` as `[b, W]`, or the positions one).
+    fn apply(
+        &self,
+        cuda: &CudaKernel,
+        rope: &QkRope,
+        y: &Array,
+        norm: Option<(&Array, &Array)>,
+        positions: &Array,
+    ) -> Result<Array> {
         let (b, l, d) = (y.shape()[0], y.shape()[1], rope.head_dim);
+        let y = if l == 1 { y.reshape(&[b, -1])? } else { y.clone() };
         let heads = rope.heads + rope.kv_heads;
         let warps_per_block = 4;
         let blocks = (b * l * heads + warps_per_block - 1) / warps_per_block;
@@ -219,9 +288,9 @@ impl Kernel {
         };
         // Stand-ins of the types the body declares them with (MLX types
         // each input by its dtype): `y` for the norms, f32 for frequencies.
-        let (qw, kw) = norm.unwrap_or((y, y));
+        let (qw, kw) = norm.unwrap_or((&y, &y));
         let freqs = rope.freqs.as_ref().unwrap_or(&self.unused);
-        self.cuda.apply(&[y, qw, kw, freqs, &rope.params, positions], &launch)
+        cuda.apply(&[&y, qw, kw, freqs, &rope.params, positions], &launch)
     }
 
     /// Against MLX's `rms_norm` and `rope` on random heads: with and without
@@ -230,30 +299,38 @@ impl Kernel {
     /// when every value is within four of the float type's steps at the
     /// largest value: rounding, not a wrong rotation.
     fn self_check(&self) -> Result<String> {
-        self.check(1)
+        self.check(&self.cuda, 1)
     }
 
-    /// [`Self::self_check`]'s cases at 9 positions a row (a verify pass's
-    /// widest), logged; false when the kernel disagrees there.
-    fn positions_checked(&self) -> bool {
-        match self.check(9) {
+    /// The kernel of several positions a row, built and checked against
+    /// MLX at 9 positions a row (a verify pass's widest; the cases of
+    /// [`Self::self_check`]), logged either way.
+    fn build_positions(&self) -> Option<CudaKernel> {
+        let fallback = "verify passes' queries and keys keep MLX's norm and rope";
+        let inputs = ["y", "qw", "kw", "freqs", "params", "positions"];
+        let kernel = match CudaKernel::new("mlxbc_qk_norm_rope_positions", &inputs, &["out"], SOURCE_POSITIONS, true) {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!("{fallback}: the kernel was not built: {e:#}");
+                return None;
+            }
+        };
+        match self.check(&kernel, 9) {
             Ok(report) => {
                 tracing::info!(
                     "verify passes' queries and keys are normed and roped by mlxbc's own CUDA kernel ({report})"
                 );
-                true
+                Some(kernel)
             }
             Err(e) => {
-                tracing::warn!(
-                    "verify passes' queries and keys keep MLX's norm and rope: the kernel failed its check: {e:#}"
-                );
-                false
+                tracing::warn!("{fallback}: the kernel failed its check: {e:#}");
+                None
             }
         }
     }
 
     /// Against MLX at `l` positions a row (see [`Self::self_check`]).
-    fn check(&self, l: i32) -> Result<String> {
+    fn check(&self, cuda: &CudaKernel, l: i32) -> Result<String> {
         let mut worst = 0.0f32;
         let normal = |seed: u64, shape: &[i32]| -> Result<Array> {
             let key = mlx_rs::random::key(seed)?;
@@ -281,7 +358,7 @@ impl Kernel {
             let kw = normal(seed + 3, &[d])?.as_dtype(dtype)?;
             let norms = norm.then_some((&qw, &kw));
             let at = Array::from_slice(&positions, &[b]);
-            let ours = self.apply(&rope, &y, norms, &at)?;
+            let ours = self.apply(cuda, &rope, &y, norms, &at)?;
             // MLX's path: the parts as heads, normed, roped.
             let parts = y.split_at_indices(&[heads * d, (heads + kv_heads) * d], -1)?;
             let theirs = |part: &Array, n: i32, w: &Array| -> Result<Array> {
