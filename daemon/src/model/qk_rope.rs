@@ -12,7 +12,7 @@
 //!
 //! With `MLXBC_PASS_FUSION=on`, a pass of several positions a row
 //! (speculation's verify pass: the token ahead and up to 8 drafts) takes a
-//! kernel of the same body too (`SOURCE_POSITIONS`), each position roped
+//! kernel of the same body too (`source(true)`), each position roped
 //! at its row's offset plus its index, as MLX's `rope` does; built and
 //! checked apart at its first such use (`Kernel::build_positions`), so a
 //! failure there leaves one-position steps as they are.
@@ -116,10 +116,9 @@ impl QkRope {
     }
 }
 
-/// The kernel's body. A warp takes one head of one row: lane `l` holds
-/// the pairs (j, j + D/2) for j = l, l + 32, ... (rope's halves), sums their
-/// squares for the norm, then rotates them.
-const SOURCE: &str = r#"
+/// The kernel's body, one position a row: the first lines of
+/// [`source`]'s for `positions` false.
+const HEAD: &str = r#"
     // y [B, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
     // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
     // positions [1] or [B] int32; out [B, HQ + HKV, 1, D].
@@ -134,45 +133,11 @@ const SOURCE: &str = r#"
     if (b >= y_shape[0]) return;
     const T* src = y + (size_t)b * W + (size_t)h * D;
     const float pos = static_cast<float>(positions[positions_shape[0] == 1 ? 0 : b]);
-    float lo[P], hi[P];
-#pragma unroll
-    for (int t = 0; t < P; ++t) {
-        lo[t] = static_cast<float>(src[lane + 32 * t]);
-        hi[t] = static_cast<float>(src[lane + 32 * t + D / 2]);
-    }
-    if (NORM) {
-        float ss = 0.f;
-#pragma unroll
-        for (int t = 0; t < P; ++t) ss += lo[t] * lo[t] + hi[t] * hi[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float r = rsqrtf(ss / D + params[0]);
-        const T* wn = h < HQ ? qw : kw;
-#pragma unroll
-        for (int t = 0; t < P; ++t) {
-            const int j = lane + 32 * t;
-            lo[t] = static_cast<float>(static_cast<T>(static_cast<float>(wn[j]) *
-                static_cast<float>(static_cast<T>(lo[t] * r))));
-            hi[t] = static_cast<float>(static_cast<T>(static_cast<float>(wn[j + D / 2]) *
-                static_cast<float>(static_cast<T>(hi[t] * r))));
-        }
-    }
-    T* dst = out + ((size_t)b * heads + h) * D;
-#pragma unroll
-    for (int t = 0; t < P; ++t) {
-        const int j = lane + 32 * t;
-        const float inv_freq = FREQS ? 1.f / freqs[j] : exp2f(-(static_cast<float>(j) / (D / 2)) * params[1]);
-        const float theta = pos * inv_freq;
-        const float c = cosf(theta);
-        const float s = sinf(theta);
-        dst[j] = static_cast<T>(lo[t] * c - hi[t] * s);
-        dst[j + D / 2] = static_cast<T>(lo[t] * s + hi[t] * c);
-    }
 "#;
 
-/// The same for `L` positions a row (a verify pass): a warp takes one head
-/// of one position, roped at its row's first position plus its index.
-const SOURCE_POSITIONS: &str = r#"
+/// Several positions a row (a verify pass): a warp takes one head of one
+/// position, roped at its row's first position plus its index.
+const HEAD_POSITIONS: &str = r#"
     // y [B, L, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
     // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
     // positions [1] or [B] int32 (a row's first position); out [B, HQ + HKV, L, D].
@@ -190,7 +155,11 @@ const SOURCE_POSITIONS: &str = r#"
     const int l = row % L;
     const T* src = y + (size_t)row * W + (size_t)h * D;
     const float pos = static_cast<float>(positions[positions_shape[0] == 1 ? 0 : b] + l);
-    float lo[P], hi[P];
+"#;
+
+/// The heads' values read, normed (when NORM) and the rotation's inputs
+/// set up: the same for both.
+const NORM: &str = r#"    float lo[P], hi[P];
 #pragma unroll
     for (int t = 0; t < P; ++t) {
         lo[t] = static_cast<float>(src[lane + 32 * t]);
@@ -213,8 +182,14 @@ const SOURCE_POSITIONS: &str = r#"
                 static_cast<float>(static_cast<T>(hi[t] * r))));
         }
     }
-    T* dst = out + (((size_t)b * heads + h) * L + l) * D;
-#pragma unroll
+"#;
+
+/// Where a head's output goes: `[B, HQ + HKV, 1, D]`, or `[B, HQ + HKV, L, D]`.
+const OUT: &str = "    T* dst = out + ((size_t)b * heads + h) * D;\n";
+const OUT_POSITIONS: &str = "    T* dst = out + (((size_t)b * heads + h) * L + l) * D;\n";
+
+/// The rotation, written out: the same for both.
+const ROPE: &str = r#"#pragma unroll
     for (int t = 0; t < P; ++t) {
         const int j = lane + 32 * t;
         const float inv_freq = FREQS ? 1.f / freqs[j] : exp2f(-(static_cast<float>(j) / (D / 2)) * params[1]);
@@ -225,6 +200,17 @@ const SOURCE_POSITIONS: &str = r#"
         dst[j + D / 2] = static_cast<T>(lo[t] * s + hi[t] * c);
     }
 "#;
+
+/// The kernel's body for one position a row, or several (`positions`).
+/// A warp takes one head of one row (and position): lane `l` holds the
+/// pairs (j, j + D/2) for j = l, l + 32, ... (rope's halves), sums their
+/// squares for the norm, then rotates them.
+fn source(positions: bool) -> String {
+    match positions {
+        false => [HEAD, NORM, OUT, ROPE].concat(),
+        true => [HEAD_POSITIONS, NORM, OUT_POSITIONS, ROPE].concat(),
+    }
+}
 
 /// The compiled kernel, and the stand-ins for inputs a model does not have.
 struct Kernel {
@@ -251,7 +237,7 @@ impl Kernel {
     fn new() -> Result<Kernel> {
         let inputs = ["y", "qw", "kw", "freqs", "params", "positions"];
         Ok(Kernel {
-            cuda: CudaKernel::new("mlxbc_qk_norm_rope", &inputs, &["out"], SOURCE, true)?,
+            cuda: CudaKernel::new("mlxbc_qk_norm_rope", &inputs, &["out"], &source(false), true)?,
             positions: OnceCell::new(),
             unused: Array::from_slice(&[0.0f32], &[1]),
         })
@@ -308,7 +294,7 @@ impl Kernel {
     fn build_positions(&self) -> Option<CudaKernel> {
         let fallback = "verify passes' queries and keys keep MLX's norm and rope";
         let inputs = ["y", "qw", "kw", "freqs", "params", "positions"];
-        let kernel = match CudaKernel::new("mlxbc_qk_norm_rope_positions", &inputs, &["out"], SOURCE_POSITIONS, true) {
+        let kernel = match CudaKernel::new("mlxbc_qk_norm_rope_positions", &inputs, &["out"], &source(true), true) {
             Ok(k) => k,
             Err(e) => {
                 tracing::warn!("{fallback}: the kernel was not built: {e:#}");
