@@ -135,17 +135,26 @@ def measure(name, run, rounds, by_mode=False):
     """`run(home)` (or `run(mode)` when `by_mode`) -> (tok/s, stats list)
     per mode, modes rotating per round."""
     speed = {m: [] for m in MODES}
-    last, same = {}, True
+    last, differs = {}, {}
     for r in range(rounds):
         for m in MODES[r % 3:] + MODES[:r % 3]:
             tps, stats = run(m if by_mode or ONE_DAEMON else homes[m])
             speed[m].append(tps)
             last[m] = stats
-        same &= all([s["token_ids"] for s in last[m]] == [s["token_ids"] for s in last["off"]] for m in MODES)
+        for m in MODES:
+            for s, o in zip(last[m], last["off"]):
+                at = next((i for i, (a, b) in enumerate(zip(s["token_ids"], o["token_ids"])) if a != b),
+                          None if len(s["token_ids"]) == len(o["token_ids"])
+                          else min(len(s["token_ids"]), len(o["token_ids"])))
+                if at is not None:
+                    differs.setdefault(m, at)
     print(f"{name}: " + ", ".join(f"{m} {[round(x, 1) for x in speed[m]]}" for m in MODES), flush=True)
     med = {m: statistics.median(speed[m]) for m in MODES}
     acc = {m: (sum(s["accepted_draft_tokens"] for s in last[m]), sum(s["draft_tokens"] for s in last[m]),
                sum(s["generated_tokens"] for s in last[m])) for m in MODES}
+    # "yes", or the modes whose ids differed from off's in some round, and
+    # the first token where they parted.
+    same = "yes" if not differs else "NO: " + ", ".join(f"{m} at token {differs[m]}" for m in MODES if m in differs)
     return name, med, acc, same
 
 
@@ -206,7 +215,7 @@ def main():
         a, n = acc["auto"], acc["ngram"]
         print(f"| {name} | {med['off']:.1f} | {med['auto']:.1f} | {med['auto'] / med['off']:.2f}x | "
               f"{med['ngram']:.1f} | {med['ngram'] / med['off']:.2f}x | {a[0]} / {a[1]} ({a[2]}) | "
-              f"{n[0]} / {n[1]} | {'yes' if same else 'NO'} |")
+              f"{n[0]} / {n[1]} | {same} |")
 
 
 def last_prompt_tokens(prompt):
