@@ -40,6 +40,13 @@ thread_local! {
 /// (`crate::decoding::lookup::MAX_DRAFT` drafts and the token ahead) with room.
 pub const MOST_POSITIONS: i32 = 16;
 
+/// Whether a pass of `l` positions a row may take the kernel (one
+/// position; several only with `MLXBC_PASS_FUSION=on`): the model builds
+/// the positions it reads only then.
+pub fn takes_positions(l: i32) -> bool {
+    l == 1 || (l > 1 && l <= MOST_POSITIONS && crate::model::cuda_kernel::pass_fusion_on())
+}
+
 /// A model's rope and norm settings, as the kernel reads them.
 #[derive(Clone)]
 pub struct QkRope {
@@ -86,9 +93,7 @@ impl QkRope {
         let width = (self.heads + 2 * self.kv_heads) * d;
         if !crate::model::cuda_kernel::step_fusion_on()
             || shape.len() != 3
-            || shape[1] < 1
-            || shape[1] > MOST_POSITIONS
-            || (shape[1] > 1 && !crate::model::cuda_kernel::pass_fusion_on())
+            || !takes_positions(shape[1])
             || shape[2] != width
             || d % 64 != 0
             || d > 256

@@ -182,7 +182,7 @@ impl Transformer {
         // A step's (or a verify pass's) first position as data, for the
         // q/k kernel (crate::model::qk_rope).
         let step_position =
-            (len <= qk_rope::MOST_POSITIONS && row_offsets.is_none() && crate::model::options::cuda_available())
+            (qk_rope::takes_positions(len) && row_offsets.is_none() && crate::model::options::cuda_available())
                 .then(|| Array::from_slice(&[offset], &[1]));
         let at = match &row_offsets {
             Some(rows) => Position::Rows(rows),
@@ -313,7 +313,7 @@ impl Transformer {
                 // A step's position per row, or a verify pass's few: q and
                 // k normed and roped by one kernel on CUDA
                 // (crate::model::qk_rope), v a view.
-                let few = l <= qk_rope::MOST_POSITIONS && rope;
+                let few = qk_rope::takes_positions(l) && rope;
                 let positions = match at {
                     Position::Fixed(_, Some(position)) if few => Some(position.clone()),
                     Position::Rows(rows) if few => Some(rows.clone()),
