@@ -41,9 +41,6 @@
 #                 staged by `stage-coder`); `spec` with CODE_MODEL= and
 #                 SMALL_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
-#   passcheck MODEL  the verify pass's kernels built and checked on the GPU:
-#                 one daemon forced to draft, a request repeating its prompt
-#                 (PASS_ENV=MLXBC_PASS_FUSION=on: with them; off by default)
 #   draftrows MODEL  rows drafting with a draft model together / apart /
 #                 off: two daemons (scripts/bench.d/draft_rows_bench.py;
 #                 DRAFTS="qwen2.5-0.5b-4bit qwen3-4b-same": a name ending
@@ -280,23 +277,6 @@ spec)
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
     MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec${SPEC_LABEL:+-$SPEC_LABEL}-$(basename "$h").log"
   done ;;
-passcheck)
-  # The verify pass's kernels on this GPU (the q/k kernel and W4A16 at several
-  # positions of one sequence, each checked against MLX at first use): one
-  # daemon forced to draft (MLXBC_SPECULATE=ngram; PASS_ENV=MLXBC_PASS_FUSION=on
-  # for them, off by default), a request that repeats its prompt on MODEL
-  # (CODE_MODEL= for another), then the log's kernel lines and step profiles.
-  h=/tmp/home-passcheck-$RANDOM; daemon "$h" MLXBC_SPECULATE=ngram ${PASS_ENV:-} || exit 1
-  p="Repeat this list exactly, three times: $(seq -s ', ' 1 80)"
-  for i in 1 2 3; do
-    MLXBC_HOME=$h "$B/bin/mlxbc" ask --json -m "${CODE_MODEL:-$1-4bit}" --temperature 0 --max-tokens 160 "$p" |
-      $PY -c 'import json,sys
-for line in sys.stdin:
-    e = json.loads(line) if line.startswith("{") else {}
-    if e.get("event") == "done": print({k: e["stats"][k] for k in ["decode_tokens_per_s", "generated_tokens", "draft_tokens", "accepted_draft_tokens"]})'
-  done
-  grep -E "CUDA kernel|keep MLX|failed its check|not built|decode \(" "$h/daemon.log" | cut -c60-320
-  MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-passcheck${PASS_ENV:+-on}.log" ;;
 draftrows)
   # A batch's rows drafting with a draft model, together (the default)
   # against apart (MLXBC_DRAFT_ROWS=apart) and off: two daemons, MODEL as

@@ -17,21 +17,6 @@ pub fn step_fusion_on() -> bool {
     !*OFF
 }
 
-/// `MLXBC_PASS_FUSION=on` (read once): passes of several positions of one
-/// sequence (speculation's verify passes) take the kernels a one-position
-/// step takes ([`crate::model::qk_rope`] for up to
-/// [`crate::model::qk_rope::MOST_POSITIONS`] positions a row,
-/// [`crate::model::w4a16`] for up to its `ONE_SEQUENCE_ROWS`) instead of
-/// MLX's operations. Off by default until measured on a GPU: a verify
-/// pass costs 5-14 ms of host work against a 2.6 ms step on an H100
-/// (docs/measurements/h100-2026-12-07c-pipelined-verify.md), and these
-/// kernels spare it ~13 operations a layer.
-pub fn pass_fusion_on() -> bool {
-    static ON: std::sync::LazyLock<bool> =
-        std::sync::LazyLock::new(|| std::env::var("MLXBC_PASS_FUSION").is_ok_and(|v| v.eq_ignore_ascii_case("on")));
-    step_fusion_on() && *ON
-}
-
 /// A template argument of a kernel's body.
 #[derive(Debug, Clone, Copy)]
 pub enum Template<'a> {

@@ -10,13 +10,6 @@
 //! straight from the fused output and writes both, normed and roped, in one
 //! launch: a warp a head, the norm's sum by shuffles.
 //!
-//! With `MLXBC_PASS_FUSION=on`, a pass of several positions a row
-//! (speculation's verify pass: the token ahead and up to 8 drafts) takes a
-//! kernel of the same body too (`source(true)`), each position roped
-//! at its row's offset plus its index, as MLX's `rope` does; built and
-//! checked apart at its first such use (`Kernel::build_positions`), so a
-//! failure there leaves one-position steps as they are.
-//!
 //! Its arithmetic follows MLX's: the norm rounds `x · rsqrt(mean(x²) + eps)`
 //! to the float type before the weight's product; rope's inverse frequency
 //! is `exp2(-i / (D/2) · log2(base))` (or `1 / freqs[i]` for Llama 3's
@@ -34,17 +27,6 @@ thread_local! {
     /// This thread's kernel, built (and checked) on first use; `None` when
     /// not on CUDA or when it failed its check.
     static KERNEL: OnceCell<Option<Kernel>> = const { OnceCell::new() };
-}
-
-/// The most positions a row the kernel takes in one pass: a verify pass's
-/// (`crate::decoding::lookup::MAX_DRAFT` drafts and the token ahead) with room.
-pub const MOST_POSITIONS: i32 = 16;
-
-/// Whether a pass of `l` positions a row may take the kernel (one
-/// position; several only with `MLXBC_PASS_FUSION=on`): the model builds
-/// the positions it reads only then.
-pub fn takes_positions(l: i32) -> bool {
-    l == 1 || (l > 1 && l <= MOST_POSITIONS && crate::model::cuda_kernel::pass_fusion_on())
 }
 
 /// A model's rope and norm settings, as the kernel reads them.
@@ -69,13 +51,11 @@ impl QkRope {
         Ok(Self { heads, kv_heads, head_dim, params, freqs })
     }
 
-    /// q `[b, heads, L, D]` and k `[b, kv_heads, L, D]` of the fused q/k/v
-    /// output `y` `[b, L, (heads + 2 kv_heads) · D]` of `L` positions per
-    /// row (up to [`MOST_POSITIONS`]), each head RMS-normed by `q_norm` /
-    /// `k_norm` (both or neither) and roped at `positions` (`[1]` or `[b]`,
-    /// int32: each row's first position, the others after it); `None`
-    /// where the kernel does not apply (not CUDA, another shape, several
-    /// positions without `MLXBC_PASS_FUSION=on`, or it failed its check).
+    /// q `[b, heads, 1, D]` and k `[b, kv_heads, 1, D]` of the fused q/k/v
+    /// output `y` `[b, 1, (heads + 2 kv_heads) · D]` of one position per row,
+    /// each head RMS-normed by `q_norm` / `k_norm` (both or neither) and
+    /// roped at `positions` (`[1]` or `[b]`, int32); `None` where the kernel
+    /// does not apply (not CUDA, another shape, or it failed its check).
     pub fn apply(
         &self,
         y: &Array,
@@ -93,7 +73,7 @@ impl QkRope {
         let width = (self.heads + 2 * self.kv_heads) * d;
         if !crate::model::cuda_kernel::step_fusion_on()
             || shape.len() != 3
-            || !takes_positions(shape[1])
+            || shape[1] != 1
             || shape[2] != width
             || d % 64 != 0
             || d > 256
@@ -106,14 +86,7 @@ impl QkRope {
         }
         KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
             Some(kernel) => {
-                let cuda = match shape[1] {
-                    1 => &kernel.cuda,
-                    _ => match kernel.positions.get_or_init(|| kernel.build_positions()) {
-                        Some(k) => k,
-                        None => return Ok(None),
-                    },
-                };
-                let both = kernel.apply(cuda, self, y, norm, positions)?;
+                let both = kernel.apply(self, &y.reshape(&[shape[0], width])?, norm, positions)?;
                 Ok(Some((both.index((.., ..self.heads)), both.index((.., self.heads..)))))
             }
             None => Ok(None),
@@ -121,9 +94,10 @@ impl QkRope {
     }
 }
 
-/// The kernel's body, one position a row: the first lines of
-/// [`source`]'s for `positions` false.
-const HEAD: &str = r#"
+/// The kernel's body. A warp takes one head of one row: lane `l` holds
+/// the pairs (j, j + D/2) for j = l, l + 32, ... (rope's halves), sums their
+/// squares for the norm, then rotates them.
+const SOURCE: &str = r#"
     // y [B, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
     // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
     // positions [1] or [B] int32; out [B, HQ + HKV, 1, D].
@@ -138,33 +112,7 @@ const HEAD: &str = r#"
     if (b >= y_shape[0]) return;
     const T* src = y + (size_t)b * W + (size_t)h * D;
     const float pos = static_cast<float>(positions[positions_shape[0] == 1 ? 0 : b]);
-"#;
-
-/// Several positions a row (a verify pass): a warp takes one head of one
-/// position, roped at its row's first position plus its index.
-const HEAD_POSITIONS: &str = r#"
-    // y [B, L, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
-    // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
-    // positions [1] or [B] int32 (a row's first position); out [B, HQ + HKV, L, D].
-    constexpr int P = D / 64;
-    const int L = y_shape[1];
-    const int W = y_shape[2];
-    const int HKV = (W / D - HQ) / 2;
-    const int heads = HQ + HKV;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    const int row = warp / heads; // b * L + l
-    const int h = warp % heads;
-    if (row >= y_shape[0] * L) return;
-    const int b = row / L;
-    const int l = row % L;
-    const T* src = y + (size_t)row * W + (size_t)h * D;
-    const float pos = static_cast<float>(positions[positions_shape[0] == 1 ? 0 : b] + l);
-"#;
-
-/// The heads' values read, normed (when NORM) and the rotation's inputs
-/// set up: the same for both.
-const NORM: &str = r#"    float lo[P], hi[P];
+    float lo[P], hi[P];
 #pragma unroll
     for (int t = 0; t < P; ++t) {
         lo[t] = static_cast<float>(src[lane + 32 * t]);
@@ -187,14 +135,8 @@ const NORM: &str = r#"    float lo[P], hi[P];
                 static_cast<float>(static_cast<T>(hi[t] * r))));
         }
     }
-"#;
-
-/// Where a head's output goes: `[B, HQ + HKV, 1, D]`, or `[B, HQ + HKV, L, D]`.
-const OUT: &str = "    T* dst = out + ((size_t)b * heads + h) * D;\n";
-const OUT_POSITIONS: &str = "    T* dst = out + (((size_t)b * heads + h) * L + l) * D;\n";
-
-/// The rotation, written out: the same for both.
-const ROPE: &str = r#"#pragma unroll
+    T* dst = out + ((size_t)b * heads + h) * D;
+#pragma unroll
     for (int t = 0; t < P; ++t) {
         const int j = lane + 32 * t;
         const float inv_freq = FREQS ? 1.f / freqs[j] : exp2f(-(static_cast<float>(j) / (D / 2)) * params[1]);
@@ -206,24 +148,9 @@ const ROPE: &str = r#"#pragma unroll
     }
 "#;
 
-/// The kernel's body for one position a row, or several (`positions`).
-/// A warp takes one head of one row (and position): lane `l` holds the
-/// pairs (j, j + D/2) for j = l, l + 32, ... (rope's halves), sums their
-/// squares for the norm, then rotates them.
-fn source(positions: bool) -> String {
-    match positions {
-        false => [HEAD, NORM, OUT, ROPE].concat(),
-        true => [HEAD_POSITIONS, NORM, OUT_POSITIONS, ROPE].concat(),
-    }
-}
-
 /// The compiled kernel, and the stand-ins for inputs a model does not have.
 struct Kernel {
-    /// One position a row.
     cuda: CudaKernel,
-    /// Several positions a row, built and checked at its first use
-    /// (`None`: it failed; MLX's operations serve such passes).
-    positions: OnceCell<Option<CudaKernel>>,
     /// Read in place of frequencies a model has none of (the kernel's
     /// templates say not to read them).
     unused: Array,
@@ -242,27 +169,17 @@ impl Kernel {
     fn new() -> Result<Kernel> {
         let inputs = ["y", "qw", "kw", "freqs", "params", "positions"];
         Ok(Kernel {
-            cuda: CudaKernel::new("mlxbc_qk_norm_rope", &inputs, &["out"], &source(false), true)?,
-            positions: OnceCell::new(),
+            cuda: CudaKernel::new("mlxbc_qk_norm_rope", &inputs, &["out"], SOURCE, true)?,
             unused: Array::from_slice(&[0.0f32], &[1]),
         })
     }
 
-    /// `y` `[b, L, W]`: out `[b, heads + kv_heads, L, D]`, by `cuda` (the
-    /// one-position kernel, which reads `y` as `[b, W]`, or the positions one).
-    fn apply(
-        &self,
-        cuda: &CudaKernel,
-        rope: &QkRope,
-        y: &Array,
-        norm: Option<(&Array, &Array)>,
-        positions: &Array,
-    ) -> Result<Array> {
-        let (b, l, d) = (y.shape()[0], y.shape()[1], rope.head_dim);
-        let y = if l == 1 { y.reshape(&[b, -1])? } else { y.clone() };
+    /// `y` `[b, W]`: out `[b, heads + kv_heads, 1, D]`.
+    fn apply(&self, rope: &QkRope, y: &Array, norm: Option<(&Array, &Array)>, positions: &Array) -> Result<Array> {
+        let (b, d) = (y.shape()[0], rope.head_dim);
         let heads = rope.heads + rope.kv_heads;
         let warps_per_block = 4;
-        let blocks = (b * l * heads + warps_per_block - 1) / warps_per_block;
+        let blocks = (b * heads + warps_per_block - 1) / warps_per_block;
         let templates = [
             Template::Type(c"T", y.dtype()),
             Template::Int(c"D", d),
@@ -271,7 +188,7 @@ impl Kernel {
             Template::Int(c"FREQS", i32::from(rope.freqs.is_some())),
         ];
         let launch = Launch {
-            output_shape: &[b, heads, l, d],
+            output_shape: &[b, heads, 1, d],
             output_dtype: y.dtype(),
             grid: (blocks * warps_per_block * 32, 1, 1),
             block: (warps_per_block * 32, 1, 1),
@@ -279,9 +196,9 @@ impl Kernel {
         };
         // Stand-ins of the types the body declares them with (MLX types
         // each input by its dtype): `y` for the norms, f32 for frequencies.
-        let (qw, kw) = norm.unwrap_or((&y, &y));
+        let (qw, kw) = norm.unwrap_or((y, y));
         let freqs = rope.freqs.as_ref().unwrap_or(&self.unused);
-        cuda.apply(&[&y, qw, kw, freqs, &rope.params, positions], &launch)
+        self.cuda.apply(&[y, qw, kw, freqs, &rope.params, positions], &launch)
     }
 
     /// Against MLX's `rms_norm` and `rope` on random heads: with and without
@@ -290,38 +207,6 @@ impl Kernel {
     /// when every value is within four of the float type's steps at the
     /// largest value: rounding, not a wrong rotation.
     fn self_check(&self) -> Result<String> {
-        self.check(&self.cuda, 1)
-    }
-
-    /// The kernel of several positions a row, built and checked against
-    /// MLX at 9 positions a row (a verify pass's widest; the cases of
-    /// [`Self::self_check`]), logged either way.
-    fn build_positions(&self) -> Option<CudaKernel> {
-        let fallback = "verify passes' queries and keys keep MLX's norm and rope";
-        let inputs = ["y", "qw", "kw", "freqs", "params", "positions"];
-        let kernel = match CudaKernel::new("mlxbc_qk_norm_rope_positions", &inputs, &["out"], &source(true), true) {
-            Ok(k) => k,
-            Err(e) => {
-                tracing::warn!("{fallback}: the kernel was not built: {e:#}");
-                return None;
-            }
-        };
-        match self.check(&kernel, 9) {
-            Ok(report) => {
-                tracing::info!(
-                    "verify passes' queries and keys are normed and roped by mlxbc's own CUDA kernel ({report})"
-                );
-                Some(kernel)
-            }
-            Err(e) => {
-                tracing::warn!("{fallback}: the kernel failed its check: {e:#}");
-                None
-            }
-        }
-    }
-
-    /// Against MLX at `l` positions a row (see [`Self::self_check`]).
-    fn check(&self, cuda: &CudaKernel, l: i32) -> Result<String> {
         let mut worst = 0.0f32;
         let normal = |seed: u64, shape: &[i32]| -> Result<Array> {
             let key = mlx_rs::random::key(seed)?;
@@ -342,19 +227,18 @@ impl Kernel {
                 })
                 .transpose()?;
             let rope = QkRope::new(heads, kv_heads, d, 10000.0, freqs.as_ref(), 1e-6)?;
-            let y = normal(seed + 1, &[b, l, (heads + 2 * kv_heads) * d])?
+            let y = normal(seed + 1, &[b, 1, (heads + 2 * kv_heads) * d])?
                 .multiply(Array::from_f32(2.0))?
                 .as_dtype(dtype)?;
             let qw = normal(seed + 2, &[d])?.as_dtype(dtype)?;
             let kw = normal(seed + 3, &[d])?.as_dtype(dtype)?;
             let norms = norm.then_some((&qw, &kw));
             let at = Array::from_slice(&positions, &[b]);
-            let ours = self.apply(cuda, &rope, &y, norms, &at)?;
+            let ours = self.apply(&rope, &y.reshape(&[b, -1])?, norms, &at)?;
             // MLX's path: the parts as heads, normed, roped.
             let parts = y.split_at_indices(&[heads * d, (heads + kv_heads) * d], -1)?;
             let theirs = |part: &Array, n: i32, w: &Array| -> Result<Array> {
-                // (Contiguous: MLX 0.32.2's CUDA rope misreads a multi-row view.)
-                let x = part.contiguous()?.reshape(&[b, l, n, d])?.transpose_axes(&[0, 2, 1, 3])?.contiguous()?;
+                let x = part.reshape(&[b, n, 1, d])?;
                 let x = if norm { fast::rms_norm(&x, Some(w), 1e-6)? } else { x };
                 let base = if llama3 { None } else { Some(10000.0) };
                 Ok(fast::rope_dynamic(&x, d, false, base, 1.0, &at, freqs.as_ref())?)

@@ -41,15 +41,6 @@ use std::sync::atomic::{AtomicI32, Ordering};
 /// matrix-vector kernel, reading ~0.75 TB/s, was.)
 pub const DEFAULT_ROWS: i32 = 4;
 
-/// With `MLXBC_PASS_FUSION=on` (`crate::model::cuda_kernel::pass_fusion_on`),
-/// one sequence's pass of up to this many positions (speculation's verify
-/// pass: the token ahead and up to 8 drafts) uses the kernel whatever
-/// [`DEFAULT_ROWS`] says: its rows then round as the sequence's one-row
-/// steps do, and its fused forms spare the pass four operations a layer
-/// (on an H100 a one-row pass of 9 positions cost 5-14 ms of host work
-/// against a 2.6 ms step: docs/measurements/h100-2026-12-07c-pipelined-verify.md).
-pub const ONE_SEQUENCE_ROWS: i32 = crate::model::qk_rope::MOST_POSITIONS;
-
 /// The process's limit (set once at start by `mlxbcd`'s main).
 static ROWS: AtomicI32 = AtomicI32::new(DEFAULT_ROWS);
 
@@ -111,14 +102,8 @@ fn run(form: Form, x: &Array, q: &Quantized, residual: Option<&Array>) -> Result
     let limit = ROWS.load(Ordering::Relaxed);
     let width = *x.shape().last().unwrap_or(&0);
     let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
-    // One sequence's few positions (a verify pass), where the kernel is on.
-    let one_sequence = limit > 0
-        && x.ndim() == 3
-        && x.shape()[0] == 1
-        && rows <= ONE_SEQUENCE_ROWS
-        && crate::model::cuda_kernel::pass_fusion_on();
     if rows < 1
-        || (rows > limit && !one_sequence)
+        || rows > limit
         || (form != Form::Plain && !crate::model::cuda_kernel::step_fusion_on())
         // Pairs of outputs per warp (`takes` asks output features by 8s).
         || (form == Form::GateUpSwiglu && variant().0 % 2 != 0)
@@ -325,12 +310,9 @@ impl Kernel {
             let key = mlx_rs::random::key(seed)?;
             Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?)
         };
-        let mut cases = vec![(Dtype::Float16, 64, 1), (Dtype::Bfloat16, 32, 3), (Dtype::Float16, 32, 2)];
-        // 9 rows: a verify pass of one sequence (`ONE_SEQUENCE_ROWS`), where taken.
-        if crate::model::cuda_kernel::pass_fusion_on() {
-            cases.push((Dtype::Bfloat16, 64, 9));
-        }
-        for (seed, (dtype, group, rows)) in cases.into_iter().enumerate() {
+        for (seed, (dtype, group, rows)) in
+            [(Dtype::Float16, 64, 1), (Dtype::Bfloat16, 32, 3), (Dtype::Float16, 32, 2)].into_iter().enumerate()
+        {
             let (n, k) = (264, 640);
             let w = normal(seed as u64 * 3 + 11, &[n, k])?.multiply(Array::from_f32(0.02))?.as_dtype(dtype)?;
             let (packed, scales, biases) = ops::quantize(&w, group, 4)?;

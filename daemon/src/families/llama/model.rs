@@ -10,7 +10,7 @@ use crate::model::kv_cache::{KvCache, KvView};
 use crate::model::layers::{from_heads, swiglu, to_heads, Embedding, FusedLinear, Linear};
 use crate::model::lora::Group;
 use crate::model::positions::{MediaPositions, MropePositions};
-use crate::model::qk_rope::{self, QkRope};
+use crate::model::qk_rope::QkRope;
 use crate::model::quantized_attention;
 use crate::model::sharding::Split;
 use crate::model::w4a16;
@@ -179,11 +179,8 @@ impl Transformer {
         if row_offsets.is_some() && self.config.mrope_section.is_some() {
             bail!("a batch of padded rows with multimodal rope is not supported yet");
         }
-        // A step's (or a verify pass's) first position as data, for the
-        // q/k kernel (crate::model::qk_rope).
-        let step_position =
-            (qk_rope::takes_positions(len) && row_offsets.is_none() && crate::model::options::cuda_available())
-                .then(|| Array::from_slice(&[offset], &[1]));
+        let step_position = (len == 1 && row_offsets.is_none() && crate::model::options::cuda_available())
+            .then(|| Array::from_slice(&[offset], &[1]));
         let at = match &row_offsets {
             Some(rows) => Position::Rows(rows),
             None => Position::Fixed(offset, step_position.as_ref()),
@@ -310,13 +307,11 @@ impl Transformer {
         let update = lora_update(lora, Group::Qkv, x)?;
         let parts = match a.qkv.fused_output(x, update.as_ref())? {
             Some(y) => {
-                // A step's position per row, or a verify pass's few: q and
-                // k normed and roped by one kernel on CUDA
-                // (crate::model::qk_rope), v a view.
-                let few = qk_rope::takes_positions(l) && rope;
+                // One position per row: q and k normed and roped by one
+                // kernel on CUDA (crate::model::qk_rope), v a view.
                 let positions = match at {
-                    Position::Fixed(_, Some(position)) if few => Some(position.clone()),
-                    Position::Rows(rows) if few => Some(rows.clone()),
+                    Position::Fixed(_, Some(position)) if l == 1 && rope => Some(position.clone()),
+                    Position::Rows(rows) if l == 1 && rope => Some(rows.clone()),
                     _ => None,
                 };
                 if let Some(positions) = positions {
