@@ -20,6 +20,9 @@
 #   mlxlm MODEL   mlx-lm's BatchGenerator at 16 and 64 on the same directory
 #   kernel        scripts/gpu/w4a16.py: our W4A16 kernel, checked and timed
 #   parts         scripts/gpu/step_parts.py: an 8B step part by part
+#   graphs [MODEL] scripts/gpu/pass_graphs.py: a verify pass's host cost
+#                 (build / launch / wait) in mlx-lm, with MLX's CUDA graphs
+#                 as they are, off, and 100 operations a graph
 #   ids MODEL     scripts/gpu/check_ids_dense.py: greedy ids against mlx-lm
 #   ab MODEL      two warm daemons, A as configured and B with
 #                 MLXBC_BATCH_ATTENTION=mask: interleaved rounds of 16 and 64
@@ -207,6 +210,8 @@ nsys)
   rm -f "$OUT/prof.nsys-rep" "$OUT"/prof.sqlite ;;
 parts) # an 8B step part by part, per rows (scripts/gpu/step_parts.py)
   timeout 400 $PY "$repo/scripts/gpu/step_parts.py" 2>&1 | tee "$OUT/step-parts.txt" ;;
+graphs) # what a verify pass costs the host, and whether MLX's CUDA graphs are it (scripts/gpu/pass_graphs.py)
+  timeout 560 $PY "$repo/scripts/gpu/pass_graphs.py" "$(model_dir ${1:-qwen2.5-0.5b})" 2>&1 | tee "$OUT/pass-graphs.txt" ;;
 kernel) # our W4A16 kernel against MLX's quantized matmul (scripts/gpu/w4a16.py)
   timeout 300 $PY "$repo/scripts/gpu/w4a16.py" 2>&1 | tee "$OUT/w4a16.txt" ;;
 ab)

@@ -60,6 +60,11 @@ pub struct DecodeBatch {
 /// Where a batch's steps spend host time, logged every [`PROFILE_EVERY`]
 /// steps (at `info`): queueing a step (building its graph and dispatching
 /// it) against waiting for the tokens; which dominates says what bounds decode.
+/// Queueing is split further into building the lazy graph and launching
+/// it (`async_eval`: MLX walks the graph and hands each operation to the
+/// device), and a verify pass's also into drafting: on an H100 a one-row
+/// pass of 9 positions queued ~10 ms against a plain step's ~3, and which
+/// of the three it is decides what to cut.
 #[derive(Default)]
 struct Profile {
     steps: u32,
@@ -70,6 +75,11 @@ struct Profile {
     verified: u32,
     verify_queue_s: f64,
     verify_wait_s: f64,
+    /// Of the passes' queueing: drafting, and launching (the rest is building).
+    verify_draft_s: f64,
+    verify_launch_s: f64,
+    /// Of all steps' queueing: launching.
+    launch_s: f64,
     /// Draft models' proposals, and the rows they drafted for.
     proposals: u32,
     proposed_rows: usize,
@@ -81,6 +91,36 @@ struct Profile {
 
 const PROFILE_EVERY: u32 = 64;
 
+/// One step's queueing, in seconds: drafting (a verify pass's), building
+/// its graph, launching it.
+#[derive(Clone, Copy, Default)]
+struct Queueing {
+    draft_s: f64,
+    build_s: f64,
+    launch_s: f64,
+}
+
+impl Queueing {
+    /// The split of the span from `started` to `launched`, whose drafting
+    /// ended at `drafted` and whose graph was built at `built`.
+    fn between(
+        started: std::time::Instant,
+        drafted: std::time::Instant,
+        built: std::time::Instant,
+        launched: std::time::Instant,
+    ) -> Self {
+        Self {
+            draft_s: (drafted - started).as_secs_f64(),
+            build_s: (built - drafted).as_secs_f64(),
+            launch_s: (launched - built).as_secs_f64(),
+        }
+    }
+
+    fn total(&self) -> f64 {
+        self.draft_s + self.build_s + self.launch_s
+    }
+}
+
 impl Profile {
     /// A step of `rows` built as `mode` (`None`: a verify pass).
     fn record(
@@ -88,17 +128,21 @@ impl Profile {
         started: std::time::Instant,
         rows: usize,
         mode: Option<DecodeMode>,
-        queue_s: f64,
+        queue: Queueing,
         wait_s: f64,
     ) {
         self.since.get_or_insert(started);
         self.steps += 1;
         self.compiled += u32::from(mode == Some(DecodeMode::Compiled));
+        let queue_s = queue.total();
         if mode.is_none() {
             self.verified += 1;
             self.verify_queue_s += queue_s;
             self.verify_wait_s += wait_s;
+            self.verify_draft_s += queue.draft_s;
+            self.verify_launch_s += queue.launch_s;
         }
+        self.launch_s += queue.launch_s;
         self.rows += rows;
         self.queue_s += queue_s;
         self.wait_s += wait_s;
@@ -121,8 +165,10 @@ impl Profile {
             let pass = |v: u32| {
                 let per_pass = |x: f64| x * 1e3 / f64::from(v);
                 format!(
-                    "{v} verifying drafts, a pass queueing {:.2} ms and waiting {:.2}",
+                    "{v} verifying drafts, a pass queueing {:.2} ms (drafting {:.2}, launching {:.2}) and waiting {:.2}",
                     per_pass(self.verify_queue_s),
+                    per_pass(self.verify_draft_s),
+                    per_pass(self.verify_launch_s),
                     per_pass(self.verify_wait_s)
                 )
             };
@@ -136,11 +182,12 @@ impl Profile {
                 ),
             };
             tracing::info!(
-                "decode ({mode}): {} steps{verified}, {:.1} rows on average, {:.2} ms/step: queueing {:.2}, waiting {:.2}",
+                "decode ({mode}): {} steps{verified}, {:.1} rows on average, {:.2} ms/step: queueing {:.2} (launching {:.2}), waiting {:.2}",
                 self.steps,
                 self.rows as f64 / f64::from(self.steps),
                 per(since.elapsed().as_secs_f64()),
                 per(self.queue_s),
+                per(self.launch_s),
                 per(self.wait_s)
             );
         }
@@ -276,14 +323,15 @@ impl DecodeBatch {
         // Rows that report logprobs compute them with the step, not when read.
         let mut queued = vec![&next];
         queued.extend(seqs.iter().flat_map(|s| s.logprob_arrays()));
+        let built = std::time::Instant::now();
         async_eval(queued).map_err(EngineError::inference)?;
-        let queued = t.elapsed().as_secs_f64();
+        let queued = Queueing::between(t, t, built, std::time::Instant::now());
         if !constrained {
             ahead.eval().map_err(EngineError::inference)?;
             ended.extend(self.accept_rows(&ahead, &mut seqs));
         }
         let took = t.elapsed().as_secs_f64();
-        self.profile.record(t, self.rows.len(), Some(mode), queued, took - queued);
+        self.profile.record(t, self.rows.len(), Some(mode), queued, took - queued.total());
         if self.plain_before == Some(self.rows.len()) {
             self.costs.borrow_mut().plain_step(self.rows.len(), took);
         }
@@ -372,7 +420,8 @@ impl DecodeBatch {
             }
             allowed.push(along);
         }
-        let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        let drafted_at = std::time::Instant::now();
+        let width = self.costs.borrow().padded(1 + drafts.iter().map(Vec::len).max().unwrap_or(0));
         let Some(cache) = self.cache.as_mut().filter(|_| width > 1) else {
             for (r, _) in drafted.iter().enumerate().filter(|(_, &d)| d) {
                 self.drafts_verified(r, &*seqs[r], 0);
@@ -411,8 +460,9 @@ impl DecodeBatch {
         queued.extend(seqs.iter().flat_map(|s| s.logprob_arrays()));
         // Dispatched, then waited for: the log's split of a pass into its
         // host work (drafting, building, launching) and the device's.
+        let built = std::time::Instant::now();
         async_eval(queued.clone()).map_err(EngineError::inference)?;
-        let dispatched = started.elapsed().as_secs_f64();
+        let dispatched = Queueing::between(started, drafted_at, built, std::time::Instant::now());
         mlx_rs::transforms::eval(queued).map_err(EngineError::inference)?;
         let all = all.as_slice::<u32>();
         let mut forget = Vec::with_capacity(drafts.len());
@@ -450,7 +500,7 @@ impl DecodeBatch {
             return Err(EngineError::Internal("a verified cache could not forget its rejected drafts".into()));
         }
         let took = started.elapsed().as_secs_f64();
-        self.profile.record(started, self.rows.len(), None, dispatched, took - dispatched);
+        self.profile.record(started, self.rows.len(), None, dispatched, took - dispatched.total());
         self.costs.borrow_mut().verify_pass(self.rows.len() * width, (took - drafting_secs).max(0.0));
         for (r, run) in runs.iter().enumerate().filter(|&(r, _)| drafted[r]) {
             self.drafts_verified(r, &*seqs[r], run.len());

@@ -7,7 +7,7 @@
 mod answer;
 mod batch;
 pub mod draft_batch;
-mod draft_costs;
+pub mod draft_costs;
 mod draft_model;
 mod embed;
 pub mod generate;
