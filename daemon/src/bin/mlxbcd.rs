@@ -177,7 +177,6 @@ fn main() -> Result<()> {
     mlxbc_daemon::model::w4a16::configure(options.w4a16_rows.unwrap_or(mlxbc_daemon::model::w4a16::DEFAULT_ROWS));
     mlxbc_daemon::decoding::lookup::configure(options.speculate);
     mlxbc_daemon::engine::draft_batch::configure(options.draft_rows);
-    mlxbc_daemon::engine::draft_costs::configure(options.pass_width);
     if let (Some(_), Some(rank)) = (&settings.cluster.hostfile, settings.cluster.rank) {
         if rank > 0 {
             // A worker: no socket, no gateway; it serves the group until stopped.

@@ -421,7 +421,7 @@ impl DecodeBatch {
             allowed.push(along);
         }
         let drafted_at = std::time::Instant::now();
-        let width = self.costs.borrow().padded(1 + drafts.iter().map(Vec::len).max().unwrap_or(0));
+        let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
         let Some(cache) = self.cache.as_mut().filter(|_| width > 1) else {
             for (r, _) in drafted.iter().enumerate().filter(|(_, &d)| d) {
                 self.drafts_verified(r, &*seqs[r], 0);

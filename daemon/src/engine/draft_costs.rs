@@ -12,21 +12,6 @@
 //! is revisited now and then, since costs drift with the context and load.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// The fewest positions a row that every verify pass takes (0: as many as
-/// its drafts need): `MLXBC_PASS_WIDTH`, for measuring. On CUDA, MLX
-/// captures every 20 operations into a CUDA graph and reuses a cached
-/// executable when the next graph has the same topology; passes whose
-/// width varies (as the adaptive draft length makes it) may choose other
-/// kernels and instantiate graphs anew. A pass padded to one width keeps
-/// one topology, at the price of its extra positions.
-static PASS_WIDTH: AtomicUsize = AtomicUsize::new(0);
-
-/// Sets [`PASS_WIDTH`] for the cost models made from now on.
-pub fn configure(pass_width: usize) {
-    PASS_WIDTH.store(pass_width, Ordering::Relaxed);
-}
 
 /// How much a new measurement moves an estimate.
 const WEIGHT: f64 = 0.25;
@@ -58,8 +43,6 @@ pub struct PassCosts {
     refused: u32,
     /// Refusals before the next revisit (0: [`REVISIT_AFTER`]).
     revisit_after: u32,
-    /// The fewest positions a row a pass takes ([`PASS_WIDTH`]; 0: any).
-    pad: usize,
 }
 
 fn blend(slot: &mut f64, secs: f64) {
@@ -67,21 +50,6 @@ fn blend(slot: &mut f64, secs: f64) {
 }
 
 impl PassCosts {
-    /// A model's cost model, its passes padded as configured ([`configure`]).
-    pub fn configured() -> Self {
-        Self { pad: PASS_WIDTH.load(Ordering::Relaxed), ..Self::default() }
-    }
-
-    /// The width a pass of `width` positions a row runs at: at least the
-    /// configured one (a plain step stays one).
-    pub fn padded(&self, width: usize) -> usize {
-        if width > 1 {
-            width.max(self.pad)
-        } else {
-            width
-        }
-    }
-
     /// A plain step of `rows` took `secs`.
     pub fn plain_step(&mut self, rows: usize, secs: f64) {
         self.plain.entry(rows).and_modify(|t| blend(t, secs)).or_insert(secs);
@@ -207,13 +175,12 @@ pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> us
     // its own acceptance, which the prior may underrate (in a batch, the
     // pass would cost every row; it explores when alone).
     let explores = rows == 1 && drafting.iter().any(|d| d.explore);
-    if costs.revisit() || explores || (!batch && estimate(rows * costs.padded(widest)).is_none()) {
+    if costs.revisit() || explores || (!batch && estimate(rows * widest).is_none()) {
         return widest;
     }
     let mut best = (rows as f64 / plain, 1);
     for width in 2..=widest {
-        // A padded pass costs its padded width, whatever it drafts.
-        let Some(t) = estimate(rows * costs.padded(width)) else { continue };
+        let Some(t) = estimate(rows * width) else { continue };
         let accepted: f64 = drafting.iter().map(|d| expected_accepted(d.k.min(width - 1), d.rate)).sum();
         let rate = (rows as f64 + accepted) / (t + drafting_secs(width));
         if rate > best.0 {
@@ -237,20 +204,6 @@ mod tests {
             c.verify_pass(n, t);
         }
         c
-    }
-
-    #[test]
-    fn a_padded_pass_is_weighed_at_its_padded_width() {
-        // One row: a plain step 3 ms, a 9-wide pass 12 ms; two drafts at 0.9.
-        let row = [Drafting { k: 2, rate: 0.9, draft_secs: 0.0, explore: false }];
-        let mut c = costs(&[(1, 0.003)], &[(9, 0.012)]);
-        // Exact widths: a 3-wide pass is interpolated (~5.3 ms) and pays.
-        assert_eq!(choose_width(&c, 1, &row), 3);
-        // Padded to 9, it costs the 9-wide pass's 12 ms: 2.7 tokens in 12 ms
-        // against one in 3.
-        c.pad = 9;
-        assert_eq!(choose_width(&c, 1, &row), 1);
-        assert_eq!((c.padded(1), c.padded(3), c.padded(12)), (1, 9, 12));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 mod answer;
 mod batch;
 pub mod draft_batch;
-pub mod draft_costs;
+mod draft_costs;
 mod draft_model;
 mod embed;
 pub mod generate;

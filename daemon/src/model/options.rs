@@ -82,9 +82,6 @@ pub struct EngineOptions {
     pub split_parts: SplitParts,
     /// Whether a batch's rows with one draft model draft together.
     pub draft_rows: DraftRows,
-    /// The fewest positions a row every verify pass takes (0: as many as
-    /// its drafts need; `MLXBC_PASS_WIDTH`: `engine::draft_costs`).
-    pub pass_width: usize,
 }
 
 /// How a decode batch's rows with one draft model are drafted
@@ -208,13 +205,6 @@ impl EngineOptions {
                 _ => return Err(format!("MLXBC_W4A16_ROWS = {v:?} is not a number from 0 to 16")),
             },
         };
-        let pass_width = match std::env::var("MLXBC_PASS_WIDTH").ok().filter(|v| !v.is_empty()) {
-            None => 0,
-            Some(v) => match v.parse::<usize>() {
-                Ok(n) if n == 0 || (2..=16).contains(&n) => n,
-                _ => return Err(format!("MLXBC_PASS_WIDTH = {v:?} is not 0 or a number from 2 to 16")),
-            },
-        };
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty()).map(|v| (name.to_string(), v));
         let split_parts = match env("MLXBC_SPLIT_PARTS") {
             None => SplitParts::default(),
@@ -228,18 +218,7 @@ impl EngineOptions {
             Some((_, v)) if v == "apart" => DraftRows::Apart,
             Some(other) => return Err(bad(&other, "together, apart")),
         };
-        Ok(Self {
-            weights,
-            decode,
-            fusion,
-            batch,
-            attention,
-            speculate,
-            w4a16_rows,
-            split_parts,
-            draft_rows,
-            pass_width,
-        })
+        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows, split_parts, draft_rows })
     }
 }
 
@@ -269,7 +248,6 @@ mod tests {
             "MLXBC_W4A16_ROWS",
             "MLXBC_SPLIT_PARTS",
             "MLXBC_DRAFT_ROWS",
-            "MLXBC_PASS_WIDTH",
         ] {
             std::env::remove_var(v);
         }
@@ -295,12 +273,6 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_W4A16_ROWS") && e.contains("0 to 16"), "{e}");
         std::env::remove_var("MLXBC_W4A16_ROWS");
-        std::env::set_var("MLXBC_PASS_WIDTH", "9");
-        assert_eq!(EngineOptions::from_settings_and_env(&settings(None, None)).unwrap().pass_width, 9);
-        std::env::set_var("MLXBC_PASS_WIDTH", "1");
-        let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
-        assert!(e.contains("MLXBC_PASS_WIDTH") && e.contains("2 to 16"), "{e}");
-        std::env::remove_var("MLXBC_PASS_WIDTH");
         std::env::set_var("MLXBC_BATCH_ATTENTION", "mask");
         let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
         assert_eq!(o.attention, BatchAttention::Mask);

@@ -30,18 +30,12 @@ const FUNCTION: &str = "def summarize(values):
 
 /// A daemon whose sequences draft as `speculate` (`MLXBC_SPECULATE`) says.
 fn daemon(speculate: &str) -> Daemon {
-    daemon_with(speculate, &[])
-}
-
-/// [`daemon`] with more of the environment.
-fn daemon_with(speculate: &str, env: &[(&str, &str)]) -> Daemon {
     let opts = DaemonOptions {
         models: vec![(SMOLLM2, fixture(&format!("models/{SMOLLM2}"))), (QWEN25, fixture(&format!("models/{QWEN25}")))],
         args: vec![],
     };
     let mut d = Daemon::prepare(&opts);
     d.extra_env.push(("MLXBC_SPECULATE".into(), speculate.into()));
-    d.extra_env.extend(env.iter().map(|(k, v)| (k.to_string(), v.into())));
     d.spawn(&opts.args);
     d
 }
@@ -90,41 +84,6 @@ async fn drafted_greedy_ids_equal_plain_decoding_on_real_weights() {
     asks.speculate = Speculation::Off;
     let off = ask_ok(&drafting, asks).await;
     assert_eq!((off.draft_tokens, off.token_ids), (0, with.token_ids), "the request turned drafts off");
-}
-
-/// Passes padded to 9 positions whatever their drafts (`MLXBC_PASS_WIDTH=9`,
-/// the filler after a row's drafts forgotten with its rejected ones) answer
-/// as plain decoding, through a stop string and a token limit, alone and
-/// beside a row that does not draft.
-#[tokio::test(flavor = "multi_thread")]
-async fn passes_padded_to_one_width_answer_as_plain_decoding() {
-    let (padded, plain) = (daemon_with("ngram", &[("MLXBC_PASS_WIDTH", "9")]), daemon("off"));
-    let edit = format!("Rename the variable `count` to `n` in this function. Answer with the code only.\n\n{FUNCTION}");
-    let mut stopped = greedy(Some(QWEN25), &edit, 64);
-    stopped.stop = vec!["return None".into()];
-    for (what, request) in [
-        ("qwen code edit", greedy(Some(QWEN25), &edit, 48)),
-        ("qwen code edit, a stop string", stopped),
-        ("qwen code edit, 5 tokens", greedy(Some(QWEN25), &edit, 5)),
-    ] {
-        let (with, without) = tokio::join!(ask_ok(&padded, request.clone()), ask_ok(&plain, request));
-        assert_eq!(with.token_ids, without.token_ids, "{what}: ids of padded passes differ from plain decoding");
-        assert_eq!(
-            (with.stop_reason, with.generated_tokens),
-            (without.stop_reason, without.generated_tokens),
-            "{what}"
-        );
-        eprintln!("{what}: {} of {} drafted accepted", with.accepted_draft_tokens, with.draft_tokens);
-    }
-    // Beside a row that does not draft, in one batch.
-    let mut off = greedy(Some(QWEN25), "Count from one to twelve in words.", 24);
-    off.speculate = Speculation::Off;
-    let rows = [greedy(Some(QWEN25), &edit, 40), off];
-    let (with, without) = tokio::join!(together(&padded, &rows, &[0, 0]), together(&plain, &rows, &[0, 0]));
-    for (i, ((_, a), (_, b))) in with.iter().zip(&without).enumerate() {
-        assert_eq!(a.token_ids, b.token_ids, "row {i} of a batch with padded passes");
-    }
-    assert!(with[0].1.accepted_draft_tokens > 0, "the edit drafted: {:?}", with[0].1);
 }
 
 /// A model that cannot verify drafts refuses a request that insists, with

@@ -100,7 +100,7 @@ impl Scheduler {
         if let Some((_, c)) = self.costs.iter().find(|(m, _)| std::ptr::eq(m.as_ptr(), Rc::as_ptr(model))) {
             return c.clone();
         }
-        let c = Rc::new(RefCell::new(PassCosts::configured()));
+        let c = Rc::new(RefCell::new(PassCosts::default()));
         self.costs.push((Rc::downgrade(model), c.clone()));
         c
     }
