@@ -7,7 +7,8 @@ turn (the order rotating per round), through `mlxbc ask --json`. Prints,
 per task, the decode tok/s of each (medians over rounds), the ratios to
 off, the acceptance, and whether the token ids were equal in every round.
 Then the batched row: 16 clients at once on code edits, total tok/s per
-daemon; and the long-prompt row: an 8k-token agent-style prompt.
+daemon (ROUNDS - 1 bursts, at least 2: one burst is one sample of a row
+whose bursts scatter ±20% on a GPU); and the long-prompt row: an 8k-token agent-style prompt.
 
 Usage: speculative_bench.py MLXBC HOME_OFF HOME_AUTO HOME_NGRAM ROUNDS
 (ONLY=alone,batched,long, the default: those rows; TASKS=0,1: only
@@ -180,7 +181,7 @@ def main():
         for home in set(homes.values()):  # a first burst warms the batch's shapes
             burst(home, QWEN, 8, edits)
         rows.append(measure(f"16 clients at once, code edits ({QWEN_NAME}), total decode tok/s",
-                            lambda home: burst(home, QWEN, 96, edits), max(1, rounds - 1)))
+                            lambda home: burst(home, QWEN, 96, edits), max(2, rounds - 1)))
     if "long" in only:
         long = agent_prompt()
         for home in set(homes.values()):  # its prefix in every daemon's prompt cache: rounds time the decode
