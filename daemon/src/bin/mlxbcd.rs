@@ -176,6 +176,9 @@ fn main() -> Result<()> {
     mlxbc_daemon::model::layers::configure(options.split_parts);
     mlxbc_daemon::model::w4a16::configure(options.w4a16_rows.unwrap_or(mlxbc_daemon::model::w4a16::DEFAULT_ROWS));
     mlxbc_daemon::decoding::lookup::configure(options.speculate);
+    if let Some(n) = options.lookup_shortest {
+        mlxbc_daemon::decoding::lookup::configure_shortest(n);
+    }
     mlxbc_daemon::engine::draft_batch::configure(options.draft_rows);
     if let (Some(_), Some(rank)) = (&settings.cluster.hostfile, settings.cluster.rank) {
         if rank > 0 {

@@ -11,7 +11,7 @@
 //! wider verify pass, not a wrong token).
 
 use crate::model::options::Speculate;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 /// The process's choice (0 auto, 1 off, 2 ngram, 3 draft), set once at start by `mlxbcd`'s main.
 static CHOICE: AtomicU8 = AtomicU8::new(0);
@@ -42,18 +42,33 @@ pub fn configured() -> Speculate {
 /// The longest suffix tried first; shorter ones after (down to one token).
 const MAX_NGRAM: usize = 3;
 
+/// The shortest suffix whose match `auto` drafts from. A match of one token
+/// is weak evidence: with Qwen2.5-Coder-0.5B on this bench's code edits,
+/// JSON and chat, forced drafts from one-token matches were accepted 0.2
+/// tokens a pass (1 of 13 passes accepted anything in the code edits)
+/// against 2.7-4.1 from three-token matches
+/// (docs/measurements/cpu-2026-12-07d-lookup-matches.md); where a pass
+/// costs ~3 plain steps (a GPU) each such pass is a loss. `ngram` (forced)
+/// drafts from any match. `MLXBC_LOOKUP_SHORTEST` (1-3) for measuring.
+static AUTO_SHORTEST: AtomicUsize = AtomicUsize::new(2);
+
+/// Sets [`AUTO_SHORTEST`] (from `EngineOptions`, at start).
+pub fn configure_shortest(n: usize) {
+    AUTO_SHORTEST.store(n.clamp(1, MAX_NGRAM), Ordering::Relaxed);
+}
+
 /// The most tokens a draft proposes.
 pub const MAX_DRAFT: usize = 8;
 
 /// Up to `k` tokens that followed the latest earlier occurrence of the last
-/// `n` tokens of `history` (n from [`MAX_NGRAM`] down to 1; the longest
-/// match wins). Empty when nothing matches.
-pub fn propose(history: &[u32], k: usize) -> Vec<u32> {
+/// `n` tokens of `history` (n from [`MAX_NGRAM`] down to `shortest`; the
+/// longest match wins). Empty when nothing matches.
+pub fn propose(history: &[u32], k: usize, shortest: usize) -> Vec<u32> {
     let len = history.len();
     if k == 0 || len < 2 {
         return Vec::new();
     }
-    for n in (1..=MAX_NGRAM.min(len - 1)).rev() {
+    for n in (shortest.max(1)..=MAX_NGRAM.min(len - 1)).rev() {
         let tail = &history[len - n..];
         // Latest first: the answer's own recent text predicts its next best.
         // A match must leave at least one token after it (`start + n < len`).
@@ -164,7 +179,8 @@ impl Drafter {
     /// The next draft for `history`, at most `most` tokens (empty: take a
     /// plain step, and rest).
     pub fn draft(&mut self, history: &[u32], most: usize) -> Vec<u32> {
-        self.proposed(propose(history, self.most().min(most)))
+        let shortest = if self.forced { 1 } else { AUTO_SHORTEST.load(Ordering::Relaxed) };
+        self.proposed(propose(history, self.most().min(most), shortest))
     }
 
     /// The most tokens a draft may propose: `k` where drafts are forced;
@@ -245,25 +261,36 @@ mod tests {
     fn the_latest_longest_match_proposes_what_followed_it() {
         // "a b c d" ... "a b c" -> "d ..." (the 3-gram wins over later 1-grams).
         let h = [1, 2, 3, 4, 5, 9, 3, 7, 1, 2, 3];
-        assert_eq!(propose(&h, 2), vec![4, 5]);
+        assert_eq!(propose(&h, 2, 1), vec![4, 5]);
         // The latest occurrence of the 1-gram when no longer one matches.
         let h = [5, 1, 6, 1, 7, 8, 1];
-        assert_eq!(propose(&h, 3), vec![7, 8, 1]);
+        assert_eq!(propose(&h, 3, 1), vec![7, 8, 1]);
         // Drafts stop at the end of the history.
         let h = [1, 2, 1];
-        assert_eq!(propose(&h, 5), vec![2, 1]);
+        assert_eq!(propose(&h, 5, 1), vec![2, 1]);
         // Nothing repeats: no draft.
-        assert!(propose(&[1, 2, 3, 4], 4).is_empty());
-        assert!(propose(&[1], 4).is_empty());
-        assert!(propose(&[1, 1, 1], 0).is_empty());
+        assert!(propose(&[1, 2, 3, 4], 4, 1).is_empty());
+        assert!(propose(&[1], 4, 1).is_empty());
+        assert!(propose(&[1, 1, 1], 0, 1).is_empty());
+    }
+
+    #[test]
+    fn auto_skips_matches_shorter_than_its_shortest() {
+        // Only a one-token match ([3] at index 2): drafts from it at 1, none at 2.
+        let h = [1, 2, 3, 4, 5, 9, 3];
+        assert_eq!(propose(&h, 2, 1), vec![4, 5]);
+        assert!(propose(&h, 2, 2).is_empty());
+        // A two-token match still drafts at 2.
+        let h = [1, 2, 3, 4, 5, 9, 2, 3];
+        assert_eq!(propose(&h, 2, 2), vec![4, 5]);
     }
 
     #[test]
     fn a_suffix_never_matches_itself() {
         // The only occurrence of [7, 8] is the tail: the 1-gram [8] neither.
-        assert!(propose(&[1, 2, 7, 8], 3).is_empty());
+        assert!(propose(&[1, 2, 7, 8], 3, 1).is_empty());
         // A run of one token proposes more of it.
-        assert_eq!(propose(&[4, 4, 4, 4], 2), vec![4]);
+        assert_eq!(propose(&[4, 4, 4, 4], 2, 1), vec![4]);
     }
 
     #[test]

@@ -82,6 +82,9 @@ pub struct EngineOptions {
     pub split_parts: SplitParts,
     /// Whether a batch's rows with one draft model draft together.
     pub draft_rows: DraftRows,
+    /// The shortest prompt-lookup match `auto` drafts from
+    /// (`MLXBC_LOOKUP_SHORTEST`, 1-3; `None`: `decoding::lookup`'s default).
+    pub lookup_shortest: Option<usize>,
 }
 
 /// How a decode batch's rows with one draft model are drafted
@@ -205,6 +208,13 @@ impl EngineOptions {
                 _ => return Err(format!("MLXBC_W4A16_ROWS = {v:?} is not a number from 0 to 16")),
             },
         };
+        let lookup_shortest = match std::env::var("MLXBC_LOOKUP_SHORTEST").ok().filter(|v| !v.is_empty()) {
+            None => None,
+            Some(v) => match v.parse::<usize>() {
+                Ok(n) if (1..=3).contains(&n) => Some(n),
+                _ => return Err(format!("MLXBC_LOOKUP_SHORTEST = {v:?} is not 1, 2 or 3")),
+            },
+        };
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty()).map(|v| (name.to_string(), v));
         let split_parts = match env("MLXBC_SPLIT_PARTS") {
             None => SplitParts::default(),
@@ -218,7 +228,18 @@ impl EngineOptions {
             Some((_, v)) if v == "apart" => DraftRows::Apart,
             Some(other) => return Err(bad(&other, "together, apart")),
         };
-        Ok(Self { weights, decode, fusion, batch, attention, speculate, w4a16_rows, split_parts, draft_rows })
+        Ok(Self {
+            weights,
+            decode,
+            fusion,
+            batch,
+            attention,
+            speculate,
+            w4a16_rows,
+            split_parts,
+            draft_rows,
+            lookup_shortest,
+        })
     }
 }
 
@@ -248,6 +269,7 @@ mod tests {
             "MLXBC_W4A16_ROWS",
             "MLXBC_SPLIT_PARTS",
             "MLXBC_DRAFT_ROWS",
+            "MLXBC_LOOKUP_SHORTEST",
         ] {
             std::env::remove_var(v);
         }
@@ -273,6 +295,12 @@ mod tests {
         let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
         assert!(e.contains("MLXBC_W4A16_ROWS") && e.contains("0 to 16"), "{e}");
         std::env::remove_var("MLXBC_W4A16_ROWS");
+        std::env::set_var("MLXBC_LOOKUP_SHORTEST", "1");
+        assert_eq!(EngineOptions::from_settings_and_env(&settings(None, None)).unwrap().lookup_shortest, Some(1));
+        std::env::set_var("MLXBC_LOOKUP_SHORTEST", "4");
+        let e = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap_err();
+        assert!(e.contains("MLXBC_LOOKUP_SHORTEST") && e.contains("1, 2 or 3"), "{e}");
+        std::env::remove_var("MLXBC_LOOKUP_SHORTEST");
         std::env::set_var("MLXBC_BATCH_ATTENTION", "mask");
         let o = EngineOptions::from_settings_and_env(&settings(None, None)).unwrap();
         assert_eq!(o.attention, BatchAttention::Mask);
