@@ -44,9 +44,9 @@ const MAX_NGRAM: usize = 3;
 
 /// The shortest suffix whose match `auto` drafts from. A match of one token
 /// is weak evidence: with Qwen2.5-Coder-0.5B on this bench's code edits,
-/// JSON and chat, forced drafts from one-token matches were accepted 0.2
-/// tokens a pass (1 of 13 passes accepted anything in the code edits)
-/// against 2.7-4.1 from three-token matches
+/// JSON and chat, forced drafts from one-token matches were accepted 0.25
+/// tokens a pass (3 of 12 passes accepted anything) against 2.7-4.1 from
+/// three-token matches in the code edits
 /// (docs/measurements/cpu-2026-12-07d-lookup-matches.md); where a pass
 /// costs ~3 plain steps (a GPU) each such pass is a loss. `ngram` (forced)
 /// drafts from any match. `MLXBC_LOOKUP_SHORTEST` (1-3) for measuring.

@@ -201,20 +201,10 @@ impl EngineOptions {
             Some((_, v)) if v == "draft" => Speculate::Draft,
             Some(other) => return Err(bad(&other, "auto, off, ngram, draft")),
         };
-        let w4a16_rows = match std::env::var("MLXBC_W4A16_ROWS").ok().filter(|v| !v.is_empty()) {
-            None => None,
-            Some(v) => match v.parse::<i32>() {
-                Ok(n) if (0..=16).contains(&n) => Some(n),
-                _ => return Err(format!("MLXBC_W4A16_ROWS = {v:?} is not a number from 0 to 16")),
-            },
-        };
-        let lookup_shortest = match std::env::var("MLXBC_LOOKUP_SHORTEST").ok().filter(|v| !v.is_empty()) {
-            None => None,
-            Some(v) => match v.parse::<usize>() {
-                Ok(n) if (1..=3).contains(&n) => Some(n),
-                _ => return Err(format!("MLXBC_LOOKUP_SHORTEST = {v:?} is not 1, 2 or 3")),
-            },
-        };
+        let w4a16_rows =
+            env_number("MLXBC_W4A16_ROWS", |n| (0..=16).contains(&n), "a number from 0 to 16")?.map(|n| n as i32);
+        let lookup_shortest =
+            env_number("MLXBC_LOOKUP_SHORTEST", |n| (1..=3).contains(&n), "1, 2 or 3")?.map(|n| n as usize);
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty()).map(|v| (name.to_string(), v));
         let split_parts = match env("MLXBC_SPLIT_PARTS") {
             None => SplitParts::default(),
@@ -240,6 +230,18 @@ impl EngineOptions {
             draft_rows,
             lookup_shortest,
         })
+    }
+}
+
+/// The environment's `name` as a number that `ok` accepts (`want` says
+/// which, in the error), if it is set.
+fn env_number(name: &str, ok: impl Fn(i64) -> bool, want: &str) -> Result<Option<i64>, String> {
+    match std::env::var(name).ok().filter(|v| !v.is_empty()) {
+        None => Ok(None),
+        Some(v) => match v.parse::<i64>() {
+            Ok(n) if ok(n) => Ok(Some(n)),
+            _ => Err(format!("{name} = {v:?} is not {want}")),
+        },
     }
 }
 
