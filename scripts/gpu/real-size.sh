@@ -40,6 +40,11 @@
 #                 scripts/bench.d/speculative_bench.py with MODEL for the
 #                 code rows (CODE_MODEL=SmolLM2-135M-Instruct.Q4_1.gguf:
 #                 real weights there too) and SmolLM2 for the quotation and chat rows
+#   passab MODEL  a verify pass's cost under several settings: one warm
+#                 daemon each (PASS_AB="label:mode:VAR=1,VAR2=2 ...", the first
+#                 the baseline), the code-edit rows (TASKS) rotated, medians and
+#                 each daemon's decode profile (scripts/gpu/real/pass_ab.py);
+#                 CODE_MODEL as for spec
 #   qpart N       copy Qwen2.5-Coder-0.5B Q4_K_M (real weights) part N (0..13,
 #                 staged by `stage-coder`); `spec` with CODE_MODEL= and
 #                 SMALL_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -281,6 +286,21 @@ spec)
   for h in $(printf '%s\n' "${hs[@]}" | sort -u); do
     grep -E "decode \(" "$h/daemon.log" | cut -c60-220 | tail -4; MLXBC_HOME=$h "$B/bin/mlxbc" ps
     MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-spec${SPEC_LABEL:+-$SPEC_LABEL}-$(basename "$h").log"
+  done ;;
+passab)
+  # What a verify pass costs under several settings (scripts/gpu/real/pass_ab.py):
+  # PASS_AB="label:mode:VAR=1,VAR2=2 ..." (the first the baseline), one warm
+  # daemon each, the rows of TASKS (0,1) with each daemon's mode, rounds rotated.
+  args=()
+  for d in ${PASS_AB:-off:off: ngram:ngram: ngram-mlx:ngram:MLXBC_PASS_ATTENTION=mlx auto:auto:}; do
+    IFS=: read -r label mode envs <<<"$d"
+    h=/tmp/home-passab-$label-$RANDOM; daemon "$h" ${envs//,/ } || exit 1; args+=("$label=$h:$mode")
+  done
+  CODE_MODEL=${CODE_MODEL:-$1-4bit} SMALL_MODEL=${SMALL_MODEL:-$1-4bit} timeout ${SPEC_TIMEOUT:-560} \
+    $PY scripts/gpu/real/pass_ab.py "$B/bin/mlxbc" ${ROUNDS:-3} "${args[@]}" 2>&1 | tee "$OUT/passab-$1${SPEC_LABEL:+-$SPEC_LABEL}.txt"
+  for a in "${args[@]}"; do
+    h=${a#*=}; h=${h%:*}; grep -E "kernel|attend" "$h/daemon.log" | cut -c1-220 | head -4
+    MLXBC_HOME=$h "$B/bin/mlxbc" stop; cp "$h/daemon.log" "$OUT/daemon-passab-$(basename "$h").log"
   done ;;
 draftrows)
   # A batch's rows drafting with a draft model, together (the default)

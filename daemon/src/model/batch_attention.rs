@@ -1,4 +1,5 @@
-//! Attention of a padded batch's decode step without a padding mask.
+//! Attention of a padded batch's decode step without a padding mask, and of
+//! a few query positions (a verify pass) without MLX's unfused path.
 //!
 //! Rows of different lengths share one KV buffer aligned at their ends
 //! (`KvCache`'s left padding), so each row must not see the positions
@@ -10,6 +11,15 @@
 //! (through MLX's custom-kernel API, compiled by NVRTC on first use and kept
 //! in MLX's kernel cache) reads each row's keys from its start on, with an
 //! online softmax per warp and the warps combined at the end.
+//!
+//! The same kernel takes up to [`MOST_QUERIES`] query positions at the end
+//! of each row's keys, causal among them: a speculative verify pass of
+//! 2-16 positions. MLX 0.32's CUDA attention fuses only one query position;
+//! more go to cuDNN (which mlxbcd turns off: a plan per new key length,
+//! docs/measurements/gpu-2026-12-04-batch-attention.md) or to its unfused
+//! path, about ten operations a layer, two of them cuBLAS batched products
+//! whose host launch costs ~4x an ordinary one
+//! (docs/measurements/h100-2026-12-05b-batched-host.md). One launch here.
 //!
 //! The same kernel serves a compiled one-row decode step ([`decode_to`]):
 //! there the keys end at the position, given as data, so one compiled graph
@@ -51,13 +61,27 @@ thread_local! {
     static KERNEL: OnceCell<Option<Kernel>> = const { OnceCell::new() };
 }
 
-/// `o = softmax(q·kᵀ·scale)·v` for one query position per row, `q`
-/// `[rows, heads, 1, head_dim]`, `k`/`v` `[rows, kv_heads, keys, head_dim]`,
-/// row `r` attending to keys `starts[r]..ends[r]` (`starts` `[rows]`,
-/// `ends` `[rows]` or `[1]` for every row, int32; `None`: every key from
-/// the start on). `None` when the kernel does not apply here (not CUDA,
-/// switched off, a shape it does not take, or it failed its check): the
-/// caller masks.
+/// Query positions the kernel takes at once (a verify pass is 1 + at most
+/// 8 drafts wide; a prompt's short last chunk may also be few).
+pub const MOST_QUERIES: i32 = 16;
+
+/// `MLXBC_PASS_ATTENTION=mlx` (read once): calls of several query
+/// positions keep MLX's attention (for measuring the kernel against).
+fn few_queries_on() -> bool {
+    static MLX: std::sync::LazyLock<bool> =
+        std::sync::LazyLock::new(|| std::env::var("MLXBC_PASS_ATTENTION").is_ok_and(|v| v.eq_ignore_ascii_case("mlx")));
+    !*MLX
+}
+
+/// `o = softmax(q·kᵀ·scale)·v` for `L` query positions per row (1 to
+/// [`MOST_QUERIES`]), `q` `[rows, heads, L, head_dim]`, `k`/`v` `[rows,
+/// kv_heads, keys, head_dim]`: row `r` attends to keys `starts[r]..ends[r]`
+/// (`starts` `[rows]`, `ends` `[rows]` or `[1]` for every row, int32;
+/// `None`: every key from the start on), its queries being the last `L` of
+/// those keys' positions, causal among them (query `i` sees up to
+/// `ends[r] - L + i`). `None` when the kernel does not apply here (not
+/// CUDA, switched off, a shape it does not take, or it failed its check):
+/// the caller masks.
 pub fn decode_rows(
     q: &Array,
     k: &Array,
@@ -66,7 +90,7 @@ pub fn decode_rows(
     starts: &Array,
     ends: Option<&Array>,
 ) -> Result<Option<Array>> {
-    if CHOICE.load(Ordering::Relaxed) != 0 || !Kernel::takes(q, k, v) {
+    if CHOICE.load(Ordering::Relaxed) != 0 || !Kernel::takes(q, k, v) || (q.shape()[2] > 1 && !few_queries_on()) {
         return Ok(None);
     }
     KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
@@ -89,10 +113,24 @@ pub fn decode_to(q: &Array, k: &Array, v: &Array, scale: f32, position: &Array) 
     decode_rows(q, k, v, scale, &starts, Some(&ends))
 }
 
+/// Causal attention of `L` (2 to [`MOST_QUERIES`]) query positions over an
+/// unpadded cache whose last `L` keys are theirs (a one-row verify pass, a
+/// short prompt chunk) through the kernel; `None` where it does not apply:
+/// the caller takes MLX's causal attention.
+pub fn few_queries(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>> {
+    let l = q.shape()[2];
+    if !(2..=MOST_QUERIES).contains(&l) || k.shape()[2] < l {
+        return Ok(None);
+    }
+    let starts = Array::from_slice(&vec![0i32; q.shape()[0] as usize], &[q.shape()[0]]);
+    decode_rows(q, k, v, scale, &starts, None)
+}
+
 /// Attention of a padded batch's rows (`None` when `cache` is not
-/// padded): a decode step through [`decode_rows`] where it applies, else
-/// MLX's attention with the padding mask. `k`, `v` are the cache's views
-/// after this step's update, `offset` its length before.
+/// padded): a decode step or a verify pass of up to [`MOST_QUERIES`]
+/// positions (without a sliding window) through [`decode_rows`] where it
+/// applies, else MLX's attention with the padding mask. `k`, `v` are the
+/// cache's views after this step's update, `offset` its length before.
 pub fn padded(
     q: &Array,
     k: &Array,
@@ -106,7 +144,7 @@ pub fn padded(
         return Ok(None);
     }
     let (l, total) = (q.shape()[2], k.shape()[2]);
-    if l == 1 && total == offset + 1 {
+    if total == offset + l && (l == 1 || (l <= MOST_QUERIES && window.is_none())) {
         if let Some(o) = decode_rows(q, k, v, scale, &cache.row_starts(total, window)?, None)? {
             return Ok(Some(o));
         }
@@ -122,22 +160,26 @@ pub fn padded(
 const WARPS: i32 = 16;
 
 const SOURCE: &str = r#"
-    // q [rows, heads, 1, D]; k, v [rows, kv_heads, keys, D] (strided views
+    // q [rows, heads, L, D]; k, v [rows, kv_heads, keys, D] (strided views
     // of the cache); starts [rows]; ends [rows] or [1]; out [rows, heads,
-    // 1, D] row-contiguous. Row r reads keys starts[r] .. min(keys, ends[r]).
+    // L, D] row-contiguous. Row r's query i (one block each) reads keys
+    // starts[r] .. min(keys, ends[r]) - (L - 1 - i): the queries are the
+    // last L positions, causal among themselves.
     constexpr int PER = D / 32;
     const int head = blockIdx.x;
     const int row = blockIdx.y;
+    const int query = blockIdx.z;
+    const int queries = q_shape[2];
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int heads = q_shape[1];
     const int kv_head = head / (heads / k_shape[1]);
-    const int keys = min(k_shape[2], ends[ends_shape[0] == 1 ? 0 : row]);
+    const int keys = min(k_shape[2], ends[ends_shape[0] == 1 ? 0 : row]) - (queries - 1 - query);
     const float scale = __int_as_float(SCALE_BITS);
     // -inf (MLX 0.32's kernel header has no `inf`).
     const float neg_inf = -__int_as_float(0x7f800000);
 
-    const auto* qp = q + row * q_strides[0] + head * q_strides[1] + lane * PER;
+    const auto* qp = q + row * q_strides[0] + head * q_strides[1] + query * q_strides[2] + lane * PER;
     const auto* kp = k + row * k_strides[0] + kv_head * k_strides[1] + lane * PER;
     const auto* vp = v + row * v_strides[0] + kv_head * v_strides[1] + lane * PER;
     float qv[PER];
@@ -189,7 +231,7 @@ const SOURCE: &str = r#"
             sum += warp_total[w] * f;
             o += warp_acc[w][d] * f;
         }
-        out[(row * heads + head) * D + d] = static_cast<T>(o / sum);
+        out[((row * heads + head) * queries + query) * D + d] = static_cast<T>(o / sum);
     }
 "#;
 
@@ -201,14 +243,15 @@ struct Kernel {
 }
 
 impl Kernel {
-    /// Shapes the kernel takes: one query position, a head dim that is a
-    /// multiple of 32 up to 512, whole key-value groups, each head's vectors
+    /// Shapes the kernel takes: 1 to [`MOST_QUERIES`] query positions (no
+    /// more than the keys), a head dim that is a multiple of 32 up to 512, whole key-value groups, each head's vectors
     /// contiguous, a float type.
     fn takes(q: &Array, k: &Array, v: &Array) -> bool {
         let (qs, ks) = (q.shape(), k.shape());
         qs.len() == 4
             && ks.len() == 4
-            && qs[2] == 1
+            && (1..=MOST_QUERIES).contains(&qs[2])
+            && ks[2] >= qs[2]
             && qs[3] % 32 == 0
             && qs[3] <= 512
             && ks[3] == qs[3]
@@ -245,7 +288,7 @@ impl Kernel {
     }
 
     fn apply(&self, q: &Array, k: &Array, v: &Array, scale: f32, starts: &Array, ends: &Array) -> Result<Array> {
-        let (rows, heads, dim) = (q.shape()[0], q.shape()[1], q.shape()[3]);
+        let (rows, heads, queries, dim) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
         let (starts, ends) = (starts.as_dtype(Dtype::Int32)?, ends.as_dtype(Dtype::Int32)?);
         let threads = WARPS * 32;
         let templates = [
@@ -255,43 +298,49 @@ impl Kernel {
             Template::Int(c"SCALE_BITS", scale.to_bits() as i32),
         ];
         let launch = Launch {
-            output_shape: &[rows, heads, 1, dim],
+            output_shape: &[rows, heads, queries, dim],
             output_dtype: q.dtype(),
-            grid: (heads * threads, rows, 1),
+            grid: (heads * threads, rows, queries),
             block: (threads, 1, 1),
             templates: &templates,
         };
         self.cuda.apply(&[q, k, v, &starts, &ends], &launch)
     }
 
-    /// Runs the kernel on random inputs of the shapes batches have (rows of
-    /// different starts and ends, grouped heads, strided key/value views, each float
-    /// type and head dim a model may bring) and compares with MLX's masked
-    /// attention computed in f32. Passes when the kernel's largest error is
-    /// within twice MLX's own in the same dtype (plus 1e-3 of the largest
-    /// value): rounding, not a wrong key.
+    /// Runs the kernel on random inputs of the shapes batches and verify
+    /// passes have (rows of different starts and ends, one query position
+    /// and four causal ones read through a transposed view, grouped heads,
+    /// strided key/value views, each float type and head dim a model may
+    /// bring) and compares with MLX's masked attention computed in f32.
+    /// Passes when the kernel's largest error is within twice MLX's own in
+    /// the same dtype (plus 1e-3 of the largest value): rounding, not a
+    /// wrong key.
     fn self_check(&self) -> Result<String> {
         use mlx_rs::ops::{arange, indexing::IndexOp};
         let mut worst = (0.0f32, 0.0f32);
-        for (dtype, dim) in [(Dtype::Float16, 128), (Dtype::Bfloat16, 64), (Dtype::Float16, 256), (Dtype::Float32, 96)]
-        {
+        let cases = [(Dtype::Float16, 128), (Dtype::Bfloat16, 64), (Dtype::Float16, 256), (Dtype::Float32, 96)];
+        for ((dtype, dim), queries) in cases.into_iter().flat_map(|c| [(c, 1), (c, 4)]) {
             let (rows, heads, kv_heads, keys, capacity) = (3, 8, 2, 37, 48);
             // Keys of its own: the check leaves MLX's global random state alone.
             let normal = |seed: u64, shape: &[i32]| -> Result<Array> {
                 let key = mlx_rs::random::key(seed)?;
                 Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?)
             };
-            let seed = dim as u64;
-            let q = normal(seed, &[rows, heads, 1, dim])?;
+            let seed = dim as u64 + queries as u64;
+            // As a pass's q comes: `[rows, L, heads, dim]` seen as `[rows, heads, L, dim]`.
+            let q = normal(seed, &[rows, queries, heads, dim])?.transpose_axes(&[0, 2, 1, 3])?;
             let k_buf = normal(seed + 1, &[rows, kv_heads, capacity, dim])?;
             let v_buf = normal(seed + 2, &[rows, kv_heads, capacity, dim])?;
             let (k, v) = (k_buf.index((.., .., ..keys, ..)), v_buf.index((.., .., ..keys, ..)));
-            let starts = Array::from_slice(&[0i32, 7, keys - 1], &[rows]);
+            // The last row's first query sees exactly one key.
+            let starts = Array::from_slice(&[0i32, 7, keys - queries], &[rows]);
             let ends = Array::from_slice(&[keys - 5, keys, keys], &[rows]);
             let positions = arange::<_, i32>(0, keys, 1)?.reshape(&[1, 1, 1, keys])?;
+            // Query i sees up to `ends - (L - 1 - i)`.
+            let behind = arange::<_, i32>(1 - queries, 1, 1)?.reshape(&[1, 1, queries, 1])?;
             let allowed = positions
                 .ge(&starts.reshape(&[rows, 1, 1, 1])?)?
-                .logical_and(&positions.lt(&ends.reshape(&[rows, 1, 1, 1])?)?)?;
+                .logical_and(&positions.lt(&ends.reshape(&[rows, 1, 1, 1])?.add(&behind)?)?)?;
             let scale = (dim as f32).powf(-0.5);
             let masked = |q: &Array, k: &Array, v: &Array| -> Result<Array> {
                 let mask = ScaledDotProductAttentionMask::Array(&allowed);
@@ -313,7 +362,7 @@ impl Kernel {
             let largest = scalar(reference.abs()?.max(None)?)?;
             // A NaN (a broken kernel) fails too.
             if e_ours.is_nan() || e_ours > 2.0 * e_mlx + 1e-3 * largest {
-                bail!("{dtype:?}, head dim {dim}: max error {e_ours:.2e} against MLX's {e_mlx:.2e}");
+                bail!("{dtype:?}, head dim {dim}, {queries} queries: max error {e_ours:.2e} against MLX's {e_mlx:.2e}");
             }
             worst = (worst.0.max(e_ours), worst.1.max(e_mlx));
         }

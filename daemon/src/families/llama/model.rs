@@ -273,10 +273,14 @@ impl Transformer {
         let o = match cache.update_view(layer, k, v)? {
             KvView::Full(k, v) => match batch_attention::padded(&q, &k, &v, self.scale, cache, offset, None)? {
                 Some(o) => o,
-                None => {
-                    let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
-                    fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?
-                }
+                // A verify pass's few positions: one kernel, not MLX's unfused path.
+                None => match batch_attention::few_queries(&q, &k, &v, self.scale)? {
+                    Some(o) => o,
+                    None => {
+                        let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
+                        fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask, None)?
+                    }
+                },
             },
             KvView::Quantized { keys, values, q: quantization } => {
                 let total = keys[0].shape()[2];
