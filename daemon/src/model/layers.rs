@@ -181,7 +181,7 @@ impl Quantized {
         }
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
         Ok(match (&self.dense, self.batch) {
-            (Some(dense), _) => x.matmul(dense.t())?,
+            (Some(dense), _) => dense_product(x, dense)?,
             (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => x.matmul(self.dequantize()?.t())?,
             _ => self.packed_matmul(x, rows)?,
         })
@@ -219,6 +219,15 @@ impl Quantized {
     }
 }
 
+/// `x Wᵀ` for a dense `w` `[out, in]`: on CUDA a step of 2-16 rows through
+/// our kernel (no cuBLASLt heuristic per call: crate::model::dense_rows).
+fn dense_product(x: &Array, w: &Array) -> Result<Array> {
+    Ok(match crate::model::dense_rows::matmul(x, w)? {
+        Some(y) => y,
+        None => x.matmul(w.t())?,
+    })
+}
+
 /// `y = x W^T (+ b)`.
 #[derive(Debug, Clone)]
 pub enum Linear {
@@ -230,8 +239,11 @@ impl Linear {
     /// Applies the projection to the last axis of `x`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Linear::Dense { weight, bias: None } => x.matmul(weight.t())?,
-            Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, weight.t(), None, None)?,
+            Linear::Dense { weight, bias: None } => dense_product(x, weight)?,
+            Linear::Dense { weight, bias: Some(b) } => match crate::model::dense_rows::matmul(x, weight)? {
+                Some(y) => y.add(b)?,
+                None => ops::addmm(b, x, weight.t(), None, None)?,
+            },
             Linear::Quantized { q, bias } => {
                 let y = q.matmul(x)?;
                 match bias {

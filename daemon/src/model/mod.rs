@@ -9,6 +9,7 @@ pub mod cpu_native;
 pub mod cuda_kernel;
 pub mod decode_step;
 pub mod decoder_embedder;
+pub mod dense_rows;
 pub mod family;
 pub mod gguf;
 pub mod image;
