@@ -294,7 +294,9 @@ passab)
   args=()
   for d in ${PASS_AB:-off:off: ngram:ngram: ngram-mlx:ngram:MLXBC_PASS_ATTENTION=mlx auto:auto:}; do
     IFS=: read -r label mode envs <<<"$d"
-    h=/tmp/home-passab-$label-$RANDOM; daemon "$h" ${envs//,/ } || exit 1; args+=("$label=$h:$mode")
+    # A label's home again if this machine has one: its kernels are compiled there.
+    h=$(ls -d /tmp/home-passab-$label-[0-9]* 2>/dev/null | head -1); h=${h:-/tmp/home-passab-$label-$RANDOM}
+    daemon "$h" ${envs//,/ } || exit 1; args+=("$label=$h:$mode")
   done
   CODE_MODEL=${CODE_MODEL:-$1-4bit} SMALL_MODEL=${SMALL_MODEL:-$1-4bit} timeout ${SPEC_TIMEOUT:-560} \
     $PY scripts/gpu/real/pass_ab.py "$B/bin/mlxbc" ${ROUNDS:-3} "${args[@]}" 2>&1 | tee "$OUT/passab-$1${SPEC_LABEL:+-$SPEC_LABEL}.txt"

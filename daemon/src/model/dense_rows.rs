@@ -15,8 +15,16 @@
 //!
 //! The kernel checks itself at its first use in the process against MLX's
 //! matmul in f32 ([`Kernel::self_check`]); if it disagrees it is not used
-//! and the log says why. Off CUDA nothing changes. `MLXBC_DENSE_ROWS=off`
-//! keeps MLX's matmul everywhere (for measuring the kernel against).
+//! and the log says why. Off CUDA nothing changes.
+//!
+//! **Off unless `MLXBC_DENSE_ROWS=on`.** Measured on an H200
+//! (docs/measurements/h200-2026-12-07e-pass-attention.md): it takes ~1.7 ms
+//! of launching off a verify pass of Qwen2.5-Coder-0.5B, but on the 8B
+//! shape's decode batches its device time is ~3x cuBLAS's (16 clients
+//! 467 against 1,457 tok/s): a warp of four output features with up to 16
+//! sums each keeps too few loads in flight to read 16 GB of dense weights
+//! at HBM speed. It needs more features per block (or split K) before it
+//! can serve models whose products are not host-bound.
 
 use crate::model::cuda_kernel::{CudaKernel, Launch, Template};
 use anyhow::{bail, Result};
@@ -31,10 +39,12 @@ pub const MOST_ROWS: i32 = 16;
 const R: i32 = 4;
 const WARPS: i32 = 4;
 
+/// `MLXBC_DENSE_ROWS=on` (read once): the kernel serves dense products of
+/// 2-16 rows; otherwise MLX's matmul does (see the module's note).
 fn switched_on() -> bool {
-    static OFF: std::sync::LazyLock<bool> =
-        std::sync::LazyLock::new(|| std::env::var("MLXBC_DENSE_ROWS").is_ok_and(|v| v.eq_ignore_ascii_case("off")));
-    !*OFF
+    static ON: std::sync::LazyLock<bool> =
+        std::sync::LazyLock::new(|| std::env::var("MLXBC_DENSE_ROWS").is_ok_and(|v| v.eq_ignore_ascii_case("on")));
+    *ON
 }
 
 thread_local! {
@@ -45,7 +55,7 @@ thread_local! {
 
 /// `x Wᵀ` for `x` `[.., in]` of 2 to [`MOST_ROWS`] rows (all axes but the
 /// last) and a dense `w` `[out, in]` of x's dtype, through the kernel; `None`
-/// where it does not apply (not CUDA, switched off, another row count,
+/// where it does not apply (not CUDA, not switched on, another row count,
 /// dtype or layout, or the kernel failed its check): the caller takes
 /// MLX's matmul.
 pub fn matmul(x: &Array, w: &Array) -> Result<Option<Array>> {

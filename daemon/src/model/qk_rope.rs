@@ -238,8 +238,15 @@ impl Kernel {
             // MLX's path: the parts as heads, normed, roped.
             let parts = y.split_at_indices(&[heads * d, (heads + kv_heads) * d], -1)?;
             let theirs = |part: &Array, n: i32, w: &Array| -> Result<Array> {
+                // A contiguous copy for rope: the key part is a multi-row
+                // view past its buffer's start, which MLX 0.32.2's CUDA rope
+                // misreads (the model copies it too, families/llama). Once on
+                // an H200 this case (no norm) failed by the values' own size
+                // in one daemon of two started alike, and the kernel was
+                // refused; which side was wrong is not known
+                // (docs/measurements/h200-2026-12-07e-pass-attention.md).
                 let x = part.reshape(&[b, n, 1, d])?;
-                let x = if norm { fast::rms_norm(&x, Some(w), 1e-6)? } else { x };
+                let x = if norm { fast::rms_norm(&x, Some(w), 1e-6)? } else { x.contiguous()? };
                 let base = if llama3 { None } else { Some(10000.0) };
                 Ok(fast::rope_dynamic(&x, d, false, base, 1.0, &at, freqs.as_ref())?)
             };
