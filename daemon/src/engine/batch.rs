@@ -438,11 +438,13 @@ impl DecodeBatch {
         }
         let lm = &self.model.lm;
         let input = Array::from_slice(&ids, &[drafts.len() as i32, width as i32]);
-        let logits = lm
-            .embed(&input)
-            .and_then(|x| lm.forward(&x, cache, &MediaPositions::default()))
-            .and_then(|h| lm.logits_all(&h))
-            .map_err(EngineError::inference)?;
+        let packed = crate::model::layers::pass_weights_packed();
+        let logits = crate::model::layers::with_packed_weights(packed, || {
+            lm.embed(&input)
+                .and_then(|x| lm.forward(&x, cache, &MediaPositions::default()))
+                .and_then(|h| lm.logits_all(&h))
+        })
+        .map_err(EngineError::inference)?;
         // Rows that draft: the argmax after every position (masked for a
         // constrained row). The others: the argmax after the first, or
         // their own pick there (sampler, constraint, log-probabilities).

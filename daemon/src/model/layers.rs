@@ -181,7 +181,7 @@ impl Quantized {
         }
         let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
         Ok(match (&self.dense, self.batch) {
-            (Some(dense), _) => dense_product(x, dense)?,
+            (Some(dense), _) if !PACKED_NOW.get() => dense_product(x, dense)?,
             (_, BatchWeights::Expand) if rows >= EXPAND_FROM_ROWS => x.matmul(self.dequantize()?.t())?,
             _ => self.packed_matmul(x, rows)?,
         })
@@ -217,6 +217,34 @@ impl Quantized {
     pub fn nbytes(&self) -> usize {
         self.arrays().iter().map(|a| a.nbytes()).sum()
     }
+}
+
+thread_local! {
+    /// Set while a graph is built on the packed weights ([`with_packed_weights`]).
+    static PACKED_NOW: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `MLXBC_PASS_WEIGHTS=packed` (read once): a verify pass's quantized
+/// products read the packed weights (MLX's quantized matmul, one launch of
+/// ~7 µs) instead of the dense copies (cuBLASLt, ~27 µs of host work a
+/// product on an H100: docs/measurements/h100-2026-12-05b-batched-host.md).
+/// For measuring on a GPU: on a small model a pass is host-bound, on an 8B
+/// one the packed product of 8-16 rows takes the device ~2x the dense one.
+pub fn pass_weights_packed() -> bool {
+    static PACKED: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        std::env::var("MLXBC_PASS_WEIGHTS").is_ok_and(|v| v.eq_ignore_ascii_case("packed"))
+    });
+    *PACKED
+}
+
+/// Builds `f`'s graph with quantized products on the packed weights (no
+/// dense copy) when `packed`; the choice is made as the graph is built,
+/// so `f` must build everything it wants so.
+pub fn with_packed_weights<T>(packed: bool, f: impl FnOnce() -> T) -> T {
+    let before = PACKED_NOW.replace(packed);
+    let out = f();
+    PACKED_NOW.set(before);
+    out
 }
 
 /// `x Wᵀ` for a dense `w` `[out, in]`: on CUDA a step of 2-16 rows through
@@ -683,6 +711,11 @@ mod tests {
             let want_expand = if n >= EXPAND_FROM_ROWS { expanded(&x) } else { packed(&x) };
             assert!(expand.matmul(&x).unwrap().eq_values(&want_expand).unwrap(), "expanded at {n} rows");
             assert!(q.matmul(&x).unwrap().eq_values(packed(&x)).unwrap(), "packed at {n} rows");
+            // A graph built on the packed weights (a verify pass so measured)
+            // leaves the dense copy alone, and only while it is built.
+            let on_packed = with_packed_weights(true, || dense.matmul(&x).unwrap());
+            assert!(on_packed.eq_values(packed(&x)).unwrap(), "packed weights asked for at {n} rows");
+            assert!(dense.matmul(&x).unwrap().eq_values(expanded(&x)).unwrap(), "the dense copy again at {n} rows");
             let gap: f32 = ops::abs(expanded(&x).subtract(packed(&x)).unwrap()).unwrap().max(None).unwrap().item_cast();
             assert!(gap < 1e-3, "dense and packed differ by {gap}");
         }
