@@ -408,6 +408,11 @@ impl FusedLinear {
         }
     }
 
+    /// Whether the parts are one matrix (their outputs views of one buffer).
+    pub fn is_fused(&self) -> bool {
+        matches!(self, FusedLinear::Fused { .. })
+    }
+
     /// The fused matrix's output `y` of input `x` cut into the parts.
     pub fn split_output(&self, y: Array, x: &Array) -> Result<Vec<Array>> {
         match self {

@@ -309,6 +309,7 @@ impl Transformer {
             })
         };
         let update = lora_update(lora, Group::Qkv, x)?;
+        let fused = a.qkv.is_fused();
         let parts = match a.qkv.fused_output(x, update.as_ref())? {
             Some(y) => {
                 // One position per row: q and k normed and roped by one
@@ -331,9 +332,11 @@ impl Transformer {
         let [q, k, v]: [Array; 3] = parts.try_into().expect("three projections");
         // Parts handed on as views (layers::SplitParts::Views) that rope will
         // read straight from the fused output are copied: MLX 0.32.2's CUDA
-        // rope misreads a multi-row view. A normed part is a fresh array.
+        // rope misreads a multi-row view. A normed part is a fresh array, and
+        // so is a separate projection's output (GGUF files that mix block
+        // types per tensor): neither is copied.
         let for_rope = |y: Array, norm: &Option<Array>| -> Result<Array> {
-            Ok(if b * l > 1 && norm.is_none() && crate::model::layers::split_parts_as_views() {
+            Ok(if fused && b * l > 1 && norm.is_none() && crate::model::layers::split_parts_as_views() {
                 y.contiguous()?
             } else {
                 y
