@@ -96,4 +96,9 @@ for t in ["__half", "__nv_bfloat16"]:
         ok &= compile_(xa, f"k<{t},{stacked},256,16>", f"lora_xa {t} stacked {stacked}")
         ok &= compile_(add, f"k<{t},{stacked},256,16>", f"lora_add {t} stacked {stacked}")
     ok &= compile_(att, f"k<{t},128,16,1035993203>", f"padded attention {t}")
+# Dense products of 2-16 rows (model/dense_rows.rs).
+dense = wrapped(rust_const(f"{root}/daemon/src/model/dense_rows.rs", "SOURCE"),
+                ["typename T", "int R", "int NW", "int MAXROWS"], [("x", "T"), ("w", "T")], ("out", "T"))
+for t in ["__half", "__nv_bfloat16", "float"]:
+    ok &= compile_(dense, f"k<{t},4,4,16>", f"dense rows {t}")
 sys.exit(0 if ok else 1)
