@@ -292,7 +292,7 @@ passab)
   # PASS_AB="label:mode:VAR=1,VAR2=2 ..." (the first the baseline), one warm
   # daemon each, the rows of TASKS (0,1) with each daemon's mode, rounds rotated.
   args=()
-  for d in ${PASS_AB:-off:off: ngram:ngram: ngram-mlx:ngram:MLXBC_PASS_ATTENTION=mlx auto:auto:}; do
+  for d in ${PASS_AB:-off:off: ngram:ngram: ngram-packed:ngram:MLXBC_PASS_WEIGHTS=packed auto:auto:}; do
     IFS=: read -r label mode envs <<<"$d"
     # A label's home again if this machine has one: its kernels are compiled there.
     h=$(ls -d /tmp/home-passab-$label-[0-9]* 2>/dev/null | head -1); h=${h:-/tmp/home-passab-$label-$RANDOM}

@@ -114,16 +114,17 @@ pub fn decode_to(q: &Array, k: &Array, v: &Array, scale: f32, position: &Array) 
 }
 
 /// Causal attention of `L` (2 to [`MOST_QUERIES`]) query positions over an
-/// unpadded cache whose last `L` keys are theirs (a one-row verify pass, a
-/// short prompt chunk) through the kernel; `None` where it does not apply:
-/// the caller takes MLX's causal attention.
-pub fn few_queries(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>> {
-    let l = q.shape()[2];
-    if !(2..=MOST_QUERIES).contains(&l) || k.shape()[2] < l {
+/// unpadded `cache` whose last `L` keys are theirs (a one-row verify pass,
+/// a short prompt chunk) through the kernel, every row from its first key
+/// (`KvCache::row_starts`, made once a pass, not once a layer); `None`
+/// where it does not apply: the caller takes MLX's causal attention.
+pub fn few_queries(q: &Array, k: &Array, v: &Array, scale: f32, cache: &mut KvCache) -> Result<Option<Array>> {
+    let (l, total) = (q.shape()[2], k.shape()[2]);
+    // Off CUDA the starts are not made at all (decode_to does the same).
+    if !(2..=MOST_QUERIES).contains(&l) || !KERNEL.with(|cell| cell.get_or_init(Kernel::build_checked).is_some()) {
         return Ok(None);
     }
-    let starts = Array::from_slice(&vec![0i32; q.shape()[0] as usize], &[q.shape()[0]]);
-    decode_rows(q, k, v, scale, &starts, None)
+    decode_rows(q, k, v, scale, &cache.row_starts(total, None)?, None)
 }
 
 /// Attention of a padded batch's rows (`None` when `cache` is not
@@ -244,8 +245,8 @@ struct Kernel {
 
 impl Kernel {
     /// Shapes the kernel takes: 1 to [`MOST_QUERIES`] query positions (no
-    /// more than the keys), a head dim that is a multiple of 32 up to 512, whole key-value groups, each head's vectors
-    /// contiguous, a float type.
+    /// more than the keys), a head dim that is a multiple of 32 up to 512,
+    /// whole key-value groups, each head's vectors contiguous, a float type.
     fn takes(q: &Array, k: &Array, v: &Array) -> bool {
         let (qs, ks) = (q.shape(), k.shape());
         qs.len() == 4

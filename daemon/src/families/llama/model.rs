@@ -274,7 +274,7 @@ impl Transformer {
             KvView::Full(k, v) => match batch_attention::padded(&q, &k, &v, self.scale, cache, offset, None)? {
                 Some(o) => o,
                 // A verify pass's few positions: one kernel, not MLX's unfused path.
-                None => match batch_attention::few_queries(&q, &k, &v, self.scale)? {
+                None => match batch_attention::few_queries(&q, &k, &v, self.scale, cache)? {
                     Some(o) => o,
                     None => {
                         let mask = if l > 1 { Some(ScaledDotProductAttentionMask::Causal) } else { None };
