@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compiles mlxbc's CUDA kernel bodies (the W4A16 matmul in its three forms,
+"""Compiles mlxbc's CUDA kernel bodies (the W4A16 matmul in its five forms,
 the q/k norm and rope, the LoRA update's two, the padded batch's attention)
 with NVRTC on this machine, no GPU needed, inside a
 wrapper shaped like the one MLX's custom-kernel API generates (inputs as
@@ -43,20 +43,25 @@ plain_rows = "auto wrow = [&](int n0, int r) -> int { return n0 + r; };"
 swiglu_rows = "auto wrow = [&](int n0, int r) -> int { return (r & 1) ? N / 2 + n0 / 2 + r / 2 : n0 / 2 + r / 2; };"
 plain_store = "auto store = [&](int m, int n0, int r, float v, float) { out[(size_t)m * N + n0 + r] = static_cast<T>(v); };"
 ok = True
-for label, rows, store, res in [
-    ("w4a16 plain", plain_rows, plain_store, False),
-    ("w4a16 residual", plain_rows, rust_const(w4, "RESIDUAL_STORE"), True),
-    ("w4a16 gate/up SwiGLU", swiglu_rows, rust_const(w4, "SWIGLU_STORE"), False),
+plain_read, normed_read = rust_const(w4, "PLAIN_READ"), rust_const(w4, "NORMED_READ")
+for label, rows, store, extra, read in [
+    ("w4a16 plain", plain_rows, plain_store, None, plain_read),
+    ("w4a16 residual", plain_rows, rust_const(w4, "RESIDUAL_STORE"), "res", plain_read),
+    ("w4a16 gate/up SwiGLU", swiglu_rows, rust_const(w4, "SWIGLU_STORE"), None, plain_read),
+    ("w4a16 normed", plain_rows, plain_store, "gamma", normed_read),
+    ("w4a16 normed gate/up SwiGLU", swiglu_rows, rust_const(w4, "SWIGLU_STORE"), "gamma", normed_read),
 ]:
-    prelude = ("const int K = x_shape[1];\n const int N = w_shape[0];\n const int GROUP = K / scales_shape[1];\n"
-               "auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };\n"
-               f"{rows}\n{store}\n")
-    args = "const T* x, const uint32_t* w, const T* scales, const T* biases, " + ("const T* res, " if res else "") + \
-        "const int* x_shape, const int* w_shape, const int* scales_shape, T* out"
-    src = HDR + f"template <typename T, int ROWS, int R, int NW, int DQ>\n__global__ void k({args}) {{\n{prelude}{body}\n}}\n"
+    prelude = ("const int K = w_shape[1] * 8;\n const int N = w_shape[0];\n const int GROUP = K / scales_shape[1];\n"
+               f"{read}\n{rows}\n{store}\n")
+    args = "const T* x, const uint32_t* w, const T* scales, const T* biases, " + \
+        (f"const T* {extra}, " if extra else "") + "const int* x_shape, const int* w_shape, const int* scales_shape, T* out"
+    normed = extra == "gamma"
+    tpl = "typename T, int ROWS, int R, int NW, int DQ" + (", int EPS_BITS" if normed else "")
+    src = HDR + f"template <{tpl}>\n__global__ void k({args}) {{\n{prelude}{body}\n}}\n"
     for t in ["__half", "__nv_bfloat16"]:
         for rr in (1, 4):
-            ok &= compile_(src, f"k<{t},{rr},4,4,1>", f"{label} {t} rows {rr}")
+            # 1e-6's f32 bits for the normed forms.
+            ok &= compile_(src, f"k<{t},{rr},4,4,1{',897988541' if normed else ''}>", f"{label} {t} rows {rr}")
 qk = rust_const(f"{root}/daemon/src/model/qk_rope.rs", "SOURCE")
 args = "const T* y, const T* qw, const T* kw, const float* freqs, const float* params, const int32_t* positions, " \
     "const int* y_shape, const int* positions_shape, T* out"

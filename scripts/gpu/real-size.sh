@@ -7,6 +7,9 @@
 # (the bundle split under the 64 MiB a call carries; the last part with the
 # mlx/mlx-lm wheels; .dev/rs/ct a Qwen tokenizer). On the device, call by
 # call (the machine keeps /tmp while warm):
+#   base          (carry .dev/rs-old, after install) an earlier build's daemon
+#                 (`stage-base COMMIT` here): daemons given BIN=base in
+#                 SWEEP / PASS_AB run it, for before/after in one run
 #   part N        copy part N (all but the last; and `part t`, the tokenizer)
 #   install       the last part (carry .dev/rs/ctz with it, and no `part t`
 #                 is needed); extract the bundle, install the wheels,
@@ -127,6 +130,18 @@ if [[ $step == stage ]]; then # here, at no device time
   echo "$n parts"; du -sh "$out"/c* "$out"/w* "$out"/s* "$out"/e*
   exit 0
 fi
+if [[ $step == stage-base ]]; then # here: COMMIT's daemon, built in a worktree, for `base`
+  set -e
+  c=$(git rev-parse --short "${2:?stage-base COMMIT}"); wt=$(mktemp -d)/base
+  git worktree add -f "$wt" "$c" >/dev/null
+  # The same target folder: only the workspace's crates build again.
+  here=$PWD; (cd "$wt" && MLXBC_BLAS=reference CARGO_TARGET_DIR="$here/target/gpu" cargo build --release --bins --quiet)
+  mkdir -p .dev/rs-old; gzip -9 -c target/gpu/release/mlxbcd > .dev/rs-old/mlxbcd-base.gz; echo "$c" > .dev/rs-old/commit
+  git worktree remove --force "$wt"
+  # This tree's build again, so the next `stage` bundles it.
+  MLXBC_BLAS=reference CARGO_TARGET_DIR=$PWD/target/gpu cargo build --release --bins --quiet
+  ls -la .dev/rs-old; exit 0
+fi
 if [[ $step == stage-coder ]]; then # here: Qwen2.5-Coder-0.5B Q4_K_M (real weights, 469 MiB) in 14 parts
   set -e
   out=.dev/rs; rm -rf "$out"/q*; fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}
@@ -144,15 +159,22 @@ mkdir -p /tmp/stage
 B=$(ls -d /tmp/mlxbc-*-cuda13 2>/dev/null)
 R=$repo/scripts/gpu/real
 model_dir() { echo "/tmp/models/$1-4bit"; }
-daemon() { # a daemon of its own home; $1: home, rest: env
+daemon() { # a daemon of its own home; $1: home, rest: env (BIN=base: the `base` step's build)
   local home=$1; shift
+  local bin=$B/bin/mlxbcd envs=()
+  for e in "$@"; do case $e in BIN=base) bin=$B/bin/mlxbcd-base ;; *) envs+=("$e") ;; esac; done
   mkdir -p "$home/models"; ln -sfn /tmp/models/* "$home/models/" 2>/dev/null
-  env MLXBC_HOME=$home MLXBC_LOG=info "$@" "$B/bin/mlxbcd" >"$home/daemon.log" 2>&1 &
+  env MLXBC_HOME=$home MLXBC_LOG=info "${envs[@]}" "$bin" >"$home/daemon.log" 2>&1 &
   # Not `mlxbc status`: a client starts a daemon of its own when none answers.
   for _ in $(seq 100); do [[ -S $home/mlxbcd.sock ]] && return 0; sleep 0.2; done
   echo "daemon did not start"; tail -20 "$home/daemon.log"; return 1
 }
 case $step in
+base) # an earlier build's daemon beside this bundle's (carry .dev/rs-old; staged by
+  # `scripts/gpu/real-size.sh stage-base COMMIT`): daemons given BIN=base run it
+  zcat .dev/rs-old/mlxbcd-base.gz > "$B/bin/.mlxbcd-base" && chmod +x "$B/bin/.mlxbcd-base" || exit 1
+  sed 's|\.mlxbcd"|.mlxbcd-base"|g' "$B/bin/mlxbcd" > "$B/bin/mlxbcd-base" && chmod +x "$B/bin/mlxbcd-base"
+  grep -c mlxbcd-base "$B/bin/mlxbcd-base"; cat .dev/rs-old/commit 2>/dev/null ;;
 part)
   cp -r ".dev/rs/c$1/." /tmp/stage/; ls -la /tmp/stage; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader ;;
 install)
@@ -244,8 +266,11 @@ sweep)
     label=${spec%%:*}; envs=${spec#*:}; h=/tmp/home-sweep-$label-$RANDOM
     daemon "$h" ${envs//,/ } || exit 1
     MLXBC_HOME=$h "$B/bin/mlxbc" load "$m" --keep-alive 30m
-    for _ in $(seq 600); do MLXBC_HOME=$h "$B/bin/mlxbc" ps | grep -q "warming" || break; sleep 0.5; done
     args+=("$label=$h")
+  done
+  # Every daemon loaded first, then their batch sizes warm together.
+  for a in "${args[@]}"; do
+    for _ in $(seq 600); do MLXBC_HOME=${a#*=} "$B/bin/mlxbc" ps | grep -q "warming" || break; sleep 0.5; done
   done
   timeout ${SWEEP_TIMEOUT:-500} $PY "$R/env_sweep.py" "$B/bin/mlxbc" "$m" ${LEVELS:-1,16,64} ${ROUNDS:-3} ${TOKENS:-128} \
     "$OUT/sweep-$1.jsonl" "${args[@]}" 2>&1 | tee "$OUT/sweep-$1.txt"

@@ -23,6 +23,7 @@ template <typename T, int ROWS, int R, int NW, int DQ>
 __global__ void w4a16(const T* __restrict__ x, const unsigned int* __restrict__ w, const T* __restrict__ scales,
                       const T* __restrict__ biases, T* __restrict__ out, int K, int N, int GROUP) {
   typedef unsigned int uint32_t;
+  auto prepare = [&]() {};
   auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };
   auto wrow = [&](int n0, int r) -> int { return n0 + r; };
   auto store = [&](int m, int n0, int r, float v, float) { out[(size_t)m * N + n0 + r] = static_cast<T>(v); };

@@ -12,10 +12,33 @@ use std::ffi::{CStr, CString};
 /// adds) instead of the fused kernels of [`crate::model::qk_rope`] and
 /// [`crate::model::w4a16::matmul_add`]; for measuring them against.
 pub fn step_fusion_on() -> bool {
-    static OFF: std::sync::LazyLock<bool> =
-        std::sync::LazyLock::new(|| std::env::var("MLXBC_STEP_FUSION").is_ok_and(|v| v.eq_ignore_ascii_case("off")));
-    !*OFF
+    *STEP_FUSION != StepFusion::Off
 }
+
+/// Whether the 4-bit kernel may apply a layer's RMS norms as it reads its
+/// input ([`crate::model::w4a16::matmul_normed`]): on with the step's
+/// fusion, off under `MLXBC_STEP_FUSION=no-norm` (the rest of the fusion
+/// kept, for measuring the norms alone) or `off`.
+pub fn norm_fusion_on() -> bool {
+    *STEP_FUSION == StepFusion::All
+}
+
+/// `MLXBC_STEP_FUSION`, read once: unset (or anything else) all, `off`
+/// none, `no-norm` all but the norms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StepFusion {
+    All,
+    NoNorm,
+    Off,
+}
+
+static STEP_FUSION: std::sync::LazyLock<StepFusion> = std::sync::LazyLock::new(|| {
+    match std::env::var("MLXBC_STEP_FUSION").unwrap_or_default().to_ascii_lowercase().as_str() {
+        "off" => StepFusion::Off,
+        "no-norm" => StepFusion::NoNorm,
+        _ => StepFusion::All,
+    }
+});
 
 /// A template argument of a kernel's body.
 #[derive(Debug, Clone, Copy)]

@@ -848,7 +848,7 @@ impl KvCache {
     /// `offset` cached ones of layer `layer`; returns every cached
     /// position's parts.
     fn write(&mut self, layer: usize, new: Vec<Array>) -> Result<Vec<Array>> {
-        use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+        use mlx_rs::ops::indexing::IndexOp;
         let (prev, n) = (self.offset, new[0].shape()[2]);
         let end = prev + n;
         let mut buffers: Vec<Array> = match self.layers[layer].take() {
@@ -858,7 +858,7 @@ impl KvCache {
         anyhow::ensure!(buffers.len() == new.len(), "a layer's keys and values changed form");
         let mut view = Vec::with_capacity(new.len());
         for (buffer, part) in buffers.iter_mut().zip(&new) {
-            buffer.try_index_mut((.., .., prev..end, ..), part)?;
+            *buffer = write_positions(buffer, part, prev)?;
             view.push(buffer.index((.., .., ..end, ..)));
         }
         self.layers[layer] = Some(buffers);
@@ -968,6 +968,41 @@ fn grown(buf: Array, kept: i32, end: i32) -> Result<Array> {
     let s = buf.shape();
     let zeros = mlx_rs::ops::zeros_dtype(&[s[0], s[1], round_up(end) - kept, s[3]], buf.dtype())?;
     Ok(mlx_rs::ops::concatenate(&[buf.index((.., .., ..kept, ..)), zeros], 2)?)
+}
+
+/// `buf` with `part` (`[B, heads, n, width]`) written at positions
+/// `at..at + n`: MLX's `slice_update`, called directly. mlx-rs's indexed
+/// assignment reshapes the update twice first (its leading ones dropped,
+/// then restored): two more operations a write, four a layer, in a decode
+/// step whose time on a GPU is the host's work per operation.
+fn write_positions(buf: &Array, part: &Array, at: i32) -> Result<Array> {
+    let b = buf.shape();
+    anyhow::ensure!(b.len() == 4 && part.ndim() == 4, "KV buffers are [batch, heads, positions, width]");
+    let start = [0, 0, at, 0];
+    let stop = [b[0], b[1], at + part.shape()[2], b[3]];
+    let strides = [1i32; 4];
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    // SAFETY: every handle passed is a live mlx-c array or stream, the
+    // index arrays live for the call; `res` is a fresh handle that mlx-c
+    // fills on success and that `Array` then owns.
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        let status = mlx_sys::mlx_slice_update(
+            &mut res,
+            buf.as_ptr(),
+            part.as_ptr(),
+            start.as_ptr(),
+            4,
+            stop.as_ptr(),
+            4,
+            strides.as_ptr(),
+            4,
+            stream.as_ptr(),
+        );
+        let out = Array::from_ptr(res);
+        anyhow::ensure!(status == 0, "MLX slice_update failed on shapes {b:?} <- {:?} at {at}", part.shape());
+        Ok(out)
+    }
 }
 
 /// Per KV slot, `(heads, head_dim)`.

@@ -127,6 +127,28 @@ pub fn split_parts_as_views() -> bool {
     SPLIT_VIEWS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// `rms_norm(input) · weight`, not yet built: on CUDA a step of few rows
+/// hands `input` to the 4-bit kernel, which normalizes as it reads it
+/// ([`crate::model::w4a16::matmul_normed`]: one operation fewer for each of
+/// a layer's two norms, and a one-row GPU step is bound by the count);
+/// elsewhere [`Self::array`] builds MLX's `rms_norm`.
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNormed<'a> {
+    /// What is normalized (the residual stream).
+    pub input: &'a Array,
+    /// The norm's weight `[width]`.
+    pub weight: &'a Array,
+    /// Its epsilon.
+    pub eps: f32,
+}
+
+impl RmsNormed<'_> {
+    /// MLX's `rms_norm` of the input.
+    pub fn array(&self) -> Result<Array> {
+        Ok(fast::rms_norm(self.input, Some(self.weight), self.eps)?)
+    }
+}
+
 /// MLX affine quantization of a weight matrix (`weight` packed in uint32).
 #[derive(Debug, Clone)]
 pub struct Quantized {
@@ -282,6 +304,22 @@ impl Linear {
         })
     }
 
+    /// The projection of `x`'s RMS norm: on CUDA, for steps of few rows of a
+    /// 4-bit matrix, one kernel that normalizes as it reads
+    /// ([`crate::model::w4a16::matmul_normed`]); else the norm, then
+    /// [`Self::forward`].
+    pub fn forward_normed(&self, x: RmsNormed) -> Result<Array> {
+        if let Linear::Quantized { q, bias } = self {
+            if let Some(y) = crate::model::w4a16::matmul_normed(x, q)? {
+                return Ok(match bias {
+                    Some(b) => y.add(b)?,
+                    None => y,
+                });
+            }
+        }
+        self.forward(&x.array()?)
+    }
+
     /// `residual + x W^T (+ b)`: on CUDA, for steps of few rows, one kernel
     /// that adds as it writes ([`crate::model::w4a16::matmul_add`]); else
     /// the projection, then the add. The same numbers either way: the
@@ -397,6 +435,13 @@ impl FusedLinear {
             Some(u) => u.apply(&y)?,
             None => y,
         }))
+    }
+
+    /// [`Self::fused_output`] of `x`'s RMS norm with no update, the norm
+    /// applied by the 4-bit kernel where it can be ([`Linear::forward_normed`]).
+    pub fn fused_output_normed(&self, x: RmsNormed) -> Result<Option<Array>> {
+        let FusedLinear::Fused { linear, .. } = self else { return Ok(None) };
+        Ok(Some(linear.forward_normed(x)?))
     }
 
     /// The fused matrix, when this is one matrix of two equal parts (a

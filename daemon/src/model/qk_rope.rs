@@ -86,7 +86,9 @@ impl QkRope {
         }
         KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
             Some(kernel) => {
-                let both = kernel.apply(self, &y.reshape(&[shape[0], width])?, norm, positions)?;
+                // Read as it is ([b, 1, W]): a reshape would be one more
+                // operation in a step bound by their count.
+                let both = kernel.apply(self, y, norm, positions)?;
                 Ok(Some((both.index((.., ..self.heads)), both.index((.., self.heads..)))))
             }
             None => Ok(None),
@@ -98,11 +100,11 @@ impl QkRope {
 /// the pairs (j, j + D/2) for j = l, l + 32, ... (rope's halves), sums their
 /// squares for the norm, then rotates them.
 const SOURCE: &str = r#"
-    // y [B, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
+    // y [B, 1, W] (q heads, then k heads, then v heads, D each); qw, kw [D];
     // freqs [D/2] f32 (read when FREQS); params [eps, log2(base)] f32;
     // positions [1] or [B] int32; out [B, HQ + HKV, 1, D].
     constexpr int P = D / 64;
-    const int W = y_shape[1];
+    const int W = y_shape[2];
     const int HKV = (W / D - HQ) / 2;
     const int heads = HQ + HKV;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -174,7 +176,7 @@ impl Kernel {
         })
     }
 
-    /// `y` `[b, W]`: out `[b, heads + kv_heads, 1, D]`.
+    /// `y` `[b, 1, W]`: out `[b, heads + kv_heads, 1, D]`.
     fn apply(&self, rope: &QkRope, y: &Array, norm: Option<(&Array, &Array)>, positions: &Array) -> Result<Array> {
         let (b, d) = (y.shape()[0], rope.head_dim);
         let heads = rope.heads + rope.kv_heads;
@@ -234,7 +236,7 @@ impl Kernel {
             let kw = normal(seed + 3, &[d])?.as_dtype(dtype)?;
             let norms = norm.then_some((&qw, &kw));
             let at = Array::from_slice(&positions, &[b]);
-            let ours = self.apply(&rope, &y.reshape(&[b, -1])?, norms, &at)?;
+            let ours = self.apply(&rope, &y, norms, &at)?;
             // MLX's path: the parts as heads, normed, roped.
             let parts = y.split_at_indices(&[heads * d, (heads + kv_heads) * d], -1)?;
             let theirs = |part: &Array, n: i32, w: &Array| -> Result<Array> {

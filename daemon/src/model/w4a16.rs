@@ -16,7 +16,9 @@
 //! read this fast: [`matmul_add`] adds the residual as it writes (o_proj
 //! and the MLP's down projection), [`gate_up_swiglu`] computes a fused
 //! gate/up projection's rows in pairs (gate j beside up j) and writes
-//! their SwiGLU — four operations fewer a layer.
+//! their SwiGLU — four operations fewer a layer. And the forms that read
+//! the input through the RMS norm in front of them ([`matmul_normed`],
+//! [`gate_up_swiglu_normed`]: the layer's two norms) take two more.
 //!
 //! The kernel checks itself at its first use in the process against MLX's
 //! dequantized weights in f32 ([`Kernel::self_check`]); if it disagrees it
@@ -24,9 +26,9 @@
 //! their quantized kernels batch.
 
 use crate::model::cuda_kernel::{CudaKernel, Launch, Template};
-use crate::model::layers::Quantized;
+use crate::model::layers::{Quantized, RmsNormed};
 use anyhow::{bail, Result};
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::{fast, ops, Array, Dtype};
 use std::cell::OnceCell;
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -60,13 +62,13 @@ thread_local! {
 /// strided weight view, or the kernel failed its check): the caller takes
 /// MLX's path.
 pub fn matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
-    run(Form::Plain, x, q, None)
+    run(Form::Plain, x, q, None, None)
 }
 
 /// `residual + x W^T`, the sum written by the kernel (rounded as MLX's
 /// separate matmul and add round it), or `None` as [`matmul`].
 pub fn matmul_add(x: &Array, q: &Quantized, residual: &Array) -> Result<Option<Array>> {
-    run(Form::Residual, x, q, Some(residual))
+    run(Form::Residual, x, q, Some(residual), None)
 }
 
 /// `swiglu(x G^T, x U^T)` for a fused gate/up matrix `q` (G's rows, then
@@ -74,7 +76,34 @@ pub fn matmul_add(x: &Array, q: &Quantized, residual: &Array) -> Result<Option<A
 /// type: `[.., out / 2]`; or `None` as [`matmul`]. The self-check holds it
 /// to MLX's matmul and compiled `swiglu` within rounding.
 pub fn gate_up_swiglu(x: &Array, q: &Quantized) -> Result<Option<Array>> {
-    run(Form::GateUpSwiglu, x, q, None)
+    run(Form::GateUpSwiglu, x, q, None, None)
+}
+
+/// `rms_norm(x) W^T` for `x` = [`RmsNormed`], the norm applied by the
+/// kernel as it reads the input (rounded as MLX's `rms_norm` rounds it);
+/// or `None` as [`matmul`], and also where the norm's weight is not one
+/// contiguous vector of x's float type or `MLXBC_STEP_FUSION` is `off` or
+/// `no-norm`.
+pub fn matmul_normed(x: RmsNormed, q: &Quantized) -> Result<Option<Array>> {
+    run_normed(Form::Plain, x, q)
+}
+
+/// [`gate_up_swiglu`] of `rms_norm(x)`, the norm applied as in [`matmul_normed`].
+pub fn gate_up_swiglu_normed(x: RmsNormed, q: &Quantized) -> Result<Option<Array>> {
+    run_normed(Form::GateUpSwiglu, x, q)
+}
+
+fn run_normed(form: Form, x: RmsNormed, q: &Quantized) -> Result<Option<Array>> {
+    let width = *x.input.shape().last().unwrap_or(&0);
+    let g = x.weight;
+    if !crate::model::cuda_kernel::norm_fusion_on()
+        || g.shape() != [width]
+        || g.dtype() != x.input.dtype()
+        || !row_contiguous(g)
+    {
+        return Ok(None);
+    }
+    run(form, x.input, q, None, Some((g, x.eps)))
 }
 
 /// What the kernel does around its product.
@@ -98,7 +127,15 @@ impl Form {
     }
 }
 
-fn run(form: Form, x: &Array, q: &Quantized, residual: Option<&Array>) -> Result<Option<Array>> {
+/// The kernel in `form` over `x` (RMS-normed first by `norm`'s weight and
+/// epsilon, when given), or `None` where it does not apply.
+fn run(
+    form: Form,
+    x: &Array,
+    q: &Quantized,
+    residual: Option<&Array>,
+    norm: Option<(&Array, f32)>,
+) -> Result<Option<Array>> {
     let limit = ROWS.load(Ordering::Relaxed);
     let width = *x.shape().last().unwrap_or(&0);
     let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
@@ -111,19 +148,20 @@ fn run(form: Form, x: &Array, q: &Quantized, residual: Option<&Array>) -> Result
     {
         return Ok(None);
     }
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("x has an axis") = form.outputs(q.weight.shape()[0]);
-    if residual.is_some_and(|r| r.shape() != shape.as_slice() || r.dtype() != x.dtype()) {
+    if residual.is_some_and(|r| r.shape() != output_shape(form, x, q).as_slice() || r.dtype() != x.dtype()) {
         return Ok(None);
     }
     KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
-        Some(kernel) => {
-            let residual = residual.map(|r| r.reshape(&[rows, -1])).transpose()?;
-            let y = kernel.apply(form, &x.reshape(&[rows, width])?, q, residual.as_ref(), rows)?;
-            Ok(Some(y.reshape(&shape)?))
-        }
+        Some(kernel) => Ok(Some(kernel.apply(form, x, q, residual, norm)?)),
         None => Ok(None),
     })
+}
+
+/// `x`'s shape with its last axis the features `form` writes of `q`'s.
+fn output_shape(form: Form, x: &Array, q: &Quantized) -> Vec<i32> {
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("x has an axis") = form.outputs(q.weight.shape()[0]);
+    shape
 }
 
 /// How a step runs: output features a warp computes, warps a block, how
@@ -149,8 +187,9 @@ static FORCED_VARIANT: std::sync::LazyLock<Option<(i32, i32, i32)>> = std::sync:
 });
 
 /// Declares the names the body uses from MLX's shape arguments, and how it
-/// reads x, which weight rows a warp takes and how it writes out, per [`Form`].
-fn prelude(form: Form) -> String {
+/// reads x (as it is, or RMS-normed: `normed`), which weight rows a warp
+/// takes and how it writes out, per [`Form`].
+fn prelude(form: Form, normed: bool) -> String {
     let rows = match form {
         // The warp's outputs in pairs: gate j, then up j (U's rows follow G's).
         Form::GateUpSwiglu => {
@@ -164,12 +203,53 @@ fn prelude(form: Form) -> String {
         Form::Residual => RESIDUAL_STORE,
         Form::GateUpSwiglu => SWIGLU_STORE,
     };
+    let read = if normed { NORMED_READ } else { PLAIN_READ };
     format!(
-        "const int K = x_shape[1];\n    const int N = w_shape[0];\n    const int GROUP = K / scales_shape[1];\n    \
-         auto load8 = [&](int m, int k) -> uint4 {{ return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); }};\n    \
-         {rows}\n    {store}\n"
+        "const int K = w_shape[1] * 8;\n    const int N = w_shape[0];\n    const int GROUP = K / scales_shape[1];\n    \
+         {read}\n    {rows}\n    {store}\n"
     )
 }
+
+/// x read as it is.
+const PLAIN_READ: &str = r#"auto prepare = [&]() {};
+    auto load8 = [&](int m, int k) -> uint4 { return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k); };"#;
+
+/// x read RMS-normed: each warp first sums its rows' squares (its lanes
+/// across K: x is a few KB, read again from cache), then `load8` hands the
+/// body `T(gamma · T(x · rsqrt(mean(x²) + eps)))`, MLX's `rms_norm` with its
+/// rounding. `EPS_BITS` is the epsilon's f32 bits (a template argument: no
+/// input array to make per step).
+const NORMED_READ: &str = r#"float rn[ROWS];
+    auto prepare = [&]() {
+        const int ln = threadIdx.x & 31;
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m) {
+            float ss = 0.f;
+            for (int k = ln * 8; k < K; k += 256) {
+                const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float f = static_cast<float>(reinterpret_cast<const T*>(&v)[i]);
+                    ss = fmaf(f, f, ss);
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            rn[m] = rsqrtf(ss / K + __int_as_float(EPS_BITS));
+        }
+    };
+    auto load8 = [&](int m, int k) -> uint4 {
+        const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+        uint4 o;
+        const T* a = reinterpret_cast<const T*>(&v);
+        T* b = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float xn = static_cast<float>(static_cast<T>(static_cast<float>(a[i]) * rn[m]));
+            b[i] = static_cast<T>(static_cast<float>(gamma[k + i]) * xn);
+        }
+        return o;
+    };"#;
 
 /// `res + x W^T`, the product rounded to T before the add.
 const RESIDUAL_STORE: &str = r#"auto store = [&](int m, int n0, int r, float v, float) {
@@ -193,11 +273,14 @@ const SWIGLU_STORE: &str = r#"auto store = [&](int m, int n0, int r, float v, fl
 /// and times it on the device without MLX).
 const BODY: &str = include_str!("w4a16_body.cu");
 
-/// The compiled kernel, one per [`Form`].
+/// The compiled kernel, one per [`Form`] (and per input: as it is, or
+/// RMS-normed).
 struct Kernel {
     plain: CudaKernel,
     residual: CudaKernel,
     gate_up_swiglu: CudaKernel,
+    plain_normed: CudaKernel,
+    gate_up_swiglu_normed: CudaKernel,
 }
 
 /// True when `a` is row-contiguous from its first element (no copy needed).
@@ -251,55 +334,77 @@ impl Kernel {
     fn new() -> Result<Kernel> {
         // Row-contiguous inputs: `x` may be a view, which MLX then copies
         // (the weights are checked contiguous by `takes`).
-        let kernel = |name: &str, form: Form| {
-            let inputs: &[&str] = match form {
-                Form::Residual => &["x", "w", "scales", "biases", "res"],
+        let kernel = |name: &str, form: Form, normed: bool| {
+            let inputs: &[&str] = match (form, normed) {
+                (Form::Residual, _) => &["x", "w", "scales", "biases", "res"],
+                (_, true) => &["x", "w", "scales", "biases", "gamma"],
                 _ => &["x", "w", "scales", "biases"],
             };
-            CudaKernel::new(name, inputs, &["out"], &format!("{}{BODY}", prelude(form)), true)
+            CudaKernel::new(name, inputs, &["out"], &format!("{}{BODY}", prelude(form, normed)), true)
         };
         Ok(Kernel {
-            plain: kernel("mlxbc_w4a16", Form::Plain)?,
-            residual: kernel("mlxbc_w4a16_res", Form::Residual)?,
-            gate_up_swiglu: kernel("mlxbc_w4a16_gate_up_swiglu", Form::GateUpSwiglu)?,
+            plain: kernel("mlxbc_w4a16", Form::Plain, false)?,
+            residual: kernel("mlxbc_w4a16_res", Form::Residual, false)?,
+            gate_up_swiglu: kernel("mlxbc_w4a16_gate_up_swiglu", Form::GateUpSwiglu, false)?,
+            plain_normed: kernel("mlxbc_w4a16_normed", Form::Plain, true)?,
+            gate_up_swiglu_normed: kernel("mlxbc_w4a16_gate_up_swiglu_normed", Form::GateUpSwiglu, true)?,
         })
     }
 
-    /// `x` `[rows, k]` times `q`'s dequantized weights transposed `[rows,
-    /// n]`, plus `residual` `[rows, n]` for [`Form::Residual`]; for
-    /// [`Form::GateUpSwiglu`] the SwiGLU of its halves, `[rows, n / 2]`.
-    fn apply(&self, form: Form, x: &Array, q: &Quantized, residual: Option<&Array>, rows: i32) -> Result<Array> {
+    /// `x` `[.., k]` (RMS-normed by `norm`'s weight `[k]` and epsilon
+    /// first, when given) times `q`'s dequantized weights transposed `[..,
+    /// n]`, plus `residual` (of that shape) for [`Form::Residual`]; for
+    /// [`Form::GateUpSwiglu`] the SwiGLU of its halves, `[.., n / 2]`. Every
+    /// array is read in its own shape (the body takes K from the weight
+    /// and the rows as a template argument): a reshape around the kernel
+    /// would be one more operation in a step bound by their count.
+    fn apply(
+        &self,
+        form: Form,
+        x: &Array,
+        q: &Quantized,
+        residual: Option<&Array>,
+        norm: Option<(&Array, f32)>,
+    ) -> Result<Array> {
+        let rows: i32 = x.shape()[..x.ndim() - 1].iter().product();
         let n = q.weight.shape()[0];
         let (r, warps, dq) = variant();
         let blocks = (n / r + warps - 1) / warps;
-        let templates = [
+        let mut templates = vec![
             Template::Type(c"T", x.dtype()),
             Template::Int(c"ROWS", rows),
             Template::Int(c"R", r),
             Template::Int(c"NW", warps),
             Template::Int(c"DQ", dq),
         ];
+        if let Some((_, eps)) = norm {
+            // The bits of a positive f32 fit an i32 as they are.
+            templates.push(Template::Int(c"EPS_BITS", eps.to_bits() as i32));
+        }
         let launch = Launch {
-            output_shape: &[rows, form.outputs(n)],
+            output_shape: &output_shape(form, x, q),
             output_dtype: x.dtype(),
             grid: (blocks * warps * 32, 1, 1),
             block: (warps * 32, 1, 1),
             templates: &templates,
         };
-        let (cuda, residual) = match (form, residual) {
-            (Form::Plain, _) => (&self.plain, None),
-            (Form::GateUpSwiglu, _) => (&self.gate_up_swiglu, None),
-            (Form::Residual, Some(r)) => (&self.residual, Some(r)),
-            (Form::Residual, None) => bail!("the residual form of the W4A16 kernel needs a residual"),
+        let (cuda, extra) = match (form, residual, norm) {
+            (Form::Plain, _, None) => (&self.plain, None),
+            (Form::GateUpSwiglu, _, None) => (&self.gate_up_swiglu, None),
+            (Form::Plain, _, Some((gamma, _))) => (&self.plain_normed, Some(gamma)),
+            (Form::GateUpSwiglu, _, Some((gamma, _))) => (&self.gate_up_swiglu_normed, Some(gamma)),
+            (Form::Residual, Some(r), None) => (&self.residual, Some(r)),
+            (Form::Residual, _, _) => bail!("the residual form of the W4A16 kernel needs a residual and no norm"),
         };
-        let inputs: Vec<&Array> = [x, &q.weight, &q.scales, &q.biases].into_iter().chain(residual).collect();
+        let inputs: Vec<&Array> = [x, &q.weight, &q.scales, &q.biases].into_iter().chain(extra).collect();
         cuda.apply(&inputs, &launch)
     }
 
     /// Runs the kernel in each form on random weights (both float types,
     /// groups of 32 and 64, one row and several, a strided input) and
     /// compares with the dequantized weights' product in f32 (the residual
-    /// added; the SwiGLU of its halves). Passes when the kernel's largest
+    /// added; the SwiGLU of its halves; for the normed forms, of MLX's
+    /// `rms_norm` of the input). Passes when the kernel's largest
     /// error is within twice that of MLX's own quantized matmul (and
     /// operations) in the same dtype, plus 1e-3 of the largest value:
     /// rounding, not a wrong nibble.
@@ -321,21 +426,41 @@ impl Kernel {
             // A transposed (strided) view, which MLX copies to rows first.
             let x = normal(seed + 12, &[k, rows])?.as_dtype(dtype)?.t();
             let residual = normal(seed + 13, &[rows, n])?.as_dtype(dtype)?;
-            let exact = x.as_dtype(Dtype::Float32)?.matmul(q.dequantize()?.as_dtype(Dtype::Float32)?.t())?;
-            let packed = ops::quantized_matmul(&x, &q.weight, &q.scales, &q.biases, true, group, 4)?;
+            // A norm's weight around 1 and a model's epsilon, for the normed forms.
+            let gamma =
+                normal(seed + 14, &[k])?.multiply(Array::from_f32(0.1))?.add(Array::from_f32(1.0))?.as_dtype(dtype)?;
+            let eps = 1e-6f32;
+            let normed = fast::rms_norm(&x, Some(&gamma), eps)?;
+            let dequantized = q.dequantize()?.as_dtype(Dtype::Float32)?;
+            let exact_of = |x: &Array| -> Result<Array> { Ok(x.as_dtype(Dtype::Float32)?.matmul(dequantized.t())?) };
+            let packed_of = |x: &Array| -> Result<Array> {
+                Ok(ops::quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, group, 4)?)
+            };
+            let (exact, packed) = (exact_of(&x)?, packed_of(&x)?);
             // The SwiGLU of the product's halves (gate rows, then up rows).
             let swiglu_of = |y: &Array| -> Result<Array> {
                 let halves = y.split_at_indices(&[n / 2], -1)?;
                 crate::model::layers::swiglu(&halves[0], &halves[1])
             };
-            for form in [Form::Plain, Form::Residual, Form::GateUpSwiglu] {
+            let forms = [
+                (Form::Plain, false),
+                (Form::Residual, false),
+                (Form::GateUpSwiglu, false),
+                (Form::Plain, true),
+                (Form::GateUpSwiglu, true),
+            ];
+            for (form, with_norm) in forms {
+                // The normed forms against MLX's rms_norm, then the product.
+                let (exact, packed) =
+                    if with_norm { (exact_of(&normed)?, packed_of(&normed)?) } else { (exact.clone(), packed.clone()) };
                 let (reference, theirs) = match form {
-                    Form::Plain => (exact.clone(), packed.clone()),
+                    Form::Plain => (exact, packed),
                     Form::Residual => (exact.add(residual.as_dtype(Dtype::Float32)?)?, packed.add(&residual)?),
                     Form::GateUpSwiglu => (swiglu_of(&exact)?, swiglu_of(&packed)?),
                 };
                 let res = (form == Form::Residual).then_some(&residual);
-                let ours = self.apply(form, &x.reshape(&[rows, k])?, &q, res, rows)?;
+                let norm = with_norm.then_some((&gamma, eps));
+                let ours = self.apply(form, &x, &q, res, norm)?;
                 // Evaluated here, so a kernel that fails to compile is an error
                 // returned (the kernel is then not used), not a panic in `item`.
                 let scalar = |x: Array| -> Result<f32> {
@@ -348,8 +473,9 @@ impl Kernel {
                 let (e_ours, e_mlx) = (err(&ours)?, err(&theirs)?);
                 let largest = scalar(reference.abs()?.max(None)?)?;
                 if e_ours.is_nan() || e_ours > 2.0 * e_mlx + 1e-3 * largest {
+                    let normed = if with_norm { " (normed)" } else { "" };
                     bail!(
-                        "{form:?}, {dtype:?}, group {group}, {rows} rows: max error {e_ours:.2e} against MLX's {e_mlx:.2e}"
+                        "{form:?}{normed}, {dtype:?}, group {group}, {rows} rows: max error {e_ours:.2e} against MLX's {e_mlx:.2e}"
                     );
                 }
                 worst = (worst.0.max(e_ours), worst.1.max(e_mlx));

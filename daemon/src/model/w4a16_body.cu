@@ -3,11 +3,12 @@
     // biases per GROUP consecutive k). Names: T (float type), ROWS (rows of
     // x), R (output features a warp computes), NW (warps a block), DQ (how a
     // nibble becomes a float: 0 shift and mask, 1 byte permute), K, N, GROUP.
-    // x [ROWS, K] T row-contiguous, 16-byte aligned rows; w [N, K / 8];
+    // x [ROWS, K] T row-contiguous (any leading axes), 16-byte aligned rows; w [N, K / 8];
     // scales, biases [N, K / GROUP]; out [ROWS, N]. Needs K % 32 == 0,
     // GROUP % 32 == 0, N % R == 0. The prelude defines `load8(m, k)` (8
     // values of x's row m from feature k, as a uint4 of T), `wrow(n0, r)`
-    // (the weight row of the warp's r-th output) and `store(m, n0, r, v,
+    // (the weight row of the warp's r-th output), `prepare()` (run once by
+    // each warp that has outputs, before the product) and `store(m, n0, r, v,
     // other)` (writes the warp's r-th output of row m, sum v; `other` is
     // the sum of its pair r ^ 1): plain, with a residual added, or a fused
     // gate/up's rows taken in pairs (gate j, up j) and SwiGLU written.
@@ -21,6 +22,8 @@
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * R;
     if (n0 >= N) return;
+    // The prelude's set-up for the warp (the normed forms' row norms).
+    prepare();
     const uint4* w4 = reinterpret_cast<const uint4*>(w);
     float acc[ROWS][R];
 #pragma unroll

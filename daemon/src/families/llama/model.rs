@@ -7,7 +7,7 @@ use crate::distributed::Shard;
 use crate::model::batch_attention;
 use crate::model::family::{DecodeGraph, LanguageModel};
 use crate::model::kv_cache::{KvCache, KvView};
-use crate::model::layers::{from_heads, swiglu, to_heads, Embedding, FusedLinear, Linear};
+use crate::model::layers::{from_heads, swiglu, to_heads, Embedding, FusedLinear, Linear, RmsNormed};
 use crate::model::lora::Group;
 use crate::model::positions::{MediaPositions, MropePositions};
 use crate::model::qk_rope::QkRope;
@@ -189,22 +189,9 @@ impl Transformer {
         let adapters = cache.lora()?;
         for (i, layer) in self.layers.iter().enumerate() {
             let lora = Some((&adapters, i)).filter(|_| adapters.adapts(i));
-            let h2 = self.attention(
-                &layer.attn,
-                &fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?,
-                &h,
-                cache,
-                media.mrope,
-                i,
-                at,
-                lora,
-            )?;
-            h = self.mlp(
-                &layer.mlp,
-                &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
-                &h2,
-                lora,
-            )?;
+            let h2 =
+                self.attention(&layer.attn, self.normed(&h, &layer.input_layernorm), cache, media.mrope, i, at, lora)?;
+            h = self.mlp(&layer.mlp, self.normed(&h2, &layer.post_attention_layernorm), lora)?;
             if let Some(deepstack) = media.deepstack {
                 if let Some(added) = deepstack.addend(i, offset, len)? {
                     h = h.add(&added)?;
@@ -215,14 +202,20 @@ impl Transformer {
         Ok(h)
     }
 
+    /// `rms_norm(x)` with the model's epsilon and `weight`, left for the
+    /// projection that reads it to build (or to apply in its kernel).
+    fn normed<'a>(&self, x: &'a Array, weight: &'a Array) -> RmsNormed<'a> {
+        RmsNormed { input: x, weight, eps: self.config.rms_norm_eps }
+    }
+
     /// Logits `[B, vocab]` for the last position of each row of `hidden`.
     pub fn logits_last(&self, hidden: &Array) -> Result<Array> {
         let (b, l) = (hidden.shape()[0], hidden.shape()[1]);
         let last = if l == 1 { hidden.clone() } else { hidden.take_axis(Array::from_slice(&[l - 1], &[1]), 1)? };
-        let x = fast::rms_norm(&last, Some(&self.norm), self.config.rms_norm_eps)?;
+        let x = self.normed(&last, &self.norm);
         let logits = match &self.lm_head {
-            Some(head) => head.forward(&x)?,
-            None => self.embed_tokens.as_linear(&x)?,
+            Some(head) => head.forward_normed(x)?,
+            None => self.embed_tokens.as_linear(&x.array()?)?,
         };
         self.split.gather_vocab(logits.reshape(&[b, -1])?)
     }
@@ -247,20 +240,20 @@ impl Transformer {
         Ok(self.split.gather_vocab(logits.reshape(&[b * l, -1])?)?.reshape(&[b, l, -1])?)
     }
 
-    /// `residual` plus the attention block's output for `x` (the normed `residual`).
+    /// The residual stream `x.input` plus the attention block's output for
+    /// `x` (its norm).
     #[expect(clippy::too_many_arguments, reason = "a layer's inputs, each used once; a struct would only rename them")]
     fn attention(
         &self,
         a: &Attention,
-        x: &Array,
-        residual: &Array,
+        x: RmsNormed,
         cache: &mut KvCache,
         mrope: Option<&MropePositions>,
         layer: usize,
         at: Position,
         lora: Lora,
     ) -> Result<Array> {
-        let l = x.shape()[1];
+        let l = x.input.shape()[1];
         let offset = cache.offset;
         let (q, k, v) = match &self.config.mrope_section {
             Some(section) => {
@@ -293,14 +286,22 @@ impl Transformer {
                 quantized_attention::attend(&q, &keys, &values, quantization, self.scale, mask)?
             }
         };
-        self.output(a, o, residual, lora)
+        self.output(a, o, x.input, lora)
     }
 
-    /// q, k, v `[batch, heads, L, head_dim]` of `x`, with rope applied to q
-    /// and k when `rope` (the multimodal rope is applied by the caller).
-    fn project(&self, a: &Attention, x: &Array, at: Position, rope: bool, lora: Lora) -> Result<(Array, Array, Array)> {
+    /// q, k, v `[batch, heads, L, head_dim]` of `x` (a norm, built only
+    /// where no kernel applies it as it reads), with rope applied to q and k
+    /// when `rope` (the multimodal rope is applied by the caller).
+    fn project(
+        &self,
+        a: &Attention,
+        x: RmsNormed,
+        at: Position,
+        rope: bool,
+        lora: Lora,
+    ) -> Result<(Array, Array, Array)> {
         let c = &self.config;
-        let (b, l) = (x.shape()[0], x.shape()[1]);
+        let (b, l) = (x.input.shape()[0], x.input.shape()[1]);
         let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
             let y = to_heads(&y, b, l, n)?;
             Ok(match norm {
@@ -308,9 +309,18 @@ impl Transformer {
                 None => y,
             })
         };
-        let update = lora_update(lora, Group::Qkv, x)?;
         let fused = a.qkv.is_fused();
-        let parts = match a.qkv.fused_output(x, update.as_ref())? {
+        // A fused matrix without an adapter reads the norm's input itself.
+        let normed = if fused && lora.is_none() { None } else { Some(x.array()?) };
+        let update = match &normed {
+            Some(xn) => lora_update(lora, Group::Qkv, xn)?,
+            None => None,
+        };
+        let output = match &normed {
+            None => a.qkv.fused_output_normed(x)?,
+            Some(xn) => a.qkv.fused_output(xn, update.as_ref())?,
+        };
+        let parts = match output {
             Some(y) => {
                 // One position per row: q and k normed and roped by one
                 // kernel on CUDA (crate::model::qk_rope), v a view.
@@ -325,9 +335,11 @@ impl Transformer {
                         return Ok((q, k, heads(v, self.kv_heads, &None)?));
                     }
                 }
-                a.qkv.split_output(y, x)?
+                a.qkv.split_output(y, x.input)?
             }
-            None => a.qkv.forward_adding(x, update)?,
+            None => a
+                .qkv
+                .forward_adding(normed.as_ref().expect("separate projections are given the normed input"), update)?,
         };
         let [q, k, v]: [Array; 3] = parts.try_into().expect("three projections");
         // Parts handed on as views (layers::SplitParts::Views) that rope will
@@ -394,8 +406,8 @@ impl Transformer {
         let mut outputs = Vec::with_capacity(inputs.len() - 1);
         let mut h = self.embed(ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let x = fast::rms_norm(&h, Some(&layer.input_layernorm), self.config.rms_norm_eps)?;
-            let (q, k, v) = self.project(&layer.attn, &x, Position::Dynamic(offset), true, None)?;
+            let x = self.normed(&h, &layer.input_layernorm);
+            let (q, k, v) = self.project(&layer.attn, x, Position::Dynamic(offset), true, None)?;
             let keys = slice_update_dynamic(&buffers[2 * i], &k, offset, 2)?;
             let values = slice_update_dynamic(&buffers[2 * i + 1], &v, offset, 2)?;
             // On CUDA the positions up to `offset` as data (our kernel);
@@ -408,32 +420,36 @@ impl Transformer {
                 }
             };
             let h2 = self.output(&layer.attn, o, &h, None)?;
-            h = self.mlp(
-                &layer.mlp,
-                &fast::rms_norm(&h2, Some(&layer.post_attention_layernorm), self.config.rms_norm_eps)?,
-                &h2,
-                None,
-            )?;
+            h = self.mlp(&layer.mlp, self.normed(&h2, &layer.post_attention_layernorm), None)?;
             outputs.extend([keys, values]);
         }
         outputs.insert(0, self.logits_last(&h)?);
         Ok(outputs)
     }
 
-    /// `residual` plus the MLP's output for `x` (the normed `residual`). On
-    /// CUDA, for a step of few rows, the gate/up kernel writes the SwiGLU
-    /// ([`w4a16::gate_up_swiglu`]) and the down kernel adds the residual
-    /// ([`Linear::forward_plus`]): two operations, not six.
-    fn mlp(&self, m: &Mlp, x: &Array, residual: &Array, lora: Lora) -> Result<Array> {
+    /// The residual stream `x.input` plus the MLP's output for `x` (its
+    /// norm). On CUDA, for a step of few rows, the gate/up kernel normalizes
+    /// its input as it reads it and writes the SwiGLU
+    /// ([`w4a16::gate_up_swiglu_normed`]), and the down kernel adds the
+    /// residual ([`Linear::forward_plus`]): two operations, not seven.
+    fn mlp(&self, m: &Mlp, x: RmsNormed, lora: Lora) -> Result<Array> {
+        let residual = x.input;
         if lora.is_none() && self.split.shard.is_none() {
-            if let Some(Linear::Quantized { q, bias: None }) = m.gate_up.as_halves() {
-                if let Some(h) = w4a16::gate_up_swiglu(x, q)? {
-                    return m.down_proj.forward_plus(&h, residual);
-                }
+            let halves = match m.gate_up.as_halves() {
+                Some(Linear::Quantized { q, bias: None }) => Some(q),
+                _ => None,
+            };
+            if let Some(h) = halves.map(|q| w4a16::gate_up_swiglu_normed(x, q)).transpose()?.flatten() {
+                return m.down_proj.forward_plus(&h, residual);
             }
-            let [gate, up]: [Array; 2] = m.gate_up.forward(x)?.try_into().expect("two projections");
+            let x = x.array()?;
+            if let Some(h) = halves.map(|q| w4a16::gate_up_swiglu(&x, q)).transpose()?.flatten() {
+                return m.down_proj.forward_plus(&h, residual);
+            }
+            let [gate, up]: [Array; 2] = m.gate_up.forward(&x)?.try_into().expect("two projections");
             return m.down_proj.forward_plus(&swiglu(&gate, &up)?, residual);
         }
+        let x = &x.array()?;
         let [gate, up]: [Array; 2] =
             m.gate_up.forward_adding(x, lora_update(lora, Group::GateUp, x)?)?.try_into().expect("two projections");
         let h = swiglu(&gate, &up)?;
