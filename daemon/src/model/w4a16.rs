@@ -136,9 +136,45 @@ fn run(
     residual: Option<&Array>,
     norm: Option<(&Array, f32)>,
 ) -> Result<Option<Array>> {
-    let limit = ROWS.load(Ordering::Relaxed);
     let width = *x.shape().last().unwrap_or(&0);
     let rows: i32 = x.shape()[..x.ndim().saturating_sub(1)].iter().product();
+    run_as(form, Input { x, rows, width, output: &output_shape(form, x, q) }, q, residual, norm)
+}
+
+/// `residual + o W^T` for an attention output `o` `[b, heads, 1, d]` (one
+/// position a row) read as the `[b, heads · d]` rows it holds in memory:
+/// the reshape to `[b, 1, heads · d]` before o_proj would be one more
+/// operation a layer. `None` as [`matmul_add`], and where `o` is not of
+/// that shape or `residual` not `[b, 1, heads · d]`-shaped for `q`.
+pub fn matmul_add_heads(o: &Array, q: &Quantized, residual: &Array) -> Result<Option<Array>> {
+    let s = o.shape();
+    if s.len() != 4 || s[2] != 1 || residual.shape().len() != 3 || residual.shape()[..2] != [s[0], 1] {
+        return Ok(None);
+    }
+    let input = Input { x: o, rows: s[0], width: s[1] * s[3], output: residual.shape() };
+    run_as(Form::Residual, input, q, Some(residual), None)
+}
+
+/// The kernel's input: `x` as `rows` rows of `width` values in memory
+/// order, and the output's shape (`rows` rows of the features written).
+#[derive(Clone, Copy)]
+struct Input<'a> {
+    x: &'a Array,
+    rows: i32,
+    width: i32,
+    output: &'a [i32],
+}
+
+/// [`run`] over an [`Input`].
+fn run_as(
+    form: Form,
+    input: Input,
+    q: &Quantized,
+    residual: Option<&Array>,
+    norm: Option<(&Array, f32)>,
+) -> Result<Option<Array>> {
+    let limit = ROWS.load(Ordering::Relaxed);
+    let Input { x, rows, width, output } = input;
     if rows < 1
         || rows > limit
         || (form != Form::Plain && !crate::model::cuda_kernel::step_fusion_on())
@@ -148,11 +184,15 @@ fn run(
     {
         return Ok(None);
     }
-    if residual.is_some_and(|r| r.shape() != output_shape(form, x, q).as_slice() || r.dtype() != x.dtype()) {
+    let features = form.outputs(q.weight.shape()[0]);
+    if output.iter().product::<i32>() != rows * features || output.last() != Some(&features) {
+        return Ok(None);
+    }
+    if residual.is_some_and(|r| r.shape() != output || r.dtype() != x.dtype()) {
         return Ok(None);
     }
     KERNEL.with(|cell| match cell.get_or_init(Kernel::build_checked) {
-        Some(kernel) => Ok(Some(kernel.apply(form, x, q, residual, norm)?)),
+        Some(kernel) => Ok(Some(kernel.apply(form, input, q, residual, norm)?)),
         None => Ok(None),
     })
 }
@@ -351,22 +391,23 @@ impl Kernel {
         })
     }
 
-    /// `x` `[.., k]` (RMS-normed by `norm`'s weight `[k]` and epsilon
-    /// first, when given) times `q`'s dequantized weights transposed `[..,
-    /// n]`, plus `residual` (of that shape) for [`Form::Residual`]; for
-    /// [`Form::GateUpSwiglu`] the SwiGLU of its halves, `[.., n / 2]`. Every
-    /// array is read in its own shape (the body takes K from the weight
-    /// and the rows as a template argument): a reshape around the kernel
-    /// would be one more operation in a step bound by their count.
+    /// The input's rows `[rows, k]` (RMS-normed by `norm`'s weight `[k]`
+    /// and epsilon first, when given) times `q`'s dequantized weights
+    /// transposed, `[rows, n]` in the input's output shape, plus `residual`
+    /// (of that shape) for [`Form::Residual`]; for [`Form::GateUpSwiglu`]
+    /// the SwiGLU of its halves, `[rows, n / 2]`. Every array is read in
+    /// its own shape (the body takes K from the weight and the rows as a
+    /// template argument): a reshape around the kernel would be one more
+    /// operation in a step bound by their count.
     fn apply(
         &self,
         form: Form,
-        x: &Array,
+        input: Input,
         q: &Quantized,
         residual: Option<&Array>,
         norm: Option<(&Array, f32)>,
     ) -> Result<Array> {
-        let rows: i32 = x.shape()[..x.ndim() - 1].iter().product();
+        let Input { x, rows, output, .. } = input;
         let n = q.weight.shape()[0];
         let (r, warps, dq) = variant();
         let blocks = (n / r + warps - 1) / warps;
@@ -382,7 +423,7 @@ impl Kernel {
             templates.push(Template::Int(c"EPS_BITS", eps.to_bits() as i32));
         }
         let launch = Launch {
-            output_shape: &output_shape(form, x, q),
+            output_shape: output,
             output_dtype: x.dtype(),
             grid: (blocks * warps * 32, 1, 1),
             block: (warps * 32, 1, 1),
@@ -460,7 +501,8 @@ impl Kernel {
                 };
                 let res = (form == Form::Residual).then_some(&residual);
                 let norm = with_norm.then_some((&gamma, eps));
-                let ours = self.apply(form, &x, &q, res, norm)?;
+                let input = Input { x: &x, rows, width: k, output: &output_shape(form, &x, &q) };
+                let ours = self.apply(form, input, &q, res, norm)?;
                 // Evaluated here, so a kernel that fails to compile is an error
                 // returned (the kernel is then not used), not a panic in `item`.
                 let scalar = |x: Array| -> Result<f32> {

@@ -367,10 +367,16 @@ impl Transformer {
     /// `[batch, L, hidden]` through o_proj (one operation on CUDA for a
     /// step of few rows: [`Linear::forward_plus`]).
     fn output(&self, a: &Attention, o: Array, residual: &Array, lora: Lora) -> Result<Array> {
-        let o = from_heads(&o)?;
         if lora.is_none() && self.split.shard.is_none() {
-            return a.o_proj.forward_plus(&o, residual);
+            // One position a row: the kernel reads the heads as they lie.
+            if let Linear::Quantized { q, bias: None } = &a.o_proj {
+                if let Some(y) = w4a16::matmul_add_heads(&o, q, residual)? {
+                    return Ok(y);
+                }
+            }
+            return a.o_proj.forward_plus(&from_heads(&o)?, residual);
         }
+        let o = from_heads(&o)?;
         let y = a.o_proj.forward(&o)?;
         let y = match lora_update(lora, Group::O, &o)? {
             Some(u) => u.apply(&y)?,
