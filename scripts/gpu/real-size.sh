@@ -134,10 +134,11 @@ if [[ $step == stage-base ]]; then # here: COMMIT's daemon, built in a worktree,
   set -e
   c=$(git rev-parse --short "${2:?stage-base COMMIT}"); wt=$(mktemp -d)/base
   git worktree add -f "$wt" "$c" >/dev/null
+  # The worktree goes whether or not its build succeeds.
+  trap 'git worktree remove --force "$wt" 2>/dev/null; rm -rf "$(dirname "$wt")"' EXIT
   # The same target folder: only the workspace's crates build again.
   here=$PWD; (cd "$wt" && MLXBC_BLAS=reference CARGO_TARGET_DIR="$here/target/gpu" cargo build --release --bins --quiet)
   mkdir -p .dev/rs-old; gzip -9 -c target/gpu/release/mlxbcd > .dev/rs-old/mlxbcd-base.gz; echo "$c" > .dev/rs-old/commit
-  git worktree remove --force "$wt"
   # This tree's build again, so the next `stage` bundles it.
   MLXBC_BLAS=reference CARGO_TARGET_DIR=$PWD/target/gpu cargo build --release --bins --quiet
   ls -la .dev/rs-old; exit 0
