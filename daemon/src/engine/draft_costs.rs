@@ -127,6 +127,22 @@ pub struct Drafting {
     pub explore: bool,
 }
 
+/// The most positions a batch's revisit verifies. A revisit re-measures a
+/// refusal at a width the batch was refusing, so it is mostly a loss:
+/// on an H100 a 16-row revisit of 9 positions a row (144) took ~50 ms
+/// against a ~6 ms plain step, ~5% of a 16-client burst of code edits
+/// (docs/measurements/h100-2026-12-07d-pass-fusion.md). Up to 4 rows still
+/// try the widest pass (what pays for a few rows quoting their prompts);
+/// wider batches try fewer drafts a row, at least one.
+const REVISIT_POSITIONS: usize = 36;
+
+/// The width a batch of `rows` revisits a refusal at: the widest whose
+/// positions stay within [`REVISIT_POSITIONS`], at least 2 (one draft a
+/// row), at most `widest`.
+fn revisit_width(rows: usize, widest: usize) -> usize {
+    (REVISIT_POSITIONS / rows.max(1)).clamp(2, widest.max(2))
+}
+
 /// The verify pass width (1 + drafted positions per row) with the most
 /// expected tokens per second for a batch of `rows` rows of which
 /// `drafting` draft; 1 means a plain step. A row alone tries the widest
@@ -138,7 +154,8 @@ pub struct Drafting {
 /// Its unmeasured sizes are estimated from the measured ones (beyond the
 /// largest, in proportion to positions: what a compute-bound device
 /// costs, and more than a GPU's), with nothing measured it takes plain
-/// steps, and only a revisit tries the widest.
+/// steps, and only a revisit tries a pass ([`revisit_width`]: narrower
+/// the more rows there are).
 pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> usize {
     let widest = 1 + drafting.iter().map(|d| d.k).max().unwrap_or(0);
     if widest == 1 {
@@ -175,8 +192,11 @@ pub fn choose_width(costs: &PassCosts, rows: usize, drafting: &[Drafting]) -> us
     // its own acceptance, which the prior may underrate (in a batch, the
     // pass would cost every row; it explores when alone).
     let explores = rows == 1 && drafting.iter().any(|d| d.explore);
-    if costs.revisit() || explores || (!batch && estimate(rows * widest).is_none()) {
+    if explores || (!batch && estimate(rows * widest).is_none()) {
         return widest;
+    }
+    if costs.revisit() {
+        return if batch { revisit_width(rows, widest) } else { widest };
     }
     let mut best = (rows as f64 / plain, 1);
     for width in 2..=widest {
@@ -353,12 +373,34 @@ mod tests {
         // A cheap measured pass pays by the same estimate.
         let c = costs(&[(16, 0.010)], &[(135, 0.011)]);
         assert!(choose_width(&c, 16, &[row; 16]) > 1);
-        // A revisit still tries the widest.
+        // A revisit tries a pass again: one draft a row at 16 rows.
         let mut c = costs(&[(16, 0.010)], &[(135, 0.030)]);
         for _ in 0..REVISIT_AFTER {
             c.plain_step(16, 0.010);
         }
-        assert_eq!(choose_width(&c, 16, &[row; 16]), 9);
+        assert_eq!(choose_width(&c, 16, &[row; 16]), 2);
+    }
+
+    #[test]
+    fn a_batch_revisits_at_a_width_its_rows_can_afford() {
+        let row = Drafting { k: 8, rate: 0.1, draft_secs: 0.0, explore: false };
+        let refused = |rows: usize| {
+            let mut c = costs(&[(rows, 0.010)], &[(rows * 9, 0.080)]);
+            assert_eq!(choose_width(&c, rows, &vec![row; rows]), 1, "{rows} rows refuse");
+            for _ in 0..REVISIT_AFTER {
+                c.plain_step(rows, 0.010);
+            }
+            choose_width(&c, rows, &vec![row; rows])
+        };
+        // Up to 4 rows the widest (4 × 9 = 36 positions); then narrower,
+        // down to one draft a row.
+        assert_eq!([refused(2), refused(4), refused(8), refused(16), refused(64)], [9, 9, 4, 2, 2]);
+        // Never wider than the rows draft.
+        let mut c = costs(&[(2, 0.010)], &[(6, 0.080)]);
+        for _ in 0..REVISIT_AFTER {
+            c.plain_step(2, 0.010);
+        }
+        assert_eq!(choose_width(&c, 2, &[Drafting { k: 2, ..row }; 2]), 3);
     }
 
     #[test]
