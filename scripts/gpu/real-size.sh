@@ -89,7 +89,7 @@ if [[ $step == stage ]]; then # here, at no device time
   out=.dev/rs; rm -rf "$out"; mkdir -p "$out"
   scripts/bundle cuda >/dev/null
   b=$(ls dist/mlx*-cuda13.tar.gz | head -1)
-  split -b 34M -d -a 1 "$b" "$out/part"
+  split -b 32M -d -a 1 "$b" "$out/part"
   n=$(ls "$out"/part* | wc -l)
   for i in $(seq 0 $((n - 1))); do mkdir -p "$out/c$i"; mv "$out/part$i" "$out/c$i/"; done
   last=$out/c$((n - 1))
@@ -146,7 +146,7 @@ fi
 if [[ $step == stage-coder ]]; then # here: Qwen2.5-Coder-0.5B Q4_K_M (real weights, 469 MiB) in 14 parts
   set -e
   out=.dev/rs; rm -rf "$out"/q*; fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}
-  split -b 34M -d -a 2 "$fx/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" "$out/coder."
+  split -b 32M -d -a 2 "$fx/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" "$out/coder."
   for f in "$out"/coder.*; do i=$((10#${f##*.})); mkdir -p "$out/q$i"; mv "$f" "$out/q$i/"; done
   # The whole file's hash and the part count ride with part 0: `qpart` joins and checks.
   (cd "$fx/models" && sha256sum qwen2.5-coder-0.5b-instruct-q4_k_m.gguf) > "$out/q0/coder.sha256"
