@@ -78,6 +78,7 @@ pub fn ask_request(prompt: String, args: &AskArgs) -> Result<GenerateRequest> {
         logprobs: None,
         speculate: args.speculate.into(),
         draft: args.draft.clone(),
+        draft_max: args.draft_max,
         adapter: args.adapter.clone(),
         kv: mlxbc_client::KvCacheSpec {
             bits: args.kv_bits,

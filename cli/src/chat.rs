@@ -119,6 +119,7 @@ pub async fn run(client: &mut Client, args: &ChatArgs, history_file: &std::path:
             logprobs: None,
             speculate: Default::default(),
             draft: None,
+            draft_max: None,
             adapter: None,
             kv: Default::default(),
         };

@@ -269,6 +269,10 @@ pub(crate) struct AskArgs {
     /// same tokenizer, loaded beside the model.
     #[arg(long, value_name = "MODEL")]
     draft: Option<String>,
+    /// The most tokens drafted a step, 1 to 8 (as llama.cpp's
+    /// --draft-max). Default: up to 8, as the daemon chooses.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=8))]
+    draft_max: Option<u8>,
     /// Answer under this LoRA adapter (a directory `mlx_lm lora` wrote, in
     /// the models directory or a path), loaded beside the model.
     #[arg(long, value_name = "DIR")]

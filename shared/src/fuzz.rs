@@ -137,6 +137,7 @@ pub fn arbitrary_generate(rng: &mut Rng, model: Option<String>) -> GenerateReque
             _ => Speculation::Ngram,
         },
         draft: rng.one_in(4).then(|| rng.string()),
+        draft_max: rng.one_in(4).then(|| rng.edgy_u64() as u8),
         adapter: rng.one_in(4).then(|| rng.string()),
         kv: KvCacheSpec {
             bits: rng.one_in(3).then(|| rng.edgy_u64() as u8),

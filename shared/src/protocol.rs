@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever a wire type changes shape. `Hello` (variant 0 of both enums,
 /// with its fields) must never change, so that any two versions can at least
 /// tell each other they disagree.
-pub const PROTOCOL_VERSION: u32 = 22;
+pub const PROTOCOL_VERSION: u32 = 23;
 
 /// A message from a client to the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -521,6 +521,10 @@ pub struct GenerateRequest {
     /// for this request, in place of the one config.toml names for the
     /// model (`[models."NAME"] draft`); loaded beside it.
     pub draft: Option<String>,
+    /// The most tokens drafted a step, 1 to 8 (llama.cpp's `--draft-max`);
+    /// `None`: up to 8, as the daemon chooses. Forced drafting (`Ngram`,
+    /// `Draft`) grows its drafts up to it; `Auto` weighs widths up to it.
+    pub draft_max: Option<u8>,
     /// How this request's keys and values are kept (quantized KV cache);
     /// each field left out takes the model's setting (`[models."NAME"]` in
     /// config.toml), else full precision.
@@ -671,6 +675,7 @@ impl GenerateRequest {
             logprobs: None,
             speculate: Speculation::Auto,
             draft: None,
+            draft_max: None,
             kv: KvCacheSpec::default(),
             adapter: None,
         }

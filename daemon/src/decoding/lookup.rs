@@ -120,6 +120,9 @@ pub struct Drafter {
     pub accepted: u32,
     /// Whether it has proposed a draft yet (see [`Self::explores`]).
     tried: bool,
+    /// The most tokens a draft may propose (its request's `draft_max`,
+    /// else [`MAX_DRAFT`]).
+    limit: usize,
 }
 
 impl Default for Drafter {
@@ -154,7 +157,16 @@ impl Drafter {
             drafted: 0,
             accepted: 0,
             tried: false,
+            limit: MAX_DRAFT,
         }
+    }
+
+    /// The same, drafting at most `limit` tokens a step (1..=[`MAX_DRAFT`]):
+    /// a request's `draft_max`, as llama.cpp's `--draft-max`.
+    pub fn limited(mut self, limit: usize) -> Self {
+        self.limit = limit.clamp(1, MAX_DRAFT);
+        self.k = self.k.min(self.limit);
+        self
     }
 
     /// True when the sequence has not drafted yet but has an answer of
@@ -196,7 +208,7 @@ impl Drafter {
         if self.forced {
             self.k
         } else {
-            MAX_DRAFT
+            self.limit
         }
     }
 
@@ -219,7 +231,7 @@ impl Drafter {
         self.recent_accepted = self.recent_accepted * RATE_MEMORY + accepted as f64;
         self.recent_rejected = self.recent_rejected * RATE_MEMORY + f64::from(u8::from(accepted < drafted));
         self.rejections += u32::from(accepted < drafted);
-        self.k = if accepted == drafted { (self.k * 2).min(MAX_DRAFT) } else { accepted.max(1) };
+        self.k = if accepted == drafted { (self.k * 2).min(self.limit) } else { accepted.max(1) };
         if accepted == 0 {
             self.missed();
         } else {
@@ -374,6 +386,27 @@ mod tests {
         d.proposed(Vec::new());
         assert!(!d.explores(EXPLORE_AFTER + 5), "tried, even with nothing to propose");
         assert!(!Drafter::new(true, 0.1).explores(100), "forced rows draft anyway");
+    }
+
+    #[test]
+    fn a_limit_caps_every_draft() {
+        let history: Vec<u32> = (0..40).chain(0..20).collect();
+        for limit in 1..=MAX_DRAFT {
+            // Forced: k starts at most at the limit and grows no further.
+            let mut d = Drafter::new(true, 0.5).limited(limit);
+            for _ in 0..4 {
+                let k = d.k();
+                let drafts = d.draft(&history, MAX_DRAFT);
+                assert_eq!(drafts.len(), k, "limit {limit}");
+                assert!(k <= limit, "limit {limit}: k {k}");
+                d.verified(drafts.len(), drafts.len());
+            }
+            assert_eq!(d.k(), limit, "grown to the limit, not past it");
+            // Auto: as wide as the limit.
+            assert_eq!(Drafter::new(false, 0.5).limited(limit).draft(&history, MAX_DRAFT).len(), limit);
+        }
+        assert_eq!(Drafter::new(true, 0.5).limited(0).most(), 1, "at least one");
+        assert_eq!(Drafter::new(false, 0.5).limited(99).most(), MAX_DRAFT);
     }
 
     #[test]

@@ -407,6 +407,7 @@ pub fn begin(
         ignore_eos: request.ignore_eos,
         speculate,
         draft,
+        draft_max: draft_max(request)?,
         limit: asked.min(room),
         asked,
         // A compiled step writes full-precision buffers through the bare base.
@@ -419,6 +420,20 @@ pub fn begin(
         media_stats,
     };
     Ok(Begun::Sequence(Box::new(Sequence::new(setup))))
+}
+
+/// The most tokens a request's answer drafts a step: its `draft_max`
+/// (1 to 8), else the most a draft may propose.
+fn draft_max(request: &GenerateRequest) -> Result<usize, EngineError> {
+    use crate::decoding::lookup::MAX_DRAFT;
+    match request.draft_max.map(usize::from) {
+        None => Ok(MAX_DRAFT),
+        Some(n @ 1..=MAX_DRAFT) => Ok(n),
+        Some(n) => Err(EngineError::BadRequest(format!(
+            "draft_max {n}: a step drafts from 1 to {MAX_DRAFT} tokens (leave it out for the daemon's choice, \
+             or turn drafting off with speculate off)"
+        ))),
+    }
 }
 
 /// Whether a request's answer drafts and verifies tokens, and with which

@@ -96,6 +96,9 @@ pub struct Setup {
     /// The draft model its drafts come from, where speculation uses one
     /// (else prompt lookup).
     pub draft: Option<Rc<Model>>,
+    /// The most tokens it drafts a step (its request's `draft_max`, else
+    /// `lookup::MAX_DRAFT`).
+    pub draft_max: usize,
     /// Tokens to generate at most (the request's and the context's bound),
     /// and what was asked (to tell `ContextFull` from `MaxTokens`).
     pub limit: usize,
@@ -180,7 +183,8 @@ impl Sequence {
             Speculate::Off => None,
             Speculate::Auto => Some(Drafter::new(false, prior)),
             Speculate::Ngram | Speculate::Draft => Some(Drafter::new(true, prior)),
-        };
+        }
+        .map(|d| d.limited(setup.draft_max));
         Self {
             setup,
             prefill_at: Some(at),

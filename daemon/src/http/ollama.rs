@@ -284,6 +284,7 @@ fn request(
         logprobs: None,
         speculate: Default::default(),
         draft: None,
+        draft_max: None,
         adapter: o.adapter,
         kv: mlxbc_shared::KvCacheSpec {
             bits: o.kv_bits,

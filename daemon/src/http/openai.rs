@@ -451,6 +451,7 @@ impl ChatCompletionRequest {
             },
             speculate: Default::default(),
             draft: None,
+            draft_max: None,
             adapter: self.adapter.clone(),
             kv: mlxbc_shared::KvCacheSpec {
                 bits: self.kv_bits,

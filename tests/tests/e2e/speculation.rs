@@ -74,6 +74,29 @@ async fn drafted_greedy_ids_equal_plain_decoding_on_real_weights() {
     }
     assert!(accepted >= 20, "a code edit copies its prompt: drafts should be accepted ({accepted} were)");
 
+    // Every draft width, 1 to 8 tokens a step (`draft_max`), answers as
+    // plain decoding: SmolLM2 quoting, Qwen2.5-Coder editing.
+    for k in 1..=8u8 {
+        for (what, mut request) in
+            [("smollm2 quote", greedy(Some(SMOLLM2), quote, 40)), ("qwen code edit", greedy(Some(QWEN25), &edit, 24))]
+        {
+            request.draft_max = Some(k);
+            let (with, without) = tokio::join!(ask_ok(&drafting, request.clone()), ask_ok(&plain, request));
+            assert_eq!(with.token_ids, without.token_ids, "{what}, drafts of at most {k}: ids differ");
+            assert!(with.accepted_draft_tokens > 0, "{what}, drafts of at most {k}: none accepted: {with:?}");
+            if k == 1 {
+                assert!(with.draft_tokens < with.generated_tokens, "{what}: one token a step at most: {with:?}");
+            }
+        }
+    }
+    // A width outside 1 to 8 is refused with a sentence.
+    for k in [0, 9] {
+        let mut bad = greedy(Some(SMOLLM2), quote, 4);
+        bad.draft_max = Some(k);
+        let e = crate::helper::ask(&drafting.socket, bad).await.expect_err("refused");
+        assert!(e.to_string().contains(&format!("draft_max {k}")), "{e}");
+    }
+
     // A request chooses for itself: on where the daemon's default is off,
     // off where it is on.
     let mut asks = greedy(Some(QWEN25), &edit, 24);
