@@ -3,7 +3,7 @@
 # random-weight models of real shapes (scripts/gpu/real/make_big.py: the
 # Qwen3-8B shape 4-bit group 64, as mlx-community ships 8B models, and the
 # Qwen2.5-0.5B shape), beside mlx-lm 0.32.2 on the same directories.
-# Staged here by `scripts/gpu/real-size.sh stage` into .dev/rs/c1..cN
+# Staged here by `scripts/gpu/real-size.sh stage` into .dev/rs/c0..cN (32 MiB parts)
 # (the bundle split under the 64 MiB a call carries; the last part with the
 # mlx/mlx-lm wheels; .dev/rs/ct a Qwen tokenizer). On the device, call by
 # call (the machine keeps /tmp while warm):
@@ -48,7 +48,7 @@
 #                 the baseline), the code-edit rows (TASKS) rotated, medians and
 #                 each daemon's decode profile (scripts/gpu/real/pass_ab.py);
 #                 CODE_MODEL as for spec
-#   qpart N       copy Qwen2.5-Coder-0.5B Q4_K_M (real weights) part N (0..13,
+#   qpart N       copy Qwen2.5-Coder-0.5B Q4_K_M (real weights) part N (0..14,
 #                 staged by `stage-coder`); `spec` with CODE_MODEL= and
 #                 SMALL_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 #   wpart N       copy Whisper part N (0, 1); `whisper` takes the last one
@@ -143,7 +143,7 @@ if [[ $step == stage-base ]]; then # here: COMMIT's daemon, built in a worktree,
   MLXBC_BLAS=reference CARGO_TARGET_DIR=$PWD/target/gpu cargo build --release --bins --quiet
   ls -la .dev/rs-old; exit 0
 fi
-if [[ $step == stage-coder ]]; then # here: Qwen2.5-Coder-0.5B Q4_K_M (real weights, 469 MiB) in 14 parts
+if [[ $step == stage-coder ]]; then # here: Qwen2.5-Coder-0.5B Q4_K_M (real weights, 469 MiB) in 15 parts of 32 MiB
   set -e
   out=.dev/rs; rm -rf "$out"/q*; fx=${MLXBC_TEST_FIXTURES:-$PWD/target/test-fixtures}
   split -b 32M -d -a 2 "$fx/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" "$out/coder."
